@@ -303,6 +303,17 @@ def build_one(name, spec, out_dir, verbose=False):
     np.save(os.path.join(d, "logits.npy"), logits.numpy().astype(np.float32))
     np.savez(os.path.join(d, "indexer_topk.npz"), **rec.topk)
 
+    # How much DSA matters: the same model with every indexer selecting all keys (dense MLA).
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+    idx_mods = [m for m in model.modules() if isinstance(m, hf.GlmMoeDsaIndexer)]
+    saved_k = [m.index_topk for m in idx_mods]
+    for m in idx_mods:
+        m.index_topk = 10**9
+    dense_diff = (_forward(model, input_ids) - logits).abs().max().item()
+    for m, k in zip(idx_mods, saved_k):
+        m.index_topk = k
+
     # Sanity: the saved checkpoint reproduces the logits.
     re = GlmMoeDsaForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
     for mod in re.modules():
@@ -347,6 +358,7 @@ def build_one(name, spec, out_dir, verbose=False):
         min_router_expert_gap=None if not rec.expert_gaps else min(rec.expert_gaps),
         logits_std=float(logits.std()),
         reload_max_abs_diff=reload_diff,
+        dense_attention_logits_max_abs_diff=dense_diff,
         suggested_tolerance=dict(atol=1e-4, rtol=1e-4),
         num_params=int(sum(p.numel() for p in model.parameters())),
         torch_version=torch.__version__,
@@ -361,7 +373,7 @@ def build_one(name, spec, out_dir, verbose=False):
     print(
         f"[{name}] seed={seed} T={spec['seq_len']} params={meta['num_params']} size={size} B "
         f"index_gap={meta['min_indexer_topk_gap']} router_gaps=({meta['min_router_group_gap']}, "
-        f"{meta['min_router_expert_gap']}) logits_std={meta['logits_std']:.4f} reload_diff={reload_diff:.1e}",
+        f"{meta['min_router_expert_gap']}) logits_std={meta['logits_std']:.4f} dsa_vs_dense={dense_diff:.3g} reload_diff={reload_diff:.1e}",
         flush=True,
     )
     assert size < 1_000_000, f"{name} fixture too large: {size}"
