@@ -1,0 +1,116 @@
+"""The DSA lightning indexer, its exact token top-k, and the indexer training losses.
+
+Score I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s] * Di^-0.5) with w = weights_proj(x) * Hi^-0.5,
+q_I = wq_b(q_latent), k_I = LayerNorm(wk(x)); interleaved RoPE on the first qk_rope dims of both.
+The Di^-0.5 scale is folded into q_I (exact: ReLU(c z) = c ReLU(z) for c > 0).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.layers.common import Dense, LayerNorm, dtype_of
+from glm5_jax.layers.rope import apply_rope
+from pallas_kernels import reference as ref
+
+
+class Indexer(nn.Module):
+    cfg: "ModelConfig"  # noqa: F821
+
+    @nn.compact
+    def __call__(self, x, q_latent, cos, sin):
+        """x [B, T, D] (attention input), q_latent [B, T, q_lora] ->
+        (q_idx [B, T, Hi, Di] pre-scaled, k_idx [B, T, Di], weights [B, T, Hi] float32)."""
+        c = self.cfg
+        b, t, _ = x.shape
+        hi, di, r = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+        kw = dict(stddev=c.initializer_range, dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype))
+        q = Dense(hi * di, ("q_lora", "index_heads"), name="wq_b", **kw)(q_latent).reshape(b, t, hi, di)
+        k = LayerNorm(1e-6, dtype_of(c.param_dtype), name="k_norm")(Dense(di, ("embed", "index_dim"), name="wk", **kw)(x))
+        q = jnp.concatenate([apply_rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+        k = jnp.concatenate([apply_rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
+        # weights_proj stays float32 (the reference keeps it in fp32).
+        w = Dense(hi, ("embed", "index_heads_w"), name="weights_proj", stddev=c.initializer_range,
+                  dtype=jnp.float32, param_dtype=jnp.float32)(x.astype(jnp.float32))
+        return q * (di ** -0.5), k, w * (hi ** -0.5)
+
+
+def select_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: str = "xla", chunk: int = 256):
+    """Exact top-k key indices per query, int32 [B, T, topk], -1 where fewer keys are visible."""
+    if impl == "pallas":
+        from pallas_kernels import dsa
+        if segment_ids is not None:
+            raise ValueError("attention_impl='pallas' does not take packed segment_ids; use 'xla' for packed batches")
+        return dsa.indexer_topk(q_idx, k_idx, weights, topk)
+    return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk)
+
+
+def _kl(p, log_q, valid):
+    """sum_s p (log p - log q) over valid entries; p already normalised."""
+    terms = jnp.where(valid & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0)
+    return jnp.sum(terms, axis=-1)
+
+
+def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_ids=None, chunk: int = 256):
+    """Dense warm-up loss: KL(p_t || softmax(I_t)) over all visible keys, mean over queries, where
+    p_t is the main attention distribution summed over heads and L1-normalised (a fixed target).
+    Also returns the indexer's recall of the true top-k keys of p_t.
+
+    q [B, T, H, Dq], k [B, S, H, Dq] (main attention, expanded), q_idx/k_idx/weights as select_topk.
+    """
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    tc = ref._pick_chunk(t, chunk)
+    kk = min(topk, s)
+
+    def one_chunk(i):
+        t0 = i * tc
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, tc, axis=1)
+        seg_q = None if segment_ids is None else sl(segment_ids)
+        mask = ref.visible_mask(t0, tc, s, t, True, seg_q, segment_ids)
+        logits = jnp.einsum("bthd,bshd->bhts", sl(q), k).astype(jnp.float32) * scale
+        probs = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+        p = jnp.sum(probs, axis=1)
+        p = jax.lax.stop_gradient(p / jnp.sum(p, axis=-1, keepdims=True))
+        scores = jnp.where(mask, ref.index_scores(sl(q_idx), k_idx, sl(weights)), -jnp.inf)
+        log_q = jax.nn.log_softmax(scores, axis=-1)
+        kl = _kl(p, log_q, mask)
+        # recall: fraction of the true top-k (by p) that the indexer's top-k also holds
+        _, true_top = jax.lax.top_k(jnp.where(mask, p, -1.0), kk)
+        _, idx_top = jax.lax.top_k(jax.lax.stop_gradient(scores), kk)
+        n_vis = jnp.minimum(jnp.sum(mask, axis=-1), kk)                       # [B, tc]
+        slot_ok = jnp.arange(kk) < n_vis[..., None]
+        hit = jnp.any(true_top[..., :, None] == jnp.where(slot_ok, idx_top, -2)[..., None, :], axis=-1)
+        recall = jnp.sum(hit & slot_ok, axis=-1) / n_vis
+        return kl, recall
+
+    kl, recall = jax.lax.map(one_chunk, jnp.arange(t // tc))
+    return jnp.mean(kl), jnp.mean(recall)
+
+
+def indexer_kl_sparse(q, k, scale, q_idx, k_idx, weights, indices, *, chunk: int = 256):
+    """Sparse-stage loss: the same KL restricted to each query's selected keys `indices` [B, T, K]."""
+    b, t = q.shape[:2]
+    tc = ref._pick_chunk(t, chunk)
+    gather = jax.vmap(lambda xb, ib: xb[ib])
+
+    def one_chunk(i):
+        t0 = i * tc
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, tc, axis=1)
+        idx = sl(indices)
+        valid = idx >= 0
+        safe = jnp.where(valid, idx, 0)
+        kc = gather(k, safe)                                                    # [B, tc, K, H, D]
+        logits = jnp.einsum("bthd,btkhd->bhtk", sl(q), kc).astype(jnp.float32) * scale
+        probs = jax.nn.softmax(jnp.where(valid[:, None], logits, -jnp.inf), axis=-1)
+        p = jnp.sum(probs, axis=1)
+        p = jax.lax.stop_gradient(p / jnp.sum(p, axis=-1, keepdims=True))
+        ki = gather(k_idx, safe)                                                # [B, tc, K, Di]
+        dots = jax.nn.relu(jnp.einsum("bthd,btkd->bthk", sl(q_idx).astype(jnp.float32), ki.astype(jnp.float32)))
+        scores = jnp.einsum("bth,bthk->btk", sl(weights), dots)
+        log_q = jax.nn.log_softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
+        return _kl(p, log_q, valid)
+
+    return jnp.mean(jax.lax.map(one_chunk, jnp.arange(t // tc)))

@@ -1,0 +1,28 @@
+"""Multi-head / grouped-query attention with interleaved RoPE on the whole head."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from glm5_jax.attention.core import causal_attention
+from glm5_jax.layers.common import Dense, constrain, dtype_of
+from glm5_jax.layers.rope import apply_rope
+
+
+class GQAttention(nn.Module):
+    cfg: "ModelConfig"  # noqa: F821
+
+    @nn.compact
+    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None):
+        c = self.cfg
+        b, t, _ = x.shape
+        kw = dict(stddev=c.initializer_range, dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype))
+        q = Dense(c.num_heads * c.head_dim, ("embed", "heads"), name="q_proj", **kw)(x).reshape(b, t, c.num_heads, c.head_dim)
+        k = Dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), name="k_proj", **kw)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = Dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), name="v_proj", **kw)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
+        out = causal_attention(q, k, v, scale=c.head_dim ** -0.5, segment_ids=segment_ids, chunk=c.attn_chunk)
+        out = Dense(x.shape[-1], ("heads", "embed"), name="o_proj", **kw)(out.reshape(b, t, -1))
+        return out, None

@@ -1,0 +1,319 @@
+"""ModelConfig: one frozen dataclass for every GLM-5 variant, its presets and HF config interop.
+
+A variant is a field, never a model name: `attention` picks mha | gqa | mla | dsa (dsa = MLA plus
+the lightning indexer), `num_experts == 0` makes every layer dense, `mtp_depth == 0` drops MTP.
+`validate()` runs in `__post_init__`, so an inconsistent config fails before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+ATTENTION_KINDS = ("mha", "gqa", "mla", "dsa")
+INDEXER_TYPES = ("full", "shared")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("xla", "pallas")
+MOE_IMPLS = ("ragged", "dense")
+ROPE_SCALING_TYPES = ("linear",)
+
+
+class ConfigError(ValueError):
+    """A config field has a value that is not allowed; the message names field, value and rule."""
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    # Trunk.
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 3
+    ffn_dim: int = 128                    # dense SwiGLU width (HF intermediate_size)
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    initializer_range: float = 0.02
+    # Attention.
+    attention: str = "dsa"                # mha | gqa | mla | dsa
+    num_heads: int = 4
+    num_kv_heads: int = 4                 # gqa/mha only
+    head_dim: int = 16                    # gqa/mha only
+    q_lora_rank: int = 32                 # mla/dsa
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    # DSA lightning indexer.
+    index_topk: int = 16
+    index_n_heads: int = 4
+    index_head_dim: int = 16
+    indexer_types: tuple[str, ...] | None = None   # per layer full | shared; None = all full
+    # MoE (num_experts == 0: dense everywhere).
+    num_experts: int = 4
+    num_shared_experts: int = 1
+    experts_per_tok: int = 2
+    moe_ffn_dim: int = 32
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    first_k_dense: int = 1                # leading layers with a dense MLP
+    moe_impl: str = "ragged"              # ragged (sorted dispatch, dropless) | dense (all experts)
+    # Multi-token prediction.
+    mtp_depth: int = 1
+    mtp_share: bool = True                # one MTP layer reused at every depth (GLM-5)
+    # RoPE.
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None   # e.g. (("type", "linear"), ("factor", 4.0))
+    # Numerics / implementation.
+    param_dtype: str = "float32"
+    dtype: str = "float32"                # compute dtype; softmax, router and norms stay float32
+    attention_impl: str = "xla"           # xla | pallas (DSA kernels)
+    attn_chunk: int = 256                 # query chunk for attention paths (bounds [chunk, S] memory)
+
+    def __post_init__(self):
+        if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
+            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        self.validate()
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def is_mla(self) -> bool:
+        return self.attention in ("mla", "dsa")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def layer_indexer_types(self) -> tuple[str, ...]:
+        if self.attention != "dsa":
+            return ()
+        return self.indexer_types or ("full",) * self.num_layers
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i >= self.first_k_dense
+
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling or ())
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> None:
+        positive = ["vocab_size", "d_model", "num_layers", "ffn_dim", "num_heads", "attn_chunk"]
+        if self.is_mla:
+            positive += ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+        else:
+            positive += ["num_kv_heads", "head_dim"]
+        if self.attention == "dsa":
+            positive += ["index_n_heads", "index_head_dim"]
+        if self.num_experts > 0:
+            positive += ["moe_ffn_dim", "experts_per_tok", "n_group", "topk_group"]
+        for f in positive:
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(f, v, "must be an integer >= 1")
+        if self.attention not in ATTENTION_KINDS:
+            _fail("attention", self.attention, f"allowed: {', '.join(ATTENTION_KINDS)}")
+        for f, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES),
+                           ("attention_impl", ATTENTION_IMPLS), ("moe_impl", MOE_IMPLS)):
+            if getattr(self, f) not in allowed:
+                _fail(f, getattr(self, f), f"allowed: {', '.join(allowed)}")
+        if self.rms_norm_eps <= 0:
+            _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.rope_theta <= 0:
+            _fail("rope_theta", self.rope_theta, "must be > 0")
+        if self.attention == "mha" and self.num_kv_heads != self.num_heads:
+            _fail("num_kv_heads", self.num_kv_heads, f"mha needs num_kv_heads == num_heads ({self.num_heads}); use attention='gqa'")
+        if self.attention == "gqa" and self.num_heads % self.num_kv_heads:
+            _fail("num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+        rope_dim = self.qk_rope_head_dim if self.is_mla else self.head_dim
+        rope_field = "qk_rope_head_dim" if self.is_mla else "head_dim"
+        if rope_dim % 2:
+            _fail(rope_field, rope_dim, "RoPE rotates pairs, so the rope dim must be even")
+        if self.attention == "dsa":
+            if self.qk_rope_head_dim > self.index_head_dim:
+                _fail("qk_rope_head_dim", self.qk_rope_head_dim,
+                      f"the indexer applies RoPE to its first qk_rope_head_dim dims, so it must be <= index_head_dim={self.index_head_dim}")
+            if not isinstance(self.index_topk, int) or self.index_topk < 1:
+                _fail("index_topk", self.index_topk, "must be an integer >= 1")
+            types = self.layer_indexer_types
+            if len(types) != self.num_layers:
+                _fail("indexer_types", self.indexer_types, f"needs one entry per layer (num_layers={self.num_layers})")
+            for i, t in enumerate(types):
+                if t not in INDEXER_TYPES:
+                    _fail("indexer_types", self.indexer_types, f"entry {i} is {t!r}; allowed: full, shared")
+            if types[0] != "full":
+                _fail("indexer_types", self.indexer_types, "layer 0 is 'shared' but a shared layer reuses the previous full layer's indices, so layer 0 must be 'full'")
+        elif self.indexer_types is not None:
+            _fail("indexer_types", self.indexer_types, f"only meaningful with attention='dsa' (got attention={self.attention!r}); set it to None")
+        if self.num_experts < 0:
+            _fail("num_experts", self.num_experts, "must be >= 0 (0 = dense MLP in every layer)")
+        if self.num_experts > 0:
+            if self.experts_per_tok > self.num_experts:
+                _fail("experts_per_tok", self.experts_per_tok, f"must be <= num_experts={self.num_experts}")
+            if self.num_experts % self.n_group:
+                _fail("n_group", self.n_group, f"must divide num_experts={self.num_experts}")
+            if self.topk_group > self.n_group:
+                _fail("topk_group", self.topk_group, f"must be <= n_group={self.n_group}")
+            per_group = self.num_experts // self.n_group
+            if self.n_group > 1 and per_group < 2:
+                _fail("n_group", self.n_group, "group scores sum each group's top-2 experts, so every group needs >= 2 experts")
+            if self.experts_per_tok > self.topk_group * per_group:
+                _fail("experts_per_tok", self.experts_per_tok,
+                      f"must be <= topk_group * experts per group = {self.topk_group * per_group}")
+            if self.num_shared_experts < 0:
+                _fail("num_shared_experts", self.num_shared_experts, "must be >= 0")
+            if self.routed_scaling_factor <= 0:
+                _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+        if not 0 <= self.first_k_dense <= self.num_layers:
+            _fail("first_k_dense", self.first_k_dense, f"must be in [0, num_layers={self.num_layers}]")
+        if self.mtp_depth < 0:
+            _fail("mtp_depth", self.mtp_depth, "must be >= 0 (0 = no MTP)")
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling_dict
+            if rs.get("type") not in ROPE_SCALING_TYPES:
+                _fail("rope_scaling", rs, f"'type' must be one of {ROPE_SCALING_TYPES}")
+            if not float(rs.get("factor", 0)) > 0:
+                _fail("rope_scaling", rs, "'factor' must be > 0")
+
+    # ----------------------------------------------------------------- HF interop
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike | Mapping[str, Any], **overrides) -> "ModelConfig":
+        """From a HF `config.json` (path to the file or its folder) or its dict (model_type glm_moe_dsa)."""
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"no HF config at {path}")
+            with open(path) as f:
+                hf = json.load(f)
+        else:
+            hf = dict(source)
+        mt = hf.get("model_type", "glm_moe_dsa")
+        if mt not in ("glm_moe_dsa", "glm5_jax"):
+            raise ConfigError(f"config.json model_type={mt!r} is not supported; expected 'glm_moe_dsa'")
+        rope = hf.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", "default")
+        scaling = None
+        if rope_type == "linear":
+            scaling = (("factor", float(rope["factor"])), ("type", "linear"))
+        elif rope_type != "default":
+            raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported; allowed: default, linear")
+        n_layers = hf["num_hidden_layers"]
+        first_dense = hf.get("first_k_dense_replace", 3)
+        mlp_types = hf.get("mlp_layer_types")
+        if mlp_types is not None:
+            n_dense = sum(1 for t in mlp_types if t == "dense")
+            if list(mlp_types) != ["dense"] * n_dense + ["sparse"] * (len(mlp_types) - n_dense):
+                raise ConfigError(f"mlp_layer_types={mlp_types} is not supported: dense layers must all lead")
+            first_dense = n_dense
+        attention = hf.get("glm5_jax_attention", "dsa")
+        kw = dict(
+            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=n_layers,
+            ffn_dim=hf["intermediate_size"], rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=hf.get("initializer_range", 0.02),
+            attention=attention, num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            head_dim=hf.get("glm5_jax_head_dim", 16),
+            q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"], index_topk=hf.get("index_topk", 2048),
+            index_n_heads=hf.get("index_n_heads", 32), index_head_dim=hf.get("index_head_dim", 128),
+            indexer_types=tuple(hf["indexer_types"]) if (hf.get("indexer_types") and attention == "dsa") else None,
+            num_experts=hf.get("n_routed_experts", 0), num_shared_experts=hf.get("n_shared_experts", 0),
+            experts_per_tok=hf.get("num_experts_per_tok", 1), moe_ffn_dim=hf.get("moe_intermediate_size", 1),
+            n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+            routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)), first_k_dense=first_dense,
+            mtp_depth=hf.get("num_nextn_predict_layers", 0), mtp_share=bool(hf.get("glm5_jax_mtp_share", True)),
+            rope_theta=float(theta), rope_scaling=scaling,
+        )
+        if attention in ("mha", "gqa"):
+            kw.update(indexer_types=None)
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        """The HF `config.json` dict (model_type glm_moe_dsa). Non-HF variants keep glm5_jax_* keys."""
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {"rope_type": "linear", "rope_theta": self.rope_theta, "factor": self.rope_scaling_dict["factor"]}
+        hf = {
+            "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+            "vocab_size": self.vocab_size, "hidden_size": self.d_model, "num_hidden_layers": self.num_layers,
+            "intermediate_size": self.ffn_dim, "moe_intermediate_size": self.moe_ffn_dim,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads if not self.is_mla else self.num_heads,
+            "n_shared_experts": self.num_shared_experts, "n_routed_experts": self.num_experts,
+            "routed_scaling_factor": self.routed_scaling_factor, "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim, "qk_nope_head_dim": self.qk_nope_head_dim,
+            "n_group": self.n_group, "topk_group": self.topk_group,
+            "num_experts_per_tok": self.experts_per_tok, "norm_topk_prob": self.norm_topk_prob,
+            "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
+            "index_topk": self.index_topk, "index_head_dim": self.index_head_dim,
+            "index_n_heads": self.index_n_heads, "first_k_dense_replace": self.first_k_dense,
+            "mlp_layer_types": ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_layers)],
+            "tie_word_embeddings": self.tie_embeddings, "initializer_range": self.initializer_range,
+            "num_nextn_predict_layers": self.mtp_depth if not self.mtp_share else min(self.mtp_depth, 1),
+            "attention_bias": False, "torch_dtype": self.param_dtype,
+        }
+        if self.attention == "dsa":
+            hf["indexer_types"] = list(self.layer_indexer_types)
+        if self.attention != "dsa":
+            hf["glm5_jax_attention"] = self.attention
+            hf["glm5_jax_head_dim"] = self.head_dim
+        if self.mtp_depth:
+            hf["glm5_jax_mtp_share"] = self.mtp_share
+            hf["glm5_jax_mtp_depth"] = self.mtp_depth
+        return hf
+
+
+# ----------------------------------------------------------------------------- presets
+def _tiny() -> ModelConfig:
+    return ModelConfig()
+
+
+def _small() -> ModelConfig:
+    # ~0.2B total parameters, one accelerator.
+    return ModelConfig(
+        vocab_size=32768, d_model=768, num_layers=12, ffn_dim=2048, attention="dsa", num_heads=12,
+        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        index_topk=512, index_n_heads=4, index_head_dim=64, num_experts=16, num_shared_experts=1,
+        experts_per_tok=2, moe_ffn_dim=512, first_k_dense=1, mtp_depth=1, rope_theta=10000.0,
+        param_dtype="float32", dtype="bfloat16", attn_chunk=512)
+
+
+def _glm5() -> ModelConfig:
+    # zai-org/GLM-5 as released (HF GlmMoeDsaConfig defaults + rope theta 1e6).
+    return ModelConfig(
+        vocab_size=154880, d_model=6144, num_layers=78, ffn_dim=12288, attention="dsa", num_heads=64,
+        num_kv_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, index_topk=2048, index_n_heads=32, index_head_dim=128, num_experts=256,
+        num_shared_experts=1, experts_per_tok=8, moe_ffn_dim=2048, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense=3, mtp_depth=3, mtp_share=True,
+        rope_theta=1e6, param_dtype="bfloat16", dtype="bfloat16", attn_chunk=1024)
+
+
+PRESETS = {"tiny": _tiny, "small": _small, "glm5": _glm5}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    cfg = PRESETS[name]()
+    return cfg.replace(**overrides) if overrides else cfg

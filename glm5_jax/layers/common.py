@@ -1,0 +1,72 @@
+"""Shared building blocks: dtypes, initialisers with logical axis names, RMSNorm, LayerNorm, Dense."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str):
+    return DTYPES[name]
+
+
+def init_normal(stddev: float, axes: Sequence[str | None]):
+    """A normal initialiser whose parameter carries logical axis names (for sharding rules)."""
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev), tuple(axes))
+
+
+def constrain(x, axes: Sequence[str | None]):
+    """Logical sharding constraint on an activation; a no-op outside a mesh with axis rules."""
+    return nn.with_logical_constraint(x, tuple(axes))
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) computed in float32, cast back, times a learnt scale (HF order)."""
+    eps: float = 1e-5
+    param_dtype: jnp.dtype = jnp.float32
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                           (x.shape[-1],), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Standard LayerNorm (mean and variance) with scale and bias; the indexer's key norm."""
+    eps: float = 1e-6
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+class Dense(nn.Module):
+    """Bias-free linear layer, kernel [in, out] with logical axes (in_axis, out_axis)."""
+    features: int
+    axes: tuple[str | None, str | None]
+    stddev: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", init_normal(self.stddev, self.axes), (x.shape[-1], self.features),
+                            self.param_dtype)
+        return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))

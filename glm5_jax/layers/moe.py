@@ -1,0 +1,121 @@
+"""Mixture of experts: sigmoid router with selection-only correction bias, group-limited top-k,
+renormalised pre-bias weights times routed_scaling_factor, shared experts, dropless dispatch."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.layers.common import constrain, init_normal
+from glm5_jax.layers.mlp import SwiGLU
+
+
+def route(x, router_kernel, bias, *, experts_per_tok: int, n_group: int, topk_group: int,
+          norm_topk_prob: bool, routed_scaling_factor: float):
+    """x [N, D] -> (weights [N, k] float32, expert ids [N, k] int32, scores [N, E]).
+
+    The bias only decides which experts are chosen; the weights come from the pre-bias sigmoid scores.
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias.astype(jnp.float32)
+    n, e = choice.shape
+    if n_group > 1:
+        grouped = choice.reshape(n, n_group, e // n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)            # [N, G]
+        _, top_groups = jax.lax.top_k(group_scores, topk_group)                   # [N, topk_group]
+        group_keep = jnp.any(top_groups[..., None] == jnp.arange(n_group), axis=1)  # [N, G]
+        keep = jnp.repeat(group_keep, e // n_group, axis=1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.astype(jnp.int32), scores
+
+
+def _swiglu_experts(xs, gate, up, down, dot):
+    return dot(jax.nn.silu(dot(xs, gate)) * dot(xs, up), down)
+
+
+class Router(nn.Module):
+    """Holds the router kernel [D, E] (float32) and the selection bias; returns route()'s output."""
+    num_experts: int
+    cfg: dict
+    stddev: float = 0.02
+
+    @nn.compact
+    def __call__(self, x):
+        e = self.num_experts
+        kernel = self.param("kernel", init_normal(self.stddev, ("embed", "experts_router")), (x.shape[-1], e),
+                            jnp.float32)
+        # Updated by the train step from expert load (aux-loss-free balancing), never by gradients.
+        bias = self.param("e_score_correction_bias",
+                          nn.with_logical_partitioning(nn.initializers.zeros, ("experts_router",)), (e,), jnp.float32)
+        return route(x, kernel, jax.lax.stop_gradient(bias), **self.cfg)
+
+
+class Experts(nn.Module):
+    """Routed expert weights [E, D, F] / [E, F, D] and the dropless token dispatch."""
+    num_experts: int
+    moe_ffn_dim: int
+    impl: str = "ragged"
+    stddev: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, weights, ids):
+        """x [N, D], weights/ids [N, k] -> [N, D]."""
+        (n, d), e, f = x.shape, self.num_experts, self.moe_ffn_dim
+        shapes = {"gate_proj": ((e, d, f), ("experts", "embed", "expert_mlp")),
+                  "up_proj": ((e, d, f), ("experts", "embed", "expert_mlp")),
+                  "down_proj": ((e, f, d), ("experts", "expert_mlp", "embed"))}
+        gate, up, down = (self.param(name, init_normal(self.stddev, axes), shape, self.param_dtype).astype(self.dtype)
+                          for name, (shape, axes) in shapes.items())
+        if self.impl == "dense":   # every expert on every token: the simple reference, shards trivially
+            combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
+            h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)
+            return jnp.einsum("enf,efd,ne->nd", h, down, combine.astype(self.dtype))
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)                 # token slots grouped by expert
+        xs = x[order // k]
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes)
+        ys = _swiglu_experts(xs, gate, up, down, dot)
+        ys = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, d)
+        return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
+
+
+class MoE(nn.Module):
+    num_experts: int
+    experts_per_tok: int
+    moe_ffn_dim: int
+    num_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    impl: str = "ragged"
+    stddev: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        xf = x.reshape(b * t, d).astype(self.dtype)
+        router_cfg = dict(experts_per_tok=self.experts_per_tok, n_group=self.n_group,
+                          topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                          routed_scaling_factor=self.routed_scaling_factor)
+        weights, ids, _ = Router(self.num_experts, router_cfg, self.stddev, name="router")(xf)
+        self.sow("intermediates", "expert_load", jnp.bincount(ids.reshape(-1), length=self.num_experts))
+        out = Experts(self.num_experts, self.moe_ffn_dim, self.impl, self.stddev, self.dtype, self.param_dtype,
+                      name="experts")(xf, weights, ids)
+        out = constrain(out.reshape(b, t, d).astype(x.dtype), ("activation_batch", "activation_seq", "activation_embed"))
+        if self.num_shared_experts:
+            out = out + SwiGLU(self.moe_ffn_dim * self.num_shared_experts, self.stddev, self.dtype,
+                               self.param_dtype, name="shared_experts")(x)
+        return out
