@@ -1,0 +1,550 @@
+"""Pallas kernels for DeepSeek Sparse Attention (DSA): lightning-indexer top-k and sparse attention.
+
+Conventions are those of `pallas_kernels.reference` (read its docstring): bottom-right causal
+alignment (query t of T sees key s of S iff s <= t + S - T), -1 for empty top-k slots, top-k ties
+broken towards the lower key index (the order of `jax.lax.top_k`: values descending, equal values by
+ascending key index), attention rows without a valid index return zeros.
+
+indexer_topk (block-then-token)
+-------------------------------
+Score I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s]) in float32. Callers fold every scale into the
+inputs (the softmax scale Di^-0.5 into q_idx, the head scale Hi^-0.5 into `weights`), as for the
+reference.
+
+  1. Block bound (Pallas, grid (B, T/bq)): for each key block the box [kmin, kmax] (per-dimension
+     min/max of its keys) gives, per query head, upper/lower bounds of q.k:
+         hi = q+ . kmax + q- . kmin,   lo = q+ . kmin + q- . kmax      (q+ = max(q, 0), q- = min(q, 0))
+     and since relu is monotone,  I[t, s] <= sum_j (w_j >= 0 ? w_j relu(hi_j) : w_j relu(lo_j)).
+     The kernel reduces this to UB[b, query block, key block] (max over the block's queries; -inf
+     where the key block is causally invisible to the whole query block). Two small matmuls per
+     head; only a [B, T/bq, S/bk] array is written.
+  2. Threshold probe (Pallas token-scoring kernel): score the ceil(topk/bk) key blocks with the
+     highest UB exactly; the k-th best visible probe score of each query is a lower bound tau_t
+     of its true k-th best score (-inf when the probe sees fewer than topk visible keys), and
+     tau = min over the query block.
+  3. A key block survives iff UB >= tau (with a small relative slack against rounding); no key of
+     a discarded block can enter the top-k, ties included. The survivors form a per-query-block
+     block table, sorted by block index.
+  4. Token pass (same Pallas scoring kernel, block table scalar-prefetched, `round_blocks` table
+     entries per call) scores tokens only inside surviving blocks, in rounds of `round_blocks`
+     blocks (a `lax.while_loop` whose trip count is the largest survivor count / round_blocks).
+     After each round the running top-k is merged with the round's scores by `lax.top_k` over
+     [running, round]: since rounds visit blocks in ascending index and `lax.top_k` is stable,
+     equal scores are kept in ascending key order, which is exactly the reference's tie-break.
+No [T, S] array is written: the largest intermediate is [B, T, topk + round_blocks * bk].
+
+mode="approx": keep the `approx_blocks` key blocks with the highest UB per query block (the block
+summary), then the exact top-k among their tokens (one round, no threshold): fewer FLOPs, recall
+below 1 (measured in tools/bench_dsa.py).
+
+sparse_attention
+----------------
+Forward kernel (grid (B, T/bq)): for each query block, a `fori_loop` over chunks of `kc` selected
+indices gathers the K/V rows of each query (in-kernel gather from the batch's K/V block), online
+softmax in float32, writes O and the log-sum-exp L. Backward = two steps joined by custom_vjp:
+  * a Pallas kernel (grid (B, T/bq)) recomputes P = exp(S - L) chunk by chunk from the saved L,
+    computes dP = dO . V_sel, dS = P (dP - delta) with delta = rowsum(dO * O), accumulates dq in
+    VMEM, and writes the per-(query, head, slot) P and scale*dS ([B, T, H, K], linear in T);
+  * dk / dv are scatter-adds (atomic-free): XLA segment-sums the per-query contributions
+    dv[s] += P[t,h,slot] dO[t,h], dk[s] += scale dS[t,h,slot] q[t,h] chunk by chunk over queries,
+    so no [T, K, D] tensor is materialised. (A Pallas dk/dv kernel would need the transposed index
+    lists, key -> queries; left as future work.)
+
+Lowering: the kernels use only BlockSpecs, scalar-prefetched block tables (PrefetchScalarGridSpec)
+and 2-D/batched dots, written for Mosaic TPU. Only interpret mode is verified here (CPU); see
+BUILD_NOTES.md for what happens when lowering without interpret.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+NEG_INF = float("-inf")
+_F32 = jnp.float32
+
+
+def _interpret(interpret):
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _dot_t(a, b):
+    """a [m, d] @ b[n, d]^T -> [m, n] in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+# ----------------------------------------------------------------------------------------------
+# indexer: block bound kernel
+# ----------------------------------------------------------------------------------------------
+
+def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, ub_ref, *, n_heads, bq, bk, t_total, s_total,
+                  causal):
+    i = pl.program_id(1)
+    kmax = kmax_ref[0].astype(_F32)  # [nk, Di]
+    kmin = kmin_ref[0].astype(_F32)
+    w = w_ref[0].astype(_F32)  # [bq, Hi]
+    nk = kmax.shape[0]
+    acc = jnp.zeros((bq, nk), _F32)
+    for j in range(n_heads):
+        qj = q_ref[0, :, j, :].astype(_F32)  # [bq, Di]
+        qp = jnp.maximum(qj, 0.0)
+        qn = jnp.minimum(qj, 0.0)
+        hi = _dot_t(qp, kmax) + _dot_t(qn, kmin)
+        lo = _dot_t(qp, kmin) + _dot_t(qn, kmax)
+        wj = w[:, j:j + 1]
+        acc = acc + jnp.where(wj >= 0, wj * jnp.maximum(hi, 0.0), wj * jnp.maximum(lo, 0.0))
+    t = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, nk), 0)
+    kb0 = jax.lax.broadcasted_iota(jnp.int32, (bq, nk), 1) * bk
+    vis = t < t_total
+    if causal:
+        vis = vis & (kb0 <= t + (s_total - t_total))
+    acc = jnp.where(vis, acc, NEG_INF)
+    ub_ref[0, 0] = jnp.max(acc, axis=0, keepdims=True)
+
+
+def _block_bounds(qp, wp, kmax, kmin, *, bq, bk, t_total, s_total, causal, interpret):
+    b, tp, hi, di = qp.shape
+    nq, nk = tp // bq, kmax.shape[1]
+    kern = functools.partial(_bound_kernel, n_heads=hi, bq=bq, bk=bk, t_total=t_total,
+                             s_total=s_total, causal=causal)
+    ub = pl.pallas_call(
+        kern,
+        out_shape=jax.ShapeDtypeStruct((b, nq, 1, nk), _F32),
+        grid=(b, nq),
+        in_specs=[
+            pl.BlockSpec((1, bq, hi, di), lambda bi, i: (bi, i, 0, 0)),
+            pl.BlockSpec((1, bq, hi), lambda bi, i: (bi, i, 0)),
+            pl.BlockSpec((1, nk, di), lambda bi, i: (bi, 0, 0)),
+            pl.BlockSpec((1, nk, di), lambda bi, i: (bi, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((1, 1, 1, nk), lambda bi, i: (bi, i, 0, 0)),
+        interpret=interpret,
+    )(qp, wp, kmax, kmin)
+    return ub[:, :, 0, :]  # [B, nq, nk]
+
+
+# ----------------------------------------------------------------------------------------------
+# indexer: token scoring kernel over a scalar-prefetched block table
+# ----------------------------------------------------------------------------------------------
+
+def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, o_ref, *, n_heads, bq, bk,
+                  t_total, s_total, causal):
+    bi, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pos = off_ref[0] + c
+    kb = tbl_ref[bi, i, pos]
+    active = act_ref[bi, i, pos] > 0
+
+    @pl.when(active)
+    def _():
+        k = k_ref[0].astype(_F32)  # [bk, Di]
+        w = w_ref[0].astype(_F32)  # [bq, Hi]
+        acc = jnp.zeros((bq, bk), _F32)
+        for j in range(n_heads):
+            d = _dot_t(q_ref[0, :, j, :].astype(_F32), k)
+            acc = acc + w[:, j:j + 1] * jnp.maximum(d, 0.0)
+        t = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+        s = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+        vis = s < s_total
+        if causal:
+            vis = vis & (s <= t + (s_total - t_total))
+        o_ref[0] = jnp.where(vis, acc, NEG_INF)
+
+    @pl.when(jnp.logical_not(active))
+    def _():
+        o_ref[0] = jnp.full((bq, bk), NEG_INF, _F32)
+
+
+def _score_round(tbl, act, off, qp, wp, kp, n_blocks, *, bq, bk, t_total, s_total, causal,
+                 interpret):
+    """Scores of the n_blocks table entries starting at `off` -> ([B, Tp, n*bk], key idx)."""
+    b, tp, hi, di = qp.shape
+    nq = tp // bq
+    kern = functools.partial(_score_kernel, n_heads=hi, bq=bq, bk=bk, t_total=t_total,
+                             s_total=s_total, causal=causal)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(b, nq, n_blocks),
+        in_specs=[
+            pl.BlockSpec((1, bq, hi, di), lambda bi, i, c, t_, a_, o_: (bi, i, 0, 0)),
+            pl.BlockSpec((1, bq, hi), lambda bi, i, c, t_, a_, o_: (bi, i, 0)),
+            # inactive entries repeat the previous block id, so no new DMA is issued for them
+            pl.BlockSpec((1, bk, di), lambda bi, i, c, t_, a_, o_: (bi, t_[bi, i, o_[0] + c], 0)),
+        ],
+        out_specs=pl.BlockSpec((1, bq, bk), lambda bi, i, c, t_, a_, o_: (bi, i, c)),
+    )
+    off_arr = jnp.reshape(off, (1,)).astype(jnp.int32)
+    vals = pl.pallas_call(
+        kern,
+        out_shape=jax.ShapeDtypeStruct((b, tp, n_blocks * bk), _F32),
+        grid_spec=grid_spec,
+        interpret=interpret,
+    )(tbl, act, off_arr, qp, wp, kp)
+    blk = jax.lax.dynamic_slice_in_dim(tbl, off, n_blocks, axis=2)  # [B, nq, n]
+    idx = (blk[..., None] * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(b, nq, n_blocks * bk)
+    idx = jnp.repeat(idx, bq, axis=1)  # [B, Tp, n*bk]
+    return vals, idx
+
+
+def _merge_topk(run_v, run_i, new_v, new_i, topk):
+    cat_v = jnp.concatenate([run_v, new_v], axis=-1)
+    cat_i = jnp.concatenate([run_i, new_i], axis=-1)
+    vals, pos = jax.lax.top_k(cat_v, topk)
+    return vals, jnp.take_along_axis(cat_i, pos, axis=-1)
+
+
+def _table(order_key, sel, width):
+    """Per (b, query block): block ids with sel first (ascending order_key), inactive repeat the
+    last active id. Returns (tbl, act) int32 [B, nq, width]."""
+    nk = sel.shape[-1]
+    order = jnp.argsort(order_key, axis=-1, stable=True).astype(jnp.int32)[..., :width]
+    n_sel = jnp.sum(sel, axis=-1, dtype=jnp.int32)
+    pos = jnp.arange(width, dtype=jnp.int32)
+    act = pos < n_sel[..., None]
+    last = jnp.take_along_axis(order, jnp.maximum(n_sel - 1, 0)[..., None], axis=-1)
+    tbl = jnp.where(act, order, last)
+    del nk
+    return tbl, act.astype(jnp.int32), n_sel
+
+
+def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block_size: int = 128,
+                 query_block: int | None = None, round_blocks: int | None = None,
+                 interpret=None, mode: str = "exact", approx_blocks: int | None = None):
+    """Top-k keys per query by the lightning-indexer score (see module docstring).
+
+    q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk], -1 in slots
+    past the number of visible keys. mode="exact" returns exactly `reference.indexer_topk`'s result
+    (same set, same order, same tie-break) up to float rounding of the scores; mode="approx" keeps
+    the `approx_blocks` best key blocks per query block by the block bound (default
+    2 * ceil(topk / block_size)) and the exact top-k inside them.
+    """
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if mode not in ("exact", "approx"):
+        raise ValueError(f"mode must be 'exact' or 'approx', got {mode!r}")
+    interpret = _interpret(interpret)
+    b, t, hi, di = q_idx.shape
+    s = k_idx.shape[1]
+    bk = int(block_size)
+    bq = int(query_block or block_size)
+    bq = min(bq, _cdiv(t, 8) * 8)
+    tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
+    nq, nk = tp // bq, sp // bk
+    qp = jnp.pad(q_idx, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    wp = jnp.pad(weights, ((0, 0), (0, tp - t), (0, 0)))
+    kp = jnp.pad(k_idx, ((0, 0), (0, sp - s), (0, 0)))
+    kvalid = (jnp.arange(sp) < s)[None, :, None]
+    kf = kp.astype(_F32)
+    kmax = jnp.where(kvalid, kf, NEG_INF).reshape(b, nk, bk, di).max(axis=2)
+    kmin = jnp.where(kvalid, kf, -NEG_INF).reshape(b, nk, bk, di).min(axis=2)
+    common = dict(bq=bq, bk=bk, t_total=t, s_total=s, causal=causal, interpret=interpret)
+
+    # pass 1: per (query block, key block) upper bound of the score
+    ub = _block_bounds(qp, wp, kmax, kmin, **common)  # [B, nq, nk]
+    vis_blk = ub > NEG_INF
+    blk_ids = jnp.arange(nk, dtype=jnp.int32)
+
+    if mode == "approx":
+        n = min(nk, int(approx_blocks or 2 * _cdiv(topk, bk)))
+        best = jnp.argsort(-ub, axis=-1, stable=True)[..., :n]
+        sel = jnp.zeros(ub.shape, bool).at[
+            jnp.arange(b)[:, None, None], jnp.arange(nq)[None, :, None], best].set(True) & vis_blk
+        tbl, act, _ = _table(jnp.where(sel, blk_ids, nk + blk_ids), sel, n)
+        vals, idx = _score_round(tbl, act, jnp.int32(0), qp, wp, kp, n, **common)
+        if vals.shape[-1] < topk:
+            pad = topk - vals.shape[-1]
+            vals = jnp.pad(vals, ((0, 0), (0, 0), (0, pad)), constant_values=NEG_INF)
+            idx = jnp.pad(idx, ((0, 0), (0, 0), (0, pad)))
+        v, pos = jax.lax.top_k(vals, topk)
+        out = jnp.take_along_axis(idx, pos, axis=-1)
+        return jnp.where(v == NEG_INF, -1, out)[:, :t].astype(jnp.int32)
+
+    # pass 2a: threshold probe on the best-bounded blocks
+    n_probe = _cdiv(topk, bk)
+    if n_probe <= nk:
+        best = jnp.argsort(-ub, axis=-1, stable=True)[..., :n_probe].astype(jnp.int32)
+        pact = jnp.take_along_axis(vis_blk, best, axis=-1).astype(jnp.int32)
+        pv, _ = _score_round(best, pact, jnp.int32(0), qp, wp, kp, n_probe, **common)
+        tau_t = jax.lax.top_k(pv, topk)[0][..., -1]  # [B, Tp]; -inf if < topk visible
+        tau_t = jnp.where(jnp.arange(tp) < t, tau_t, -NEG_INF)
+        tau = tau_t.reshape(b, nq, bq).min(axis=-1)  # [B, nq]
+    else:
+        tau = jnp.full((b, nq), NEG_INF, _F32)
+    slack = 1e-4 * (jnp.abs(ub) + jnp.abs(tau)[..., None]) + 1e-30
+    surv = vis_blk & ((tau[..., None] == NEG_INF) | (ub + slack >= tau[..., None]))
+
+    # pass 2b: exact token scores inside surviving blocks, in rounds, merged by stable top-k
+    rb = int(round_blocks or max(1, _cdiv(2 * topk, bk)))
+    rb = min(rb, nk)
+    width = _cdiv(nk, rb) * rb
+    tbl, act, n_surv = _table(jnp.where(surv, blk_ids, nk + blk_ids), surv, nk)
+    tbl = jnp.pad(tbl, ((0, 0), (0, 0), (0, width - nk)), mode="edge")
+    act = jnp.pad(act, ((0, 0), (0, 0), (0, width - nk)))
+    n_rounds = _cdiv(jnp.max(n_surv), rb)
+
+    def body(carry):
+        r, run_v, run_i = carry
+        vals, idx = _score_round(tbl, act, r * rb, qp, wp, kp, rb, **common)
+        run_v, run_i = _merge_topk(run_v, run_i, vals, idx, topk)
+        return r + 1, run_v, run_i
+
+    init = (jnp.int32(0), jnp.full((b, tp, topk), NEG_INF, _F32),
+            jnp.zeros((b, tp, topk), jnp.int32))
+    _, run_v, run_i = jax.lax.while_loop(lambda c: c[0] < n_rounds, body, init)
+    return jnp.where(run_v == NEG_INF, -1, run_i)[:, :t].astype(jnp.int32)
+
+
+def indexer_block_stats(q_idx, k_idx, weights, topk, *, causal=True, block_size=128,
+                        interpret=None):
+    """Diagnostics for the benchmark: fraction of visible key blocks that survive the bound."""
+    b, t, hi, di = q_idx.shape
+    s = k_idx.shape[1]
+    bk = bq = min(block_size, _cdiv(t, 8) * 8)
+    tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
+    nk = sp // bk
+    qp = jnp.pad(q_idx, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    wp = jnp.pad(weights, ((0, 0), (0, tp - t), (0, 0)))
+    kf = jnp.pad(k_idx, ((0, 0), (0, sp - s), (0, 0))).astype(_F32)
+    kvalid = (jnp.arange(sp) < s)[None, :, None]
+    kmax = jnp.where(kvalid, kf, NEG_INF).reshape(b, nk, bk, di).max(axis=2)
+    kmin = jnp.where(kvalid, kf, -NEG_INF).reshape(b, nk, bk, di).min(axis=2)
+    ub = _block_bounds(qp, wp, kmax, kmin, bq=bq, bk=bk, t_total=t, s_total=s, causal=causal,
+                       interpret=_interpret(interpret))
+    return ub
+
+
+# ----------------------------------------------------------------------------------------------
+# sparse attention
+# ----------------------------------------------------------------------------------------------
+
+def _gather_rows(ref, ids):
+    """ref block [1, S, Hk, D], ids [bq, kc] (valid, >= 0) -> [bq, kc, Hk, D]."""
+    bq, kc = ids.shape
+    g = ref[0, ids.reshape(-1)]
+    return g.reshape(bq, kc, *g.shape[1:])
+
+
+def _logits(q, kg, hk):
+    # q [bq, H, D], kg [bq, kc, Hk, D] -> [bq, H, kc]
+    if hk == 1:
+        return jnp.einsum("qhd,qkd->qhk", q, kg[:, :, 0], preferred_element_type=_F32)
+    return jnp.einsum("qhd,qkhd->qhk", q, kg, preferred_element_type=_F32)
+
+
+def _pv(p, vg, hk):
+    # p [bq, H, kc], vg [bq, kc, Hk, Dv] -> [bq, H, Dv]
+    if hk == 1:
+        return jnp.einsum("qhk,qkd->qhd", p, vg[:, :, 0], preferred_element_type=_F32)
+    return jnp.einsum("qhk,qkhd->qhd", p, vg, preferred_element_type=_F32)
+
+
+def _attn_fwd_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, kc, n_chunks, hk):
+    q = q_ref[0]  # [bq, H, Dq]
+    bq, h, _ = q.shape
+    dv = v_ref.shape[-1]
+
+    def body(c, carry):
+        m, l, acc = carry
+        ids = idx_ref[0, :, pl.ds(c * kc, kc)]  # [bq, kc]
+        valid = ids >= 0
+        safe = jnp.where(valid, ids, 0)
+        kg = _gather_rows(k_ref, safe)
+        vg = _gather_rows(v_ref, safe)
+        s = _logits(q, kg, hk) * scale
+        s = jnp.where(valid[:, None, :], s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        l = alpha * l + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + _pv(p.astype(vg.dtype), vg, hk)
+        return m_new, l, acc
+
+    init = (jnp.full((bq, h), NEG_INF, _F32), jnp.zeros((bq, h), _F32),
+            jnp.zeros((bq, h, dv), _F32))
+    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    ok = l > 0
+    l_safe = jnp.where(ok, l, 1.0)
+    o_ref[0] = jnp.where(ok[..., None], acc / l_safe[..., None], 0.0).astype(o_ref.dtype)
+    lse_ref[0] = jnp.where(ok, jnp.where(m == NEG_INF, 0.0, m) + jnp.log(l_safe), NEG_INF)
+
+
+def _attn_bwd_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, p_ref,
+                     ds_ref, *, scale, kc, n_chunks, hk):
+    q = q_ref[0]
+    do = do_ref[0].astype(_F32)  # [bq, H, Dv]
+    lse = lse_ref[0]  # [bq, H]
+    delta = delta_ref[0]  # [bq, H]
+    bq, h, dq_dim = q.shape
+    row_ok = (lse > NEG_INF)[..., None]
+    lse_safe = jnp.where(lse > NEG_INF, lse, 0.0)
+
+    def body(c, dq):
+        ids = idx_ref[0, :, pl.ds(c * kc, kc)]
+        valid = ids >= 0
+        safe = jnp.where(valid, ids, 0)
+        kg = _gather_rows(k_ref, safe)
+        vg = _gather_rows(v_ref, safe)
+        s = _logits(q, kg, hk) * scale
+        ok = valid[:, None, :] & row_ok
+        p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_safe[..., None]), 0.0)
+        if hk == 1:
+            dp = jnp.einsum("qhd,qkd->qhk", do, vg[:, :, 0].astype(_F32))
+        else:
+            dp = jnp.einsum("qhd,qkhd->qhk", do, vg.astype(_F32))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + _pv(ds, kg.astype(_F32), hk)
+        p_ref[0, :, :, pl.ds(c * kc, kc)] = p
+        ds_ref[0, :, :, pl.ds(c * kc, kc)] = ds
+        return dq
+
+    dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((bq, h, dq_dim), _F32))
+    dq_ref[0] = dq.astype(dq_ref.dtype)
+
+
+def _prep(q, indices, bq, kc):
+    b, t, h, _ = q.shape
+    kk = indices.shape[-1]
+    bq = min(bq, _cdiv(t, 8) * 8)
+    kc = min(kc, kk)
+    tp, kp = _cdiv(t, bq) * bq, _cdiv(kk, kc) * kc
+    idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, tp - t), (0, kp - kk)),
+                  constant_values=-1)
+    return bq, kc, tp, kp, idx
+
+
+def _attn_fwd(q, k, v, indices, scale, bq, kc, interpret):
+    b, t, h, dq = q.shape
+    s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    bq, kc, tp, kp, idx = _prep(q, indices, bq, kc)
+    qp = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    kern = functools.partial(_attn_fwd_kernel, scale=scale, kc=kc, n_chunks=kp // kc, hk=hk)
+    # the index block goes to SMEM on TPU (its entries are DMA/gather addresses)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0,
+        grid=(b, tp // bq),
+        in_specs=[pl.BlockSpec((1, bq, kp), lambda bi, i: (bi, i, 0)),
+                  pl.BlockSpec((1, bq, h, dq), lambda bi, i: (bi, i, 0, 0)),
+                  pl.BlockSpec((1, s, hk, dq), lambda bi, i: (bi, 0, 0, 0)),
+                  pl.BlockSpec((1, s, hk, dv), lambda bi, i: (bi, 0, 0, 0))],
+        out_specs=[pl.BlockSpec((1, bq, h, dv), lambda bi, i: (bi, i, 0, 0)),
+                   pl.BlockSpec((1, bq, h), lambda bi, i: (bi, i, 0))],
+    )
+    o, lse = pl.pallas_call(
+        kern,
+        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), q.dtype),
+                   jax.ShapeDtypeStruct((b, tp, h), _F32)],
+        grid_spec=grid_spec,
+        interpret=interpret,
+    )(idx, qp, k, v)
+    return o[:, :t], lse[:, :t]
+
+
+def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret):
+    b, t, h, dq = q.shape
+    s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    bq, kc, tp, kp, idx = _prep(q, indices, bq, kc)
+    delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1)  # [B, T, H]
+    pad_t = ((0, 0), (0, tp - t))
+    qp = jnp.pad(q, pad_t + ((0, 0), (0, 0)))
+    dop = jnp.pad(do, pad_t + ((0, 0), (0, 0)))
+    lsep = jnp.pad(lse, pad_t + ((0, 0),), constant_values=NEG_INF)
+    deltap = jnp.pad(delta, pad_t + ((0, 0),))
+    kern = functools.partial(_attn_bwd_kernel, scale=scale, kc=kc, n_chunks=kp // kc, hk=hk)
+    row = lambda bi, i: (bi, i, 0)  # noqa: E731
+    row4 = lambda bi, i: (bi, i, 0, 0)  # noqa: E731
+    full4 = lambda bi, i: (bi, 0, 0, 0)  # noqa: E731
+    dqp, p, ds = pl.pallas_call(
+        kern,
+        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dq), q.dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, kp), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kp), _F32)],
+        grid=(b, tp // bq),
+        in_specs=[pl.BlockSpec((1, bq, kp), row),
+                  pl.BlockSpec((1, bq, h, dq), row4),
+                  pl.BlockSpec((1, s, hk, dq), full4),
+                  pl.BlockSpec((1, s, hk, dv), full4),
+                  pl.BlockSpec((1, bq, h, dv), row4),
+                  pl.BlockSpec((1, bq, h), row),
+                  pl.BlockSpec((1, bq, h), row)],
+        out_specs=[pl.BlockSpec((1, bq, h, dq), row4),
+                   pl.BlockSpec((1, bq, h, kp), row4),
+                   pl.BlockSpec((1, bq, h, kp), row4)],
+        interpret=interpret,
+    )(idx, qp, k, v, dop, lsep, deltap)
+
+    # dk / dv: atomic-free scatter-add of per-query contributions, chunk by chunk over queries
+    tc = bq
+    n_chunks = tp // tc
+    safe_idx = jnp.where(idx >= 0, idx, s)  # out of range -> dropped
+
+    def chunk(c, carry):
+        dk, dvv = carry
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, c * tc, tc, axis=1)  # noqa: E731
+        ii, pc, dsc = sl(safe_idx), sl(p), sl(ds)
+        qc, doc = sl(qp).astype(_F32), sl(dop).astype(_F32)
+        if hk == 1:
+            cv = jnp.einsum("bthk,bthd->btkd", pc, doc)[:, :, :, None]
+            ck = jnp.einsum("bthk,bthd->btkd", dsc, qc)[:, :, :, None]
+        else:
+            cv = jnp.einsum("bthk,bthd->btkhd", pc, doc)
+            ck = jnp.einsum("bthk,bthd->btkhd", dsc, qc)
+        bidx = jnp.arange(b)[:, None, None]
+        dvv = dvv.at[bidx, ii].add(cv, mode="drop")
+        dk = dk.at[bidx, ii].add(ck, mode="drop")
+        return dk, dvv
+
+    dk, dvv = jax.lax.fori_loop(
+        0, n_chunks, chunk, (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)))
+    return dqp[:, :t], dk.astype(k.dtype), dvv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _sparse_attention(q, k, v, indices, scale, bq, kc, interpret):
+    return _attn_fwd(q, k, v, indices, scale, bq, kc, interpret)[0]
+
+
+def _sa_fwd(q, k, v, indices, scale, bq, kc, interpret):
+    o, lse = _attn_fwd(q, k, v, indices, scale, bq, kc, interpret)
+    return o, (q, k, v, indices, o, lse)
+
+
+def _sa_bwd(scale, bq, kc, interpret, res, do):
+    q, k, v, indices, o, lse = res
+    dq, dk, dv = _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret)
+    return dq, dk, dv, None
+
+
+_sparse_attention.defvjp(_sa_fwd, _sa_bwd)
+
+
+def sparse_attention(q, k, v, indices, *, scale: float, interpret=None, block_q: int = 64,
+                     block_k: int = 128):
+    """Attention of each query over its selected keys (Pallas; differentiable in q, k, v).
+
+    q [B, T, H, Dq], k [B, S, Hk, Dq], v [B, S, Hk, Dv], Hk in {1, H}, indices int32 [B, T, K]
+    (-1 = none) -> [B, T, H, Dv] in q's dtype. block_q queries per grid step, block_k selected
+    keys per online-softmax chunk.
+    """
+    h, hk = q.shape[2], k.shape[2]
+    if hk not in (1, h):
+        raise ValueError(f"k has {hk} heads; sparse_attention allows 1 or H={h}")
+    return _sparse_attention(q, k, v, indices.astype(jnp.int32), float(scale), int(block_q),
+                             int(block_k), _interpret(interpret))
+
+
+def sparse_attention_with_lse(q, k, v, indices, *, scale: float, interpret=None,
+                              block_q: int = 64, block_k: int = 128):
+    """Forward only: (out [B, T, H, Dv], lse [B, T, H] float32, -inf on empty rows)."""
+    return _attn_fwd(q, k, v, indices.astype(jnp.int32), float(scale), int(block_q),
+                     int(block_k), _interpret(interpret))
