@@ -1,0 +1,21 @@
+"""Data pipeline: stdlib-source corpus, sentencepiece BPE tokenizer, token cache, packed
+grain pipelines with checkpointable iterators, and synthetic long-range retrieval data."""
+
+from glm5_jax.data.config import DataConfig, default_cache_dir
+from glm5_jax.data.corpus import Corpus, CorpusFile, load_corpus
+from glm5_jax.data.packing import BATCH_KEYS, PackedStream
+from glm5_jax.data.pipeline import LMData, TrainIterator, build_lm_data, make_train_iterator
+from glm5_jax.data.retrieval import (
+    RetrievalInfo,
+    RetrievalTask,
+    retrieval_accuracy,
+    retrieval_eval_batches,
+)
+from glm5_jax.data.tokenizer import GLM_SPECIAL_TOKENS, Tokenizer, load_or_train_tokenizer
+
+__all__ = [
+    "BATCH_KEYS", "Corpus", "CorpusFile", "DataConfig", "GLM_SPECIAL_TOKENS", "LMData",
+    "PackedStream", "RetrievalInfo", "RetrievalTask", "Tokenizer", "TrainIterator",
+    "build_lm_data", "default_cache_dir", "load_corpus", "load_or_train_tokenizer",
+    "make_train_iterator", "retrieval_accuracy", "retrieval_eval_batches",
+]

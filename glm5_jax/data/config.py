@@ -1,0 +1,135 @@
+"""`DataConfig`: every knob of the LM data pipeline, validated at construction.
+
+All sizes are validated eagerly so that a bad value fails with a message naming the field,
+the value and what is allowed, instead of failing deep inside sentencepiece or grain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Tuple
+
+# Directory names skipped anywhere below the stdlib root (test suites and third-party code).
+DEFAULT_EXCLUDE_DIRS: Tuple[str, ...] = (
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+)
+
+CACHE_ENV_VAR = "GLM5_JAX_DATA_CACHE"
+
+
+def default_cache_dir() -> str:
+    """`$GLM5_JAX_DATA_CACHE` if set, else `~/.cache/glm5_jax/data`."""
+    env = os.environ.get(CACHE_ENV_VAR)
+    if env:
+        return env
+    return os.path.join(os.path.expanduser("~"), ".cache", "glm5_jax", "data")
+
+
+def _bad(field: str, value, allowed: str) -> ValueError:
+    return ValueError(f"DataConfig.{field}={value!r} is invalid; allowed: {allowed}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Configuration of corpus, tokenizer, packing and retrieval mixing.
+
+    Fields:
+      vocab_size: sentencepiece BPE vocabulary size (includes 3 control ids, 8 GLM
+        specials and 256 byte-fallback pieces).
+      seq_len: default packed sequence length T (batches are [B, T]).
+      cache_dir: root of the on-disk caches (None -> `default_cache_dir()`).
+      max_files: keep only the first N corpus files (sorted by relative path); None = all.
+      max_bytes: stop adding files once this many bytes were collected; None = no cap.
+      eval_fraction: fraction of files (by hash of relative path) held out for eval.
+      seed: default shuffle / retrieval seed.
+      retrieval_fraction: fraction of train sequences replaced by synthetic retrieval ones.
+      retrieval_pairs: key/value pairs planted per retrieval sequence.
+      retrieval_min_distance: the query starts more than this many positions after the end
+        of the queried pair (None -> seq_len // 2).
+      retrieval_key_digits / retrieval_value_digits: digits per key / value (one token each).
+      tokenizer_train_bytes: cap of training-split text fed to the tokenizer trainer.
+      stdlib_root: corpus root override (None -> sysconfig stdlib).
+      exclude_dirs: directory names skipped when walking the corpus root.
+    """
+
+    vocab_size: int = 2048
+    seq_len: int = 256
+    cache_dir: Optional[str] = None
+    max_files: Optional[int] = None
+    max_bytes: Optional[int] = None
+    eval_fraction: float = 0.02
+    seed: int = 0
+    retrieval_fraction: float = 0.0
+    retrieval_pairs: int = 4
+    retrieval_min_distance: Optional[int] = None
+    retrieval_key_digits: int = 3
+    retrieval_value_digits: int = 3
+    tokenizer_train_bytes: int = 8_000_000
+    stdlib_root: Optional[str] = None
+    exclude_dirs: Tuple[str, ...] = DEFAULT_EXCLUDE_DIRS
+
+    def __post_init__(self):
+        if not _is_int(self.vocab_size) or not (320 <= self.vocab_size <= 65535):
+            raise _bad("vocab_size", self.vocab_size, "int in [320, 65535]")
+        if not _is_int(self.seq_len) or not (2 <= self.seq_len <= 1 << 20):
+            raise _bad("seq_len", self.seq_len, "int in [2, 2**20]")
+        if self.cache_dir is not None and not (isinstance(self.cache_dir, str) and self.cache_dir):
+            raise _bad("cache_dir", self.cache_dir, "None or a non-empty path string")
+        if self.max_files is not None and (not _is_int(self.max_files) or self.max_files < 2):
+            raise _bad("max_files", self.max_files, "None or int >= 2")
+        if self.max_bytes is not None and (not _is_int(self.max_bytes) or self.max_bytes < 1):
+            raise _bad("max_bytes", self.max_bytes, "None or int >= 1")
+        if not _is_num(self.eval_fraction) or not (0.0 < self.eval_fraction < 0.5):
+            raise _bad("eval_fraction", self.eval_fraction, "float in (0, 0.5)")
+        if not _is_int(self.seed) or not (0 <= self.seed < 2**32):
+            raise _bad("seed", self.seed, "int in [0, 2**32)")
+        if not _is_num(self.retrieval_fraction) or not (0.0 <= self.retrieval_fraction < 1.0):
+            raise _bad("retrieval_fraction", self.retrieval_fraction, "float in [0, 1)")
+        if not _is_int(self.retrieval_pairs) or not (1 <= self.retrieval_pairs <= 4096):
+            raise _bad("retrieval_pairs", self.retrieval_pairs, "int in [1, 4096]")
+        if self.retrieval_min_distance is not None and (
+            not _is_int(self.retrieval_min_distance) or self.retrieval_min_distance < 0
+        ):
+            raise _bad("retrieval_min_distance", self.retrieval_min_distance, "None or int >= 0")
+        for f in ("retrieval_key_digits", "retrieval_value_digits"):
+            v = getattr(self, f)
+            if not _is_int(v) or not (1 <= v <= 6):
+                raise _bad(f, v, "int in [1, 6]")
+        if self.retrieval_pairs > 10**self.retrieval_key_digits:
+            raise _bad(
+                "retrieval_pairs",
+                self.retrieval_pairs,
+                f"<= 10**retrieval_key_digits = {10**self.retrieval_key_digits} (keys are distinct)",
+            )
+        if not _is_int(self.tokenizer_train_bytes) or self.tokenizer_train_bytes < 10_000:
+            raise _bad("tokenizer_train_bytes", self.tokenizer_train_bytes, "int >= 10000")
+        if self.stdlib_root is not None and not (
+            isinstance(self.stdlib_root, str) and os.path.isdir(self.stdlib_root)
+        ):
+            raise _bad("stdlib_root", self.stdlib_root, "None or an existing directory")
+        if not isinstance(self.exclude_dirs, tuple) or not all(
+            isinstance(d, str) and d for d in self.exclude_dirs
+        ):
+            raise _bad("exclude_dirs", self.exclude_dirs, "tuple of non-empty directory names")
+
+    def resolved_cache_dir(self) -> str:
+        return self.cache_dir if self.cache_dir is not None else default_cache_dir()
+
+    def min_distance(self, seq_len: int) -> int:
+        if self.retrieval_min_distance is not None:
+            return self.retrieval_min_distance
+        return seq_len // 2

@@ -1,0 +1,226 @@
+"""grain pipelines over the packed, tokenized stdlib corpus.
+
+    data = build_lm_data(DataConfig(vocab_size=2048, seq_len=256))
+    it = data.train_iter(batch_size=8)          # infinite, shuffled, checkpointable
+    batch = next(it)                            # dict of int32 [8, 256]
+    state = it.get_state()                      # JSON-serialisable dict
+    it2 = data.train_iter(batch_size=8); it2.set_state(state)   # continues bitwise-identically
+    for b in data.eval_batches(8, max_batches=4): ...           # finite, in corpus order
+
+Train pipeline (grain.MapDataset, everything index-based, so the state is one integer):
+  range(N_corpus_windows + N_retrieval) -> shuffle(seed)  (grain reshuffles every epoch with
+  seed + epoch) -> repeat(None) -> map_with_index(build example) -> batch(B)
+  -> to_iter_dataset(ReadOptions(num_threads=0)) (in-process: no worker processes, no absl
+  flags needed; pass num_threads > 0 for threaded reads, still deterministic).
+  Item i < N_corpus is packed window i (see packing.py); item i >= N_corpus is a retrieval
+  example generated from (seed, global element index), so it differs across epochs.
+  N_retrieval = round(N_corpus * f / (1 - f)) for retrieval_fraction f (>= 1 when f > 0).
+Eval: packed windows 0.. of the eval split in order, batched; the last batch is padded to B
+rows with all-padding rows (loss_mask 0, segment_ids 0) so shapes stay static.
+
+Batch dict (all np.int32, shape [B, T]): tokens, targets, loss_mask, segment_ids, positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import grain
+import numpy as np
+
+from glm5_jax.data._cache import settings_key
+from glm5_jax.data.config import DataConfig
+from glm5_jax.data.corpus import Corpus, load_corpus
+from glm5_jax.data.packing import BATCH_KEYS, PackedStream, padding_example
+from glm5_jax.data.retrieval import TRAIN_TAG, RetrievalTask, retrieval_eval_batches
+from glm5_jax.data.token_cache import TokenizedSplit, load_or_build_token_cache
+from glm5_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+_STATE_VERSION = 1
+
+
+def _check_int(name: str, v, lo: int) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{name}={v!r} is invalid; allowed: int >= {lo}")
+    return int(v)
+
+
+def _stack(rows: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    return {k: np.stack([r[k] for r in rows]).astype(np.int32, copy=False) for k in BATCH_KEYS}
+
+
+class TrainIterator:
+    """Infinite iterator of train batches with a JSON-serialisable, restorable state."""
+
+    def __init__(self, data: "LMData", batch_size: int, seq_len: int, seed: int,
+                 num_threads: int = 0):
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.seq_len = _check_int("seq_len", seq_len, 2)
+        self.seed = _check_int("seed", seed, 0)
+        cfg = data.cfg
+        stream = data.train_stream
+        T = self.seq_len
+        self.num_corpus_windows = stream.num_windows(T)
+        if self.num_corpus_windows == 0:
+            raise ValueError("train split is empty")
+        f = float(cfg.retrieval_fraction)
+        self.num_retrieval = 0
+        task = None
+        if f > 0:
+            self.num_retrieval = max(1, round(self.num_corpus_windows * f / (1.0 - f)))
+            task = data.retrieval_task("train", T)
+        n_items = self.num_corpus_windows + self.num_retrieval
+        n_c = self.num_corpus_windows
+        seed_ = self.seed
+
+        def make(k: int, i: int) -> Dict[str, np.ndarray]:
+            i = int(i)
+            if i < n_c:
+                return stream.window(i, T)
+            return task.example(seed_, TRAIN_TAG, int(k), mode="train")[0]
+
+        ds = (grain.MapDataset.range(n_items)
+              .shuffle(seed=self.seed)
+              .repeat(None)
+              .map_with_index(make)
+              .batch(self.batch_size, drop_remainder=True))
+        self._iter_ds = ds.to_iter_dataset(
+            grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=0 if num_threads == 0
+                              else max(1, 2 * self.batch_size)))
+        self._it = iter(self._iter_ds)
+        self.fingerprint = settings_key({
+            "tokens": os.path.basename(data.token_cache_dir), "B": self.batch_size, "T": T,
+            "seed": self.seed, "retrieval": [f, cfg.retrieval_pairs, cfg.retrieval_key_digits,
+                                             cfg.retrieval_value_digits, cfg.min_distance(T)],
+        })
+        self._served = 0
+
+    def __iter__(self) -> "TrainIterator":
+        return self
+
+    def __next__(self) -> Dict[str, np.ndarray]:
+        batch = next(self._it)
+        self._served += 1
+        return {k: np.asarray(batch[k], np.int32) for k in BATCH_KEYS}
+
+    @property
+    def epoch_batches(self) -> int:
+        """Batches per pass over (corpus windows + retrieval items)."""
+        return (self.num_corpus_windows + self.num_retrieval) // self.batch_size
+
+    def get_state(self) -> Dict[str, Any]:
+        state = {"version": _STATE_VERSION, "fingerprint": self.fingerprint,
+                 "batches_served": self._served, "grain": self._it.get_state()}
+        return json.loads(json.dumps(state))  # guarantees (and checks) JSON-serialisability
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"iterator state version {state.get('version') if isinstance(state, dict) else state!r}"
+                             f" is not supported; expected {_STATE_VERSION}")
+        if state.get("fingerprint") != self.fingerprint:
+            raise ValueError(
+                f"iterator state fingerprint {state.get('fingerprint')!r} != {self.fingerprint!r}: "
+                "it was saved by a pipeline with different data/tokenizer/batch_size/seq_len/"
+                "seed/retrieval settings")
+        self._it.set_state(state["grain"])
+        self._served = int(state["batches_served"])
+
+
+@dataclasses.dataclass
+class LMData:
+    cfg: DataConfig
+    corpus: Corpus
+    tokenizer: Tokenizer
+    splits: Dict[str, TokenizedSplit]
+    token_cache_dir: str
+    timings: Dict[str, float]
+    _streams: Dict[str, PackedStream] = dataclasses.field(default_factory=dict, repr=False)
+
+    def stream(self, split: str) -> PackedStream:
+        if split not in self._streams:
+            self._streams[split] = PackedStream(self.splits[split], self.tokenizer.eos_id,
+                                                self.tokenizer.pad_id)
+        return self._streams[split]
+
+    @property
+    def train_stream(self) -> PackedStream:
+        return self.stream("train")
+
+    @property
+    def eval_stream(self) -> PackedStream:
+        return self.stream("eval")
+
+    def train_iter(self, batch_size: int, seq_len: Optional[int] = None,
+                   seed: Optional[int] = None, num_threads: int = 0) -> TrainIterator:
+        return TrainIterator(self, batch_size, self.cfg.seq_len if seq_len is None else seq_len,
+                             self.cfg.seed if seed is None else seed, num_threads)
+
+    def eval_batches(self, batch_size: int, seq_len: Optional[int] = None,
+                     max_batches: Optional[int] = None) -> Iterator[Dict[str, np.ndarray]]:
+        """Finite, deterministic eval batches (corpus order, last batch padded)."""
+        B = _check_int("batch_size", batch_size, 1)
+        T = _check_int("seq_len", self.cfg.seq_len if seq_len is None else seq_len, 2)
+        stream = self.eval_stream
+        n = stream.num_windows(T)
+        if max_batches is not None:
+            n = min(n, _check_int("max_batches", max_batches, 0) * B)
+        ds = grain.MapDataset.range(n).map(lambda i: stream.window(int(i), T))
+        pad = padding_example(T, self.tokenizer.pad_id)
+        for start in range(0, n, B):
+            rows = [ds[i] for i in range(start, min(start + B, n))]
+            rows += [pad] * (B - len(rows))
+            yield _stack(rows)
+
+    def retrieval_task(self, split: str = "eval", seq_len: Optional[int] = None) -> RetrievalTask:
+        T = self.cfg.seq_len if seq_len is None else seq_len
+        return RetrievalTask(
+            self.tokenizer, self.stream(split).stream, T,
+            n_pairs=self.cfg.retrieval_pairs, key_digits=self.cfg.retrieval_key_digits,
+            value_digits=self.cfg.retrieval_value_digits,
+            min_distance=self.cfg.min_distance(T))
+
+    def retrieval_eval_batches(self, batch_size: int, seq_len: Optional[int] = None,
+                               num_batches: int = 4, seed: Optional[int] = None
+                               ) -> Iterator[Dict[str, np.ndarray]]:
+        """Deterministic retrieval batches with filler from the eval split; loss_mask covers
+        only the answer tokens. Score with `retrieval_accuracy(logits, batch)`."""
+        return retrieval_eval_batches(self.retrieval_task("eval", seq_len), batch_size,
+                                      num_batches, self.cfg.seed if seed is None else seed)
+
+    def summary(self) -> Dict[str, Any]:
+        return {
+            "train_files": len(self.corpus.train), "eval_files": len(self.corpus.eval),
+            "train_tokens": self.splits["train"].num_tokens,
+            "eval_tokens": self.splits["eval"].num_tokens,
+            "vocab_size": self.tokenizer.vocab_size, "tokenizer": self.tokenizer.model_path,
+            "token_cache": self.token_cache_dir, **self.timings,
+        }
+
+
+def build_lm_data(cfg: DataConfig) -> LMData:
+    """Corpus -> (cached) tokenizer -> (cached) token arrays. Cheap on a warm cache."""
+    if not isinstance(cfg, DataConfig):
+        raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
+    t0 = time.perf_counter()
+    corpus = load_corpus(cfg)
+    t1 = time.perf_counter()
+    tok = load_or_train_tokenizer(cfg, corpus)
+    t2 = time.perf_counter()
+    splits, tdir = load_or_build_token_cache(cfg.resolved_cache_dir(), tok, corpus)
+    t3 = time.perf_counter()
+    timings = {"corpus_s": round(t1 - t0, 3), "tokenizer_s": round(t2 - t1, 3),
+               "tokens_s": round(t3 - t2, 3)}
+    return LMData(cfg, corpus, tok, splits, tdir, timings)
+
+
+def make_train_iterator(data: LMData | DataConfig, batch_size: int,
+                        seq_len: Optional[int] = None, seed: Optional[int] = None,
+                        num_threads: int = 0) -> TrainIterator:
+    """`TrainIterator` over `data` (an LMData, or a DataConfig that is built first)."""
+    if isinstance(data, DataConfig):
+        data = build_lm_data(data)
+    return data.train_iter(batch_size, seq_len, seed, num_threads)
