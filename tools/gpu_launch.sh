@@ -18,8 +18,9 @@ set -euo pipefail
 PROG="tools/gpu_launch.sh"
 FLAGS="--coordinator --num_processes --process_id --port --local_device_ids --dry_run --help"
 
-usage() {
-  cat <<EOF
+usage() {  # builtins only (no cat), so errors print even with an empty PATH
+  local text
+  IFS= read -r -d '' text <<EOF || true
 usage: $PROG [options] -- CMD [ARGS...]
 
 options:
@@ -35,6 +36,7 @@ options:
 exports: GLM5_COORDINATOR_ADDRESS, GLM5_NUM_PROCESSES, GLM5_PROCESS_ID[, GLM5_LOCAL_DEVICE_IDS]
 SLURM:   srun --ntasks-per-node=1 $PROG -- python -m glm5_jax.train ...
 EOF
+  printf '%s' "$text"
 }
 
 die() {

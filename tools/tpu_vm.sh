@@ -15,8 +15,9 @@ SUBCOMMANDS="create run copy delete"
 FLAGS="--project --zone --accelerator --version --name --src --remote_dir --spot --dry_run --help"
 ACCEL_FAMILIES="v4-N v5p-N v5litepod-N v6e-N (N = chip/core count, e.g. v5p-128)"
 
-usage() {
-  cat <<EOF
+usage() {  # builtins only (no cat), so errors print even with an empty PATH
+  local text
+  IFS= read -r -d '' text <<EOF || true
 usage: $PROG <create|run|copy|delete> --name NAME --zone ZONE [options] [-- CMD ...]
 
 subcommands:
@@ -38,6 +39,7 @@ options:
   --dry_run            print the exact commands, run nothing (gcloud not needed)
   --help               this text
 EOF
+  printf '%s' "$text"
 }
 
 die() {
