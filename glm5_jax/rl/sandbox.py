@@ -305,4 +305,6 @@ def run_sandboxed(
         status = "killed"
     else:
         status = "memory" if "MemoryError" in stderr else "error"
+    if status in ("failed", "error") and "[Errno 27] File too large" in stderr:
+        status = "output_limit"  # Python ignores SIGXFSZ; the write raises instead
     return SandboxResult(status == "passed", status, stdout, stderr, rc, wall)
