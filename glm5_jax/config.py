@@ -239,7 +239,7 @@ class ModelConfig:
             n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)), first_k_dense=first_dense,
-            mtp_depth=hf.get("num_nextn_predict_layers", 0), mtp_share=bool(hf.get("glm5_jax_mtp_share", True)),
+            mtp_depth=hf.get("glm5_jax_mtp_depth", hf.get("num_nextn_predict_layers", 0)), mtp_share=bool(hf.get("glm5_jax_mtp_share", True)),
             rope_theta=float(theta), rope_scaling=scaling,
         )
         if attention in ("mha", "gqa"):
