@@ -1,6 +1,8 @@
 """Shared small data setup for the tests/test_data_*.py files (no tests here)."""
 
+import atexit
 import functools
+import shutil
 import tempfile
 
 from glm5_jax.data import DataConfig, build_lm_data
@@ -10,7 +12,9 @@ SMALL = dict(vocab_size=512, seq_len=128, max_files=30, tokenizer_train_bytes=2_
 
 @functools.lru_cache(maxsize=None)
 def small_cache_dir() -> str:
-    return tempfile.mkdtemp(prefix="glm5_data_test_")
+    d = tempfile.mkdtemp(prefix="glm5_data_test_")
+    atexit.register(shutil.rmtree, d, True)
+    return d
 
 
 def small_cfg(**overrides) -> DataConfig:

@@ -1,5 +1,4 @@
 import json
-import tempfile
 
 import numpy as np
 import pytest
@@ -95,8 +94,8 @@ def test_eval_batches_finite_deterministic_padded():
         assert (x["loss_mask"][pad] == 0).all()
 
 
-def test_cache_is_reused_without_tokenizing(monkeypatch):
-    cache = tempfile.mkdtemp(prefix="glm5_data_cache_")
+def test_cache_is_reused_without_tokenizing(monkeypatch, tmp_path):
+    cache = str(tmp_path / "cache")
     cfg = small_cfg(cache_dir=cache, max_files=8)
     calls = {"encode": 0, "train": 0}
     real_encode = tokenizer_mod.Tokenizer.encode_batch
