@@ -134,3 +134,16 @@ def test_process_spawning_is_blocked():
     assert r.status == "error" and "blocked" in r.stderr
     r = run_sandboxed("import subprocess\nsubprocess.run(['true'])\n", "")
     assert r.status == "error"
+
+
+def test_audit_hook_catches_raw_socket_module():
+    """Bypassing the patched ``socket`` module via ``_socket`` still hits the audit hook."""
+    srv = _listener()
+    try:
+        port = srv.getsockname()[1]
+        code = f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\n"
+        r = run_sandboxed(code, "", netns=False)
+        assert r.status == "network_blocked" and "socket.__new__" in r.stderr, r
+        _assert_nobody_connected(srv)
+    finally:
+        srv.close()
