@@ -42,7 +42,8 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
                    total_steps: Optional[int] = None, min_lr_ratio: float = 0.1,
                    trainable: Optional[Callable[[str], bool]] = None,
                    frozen_patterns: Optional[Iterable[str]] = None,
-                   muon_rms_scale: float = 0.2, mu_dtype=None):
+                   muon_rms_scale: float = 0.2, mu_dtype=None,
+                   muon_group_same_shapes: bool = True):
     """Build the optimizer. Returns ``(optax.GradientTransformation, labels)``.
 
     name: 'adamw' | 'muon' | 'muon_split' (ValueError otherwise).
@@ -76,7 +77,7 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
 
     def muon_tx(split_fn):
         return muon(lr, weight_decay=weight_decay, beta=muon_momentum, rms_scale=muon_rms_scale,
-                    split_fn=split_fn)
+                    split_fn=split_fn, group_same_shapes=muon_group_same_shapes)
 
     transforms = {
         "adamw": adamw_tx(weight_decay),

@@ -38,10 +38,14 @@ def _ns_matrix(x: jax.Array, coeffs, steps: int, eps: float) -> jax.Array:
     if transposed:  # iterate on the wide orientation: the Gram matrix is then min(m, n)^2
         x = x.T
     x = x / (jnp.sqrt(jnp.sum(x * x)) + eps)
-    for _ in range(steps):
+
+    def body(_, x):
         gram = x @ x.T
         poly = b * gram + c * (gram @ gram)
-        x = a * x + poly @ x
+        return a * x + poly @ x
+
+    # a rolled loop keeps the HLO (and compile time) small: one body per matrix shape
+    x = jax.lax.fori_loop(0, steps, body, x)
     return x.T if transposed else x
 
 
@@ -83,31 +87,72 @@ def _rms_factor(fan_in: int, fan_out: int, rms_scale: Optional[float]) -> float:
     return float(rms_scale) * math.sqrt(max(fan_in, fan_out))
 
 
-def orthogonalize_leaf(x: jax.Array, split: Optional[HeadSplit] = None, *,
-                       rms_scale: Optional[float] = 0.2, coeffs=NS_COEFFS,
-                       steps: int = NS_STEPS, eps: float = 1e-7) -> jax.Array:
-    """NS-orthogonalise a (possibly stacked) kernel and apply the RMS scale; float32 out."""
+def _leaf_to_pieces(x: jax.Array, split: Optional[HeadSplit]) -> list[jax.Array]:
+    """Float32 batches of independent matrices [N, m, n] making up one leaf."""
     if x.ndim < 2:
         raise ValueError(f"Muon needs a matrix, got shape {x.shape}")
+    x = x.astype(jnp.float32)
     m, n = x.shape[-2:]
     if split is None:
-        o = newton_schulz(x, coeffs=coeffs, steps=steps, eps=eps)
-        return o * _rms_factor(m, n, rms_scale)
+        return [x.reshape((-1, m, n))]
     h, hd = split.num_heads, split.head_dim
     if n != h * hd:
         raise ValueError(f"HeadSplit {split} does not fit last axis {n} of shape {x.shape}")
-    lead = x.shape[:-2]
-    x4 = x.reshape(lead + (m, h, hd))
+    x4 = x.reshape(x.shape[:-2] + (m, h, hd))
     pieces, off = [], 0
     for seg in split.segments:
-        part = x4[..., off:off + seg]                      # [*lead, m, h, seg]
-        part = jnp.moveaxis(part, -2, -3)                  # [*lead, h, m, seg]  (head = batch)
-        o = newton_schulz(part, coeffs=coeffs, steps=steps, eps=eps)
-        o = o * _rms_factor(m, seg, rms_scale)
-        pieces.append(jnp.moveaxis(o, -3, -2))             # back to [*lead, m, h, seg]
+        part = jnp.moveaxis(x4[..., off:off + seg], -2, -3)   # [*lead, h, m, seg] (head = batch)
+        pieces.append(part.reshape((-1, m, seg)))
         off += seg
-    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
-    return out.reshape(x.shape)
+    return pieces
+
+
+def _pieces_to_leaf(pieces: list[jax.Array], shape: tuple,
+                    split: Optional[HeadSplit]) -> jax.Array:
+    if split is None:
+        return pieces[0].reshape(shape)
+    lead, m = tuple(shape[:-2]), shape[-2]
+    h = split.num_heads
+    outs = [jnp.moveaxis(p.reshape(lead + (h, m, p.shape[-1])), -3, -2) for p in pieces]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
+    return out.reshape(shape)
+
+
+def _orthogonalize_batches(batches: list[jax.Array], *, rms_scale, coeffs, steps, eps,
+                           group: bool) -> list[jax.Array]:
+    """NS + RMS scale for a list of [N_i, m_i, n_i] batches; equal (m, n) are concatenated into
+    one batch first when ``group`` (fewer, larger matmuls and a much smaller program)."""
+    coeffs = tuple(float(v) for v in coeffs)
+    ns = jax.vmap(lambda mat: _ns_matrix(mat, coeffs, steps, eps))
+    out: list[Optional[jax.Array]] = [None] * len(batches)
+    groups: dict[tuple, list[int]] = {}
+    for i, bt in enumerate(batches):
+        groups.setdefault(tuple(bt.shape[1:]) if group else (i,), []).append(i)
+    for idx in groups.values():
+        m, n = batches[idx[0]].shape[1:]
+        fac = _rms_factor(m, n, rms_scale)
+        if len(idx) == 1:
+            out[idx[0]] = ns(batches[idx[0]]) * fac
+            continue
+        cat = jnp.concatenate([batches[i] for i in idx], axis=0)
+        res = ns(cat) * fac
+        off = 0
+        for i in idx:
+            nb = batches[i].shape[0]
+            out[i] = res[off:off + nb]
+            off += nb
+    return out
+
+
+def orthogonalize_leaf(x: jax.Array, split: Optional[HeadSplit] = None, *,
+                       rms_scale: Optional[float] = 0.2, coeffs=NS_COEFFS,
+                       steps: int = NS_STEPS, eps: float = 1e-7) -> jax.Array:
+    """NS-orthogonalise a (possibly stacked) kernel and apply the RMS scale (each independent
+    matrix uses its own fan-in/fan-out); float32 out, same shape as ``x``."""
+    pieces = _leaf_to_pieces(x, split)
+    outs = _orthogonalize_batches(pieces, rms_scale=rms_scale, coeffs=coeffs, steps=steps,
+                                  eps=eps, group=False)
+    return _pieces_to_leaf(outs, x.shape, split)
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,13 +183,16 @@ class MuonState(NamedTuple):
 def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction: bool = False,
                   rms_scale: Optional[float] = 0.2, coeffs: Sequence[float] = NS_COEFFS,
                   steps: int = NS_STEPS, eps: float = 1e-7, split_fn: Optional[SplitFn] = None,
-                  mu_dtype=jnp.float32) -> optax.GradientTransformation:
+                  mu_dtype=jnp.float32, group_same_shapes: bool = True) -> optax.GradientTransformation:
     """Muon direction (momentum -> Newton-Schulz -> RMS scale). No learning rate, no decay.
 
     ``split_fn(path, shape) -> HeadSplit | None`` chooses the Muon-Split view per leaf (path is the
     '/'-joined key path). ``bias_correction=True`` reproduces optax.contrib.muon's bias-corrected
     Nesterov combination exactly; the default (False) is the original Muon/Moonlight form. Both
     give the same direction on step 1 and converge to the same one as beta^t -> 0.
+    ``group_same_shapes``: concatenate all independent matrices of equal shape (e.g. the same
+    projection in every layer, every head piece) into one batched NS call. Results are identical;
+    set False if concatenating differently-sharded leaves is undesirable.
     """
     coeffs = tuple(float(c) for c in coeffs)
 
@@ -169,13 +217,22 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
         else:
             look = mu
 
-        def one(path, u, g):
-            split = split_fn(path_to_str(path), tuple(u.shape)) if split_fn else None
-            o = orthogonalize_leaf(u, split, rms_scale=rms_scale, coeffs=coeffs, steps=steps,
-                                   eps=eps)
-            return o.astype(g.dtype)
-
-        new_updates = jax.tree_util.tree_map_with_path(one, look, updates)
+        flat_look, treedef = jax.tree_util.tree_flatten_with_path(look)
+        flat_g = treedef.flatten_up_to(updates)
+        splits, batches, owners = [], [], []
+        for i, (path, u) in enumerate(flat_look):
+            sp = split_fn(path_to_str(path), tuple(u.shape)) if split_fn else None
+            splits.append(sp)
+            for piece in _leaf_to_pieces(u, sp):
+                batches.append(piece)
+                owners.append(i)
+        outs = _orthogonalize_batches(batches, rms_scale=rms_scale, coeffs=coeffs, steps=steps,
+                                      eps=eps, group=group_same_shapes)
+        new_leaves = []
+        for i, ((_, u), g) in enumerate(zip(flat_look, flat_g)):
+            mine = [o for o, w in zip(outs, owners) if w == i]
+            new_leaves.append(_pieces_to_leaf(mine, u.shape, splits[i]).astype(g.dtype))
+        new_updates = jax.tree_util.tree_unflatten(treedef, new_leaves)
         return new_updates, MuonState(count=count, mu=jax.tree.map(
             lambda m: m.astype(mu_dtype), mu))
 
@@ -184,13 +241,14 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
 
 def muon(learning_rate, *, weight_decay: float = 0.1, beta: float = 0.95,
          rms_scale: Optional[float] = 0.2, split_fn: Optional[SplitFn] = None,
-         bias_correction: bool = False, nesterov: bool = True,
-         eps: float = 1e-7) -> optax.GradientTransformation:
+         bias_correction: bool = False, nesterov: bool = True, eps: float = 1e-7,
+         group_same_shapes: bool = True) -> optax.GradientTransformation:
     """Muon on every leaf (all leaves must be matrices, possibly stacked): direction, decoupled
     weight decay (lr * wd * W), learning rate (float or schedule)."""
     return optax.chain(
         scale_by_muon(beta=beta, nesterov=nesterov, bias_correction=bias_correction,
-                      rms_scale=rms_scale, split_fn=split_fn, eps=eps),
+                      rms_scale=rms_scale, split_fn=split_fn, eps=eps,
+                      group_same_shapes=group_same_shapes),
         optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
