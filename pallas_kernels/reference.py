@@ -121,5 +121,7 @@ def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 128):
             return jnp.einsum("bthk,btkd->bthd", p, vc[:, :, :, 0])
         return jnp.einsum("bthk,btkhd->bthd", p, vc)
 
-    out = jax.lax.map(one_chunk, jnp.arange(t // tc))  # [n, B, tc, H, Dv]
+    # checkpoint: the backward re-gathers K/V per chunk instead of saving the gathered
+    # [T, K, Hk, D] tensors of every chunk (identical results, O(T) residual memory)
+    out = jax.lax.map(jax.checkpoint(one_chunk), jnp.arange(t // tc))  # [n, B, tc, H, Dv]
     return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1]).astype(q.dtype)
