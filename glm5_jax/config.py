@@ -79,6 +79,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        if self.indexer_types is not None and set(self.indexer_types) == {"full"} \
+                and len(self.indexer_types) == self.num_layers:
+            object.__setattr__(self, "indexer_types", None)    # canonical form of "every layer full"
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         self.validate()

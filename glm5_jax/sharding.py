@@ -1,0 +1,134 @@
+"""Meshes and the one table that maps logical axis names to mesh axes.
+
+Every parameter carries logical names (see BUILD_NOTES.md); `LOGICAL_RULES` maps them onto the mesh
+axes (data, fsdp, expert, tensor). The same model code runs on 1 CPU, 8 fake CPU devices and a pod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model import abstract_params
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ("activation_batch", ("data", "fsdp", "expert")),
+    ("activation_seq", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
+    ("experts_router", None),
+    ("index_heads", None),
+    ("index_heads_w", None),
+    ("index_dim", None),
+    ("norm", None),
+    ("mtp_in", None),
+)
+
+
+class MeshError(ValueError):
+    """The requested mesh does not fit the devices or the model."""
+
+
+def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
+    """'fsdp:64,expert:4' or {'fsdp': 64} -> sizes for all four axes (unnamed axes get 1, -1 = fill)."""
+    if spec is None or spec == "":
+        sizes = {}
+    elif isinstance(spec, str):
+        sizes = {}
+        for part in spec.split(","):
+            if ":" not in part:
+                raise MeshError(f"mesh entry {part!r} must look like AXIS:N; axes: {', '.join(MESH_AXES)}")
+            name, n = part.split(":", 1)
+            sizes[name.strip()] = int(n)
+    else:
+        sizes = dict(spec)
+    for name, n in sizes.items():
+        if name not in MESH_AXES:
+            raise MeshError(f"unknown mesh axis {name!r}; allowed: {', '.join(MESH_AXES)}")
+        if n == 0 or n < -1:
+            raise MeshError(f"mesh axis {name}={n}: sizes must be >= 1, or -1 to fill the remaining devices")
+    if sum(1 for n in sizes.values() if n == -1) > 1:
+        raise MeshError(f"mesh {sizes}: at most one axis may be -1")
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
+def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    sizes = dict(sizes)
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    if -1 in sizes.values():
+        if num_devices % fixed:
+            raise MeshError(f"mesh {sizes}: the fixed axes ({fixed} devices) do not divide {num_devices} devices")
+        sizes = {a: (num_devices // fixed if n == -1 else n) for a, n in sizes.items()}
+    total = math.prod(sizes.values())
+    if total != num_devices:
+        raise MeshError(f"mesh {sizes} needs {total} devices but {num_devices} are available")
+    return sizes
+
+
+def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_mesh_shape(parse_mesh_spec(spec), len(devices))
+    arr = np.asarray(devices).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_model_fits_mesh(config: ModelConfig, sizes: Mapping[str, int], batch_size: int | None = None) -> None:
+    """Raise MeshError naming the first model dimension the mesh does not divide."""
+    checks = [("num_heads", config.num_heads, "tensor"), ("d_model", config.d_model, "fsdp")]
+    if config.num_experts:
+        checks += [("num_experts", config.num_experts, "expert"), ("moe_ffn_dim", config.moe_ffn_dim, "tensor")]
+    checks += [("ffn_dim", config.ffn_dim, "tensor"), ("vocab_size", config.vocab_size, "tensor")]
+    if not config.is_mla:
+        checks.append(("num_kv_heads", config.num_kv_heads, "tensor"))
+    for field, value, axis in checks:
+        if value % sizes[axis]:
+            raise MeshError(f"ModelConfig.{field}={value} is not divisible by mesh axis {axis}={sizes[axis]}")
+    if batch_size is not None:
+        shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        if batch_size % shards:
+            raise MeshError(f"batch size {batch_size} is not divisible by data*fsdp*expert = {shards}")
+
+
+def logical_specs(config: ModelConfig):
+    """PartitionSpec pytree of logical names for every parameter."""
+    return nn.get_partition_spec(abstract_params(config))
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, rules=LOGICAL_RULES):
+    """NamedSharding pytree for the params of `config` on `mesh`."""
+    return nn.logical_to_mesh_sharding(logical_specs(config), mesh, rules)
+
+
+def shard_params(params, shardings):
+    return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, s), params, shardings)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules=LOGICAL_RULES):
+    """Activate `mesh` and the logical rules so activation constraints apply inside jit."""
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh, nn.logical_axis_rules(rules):
+        yield
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(("data", "fsdp", "expert")))
