@@ -355,3 +355,24 @@ def test_max_attention_logit_matches_bruteforce():
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5)
     full = max_attention_logit(jnp.asarray(q), jnp.asarray(kr), 0.3)
     np.testing.assert_allclose(float(full), logits.max(), rtol=1e-5)
+
+
+def test_grouped_equals_ungrouped():
+    from glm5_jax.optim import scale_by_muon
+    rng = np.random.default_rng(8)
+    g = {"layer_0": {"attn": {"q_b_proj": {"kernel": rng.standard_normal((QL, 12))}}},
+         "layer_1": {"attn": {"q_b_proj": {"kernel": rng.standard_normal((QL, 12))}},
+                     "mlp": {"up_proj": {"kernel": rng.standard_normal((QL, 6))}}},
+         "experts": rng.standard_normal((3, QL, 6))}
+    g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
+    split = lambda path, shape: SPEC.q_split if "q_b_proj" in path else None
+    outs = []
+    for grp in (True, False):
+        t = scale_by_muon(split_fn=split, group_same_shapes=grp)
+        outs.append(t.update(g, t.init(g))[0])
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    # q_b_proj head pieces are [12, 6] like up_proj: same RMS factor, per-piece NS
+    np.testing.assert_allclose(np.asarray(outs[0]["layer_1"]["mlp"]["up_proj"]["kernel"]),
+                               ns_reference(g["layer_1"]["mlp"]["up_proj"]["kernel"]) * 0.2 *
+                               np.sqrt(QL), atol=2e-5)

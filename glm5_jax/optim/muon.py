@@ -119,15 +119,18 @@ def _pieces_to_leaf(pieces: list[jax.Array], shape: tuple,
 
 
 def _orthogonalize_batches(batches: list[jax.Array], *, rms_scale, coeffs, steps, eps,
-                           group: bool) -> list[jax.Array]:
-    """NS + RMS scale for a list of [N_i, m_i, n_i] batches; equal (m, n) are concatenated into
-    one batch first when ``group`` (fewer, larger matmuls and a much smaller program)."""
+                           group: bool, groupable: Optional[list[bool]] = None
+                           ) -> list[jax.Array]:
+    """NS + RMS scale for a list of [N_i, m_i, n_i] batches. When ``group``, the groupable
+    batches of equal (m, n) are concatenated into one batch first (fewer, larger matmuls and a
+    much smaller program); the results are the same."""
     coeffs = tuple(float(v) for v in coeffs)
     ns = jax.vmap(lambda mat: _ns_matrix(mat, coeffs, steps, eps))
     out: list[Optional[jax.Array]] = [None] * len(batches)
     groups: dict[tuple, list[int]] = {}
     for i, bt in enumerate(batches):
-        groups.setdefault(tuple(bt.shape[1:]) if group else (i,), []).append(i)
+        ok = group and (groupable is None or groupable[i])
+        groups.setdefault(("g",) + tuple(bt.shape[1:]) if ok else (i,), []).append(i)
     for idx in groups.values():
         m, n = batches[idx[0]].shape[1:]
         fac = _rms_factor(m, n, rms_scale)
@@ -190,9 +193,10 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
     '/'-joined key path). ``bias_correction=True`` reproduces optax.contrib.muon's bias-corrected
     Nesterov combination exactly; the default (False) is the original Muon/Moonlight form. Both
     give the same direction on step 1 and converge to the same one as beta^t -> 0.
-    ``group_same_shapes``: concatenate all independent matrices of equal shape (e.g. the same
-    projection in every layer, every head piece) into one batched NS call. Results are identical;
-    set False if concatenating differently-sharded leaves is undesirable.
+    ``group_same_shapes``: concatenate the independent matrices of equal shape that come from 2-D
+    leaves (the same projection in every unrolled layer, Muon-Split head pieces) into one batched
+    NS call. Stacked leaves (experts) keep their own call. Results are identical; set False if
+    concatenating differently-sharded leaves is undesirable.
     """
     coeffs = tuple(float(c) for c in coeffs)
 
@@ -219,19 +223,23 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
 
         flat_look, treedef = jax.tree_util.tree_flatten_with_path(look)
         flat_g = treedef.flatten_up_to(updates)
-        splits, batches, owners = [], [], []
+        splits, batches, owners, groupable = [], [], [], []
         for i, (path, u) in enumerate(flat_look):
             sp = split_fn(path_to_str(path), tuple(u.shape)) if split_fn else None
             splits.append(sp)
             for piece in _leaf_to_pieces(u, sp):
                 batches.append(piece)
                 owners.append(i)
+                # stacked leaves (experts, scanned layers) are already one big batch; never
+                # concatenate them with others (size, and their sharding along the batch axis)
+                groupable.append(u.ndim == 2)
         outs = _orthogonalize_batches(batches, rms_scale=rms_scale, coeffs=coeffs, steps=steps,
-                                      eps=eps, group=group_same_shapes)
-        new_leaves = []
-        for i, ((_, u), g) in enumerate(zip(flat_look, flat_g)):
-            mine = [o for o, w in zip(outs, owners) if w == i]
-            new_leaves.append(_pieces_to_leaf(mine, u.shape, splits[i]).astype(g.dtype))
+                                      eps=eps, group=group_same_shapes, groupable=groupable)
+        per_leaf: list[list[jax.Array]] = [[] for _ in flat_look]
+        for o, w in zip(outs, owners):
+            per_leaf[w].append(o)
+        new_leaves = [_pieces_to_leaf(per_leaf[i], u.shape, splits[i]).astype(g.dtype)
+                      for i, ((_, u), g) in enumerate(zip(flat_look, flat_g))]
         new_updates = jax.tree_util.tree_unflatten(treedef, new_leaves)
         return new_updates, MuonState(count=count, mu=jax.tree.map(
             lambda m: m.astype(mu_dtype), mu))

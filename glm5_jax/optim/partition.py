@@ -175,8 +175,8 @@ def optimizer_table(params, labels, split_spec: Any = None) -> str:
     header = ("path", "shape", "optimizer", "split")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*r) for r in rows]
+    lines = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r).rstrip() for r in rows]
     total = sum(counts.values())
     lines.append("")
     for lab in LABELS:
