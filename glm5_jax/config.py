@@ -292,11 +292,11 @@ def _tiny() -> ModelConfig:
 
 
 def _small() -> ModelConfig:
-    # ~0.2B total parameters, one accelerator.
+    # ~0.25B total parameters (~0.11B active), one accelerator.
     return ModelConfig(
         vocab_size=32768, d_model=768, num_layers=12, ffn_dim=2048, attention="dsa", num_heads=12,
         q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        index_topk=512, index_n_heads=4, index_head_dim=64, num_experts=16, num_shared_experts=1,
+        index_topk=512, index_n_heads=4, index_head_dim=64, num_experts=12, num_shared_experts=1,
         experts_per_tok=2, moe_ffn_dim=512, first_k_dense=1, mtp_depth=1, rope_theta=10000.0,
         param_dtype="float32", dtype="bfloat16", attn_chunk=512)
 
