@@ -1,0 +1,57 @@
+"""TrainConfig: everything about one training run except the model and the data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from glm5_jax.config import ConfigError
+
+INDEXER_LOSSES = (None, "dense", "sparse")
+OPTIMIZERS = ("adamw", "muon", "muon_split")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 256
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    optimizer: str = "adamw"
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    z_loss: float = 0.0
+    mtp_weight: float = 0.3              # GLM-4.5/5 use 0.3 early, 0.1 later
+    indexer_loss: str | None = None      # None | dense (warm-up) | sparse (sparse adaptation)
+    indexer_loss_weight: float = 1.0
+    trainable_pattern: str | None = None  # regex on '/'-joined param paths; others frozen
+    bias_update_rate: float = 1e-3       # aux-loss-free MoE balancing step (0 disables)
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    ckpt_every: int = 50
+    keep_checkpoints: int = 2
+    async_checkpoints: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every",
+                  "keep_checkpoints"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"TrainConfig.{f}={v!r} is invalid: must be an integer >= 1")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"TrainConfig.learning_rate={self.learning_rate!r} is invalid: must be > 0")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup_steps!r} is invalid: must be in [0, steps={self.steps}]")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"TrainConfig.optimizer={self.optimizer!r} is invalid: allowed: {', '.join(OPTIMIZERS)}")
+        if self.indexer_loss not in INDEXER_LOSSES:
+            raise ConfigError(f"TrainConfig.indexer_loss={self.indexer_loss!r} is invalid: allowed: None, dense, sparse")
+        for f in ("mtp_weight", "z_loss", "indexer_loss_weight", "bias_update_rate", "weight_decay", "grad_clip"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"TrainConfig.{f}={getattr(self, f)!r} is invalid: must be >= 0")
+
+    def replace(self, **kw) -> "TrainConfig":
+        return dataclasses.replace(self, **kw)

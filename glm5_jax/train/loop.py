@@ -1,0 +1,118 @@
+"""The training loop: periodic eval, progress with rate and ETA, metrics.jsonl, orbax checkpoints,
+exact resume (state + data iterator + PRNG), and a clean stop on a non-finite loss."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model import init_params as model_init
+from glm5_jax.train.checkpoint import Checkpointer
+from glm5_jax.train.config import TrainConfig
+from glm5_jax.train.step import build_optimizer, make_eval_step, make_train_step
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/inf; the last good checkpoint is kept."""
+
+
+def evaluate(model_cfg: ModelConfig, params, batches: Iterable[dict], eval_step=None) -> dict:
+    """Token-mean eval loss over `batches` and top-1 accuracy on masked positions."""
+    eval_step = eval_step or make_eval_step(model_cfg)
+    tot, n, correct = 0.0, 0.0, 0.0
+    for batch in batches:
+        s, c, pred = eval_step(params, {k: jnp.asarray(v) for k, v in batch.items()})
+        tot, n = tot + float(s), n + float(c)
+        correct += float(np.sum((np.asarray(pred) == batch["targets"]) * batch["loss_mask"]))
+    return {"eval_loss": tot / max(n, 1.0), "eval_accuracy": correct / max(n, 1.0)}
+
+
+def _read_metrics(path: str, upto: int | None) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return [r for r in rows if upto is None or r["step"] <= upto]
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *,
+          init_params=None, eval_fn: Callable[[object], dict] | None = None, log=None,
+          name: str = "train", stop_after: int | None = None) -> dict:
+    """Train for tcfg.steps steps in `workdir`, resuming from its latest checkpoint if any.
+
+    train_iter: an iterator of numpy batch dicts with get_state()/set_state() (glm5_jax.data).
+    eval_fn(params) -> dict of eval metrics, run every eval_every steps and at the end.
+    Returns {"params", "history" (metrics rows), "final" (last eval row)}.
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    os.makedirs(workdir, exist_ok=True)
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tcfg.keep_checkpoints,
+                        async_save=tcfg.async_checkpoints)
+    rng = jax.random.PRNGKey(tcfg.seed)
+    params = init_params if init_params is not None else model_init(model_cfg, jax.random.fold_in(rng, 1))
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    tx, labels = build_optimizer(model_cfg, tcfg, params)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+             "rng": jax.random.fold_in(rng, 2)}
+    start = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, data_state = ckpt.restore(latest, state)
+        train_iter.set_state(data_state)
+        start = int(state["step"])
+        log(f"[{name}] resumed from step {start} ({ckpt.directory})")
+    history = _read_metrics(metrics_path, start if latest is not None else 0)
+    with open(metrics_path, "w") as f:                 # drop rows logged after the restored step
+        f.writelines(json.dumps(r) + "\n" for r in history)
+
+    step_fn = make_train_step(model_cfg, tcfg, tx)
+    tokens_per_step = tcfg.batch_size * tcfg.seq_len
+    t0, last_t, last_step, last_good = time.time(), time.time(), start, latest
+    final = None
+    end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
+    with open(metrics_path, "a") as mf:
+        for step in range(start + 1, end + 1):
+            batch = {k: jnp.asarray(v) for k, v in next(train_iter).items()}
+            state, metrics = step_fn(state, batch)
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if not math.isfinite(metrics["loss"]):
+                ckpt.close()
+                raise TrainingDiverged(
+                    f"[{name}] loss is {metrics['loss']} at step {step}; stopped. The last good checkpoint is "
+                    f"step {last_good} in {ckpt.directory} (lower learning_rate or enable grad_clip)")
+            row = {"step": step, **metrics}
+            if eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps):
+                final = {"step": step, **eval_fn(state["params"])}
+                row.update(final)
+            history.append(row)
+            mf.write(json.dumps(row) + "\n")
+            mf.flush()
+            if step % tcfg.ckpt_every == 0 or step == tcfg.steps:
+                ckpt.save(step, state, train_iter.get_state())
+                last_good = step
+            if step % tcfg.log_every == 0 or step == end or "eval_loss" in row:
+                now = time.time()
+                rate = (step - last_step) * tokens_per_step / max(now - last_t, 1e-9)
+                eta = (tcfg.steps - step) * (now - t0) / max(step - start, 1)
+                ev = f" eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+                log(f"[{name}] step {step}/{tcfg.steps} loss {metrics['loss']:.4f}{ev} "
+                    f"{rate:,.0f} tok/s ETA {_fmt_eta(eta)}")
+                last_t, last_step = now, step
+    ckpt.close()
+    if final is None and eval_fn is not None:
+        final = {"step": int(state["step"]), **eval_fn(state["params"])}
+    return {"params": state["params"], "history": history, "final": final, "labels": labels}
