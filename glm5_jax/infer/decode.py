@@ -1,0 +1,237 @@
+"""Cached autoregressive generation: prefill and decode as separate jitted programs.
+
+The decode path is a plain-function re-implementation of the GLM-5 decoder that reads the same
+parameter tree as `glm5_jax.model.GLM5` (norms, MLP/MoE and the head reuse the Flax modules;
+attention runs over the caches of `cache.py`).
+
+Batching: prompts are RIGHT-padded (pad id 0) to the longest prompt P. Row b's tokens sit at
+positions 0..len_b-1 and cache slot == position, so each row's RoPE phases, visible keys and DSA
+top-k ties are exactly those of running it alone. Prefill writes all P slots (garbage past len_b),
+the first token is read from the logits at len_b - 1, and decode step i writes row b's token at
+slot len_b + i - 1, overwriting the garbage before any query can see it (a query at position p
+sees slots 0..p only).
+
+Outputs: tokens past a row's end (after a stop token) are PAD_ID = 0 with log-prob 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.infer import cache as kv
+from glm5_jax.infer import sampling
+from glm5_jax.layers.common import dtype_of
+from glm5_jax.layers.mlp import SwiGLU
+from glm5_jax.layers.moe import MoE
+from glm5_jax.layers.rope import rope_angles
+from glm5_jax.model import GLM5
+
+PAD_ID = 0
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: np.ndarray            # int32 [B, max_new_tokens], generated tokens only, PAD_ID after the end
+    logprobs: np.ndarray          # float32 [B, max_new_tokens], 0 after the end
+    lengths: np.ndarray           # int32 [B], generated tokens per row (a stop token counts)
+    finish_reasons: list          # "stop" | "length" per row
+    stats: dict = dataclasses.field(default_factory=dict)   # timings (seconds) and counts
+
+
+# ----------------------------------------------------------------------------- model pieces
+def embed(config, params, tokens):
+    return GLM5(config).apply({"params": params}, tokens, method=lambda m, t: m.embed(t))
+
+
+def head(config, params, normed):
+    """Final-normed hidden [.., D] -> float32 logits (lm_head or tied embedding)."""
+    return GLM5(config).apply({"params": params}, normed, method=lambda m, h: m.head(h))
+
+
+def final_norm(config, params, x):
+    return kv.rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+
+
+def rope(config, pos):
+    dim = config.qk_rope_head_dim if config.is_mla else config.head_dim
+    return rope_angles(pos, dim, config.rope_theta, config.rope_scaling_dict or None)
+
+
+def decoder_layer(config, p, x, cos, sin, pos, wpos, lc, moe: bool, indexer_type, prev_indices):
+    c = config
+    dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
+    h = kv.rms_norm(x, p["input_norm"]["scale"], c.rms_norm_eps)
+    if c.is_mla:
+        a, lc, idx = kv.mla_attention(c, p["attn"], h, cos, sin, pos, wpos, lc, indexer_type, prev_indices)
+    else:
+        (a, lc), idx = kv.gqa_attention(c, p["attn"], h, cos, sin, pos, wpos, lc), None
+    x = x + a
+    h = kv.rms_norm(x, p["post_attn_norm"]["scale"], c.rms_norm_eps)
+    if moe:
+        mod = MoE(c.num_experts, c.experts_per_tok, c.moe_ffn_dim, c.num_shared_experts, c.n_group,
+                  c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, c.moe_impl,
+                  c.initializer_range, dt, pdt)
+        m = mod.apply({"params": p["moe"]}, h)
+    else:
+        m = SwiGLU(c.ffn_dim, c.initializer_range, dt, pdt).apply({"params": p["mlp"]}, h)
+    return x + m, lc, idx
+
+
+def model_step(config, params, layer_caches, tokens, pos, wpos=None):
+    """Main trunk over new tokens [B, T] at positions pos [B, T] (written to slots wpos, default pos).
+    Returns (pre-final-norm hidden [B, T, D], new layer caches)."""
+    c = config
+    wpos = pos if wpos is None else wpos
+    cos, sin = rope(c, pos)
+    x = embed(c, params, tokens)
+    types = c.layer_indexer_types
+    indices, new = None, []
+    for i in range(c.num_layers):
+        x, lc, ni = decoder_layer(c, params[f"layer_{i}"], x, cos, sin, pos, wpos, layer_caches[i],
+                                  c.is_moe_layer(i), types[i] if types else None, indices)
+        indices = ni if ni is not None else indices
+        new.append(lc)
+    return x, new
+
+
+def mtp_block(config, p, h_prev, emb, cos, sin, pos, wpos, lc):
+    """One MTP depth (GLM5 MTPBlock): -> (h [B,T,D], final-normed h, new cache)."""
+    c = config
+    e = kv.rms_norm(emb, p["enorm"]["scale"], c.rms_norm_eps)
+    hp = kv.rms_norm(h_prev, p["hnorm"]["scale"], c.rms_norm_eps)
+    h = kv.dense(jnp.concatenate([e, hp], axis=-1), p["eh_proj"]["kernel"], dtype_of(c.dtype))
+    h, lc, _ = decoder_layer(c, p["layer"], h, cos, sin, pos, wpos, lc, c.num_experts > 0,
+                             "full" if c.attention == "dsa" else None, None)
+    return h, kv.rms_norm(h, p["final_norm"]["scale"], c.rms_norm_eps), lc
+
+
+# ----------------------------------------------------------------------------- jitted programs
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def prefill(config, params, cache, tokens, lens, return_hidden: bool = False):
+    """Right-padded prompts [B, P] -> (logits [B, V] at each row's last prompt token, cache[, hidden])."""
+    b, p = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    x, layers = model_step(config, params, cache["layers"], tokens, pos)
+    last = x[jnp.arange(b), lens - 1]
+    logits = head(config, params, final_norm(config, params, last))
+    cache = dict(cache, layers=layers)
+    return (logits, cache, x) if return_hidden else (logits, cache)
+
+
+def _decode_step(config, params, cache, tok, pos):
+    x, layers = model_step(config, params, cache["layers"], tok[:, None], pos[:, None])
+    return head(config, params, final_norm(config, params, x[:, 0])), dict(cache, layers=layers)
+
+
+decode_step = jax.jit(_decode_step, static_argnums=0)
+decode_step.__doc__ = "tok [B] at positions pos [B] -> (logits [B, V], cache). One token per row."
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _decode_loop(config, n_new, greedy, top_k, use_top_p, params, cache, logits0, lens, key, temperature,
+                 top_p, stops):
+    """Sample the first token from logits0, then decode n_new - 1 more inside one lax.while_loop."""
+    b = lens.shape[0]
+    samp = functools.partial(sampling.sample, greedy=greedy, temperature=temperature, top_k=top_k,
+                             use_top_p=use_top_p, top_p=top_p)
+    tok0, lp0 = samp(jax.random.fold_in(key, 0), logits0)
+    toks = jnp.full((b, n_new), PAD_ID, jnp.int32).at[:, 0].set(tok0)
+    lps = jnp.zeros((b, n_new), jnp.float32).at[:, 0].set(lp0)
+    stopped = jnp.isin(tok0, stops)
+    state = (jnp.int32(1), cache, tok0, lens.astype(jnp.int32), toks, lps, stopped, jnp.ones((b,), jnp.int32))
+
+    def cond(s):
+        return (s[0] < n_new) & ~jnp.all(s[6])
+
+    def body(s):
+        i, cache, tok, pos, toks, lps, stopped, length = s
+        logits, cache = _decode_step(config, params, cache, tok, pos)
+        nxt, lp = samp(jax.random.fold_in(key, i), logits)
+        active = ~stopped
+        toks = toks.at[:, i].set(jnp.where(active, nxt, PAD_ID))
+        lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
+        length = length + active
+        stopped = stopped | (active & jnp.isin(nxt, stops))
+        return i + 1, cache, nxt, pos + 1, toks, lps, stopped, length
+
+    s = jax.lax.while_loop(cond, body, state)
+    return s[4], s[5], s[7], s[6]
+
+
+# ----------------------------------------------------------------------------- host side
+def prepare_prompts(config, prompts) -> tuple[np.ndarray, np.ndarray]:
+    """int array [B, P] or ragged list of token lists -> (right-padded int32 [B, P], lengths [B])."""
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise ValueError(f"prompts array must be 2-D [batch, prompt_len], got shape {arr.shape}")
+        rows = [list(r) for r in arr]
+    else:
+        rows = [list(np.asarray(r).reshape(-1)) for r in prompts]
+    if not rows:
+        raise ValueError("prompts is empty: need at least one prompt")
+    for i, r in enumerate(rows):
+        if len(r) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    lens = np.array([len(r) for r in rows], np.int32)
+    out = np.full((len(rows), int(lens.max())), PAD_ID, np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    bad = (out < 0) | (out >= config.vocab_size)
+    if bad.any():
+        raise ValueError(f"prompt token ids must be in [0, vocab_size={config.vocab_size}); got {out[bad][:4].tolist()}")
+    return out, lens
+
+
+def resolve_max_len(prompt_len: int, max_new_tokens: int, max_len) -> int:
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    need = int(prompt_len) + int(max_new_tokens)
+    if max_len is None:
+        return need
+    if need > max_len:
+        raise ValueError(f"prompt_len ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
+                         f"cache size max_len={max_len}; raise max_len or shorten the request")
+    return int(max_len)
+
+
+def _reasons(stopped) -> list:
+    return ["stop" if s else "length" for s in np.asarray(stopped)]
+
+
+def generate(config, params, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] = (), max_len: int | None = None
+             ) -> GenerateResult:
+    """Sample up to max_new_tokens per prompt with the KV cache (temperature 0 = greedy).
+
+    prompts: int array [B, P] or a list of token-id lists (ragged; right-padded internally).
+    max_len: cache slots (default longest prompt + max_new_tokens); a request that needs more
+    raises ValueError. stop_tokens: a row ends after emitting one (it is included in the output).
+    """
+    sampling.validate(temperature, top_p, top_k)
+    tokens, lens = prepare_prompts(config, prompts)
+    size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len)
+    b = tokens.shape[0]
+    cache = kv.init_cache(config, b, size)
+    t0 = time.perf_counter()
+    logits0, cache = prefill(config, params, cache, jnp.asarray(tokens), jnp.asarray(lens))
+    logits0.block_until_ready()
+    t1 = time.perf_counter()
+    stops = jnp.asarray(np.asarray(list(stop_tokens), np.int32).reshape(-1))
+    toks, lps, length, stopped = _decode_loop(
+        config, int(max_new_tokens), temperature == 0, int(top_k), top_p < 1.0, params, cache, logits0,
+        jnp.asarray(lens), jax.random.PRNGKey(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stops)
+    toks = np.asarray(toks)
+    t2 = time.perf_counter()
+    length = np.asarray(length)
+    return GenerateResult(tokens=toks, logprobs=np.asarray(lps), lengths=length.astype(np.int32),
+                          finish_reasons=_reasons(stopped),
+                          stats={"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tokens": int(lens.sum()),
+                                 "generated_tokens": int(length.sum())})
