@@ -43,8 +43,8 @@ class TrainConfig:
                 raise ConfigError(f"TrainConfig.{f}={v!r} is invalid: must be an integer >= 1")
         if not self.learning_rate > 0:
             raise ConfigError(f"TrainConfig.learning_rate={self.learning_rate!r} is invalid: must be > 0")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup_steps!r} is invalid: must be in [0, steps={self.steps}]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup_steps!r} is invalid: must be >= 0 (clipped to steps)")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"TrainConfig.optimizer={self.optimizer!r} is invalid: allowed: {', '.join(OPTIMIZERS)}")
         if self.indexer_loss not in INDEXER_LOSSES:

@@ -64,7 +64,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *
                         async_save=tcfg.async_checkpoints)
     rng = jax.random.PRNGKey(tcfg.seed)
     params = init_params if init_params is not None else model_init(model_cfg, jax.random.fold_in(rng, 1))
-    params = jax.tree_util.tree_map(jnp.asarray, params)
+    params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)   # the step donates its state
     tx, labels = build_optimizer(model_cfg, tcfg, params)
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.fold_in(rng, 2)}

@@ -28,7 +28,7 @@ def build_optimizer(model_cfg: ModelConfig, tcfg: TrainConfig, params):
         trainable = lambda path: bool(pat.search(path))
     return make_optimizer(tcfg.optimizer, params, learning_rate=tcfg.learning_rate, weight_decay=tcfg.weight_decay,
                           split_spec=model_cfg if tcfg.optimizer == "muon_split" else None,
-                          grad_clip=tcfg.grad_clip or None, warmup_steps=tcfg.warmup_steps,
+                          grad_clip=tcfg.grad_clip or None, warmup_steps=min(tcfg.warmup_steps, tcfg.steps),
                           total_steps=tcfg.steps, min_lr_ratio=tcfg.min_lr_ratio, trainable=trainable)
 
 
@@ -85,10 +85,16 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
         params = optax.apply_updates(state["params"], updates)
         if loads:
             if tcfg.bias_update_rate:
-                params = _bias_update(params, loads, tcfg.bias_update_rate)
+                if tcfg.trainable_pattern:     # a frozen router keeps its bias too
+                    pat = re.compile(tcfg.trainable_pattern)
+                    loads_upd = {k: v for k, v in loads.items()
+                                 if pat.search("/".join(k + ("router", "e_score_correction_bias")))}
+                else:
+                    loads_upd = loads
+                params = _bias_update(params, loads_upd, tcfg.bias_update_rate)
             imbalance = [jnp.max(l) / jnp.maximum(jnp.mean(l.astype(jnp.float32)), 1e-9) for l in loads.values()]
             metrics["expert_load_max_over_mean"] = jnp.mean(jnp.stack(imbalance))
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         rng, _ = jax.random.split(state["rng"])
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}, metrics
 

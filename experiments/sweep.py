@@ -1,0 +1,79 @@
+"""Run an ablation sweep over one setting and write a comparison table.
+
+    python -m experiments.sweep --config=NAME --sweep key=v1,v2,... [--workdir DIR] [--preset tiny]
+                                [--set key=value ...]
+
+Each value runs in <workdir>/<key>=<value>/; sweep.md and sweep.json compare every arm's final
+numbers from the runs' report.json files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+
+from experiments import registry
+from experiments.report import md_table
+from experiments.run import run_experiment
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", None, "Experiment name.")
+flags.DEFINE_string("sweep", None, "key=v1,v2,... : the setting to sweep and its values.")
+flags.DEFINE_string("workdir", None, "Output folder (default runs/sweep_<config>_<key>).")
+flags.DEFINE_string("preset", "tiny", "Scale: tiny (CPU default) or small.")
+flags.DEFINE_integer("steps", None, "Override the experiment's main step count.")
+flags.DEFINE_multi_string("set", [], "Fixed overrides: --set key=value (repeatable).")
+
+
+def flatten_report(report: dict) -> dict[str, float]:
+    out = {}
+    for arm, vals in (report.get("arms") or {}).items():
+        for k, v in vals.items():
+            if isinstance(v, (int, float)):
+                out[f"{arm}.{k}"] = v
+    for k, v in report.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+    return out
+
+
+def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=None) -> dict:
+    exp = registry.get(name)
+    if "=" not in sweep_spec:
+        raise registry.ExperimentError(f"--sweep expects key=v1,v2,..., got {sweep_spec!r}")
+    key, values = sweep_spec.split("=", 1)
+    values = [v for v in values.split(",") if v]
+    registry.resolve_settings(exp, scale, [*fixed, *(f"{key}={v}" for v in values)], steps)   # validate first
+    results = {}
+    for v in values:
+        report = run_experiment(name, os.path.join(workdir, f"{key}={v}"), scale, [*fixed, f"{key}={v}"], steps)
+        results[v] = flatten_report(report)
+    cols = sorted({c for r in results.values() for c in r})
+    table = md_table([key] + cols, [[v] + [results[v].get(c, "") for c in cols] for v in values])
+    with open(os.path.join(workdir, "sweep.json"), "w") as f:
+        json.dump({"experiment": name, "key": key, "results": results}, f, indent=2)
+    with open(os.path.join(workdir, "sweep.md"), "w") as f:
+        f.write(f"# Sweep of {name} over {key}\n\n{table}\n")
+    print(table)
+    return results
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if not FLAGS.config or not FLAGS.sweep:
+        raise app.UsageError("--config and --sweep are required")
+    key = FLAGS.sweep.split("=", 1)[0]
+    try:
+        sweep(FLAGS.config, FLAGS.sweep, FLAGS.workdir or os.path.join("runs", f"sweep_{FLAGS.config}_{key}"),
+              FLAGS.preset, FLAGS.set, FLAGS.steps)
+    except registry.ExperimentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

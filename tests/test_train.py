@@ -1,0 +1,195 @@
+"""Training system: indexer KL vs NumPy, frozen parameters, exact SIGKILL resume, NaN stop, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from glm5_jax.attention.indexer import indexer_kl_dense, indexer_kl_sparse
+from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.model import init_params
+from glm5_jax.train import TrainConfig, TrainingDiverged, train
+from glm5_jax.train.step import build_optimizer, make_train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _np_kl_rows(q, k, scale, qi, ki, w, keys_of):
+    """Per-query KL(p || softmax(I)) over the key set keys_of(b, t), p = head-summed attention, L1-normed."""
+    b_, t_, h_, _ = q.shape
+    out = []
+    for b in range(b_):
+        for t in range(t_):
+            ks = keys_of(b, t)
+            logits = np.stack([q[b, t, h] @ k[b, ks, h].T for h in range(h_)]) * scale
+            p = _softmax(logits).sum(0)
+            p = p / p.sum()
+            scores = np.array([sum(w[b, t, j] * max(0.0, qi[b, t, j] @ ki[b, s]) for j in range(qi.shape[2])) for s in ks])
+            lq = np.log(_softmax(scores))
+            out.append(np.sum(p * (np.log(p) - lq)))
+    return np.array(out)
+
+
+def test_indexer_kl_matches_numpy_formula():
+    rng = np.random.default_rng(0)
+    b, t, h, d, hi, di = 2, 9, 3, 4, 2, 5
+    q, k = rng.normal(size=(b, t, h, d)), rng.normal(size=(b, t, h, d))
+    qi, ki, w = rng.normal(size=(b, t, hi, di)), rng.normal(size=(b, t, di)), rng.normal(size=(b, t, hi))
+    f32 = lambda *a: [jnp.asarray(x, jnp.float32) for x in a]
+    kl, recall = indexer_kl_dense(*f32(q, k), 0.5, *f32(qi, ki, w), topk=3, chunk=3)
+    want = _np_kl_rows(q, k, 0.5, qi, ki, w, lambda bb, tt: list(range(tt + 1)))
+    np.testing.assert_allclose(float(kl), want.mean(), rtol=1e-4)
+    assert 0.0 <= float(recall) <= 1.0
+    idx = np.full((b, t, 4), -1, np.int32)
+    for bb in range(b):
+        for tt in range(t):
+            sel = rng.permutation(tt + 1)[:4]
+            idx[bb, tt, :len(sel)] = sel
+    kl_s = indexer_kl_sparse(*f32(q, k), 0.5, *f32(qi, ki, w), jnp.asarray(idx), chunk=3)
+    want_s = _np_kl_rows(q, k, 0.5, qi, ki, w, lambda bb, tt: [s for s in idx[bb, tt] if s >= 0])
+    np.testing.assert_allclose(float(kl_s), want_s.mean(), rtol=1e-4)
+
+
+def _batch(cfg, b=2, t=24, seed=0):
+    tok = jax.random.randint(jax.random.PRNGKey(seed), (b, t), 0, cfg.vocab_size)
+    return {"tokens": tok, "targets": jnp.roll(tok, -1, 1), "loss_mask": jnp.ones((b, t), jnp.float32),
+            "segment_ids": jnp.ones((b, t), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(t), (b, t))}
+
+
+def test_frozen_parameters_unchanged_and_indexer_trains():
+    cfg = ModelConfig(index_topk=4, mtp_depth=1)
+    tc = TrainConfig(steps=3, batch_size=2, seq_len=24, indexer_loss="dense", trainable_pattern="indexer",
+                     learning_rate=1e-2, warmup_steps=0)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tx, _ = build_optimizer(cfg, tc, params)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(1)}
+    before = traverse_util.flatten_dict(jax.tree_util.tree_map(np.asarray, params))
+    state, metrics = make_train_step(cfg, tc, tx)(state, _batch(cfg))
+    after = traverse_util.flatten_dict(jax.tree_util.tree_map(np.asarray, state["params"]))
+    changed = {"/".join(k) for k in before if not np.array_equal(before[k], after[k])}
+    assert changed and all("indexer" in p for p in changed)
+    assert any("wq_b" in p for p in changed) and any("wk" in p for p in changed)
+    assert np.isfinite(float(metrics["indexer_kl"])) and 0 <= float(metrics["indexer_recall"]) <= 1
+
+
+def test_full_training_updates_router_bias_and_reduces_loss():
+    cfg = ModelConfig(index_topk=4, mtp_depth=1)
+    tc = TrainConfig(steps=8, batch_size=2, seq_len=24, learning_rate=1e-2, warmup_steps=0, indexer_loss="sparse")
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tx, _ = build_optimizer(cfg, tc, params)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(1)}
+    step = make_train_step(cfg, tc, tx)
+    batch = _batch(cfg)
+    losses = []
+    for _ in range(8):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0]
+    assert np.any(np.asarray(state["params"]["layer_1"]["moe"]["router"]["e_score_correction_bias"]) != 0)
+    assert {"ce", "mtp_loss", "indexer_kl", "grad_norm", "expert_load_max_over_mean"} <= set(m)
+
+
+def _worker(workdir, steps, delay, cache):
+    return [sys.executable, os.path.join(ROOT, "tests", "resume_worker.py"), str(workdir), str(steps), str(delay), str(cache)]
+
+
+def _rows(workdir):
+    return [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl")) if l.strip()]
+
+
+def test_sigkill_resume_equals_uninterrupted(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    cache = tmp_path / "cache"
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    subprocess.run(_worker(full, 12, 0.0, cache), env=env, check=True, capture_output=True, timeout=300)
+    proc = subprocess.Popen(_worker(killed, 12, 0.4, cache), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        path = killed / "metrics.jsonl"
+        if path.exists() and len([l for l in open(path) if l.strip()]) >= 7:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(_rows(killed)) < 12
+    subprocess.run(_worker(killed, 12, 0.0, cache), env=env, check=True, capture_output=True, timeout=300)
+    a, b = _rows(full), _rows(killed)
+    assert [r["step"] for r in b] == list(range(1, 13))
+    assert a == b                                   # bitwise: every metric of every step
+    assert a[-1]["loss"] < a[0]["loss"]
+
+
+class _NaNAt:
+    def __init__(self, it, bad_step):
+        self.it, self.bad, self.n = it, bad_step, 0
+
+    def __next__(self):
+        self.n += 1
+        b = dict(next(self.it))
+        if self.n == self.bad:
+            b["loss_mask"] = np.full(b["loss_mask"].shape, np.nan, np.float32)
+        return b
+
+    def get_state(self):
+        return {"n": self.n}
+
+    def set_state(self, s):
+        self.n = s["n"]
+
+
+class _Random:
+    def __init__(self, cfg):
+        self.cfg, self.i = cfg, 0
+
+    def __next__(self):
+        self.i += 1
+        return {k: np.asarray(v) for k, v in _batch(self.cfg, seed=self.i).items()}
+
+
+def test_nan_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path):
+    cfg = ModelConfig(index_topk=4, mtp_depth=0, num_layers=2)
+    tc = TrainConfig(steps=6, batch_size=2, seq_len=24, ckpt_every=1, async_checkpoints=False)
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 4.*last good checkpoint is step 3"):
+        train(cfg, tc, _NaNAt(_Random(cfg), 4), str(tmp_path), log=lambda m: None)
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+    assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == 3
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(steps=0), "TrainConfig.steps=0"),
+                                    (dict(optimizer="sgd"), "allowed: adamw, muon, muon_split"),
+                                    (dict(indexer_loss="kl"), "allowed: None, dense, sparse"),
+                                    (dict(warmup_steps=-5), "warmup_steps=-5"),
+                                    (dict(learning_rate=-1.0), "learning_rate")])
+def test_bad_train_config(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        TrainConfig(**kw)
+
+
+def test_experiment_cli_errors_list_valid_choices():
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.run", *a], env=env, cwd=ROOT,
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--config=nope")
+    assert r.returncode == 2 and "unknown experiment 'nope'" in r.stderr and "dsa_vs_mla" in r.stderr
+    r = run("--config=dsa_vs_mla", "--set", "colour=red")
+    assert r.returncode == 2 and "no setting 'colour'" in r.stderr and "index_topk" in r.stderr
+    r = run("--config=dsa_vs_mla", "--set", "index_topk=many")
+    assert r.returncode == 2 and "expected a int" in r.stderr
+    r = run("--config=dsa_vs_mla", "--preset=huge")
+    assert r.returncode == 2 and "allowed: tiny, small" in r.stderr
+    r = run("--list")
+    assert r.returncode == 0 and "dsa_vs_mla" in r.stdout
