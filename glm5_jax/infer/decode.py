@@ -202,6 +202,15 @@ def resolve_max_len(prompt_len: int, max_new_tokens: int, max_len) -> int:
     return int(max_len)
 
 
+def stop_array(stop_tokens) -> jax.Array:
+    """Stop ids as int32 [max(8, n)] padded with -1 (never a token), so the jitted programs only
+    recompile for more than 8 stop tokens."""
+    ids = np.asarray(list(stop_tokens), np.int64).reshape(-1)
+    out = np.full((max(8, ids.size),), -1, np.int32)
+    out[:ids.size] = ids
+    return jnp.asarray(out)
+
+
 def _reasons(stopped) -> list:
     return ["stop" if s else "length" for s in np.asarray(stopped)]
 
@@ -224,7 +233,7 @@ def generate(config, params, prompts, *, max_new_tokens: int, temperature: float
     logits0, cache = prefill(config, params, cache, jnp.asarray(tokens), jnp.asarray(lens))
     logits0.block_until_ready()
     t1 = time.perf_counter()
-    stops = jnp.asarray(np.asarray(list(stop_tokens), np.int32).reshape(-1))
+    stops = stop_array(stop_tokens)
     toks, lps, length, stopped = _decode_loop(
         config, int(max_new_tokens), temperature == 0, int(top_k), top_p < 1.0, params, cache, logits0,
         jnp.asarray(lens), jax.random.PRNGKey(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stops)

@@ -30,7 +30,7 @@ import numpy as np
 
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer.decode import (PAD_ID, GenerateResult, _reasons, embed, final_norm, head, model_step,
-                                   mtp_block, prefill, prepare_prompts, resolve_max_len, rope)
+                                   mtp_block, prefill, prepare_prompts, resolve_max_len, rope, stop_array)
 
 
 @dataclasses.dataclass
@@ -152,7 +152,7 @@ def speculative_generate(config, params, prompts, *, max_new_tokens: int, num_dr
     cache = kv.init_cache(config, b, size, mtp_depths=n)
     hbuf = jnp.zeros((b, size, config.d_model), dt)
     seq = jnp.zeros((b, size + 1), jnp.int32)
-    stops = jnp.asarray(np.asarray(list(stop_tokens), np.int32).reshape(-1))
+    stops = stop_array(stop_tokens)
     t0 = time.perf_counter()
     cache, hbuf, seq, g0, lp0 = _spec_prefill(config, n, params, cache, hbuf, seq, jnp.asarray(tokens),
                                               jnp.asarray(lens))
