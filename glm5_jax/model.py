@@ -30,15 +30,16 @@ class DecoderLayer(nn.Module):
     indexer_type: str | None
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, indexer_loss=None):
+    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, indexer_loss=None,
+                 monitor_logits: bool = False):
         c = self.cfg
         pdt, dt = dtype_of(c.param_dtype), dtype_of(c.dtype)
         h = RMSNorm(c.rms_norm_eps, pdt, name="input_norm")(x)
         if c.is_mla:
             attn, indices = MLAttention(c, self.indexer_type, name="attn")(h, cos, sin, segment_ids, prev_indices,
-                                                                           indexer_loss)
+                                                                           indexer_loss, monitor_logits)
         else:
-            attn, indices = GQAttention(c, name="attn")(h, cos, sin, segment_ids)
+            attn, indices = GQAttention(c, name="attn")(h, cos, sin, segment_ids, monitor_logits=monitor_logits)
         x = constrain(x + attn, ACT)
         h = RMSNorm(c.rms_norm_eps, pdt, name="post_attn_norm")(x)
         if self.moe:
@@ -99,12 +100,13 @@ class GLM5(nn.Module):
         return self.lm_head(h.astype(jnp.float32))
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, indexer_loss=None, mtp: bool = False,
-                 return_hidden: bool = False) -> dict[str, Any]:
+                 return_hidden: bool = False, monitor_logits: bool = False) -> dict[str, Any]:
         """tokens [B, T] int -> {"logits": [B, T, V] float32, "mtp_logits": [depth, B, T, V] if mtp,
         "hidden": [B, T, D] final-normed if return_hidden}.
 
         positions [B, T] default arange (restart them per document when packing); segment_ids [B, T]
-        keep attention inside documents; indexer_loss in (None, "dense", "sparse") sows indexer KL.
+        keep attention inside documents; indexer_loss in (None, "dense", "sparse") sows indexer KL;
+        monitor_logits sows each main layer's max |q.k|*scale as intermediates/layer_i/attn/max_attn_logit.
         """
         c = self.cfg
         b, t = tokens.shape
@@ -115,7 +117,7 @@ class GLM5(nn.Module):
         x = constrain(self.embed(tokens), ACT)
         indices = None
         for layer in self.layers:
-            x, new_indices = layer(x, cos, sin, segment_ids, indices, indexer_loss)
+            x, new_indices = layer(x, cos, sin, segment_ids, indices, indexer_loss, monitor_logits)
             indices = new_indices if new_indices is not None else indices
         hidden = self.final_norm(x)
         out = {"logits": self.head(hidden)}

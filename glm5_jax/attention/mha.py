@@ -8,13 +8,14 @@ import jax.numpy as jnp
 from glm5_jax.attention.core import causal_attention
 from glm5_jax.layers.common import Dense, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope
+from glm5_jax.optim.monitor import max_attention_logit
 
 
 class GQAttention(nn.Module):
     cfg: "ModelConfig"  # noqa: F821
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None):
+    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, monitor_logits: bool = False):
         c = self.cfg
         b, t, _ = x.shape
         kw = dict(stddev=c.initializer_range, dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype))
@@ -23,6 +24,10 @@ class GQAttention(nn.Module):
         v = Dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), name="v_proj", **kw)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
+        if monitor_logits:   # max |q.k| * scale over heads and visible (causal, same-segment) keys
+            self.sow("intermediates", "max_attn_logit",
+                     max_attention_logit(q, k, c.head_dim ** -0.5, causal=True, q_segment_ids=segment_ids,
+                                         kv_segment_ids=segment_ids, q_chunk=c.attn_chunk))
         out = causal_attention(q, k, v, scale=c.head_dim ** -0.5, segment_ids=segment_ids, chunk=c.attn_chunk)
         out = Dense(x.shape[-1], ("heads", "embed"), name="o_proj", **kw)(out.reshape(b, t, -1))
         return out, None

@@ -14,6 +14,7 @@ from glm5_jax.attention.core import causal_attention
 from glm5_jax.attention.indexer import Indexer, indexer_kl_dense, indexer_kl_sparse, select_topk
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope
+from glm5_jax.optim.monitor import max_attention_logit
 from pallas_kernels import reference as ref
 
 
@@ -29,7 +30,8 @@ class MLAttention(nn.Module):
     indexer_type: str | None = None   # None (plain MLA) | full | shared
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, indexer_loss=None):
+    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, indexer_loss=None,
+                 monitor_logits: bool = False):
         """x [B, T, D] -> (out [B, T, D], top-k indices [B, T, K] or None)."""
         c = self.cfg
         b, t, d = x.shape
@@ -50,6 +52,10 @@ class MLAttention(nn.Module):
         q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
         k = constrain(k, ("activation_batch", "activation_seq", "activation_heads", None))
         scale = (dn + dr) ** -0.5
+        if monitor_logits:   # dense max |q.k| * scale over visible keys (also for DSA: not only the top-k)
+            self.sow("intermediates", "max_attn_logit",
+                     max_attention_logit(q, k, scale, causal=True, q_segment_ids=segment_ids,
+                                         kv_segment_ids=segment_ids, q_chunk=c.attn_chunk))
 
         indices = None
         if self.indexer_type == "full":

@@ -28,6 +28,7 @@ class TrainConfig:
     trainable_pattern: str | None = None  # regex on '/'-joined param paths; others frozen
     bias_update_rate: float = 1e-3       # aux-loss-free MoE balancing step (0 disables)
     eval_every: int = 50
+    monitor_every: int = 0               # > 0: record per-layer max attention logits every N steps (0 = off)
     eval_batches: int = 4
     log_every: int = 10
     ckpt_every: int = 50
@@ -41,6 +42,8 @@ class TrainConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"TrainConfig.{f}={v!r} is invalid: must be an integer >= 1")
+        if not isinstance(self.monitor_every, int) or self.monitor_every < 0:
+            raise ConfigError(f"TrainConfig.monitor_every={self.monitor_every!r} is invalid: must be an integer >= 0 (0 = off)")
         if not self.learning_rate > 0:
             raise ConfigError(f"TrainConfig.learning_rate={self.learning_rate!r} is invalid: must be > 0")
         if self.warmup_steps < 0:

@@ -18,7 +18,8 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model import init_params as model_init
 from glm5_jax.train.checkpoint import Checkpointer
 from glm5_jax.train.config import TrainConfig
-from glm5_jax.train.step import build_optimizer, make_eval_step, make_train_step
+from glm5_jax.optim import optimizer_table
+from glm5_jax.train.step import build_optimizer, make_eval_step, make_monitor_fn, make_train_step
 
 
 class TrainingDiverged(RuntimeError):
@@ -66,6 +67,8 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *
     params = init_params if init_params is not None else model_init(model_cfg, jax.random.fold_in(rng, 1))
     params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)   # the step donates its state
     tx, labels = build_optimizer(model_cfg, tcfg, params)
+    log(f"[{name}] optimizer {tcfg.optimizer}:\n" + optimizer_table(
+        params, labels, model_cfg if tcfg.optimizer == "muon_split" else None))
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.fold_in(rng, 2)}
     start = 0
@@ -80,6 +83,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *
         f.writelines(json.dumps(r) + "\n" for r in history)
 
     step_fn = make_train_step(model_cfg, tcfg, tx)
+    monitor_fn = make_monitor_fn(model_cfg) if tcfg.monitor_every else None
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
     t0, last_t, last_step, last_good = time.time(), time.time(), start, latest
     final = None
@@ -95,6 +99,9 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *
                     f"[{name}] loss is {metrics['loss']} at step {step}; stopped. The last good checkpoint is "
                     f"step {last_good} in {ckpt.directory} (lower learning_rate or enable grad_clip)")
             row = {"step": step, **metrics}
+            if monitor_fn is not None and (step % tcfg.monitor_every == 0 or step == tcfg.steps):
+                # after the update, on this step's batch; a separate forward so the train step is unchanged
+                row.update({k: float(v) for k, v in jax.device_get(monitor_fn(state["params"], batch)).items()})
             if eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps):
                 final = {"step": step, **eval_fn(state["params"])}
                 row.update(final)
@@ -109,6 +116,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *
                 rate = (step - last_step) * tokens_per_step / max(now - last_t, 1e-9)
                 eta = (tcfg.steps - step) * (now - t0) / max(step - start, 1)
                 ev = f" eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+                ev += f" max_attn_logit {row['max_attn_logit']:.2f}" if "max_attn_logit" in row else ""
                 log(f"[{name}] step {step}/{tcfg.steps} loss {metrics['loss']:.4f}{ev} "
                     f"{rate:,.0f} tok/s ETA {_fmt_eta(eta)}")
                 last_t, last_step = now, step

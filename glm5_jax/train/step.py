@@ -112,3 +112,21 @@ def make_eval_step(model_cfg: ModelConfig):
         return jnp.sum((lse - tgt) * mask), jnp.sum(mask), jnp.argmax(logits, axis=-1)
 
     return jax.jit(eval_step)
+
+
+def make_monitor_fn(model_cfg: ModelConfig):
+    """Jitted (params, batch) -> {"max_attn_logit/layer_i": max |q.k|*scale of main layer i,
+    "max_attn_logit": max over layers}: one forward pass with the logit monitor on (no gradients)."""
+    model = GLM5(model_cfg)
+
+    def monitor(params, batch):
+        _, state = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
+                               monitor_logits=True, mutable=["intermediates"])
+        flat = traverse_util.flatten_dict(state.get("intermediates", {}))
+        per_layer = {k[0]: jnp.max(jnp.stack(v)) for k, v in flat.items() if k[-1] == "max_attn_logit"}
+        out = {f"max_attn_logit/{k}": v for k, v in per_layer.items()}
+        if per_layer:
+            out["max_attn_logit"] = jnp.max(jnp.stack(list(per_layer.values())))
+        return out
+
+    return jax.jit(monitor)
