@@ -97,3 +97,15 @@ def test_config_hf_round_trip():
         cfg = ModelConfig.from_hf(raw)
         assert ModelConfig.from_hf(cfg.to_hf()) == cfg
         assert cfg.index_topk == raw["index_topk"] and cfg.num_experts == raw["n_routed_experts"]
+
+
+def test_convert_hf_to_orbax_round_trip(tmp_path):
+    from tools.convert_hf import convert, restore
+    src = os.path.join(FIXTURES, "hf_grouped")
+    cfg, params = hf.load_checkpoint(src)
+    out = convert(src, str(tmp_path / "ckpt"))
+    cfg2, params2 = restore(out)
+    assert cfg2 == cfg
+    _assert_same_tree(params, jax.tree_util.tree_map(np.asarray, params2))
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(src, out)
