@@ -16,7 +16,7 @@ ATTENTION_KINDS = ("mha", "gqa", "mla", "dsa")
 INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("xla", "pallas")
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("ragged", "dense", "a2a")
 ROPE_SCALING_TYPES = ("linear",)
 
 
@@ -64,6 +64,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     first_k_dense: int = 1                # leading layers with a dense MLP
     moe_impl: str = "ragged"              # ragged (sorted dispatch, dropless) | dense (all experts)
+                                          # | a2a (shard_map expert parallelism, glm5_jax.parallel.ep)
+    moe_capacity_factor: float = 1.25     # a2a only: slots per device pair = cf * n*k/ep; <= 0 = dropless
     # Multi-token prediction.
     mtp_depth: int = 1
     mtp_share: bool = True                # one MTP layer reused at every depth (GLM-5)
@@ -177,6 +179,9 @@ class ModelConfig:
                       f"must be <= topk_group * experts per group = {self.topk_group * per_group}")
             if self.num_shared_experts < 0:
                 _fail("num_shared_experts", self.num_shared_experts, "must be >= 0")
+            cf = self.moe_capacity_factor
+            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf != cf or cf in (float("inf"), float("-inf")):
+                _fail("moe_capacity_factor", cf, "must be a finite number (<= 0 means dropless)")
             if self.routed_scaling_factor <= 0:
                 _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
         if not 0 <= self.first_k_dense <= self.num_layers:

@@ -64,6 +64,7 @@ class Experts(nn.Module):
     stddev: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    capacity_factor: float = 1.25          # a2a only (<= 0: dropless)
 
     @nn.compact
     def __call__(self, x, weights, ids):
@@ -78,6 +79,12 @@ class Experts(nn.Module):
             combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
             h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)
             return jnp.einsum("enf,efd,ne->nd", h, down, combine.astype(self.dtype))
+        if self.impl == "a2a":     # explicit expert parallelism: shard_map + all_to_all over `expert`
+            from glm5_jax.parallel.ep import a2a_moe
+            out, dropped = a2a_moe(x, weights, ids, gate, up, down, num_experts=e,
+                                   capacity_factor=self.capacity_factor)
+            self.sow("intermediates", "dropped_fraction", dropped)
+            return out
         k = ids.shape[-1]
         flat = ids.reshape(-1)
         order = jnp.argsort(flat, stable=True)                 # token slots grouped by expert
@@ -102,6 +109,7 @@ class MoE(nn.Module):
     stddev: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    capacity_factor: float = 1.25
 
     @nn.compact
     def __call__(self, x):
@@ -113,7 +121,7 @@ class MoE(nn.Module):
         weights, ids, _ = Router(self.num_experts, router_cfg, self.stddev, name="router")(xf)
         self.sow("intermediates", "expert_load", jnp.bincount(ids.reshape(-1), length=self.num_experts))
         out = Experts(self.num_experts, self.moe_ffn_dim, self.impl, self.stddev, self.dtype, self.param_dtype,
-                      name="experts")(xf, weights, ids)
+                      self.capacity_factor, name="experts")(xf, weights, ids)
         out = constrain(out.reshape(b, t, d).astype(x.dtype), ("activation_batch", "activation_seq", "activation_embed"))
         if self.num_shared_experts:
             out = out + SwiGLU(self.moe_ffn_dim * self.num_shared_experts, self.stddev, self.dtype,

@@ -69,6 +69,9 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
         recalls = _collect(inter, "indexer_recall")
         if recalls:
             metrics["indexer_recall"] = jnp.mean(jnp.stack(list(recalls.values())))
+        dropped = _collect(inter, "dropped_fraction")     # moe_impl="a2a" with a finite capacity
+        if dropped:
+            metrics["moe_dropped_fraction"] = jnp.mean(jnp.stack(list(dropped.values())))
         loads = _collect(inter, "expert_load")
         metrics["loss"] = loss
         return loss, (metrics, loads)
