@@ -90,7 +90,6 @@ def _spec_prefill(config, n, params, cache, hbuf, seq, tokens, lens):
     return dict(cache, mtp=mtp), hbuf, seq, g0, lp0
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _spec_round(config, n, n_new, params, cache, hbuf, seq, e, out, out_lp, count, stopped, stops, acc):
     c = config
     b = e.shape[0]
@@ -122,6 +121,24 @@ def _spec_round(config, n, n_new, params, cache, hbuf, seq, e, out, out_lp, coun
     acc = acc + jnp.stack([jnp.sum(jnp.where(active, a + 1, 0)), jnp.sum(active)]).astype(acc.dtype)
     cache = dict(cache, layers=layers, mtp=mtp)
     return cache, hbuf, seq, e, out, out_lp, count, stopped, acc, jnp.any(~stopped & (count < n_new))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _spec_loop(config, n, n_new, params, cache, hbuf, seq, e, out, out_lp, count, stopped, stops):
+    """All rounds inside one lax.while_loop (no host round trip per verification step)."""
+    def cond(st):
+        return st[-1]
+
+    def body(st):
+        rounds, *rest = st[:-1]
+        new = _spec_round(config, n, n_new, params, *rest[:-1], stops, rest[-1])
+        return (rounds + 1, *new)
+
+    acc = jnp.zeros((2,), jnp.int32)
+    going = jnp.any(~stopped & (count < n_new))
+    st = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, hbuf, seq, e, out, out_lp, count, stopped, acc, going))
+    rounds, _, _, _, _, out, out_lp, count, stopped, acc, _ = st
+    return out, out_lp, count, stopped, acc, rounds
 
 
 def _check(config, num_draft):
@@ -161,16 +178,11 @@ def speculative_generate(config, params, prompts, *, max_new_tokens: int, num_dr
     count = jnp.ones((b,), jnp.int32)
     stopped = jnp.isin(g0, stops)
     e = jnp.asarray(lens - 1)
-    acc = jnp.zeros((2,), jnp.int32)
     g0.block_until_ready()
     t1 = time.perf_counter()
-    going = bool(np.any(~np.asarray(stopped))) and n_new > 1
-    rounds = 0
-    while going:
-        cache, hbuf, seq, e, out, out_lp, count, stopped, acc, going = _spec_round(
-            config, n, n_new, params, cache, hbuf, seq, e, out, out_lp, count, stopped, stops, acc)
-        rounds += 1
-        going = bool(going)
+    out, out_lp, count, stopped, acc, rounds = _spec_loop(config, n, n_new, params, cache, hbuf, seq, e, out,
+                                                          out_lp, count, stopped, stops)
+    rounds = int(rounds)
     t2 = time.perf_counter()
     raw = np.asarray(count)
     count = np.minimum(raw, n_new)
