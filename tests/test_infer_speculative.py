@@ -18,7 +18,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]]
 def test_speculative_equals_plain_greedy_random_model():
     cfg = ModelConfig(attention="dsa", num_layers=2, index_topk=4, indexer_types=("full", "shared"), mtp_depth=1)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
-    n, num_draft = 14, 3
+    n, num_draft = 10, 2
     plain = generate(cfg, params, PROMPTS, max_new_tokens=n, temperature=0.0)
     spec = speculative_generate(cfg, params, PROMPTS, max_new_tokens=n, num_draft=num_draft)
     np.testing.assert_array_equal(spec.tokens, plain.tokens)
