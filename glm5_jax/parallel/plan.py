@@ -1,0 +1,174 @@
+"""Per-device memory plan of the train step for any mesh, without the devices.
+
+Parameters and optimizer state: exact, from sharded abstract shapes. `jax.eval_shape` of the model's
+init and of `tx.init` gives every leaf's shape and dtype (nothing is allocated); the logical sharding
+rules give its PartitionSpec on a `jax.sharding.AbstractMesh` of the requested sizes; the per-device
+bytes are the shard shape (dims divided by the product of their mesh axes, rounded up) times the
+itemsize, summed.
+
+Activations: measured when the mesh's devices exist here (small presets; on CPU tools/plan.py forces
+that many host devices): the train step is lowered with ShapeDtypeStructs carrying the shardings and
+compiled; `compiled.memory_analysis().temp_size_in_bytes` is the per-device scratch (activations kept
+for the backward pass plus workspace). Otherwise (glm5 on a pod mesh: compiling the 744B step on
+CPU is not feasible) they are estimated analytically, see `estimate_activation_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.sharding import MESH_AXES, check_model_fits_mesh, parse_mesh_spec
+from glm5_jax.train.config import TrainConfig
+
+TARGETS = {"TPU v5p (95 GB)": 95e9, "H200 (141 GB)": 141e9}
+_DT = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def abstract_mesh(sizes: Mapping[str, int]):
+    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, sizes: Mapping[str, int],
+                              remat: str = "none") -> dict:
+    """Analytic per-device activation bytes of one train step (an estimate, not a measurement).
+
+    n = ceil(batch / (data*fsdp*expert)) * seq tokens per device; H_l = ceil(heads / tensor); c = compute
+    dtype bytes; f = 4 (float32: router, attention scores, logits). Per token and decoder layer, the
+    forward values the backward pass needs:
+      attention  c*(q_lora + H_l*qk_head [q] + kv_lora + rope + H_l*(qk_nope + v_head) [k, v]
+                   + H_l*qk_head [roped q] + H_l*v_head [out]) + 2*f*H_l*keys [scores, probs],
+                 keys = min(seq, index_topk) for dsa, seq otherwise
+      indexer    (dsa) c*(index_heads*index_dim + index_dim) + 2*f*seq [index scores, top-k]
+      moe layer  2*f*E [router] + 2*c*k*D [dispatched x, expert y] + 3*c*k*ceil(F_moe/tensor) [gate, up,
+                 act] + 3*c*ceil(F_moe*shared/tensor);   dense layer 3*c*ceil(ffn/tensor)
+      norms      4*c*D (two norm inputs, two residual sums)
+    logits       f*ceil(V/tensor)*(1 + mtp_depth) [stacked logits] + 2*f*ceil(V/tensor) [softmax, grad]
+    remat="none" (the step as written today): every layer's values live at once:
+      n * (sum over L layers + mtp_depth MTP layers of per-layer bytes) + n * logits.
+    remat="layer" (checkpoint each decoder layer): only layer inputs are kept, one layer is recomputed:
+      n * c * D * (L + mtp_depth) + 2 * n * max per-layer bytes [its values and their gradients] + n * logits.
+    """
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    tp = sizes["tensor"]
+    n = math.ceil(batch_size / shards) * seq_len
+    c, f = _DT[cfg.dtype], 4
+    d = cfg.d_model
+    hl = math.ceil(cfg.num_heads / tp)
+    if cfg.is_mla:
+        keys = min(seq_len, cfg.index_topk) if cfg.attention == "dsa" else seq_len
+        attn = c * (cfg.q_lora_rank + hl * cfg.qk_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+                    + hl * (cfg.qk_nope_head_dim + cfg.v_head_dim) + hl * cfg.qk_head_dim + hl * cfg.v_head_dim)
+    else:
+        keys = seq_len
+        kvl = math.ceil(cfg.num_kv_heads / tp)
+        attn = c * (2 * hl * cfg.head_dim + 2 * kvl * cfg.head_dim + hl * cfg.head_dim)
+    attn += 2 * f * hl * keys
+    idx = c * (cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim) + 2 * f * seq_len \
+        if cfg.attention == "dsa" else 0
+    moe = (2 * f * cfg.num_experts + 2 * c * cfg.experts_per_tok * d
+           + 3 * c * cfg.experts_per_tok * math.ceil(cfg.moe_ffn_dim / tp)
+           + 3 * c * math.ceil(cfg.moe_ffn_dim * cfg.num_shared_experts / tp)) if cfg.num_experts else 0
+    dense = 3 * c * math.ceil(cfg.ffn_dim / tp)
+    norms = 4 * c * d
+    per_layer = [attn + idx + (moe if cfg.is_moe_layer(i) else dense) + norms for i in range(cfg.num_layers)]
+    per_layer += [attn + idx + (moe if cfg.num_experts else dense) + norms + 3 * c * d] * cfg.mtp_depth
+    vl = math.ceil(cfg.vocab_size / tp)
+    logits = f * vl * (1 + cfg.mtp_depth) + 2 * f * vl
+    if remat == "none":
+        total = n * sum(per_layer) + n * logits
+    elif remat == "layer":
+        total = n * c * d * len(per_layer) + 2 * n * max(per_layer) + n * logits
+    else:
+        raise ValueError(f"remat={remat!r}: allowed none, layer")
+    return {"bytes": int(total), "tokens_per_device": n, "per_token_layer_bytes_max": int(max(per_layer)),
+            "logits_bytes_per_token": int(logits), "remat": remat}
+
+
+def _fits(total: int) -> dict:
+    return {name: bool(total <= cap) for name, cap in TARGETS.items()}
+
+
+def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | None = None, seq_len: int = 4096,
+         optimizer: str = "adamw", activations: str = "auto", preset_name: str | None = None) -> dict:
+    """Per-device bytes of params / optimizer state / activations of the train step on `mesh`.
+
+    activations: auto (measure if the mesh's devices exist and the model has < 5e9 parameters, else
+    estimate) | measure | estimate.
+    """
+    from glm5_jax.parallel.state import (abstract_batch, abstract_state, make_sharded_train_step,
+                                         per_device_bytes)
+    from glm5_jax.sharding import make_mesh
+
+    sizes = parse_mesh_spec(mesh)
+    if any(v == -1 for v in sizes.values()):
+        raise ValueError(f"mesh {sizes}: the planner needs explicit sizes (no -1)")
+    n_dev = math.prod(sizes.values())
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    batch_size = shards if batch_size is None else batch_size
+    check_model_fits_mesh(cfg, sizes, batch_size)
+    tcfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, steps=1000)
+    amesh = abstract_mesh(sizes)
+    state, tx = abstract_state(cfg, tcfg, amesh)
+    p_bytes = per_device_bytes(state["params"])
+    o_bytes = per_device_bytes(state["opt_state"])
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))
+    est = {r: estimate_activation_bytes(cfg, batch_size, seq_len, sizes, r) for r in ("none", "layer")}
+    measure = activations == "measure" or (activations == "auto" and n_params < 5e9 and len(jax.devices()) >= n_dev)
+    if activations == "measure" and len(jax.devices()) < n_dev:
+        raise ValueError(f"--activations=measure needs {n_dev} devices, {len(jax.devices())} exist")
+    sources = {"params": "exact: sharded abstract shapes (jax.eval_shape + logical sharding rules)",
+               "optimizer": "exact: jax.eval_shape(tx.init) with mirrored parameter shardings"}
+    out = {"preset": preset_name, "mesh": sizes, "devices": n_dev, "batch_size": batch_size, "seq_len": seq_len,
+           "optimizer": optimizer, "num_params": n_params}
+    if measure:
+        real = make_mesh(sizes, jax.devices()[:n_dev])
+        rstate, _ = abstract_state(cfg, tcfg, real, tx)
+        step = make_sharded_train_step(cfg, tcfg, tx, real)
+        from glm5_jax.sharding import use_mesh
+        with use_mesh(real):
+            compiled = step.jitted.lower(rstate, abstract_batch(batch_size, seq_len, real)).compile()
+        ma = compiled.memory_analysis()
+        a_bytes = int(ma.temp_size_in_bytes)
+        sources["activations"] = "measured: compiled.memory_analysis().temp_size_in_bytes (step as written, no remat)"
+        out["compiled_memory_analysis"] = {k: int(getattr(ma, k)) for k in (
+            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "generated_code_size_in_bytes") if hasattr(ma, k)}
+    else:
+        a_bytes = est["none"]["bytes"]
+        sources["activations"] = ("estimated: estimate_activation_bytes(remat='none'), the step as written "
+                                  "(see glm5_jax/parallel/plan.py for the formula)")
+    total = p_bytes + o_bytes + a_bytes
+    out["per_device_bytes"] = {"params": p_bytes, "optimizer": o_bytes, "activations": a_bytes, "total": total}
+    out["sources"] = sources
+    out["fits"] = _fits(total)
+    remat_total = p_bytes + o_bytes + est["layer"]["bytes"]
+    out["with_layer_remat"] = {"activations_estimate": est["layer"]["bytes"], "total": remat_total,
+                               "fits": _fits(remat_total)}
+    out["activation_estimates"] = est
+    return out
+
+
+def format_plan(p: dict) -> str:
+    def gb(b):
+        return f"{b / 1e9:,.2f} GB" if b >= 1e8 else f"{b / 1e6:,.3f} MB"
+    pd = p["per_device_bytes"]
+    mesh = ",".join(f"{a}:{n}" for a, n in p["mesh"].items())
+    lines = [f"preset {p['preset']}  mesh {mesh} ({p['devices']} devices)  batch {p['batch_size']} x seq "
+             f"{p['seq_len']}  optimizer {p['optimizer']}  params {p['num_params']:,}",
+             "per-device memory:"]
+    for k in ("params", "optimizer", "activations", "total"):
+        src = p["sources"].get(k, "sum")
+        lines.append(f"  {k:<12}{gb(pd[k]):>14}   {src.split(':')[0]}")
+    for name, ok in p["fits"].items():
+        lines.append(f"{'fits' if ok else 'does not fit'}: {name}  (total {gb(pd['total'])})")
+    r = p["with_layer_remat"]
+    lines.append(f"with per-layer remat (estimate): activations {gb(r['activations_estimate'])}, total {gb(r['total'])}")
+    for name, ok in r["fits"].items():
+        lines.append(f"  {'fits' if ok else 'does not fit'}: {name}")
+    return "\n".join(lines)

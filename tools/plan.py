@@ -1,0 +1,73 @@
+"""Per-device memory of the train step on a mesh, without the devices.
+
+    python -m tools.plan --preset=glm5 --mesh=fsdp:64,expert:4 [--batch_size N] [--seq_len N] [--json]
+
+Params and optimizer state are exact (sharded abstract shapes); activations are measured from the
+compiled step when the mesh's devices exist (on CPU this tool forces that many host devices for
+meshes up to --max_fake_devices and models under 5e9 parameters) and estimated otherwise. See
+glm5_jax/parallel/plan.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "tiny", "Model preset: tiny | small | glm5.")
+flags.DEFINE_string("mesh", "data:1", "Mesh sizes AXIS:N,... over data, fsdp, expert, tensor.")
+flags.DEFINE_integer("batch_size", None, "Global batch (sequences); default one per data*fsdp*expert shard.")
+flags.DEFINE_integer("seq_len", 4096, "Sequence length.")
+flags.DEFINE_string("optimizer", "adamw", "adamw | muon | muon_split.")
+flags.DEFINE_enum("activations", "auto", ["auto", "measure", "estimate"], "Measure (compile) or estimate.")
+flags.DEFINE_integer("max_fake_devices", 64, "Force up to this many CPU devices to measure activations.")
+flags.DEFINE_bool("json", False, "Print JSON.")
+
+
+def _force_cpu_devices(argv) -> None:
+    """Before jax is imported: on CPU, ask for as many host devices as the mesh needs (if few enough)."""
+    mesh, preset, acts, cap = "data:1", "tiny", "auto", 64
+    for a in argv:
+        for name in ("mesh", "preset", "activations", "max_fake_devices"):
+            if a.startswith(f"--{name}="):
+                val = a.split("=", 1)[1]
+                if name == "mesh":
+                    mesh = val
+                elif name == "preset":
+                    preset = val
+                elif name == "activations":
+                    acts = val
+                else:
+                    cap = int(val)
+    try:
+        n = math.prod(int(p.split(":")[1]) for p in mesh.split(",") if ":" in p)
+    except ValueError:
+        return
+    if acts == "estimate" or preset == "glm5" or n < 2 or n > cap or "jax" in sys.modules:
+        return
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+
+
+def main(argv):
+    del argv
+    from glm5_jax.config import ConfigError, preset
+    from glm5_jax.parallel.plan import format_plan, plan
+    from glm5_jax.sharding import MeshError
+    try:
+        cfg = preset(FLAGS.preset)
+        p = plan(cfg, FLAGS.mesh, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, optimizer=FLAGS.optimizer,
+                 activations=FLAGS.activations, preset_name=FLAGS.preset)
+    except (ConfigError, MeshError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(p, indent=1) if FLAGS.json else format_plan(p))
+
+
+if __name__ == "__main__":
+    _force_cpu_devices(sys.argv[1:])
+    app.run(main)
