@@ -49,12 +49,155 @@ def index_scores(q_idx, k_idx, weights):
     return jnp.einsum("bth,bths->bts", weights.astype(jnp.float32), jax.nn.relu(dots))
 
 
+# --- exact top-k by threshold selection -------------------------------------------------------
+#
+# XLA's CPU TopK is a per-row partial sort (cost grows with k: ~0.8 ms per 32K-long row for
+# k = 512), while fused compare+count passes over a row are ~50x cheaper. So the exact top-k is:
+#   1. map float32 scores to int32 keys that preserve XLA TopK's total order (-0.0 < +0.0, -inf
+#      lowest among non-NaN; ties are then broken by index inside lax.top_k);
+#   2. bisect per row for a threshold `lo` with count(keys >= lo) >= k (always true) and
+#      count(keys >= lo) <= cap (stop as soon as it holds, or when the bracket is one key: a run
+#      of ties), alternating value-space and key-space midpoints (count passes only);
+#   3. lax.top_k over the row with every key below `lo` replaced by -inf: the top-k of that row
+#      is exactly the top-k of the original row (same set, same order, same tie-break, since
+#      only elements outside the top-k set were demoted, to below every survivor), and the
+#      partial sort then only inserts the <= cap survivors.
+# Causal rows also skip the invisible key tail: query chunks are grouped and each group only
+# scores the static key prefix that its last query can see.
+
+_KEY_NEG_INF = -2139095041  # _sortable_key(-inf) (0x807fffff)
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _sortable_key(x):
+    """float32 -> int32, monotone in XLA TopK's total order (-0.0 < +0.0; +NaN highest)."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return i ^ ((i >> 31) & jnp.int32(0x7FFFFFFF))
+
+
+def _key_value(key):
+    """Inverse of `_sortable_key`."""
+    return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & jnp.int32(0x7FFFFFFF)), jnp.float32)
+
+
+def _key_midpoint(lo, hi):
+    """ceil((lo + hi) / 2) for int32 lo <= hi without overflow: in (lo, hi] when lo < hi."""
+    d = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)  # wraps to the true distance
+    return lo + jax.lax.bitcast_convert_type((d >> 1) + (d & 1), jnp.int32)
+
+
+def _select_threshold(keys, k: int, cap: int):
+    """keys int32 [..., L] -> (lo [...], rounds): count(keys >= lo) >= k, and <= cap unless the
+    k-th largest key is tied beyond cap. Rows with fewer than k keys above -inf get -inf's key."""
+    count = lambda thr: jnp.sum((keys >= thr[..., None]).astype(jnp.int32), axis=-1)  # noqa: E731
+    finite = keys > _KEY_NEG_INF
+    n_fin = jnp.sum(finite.astype(jnp.int32), axis=-1)
+    enough = n_fin >= k
+    hi = jnp.max(keys, axis=-1)  # invariant: count(keys > hi) < k
+    lo = jnp.where(enough, jnp.min(jnp.where(finite, keys, _INT32_MAX), axis=-1),
+                   jnp.int32(_KEY_NEG_INF))  # invariant: count(keys >= lo) >= k
+    cnt = jnp.where(enough, n_fin, 0)  # 0: rows without k finite keys are done at once
+
+    def active(lo, hi, cnt):
+        return (cnt > cap) & (lo < hi)
+
+    def body(c):
+        r, lo, hi, cnt = c
+        # value-space midpoint (fast for O(1)-scaled scores); every third round the key-space
+        # midpoint (halves the key range: at most ~3 x 32 rounds in the worst case)
+        fmid = _sortable_key(0.5 * _key_value(lo) + 0.5 * _key_value(hi))
+        use_f = (r % 3 != 2) & (fmid > lo) & (fmid <= hi)
+        mid = jnp.where(use_f, fmid, _key_midpoint(lo, hi))
+        c_mid = count(mid)
+        act = active(lo, hi, cnt)
+        up = act & (c_mid >= k)
+        return (r + 1, jnp.where(up, mid, lo), jnp.where(act & ~up, mid - 1, hi),
+                jnp.where(up, c_mid, cnt))
+
+    r, lo, _, _ = jax.lax.while_loop(lambda c: jnp.any(active(*c[1:])), body,
+                                     (jnp.int32(0), lo, hi, cnt))
+    return lo, r
+
+
+def topk_rows(scores, k: int, *, cap: int | None = None):
+    """Exactly `jax.lax.top_k(scores, k)[1]` (ties to the lower index) with -1 where the value is
+    -inf, for float32 scores [..., L], k <= L; by threshold selection (see above)."""
+    keys = _sortable_key(scores)
+    lo, _ = _select_threshold(keys, k, int(cap or 2 * k))
+    vals, idx = jax.lax.top_k(jnp.where(keys >= lo[..., None], scores, NEG_INF), k)
+    return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
+
+
+def _prefix_visible(t0, tc: int, length: int, s: int, t_total: int, causal: bool, seg_q=None,
+                    seg_k=None):
+    """visible_mask restricted to the key prefix [0, length) of an S-long key sequence."""
+    q_pos = t0 + jnp.arange(tc)[:, None] + (s - t_total)
+    k_pos = jnp.arange(length)[None, :]
+    mask = (k_pos <= q_pos) if causal else jnp.ones((tc, length), bool)
+    mask = mask[None]
+    if seg_q is not None:
+        mask = mask & (seg_q[:, :, None] == seg_k[:, None, :])
+    return mask
+
+
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segment_ids=None,
-                 chunk: int = 256):
+                 chunk: int = 256, groups: int = 8, cap: int | None = None):
     """Exact top-k keys per query by the lightning-indexer score.
 
-    q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk].
+    q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk]: the same
+    array as `lax.top_k` over each full masked score row (values descending, ties towards the
+    lower key index, -1 past the visible keys), computed by threshold selection; causal query
+    chunks are split into `groups` groups that each score only their visible key prefix.
     """
+    b, t, _, _ = q_idx.shape
+    s = k_idx.shape[1]
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if segment_ids is not None and s != t:
+        raise ValueError(f"segment_ids needs S == T, got S={s}, T={t}")
+    tc = _pick_chunk(t, chunk)
+    n = t // tc
+    k_eff = min(topk, s)
+    g = max(1, min(int(groups), n)) if causal else 1
+    bounds = [round(j * n / g) for j in range(g + 1)]
+
+    outs = []
+    for c0, c1 in zip(bounds[:-1], bounds[1:]):
+        if c1 <= c0:
+            continue
+        # keys [0, length) hold every key visible to the group's queries
+        length = min(s, max(1, c1 * tc + s - t)) if causal else s
+        if length < s:  # whole 128-key tiles, at least 1024 keys (steady dot shapes)
+            length = min(s, max(1024, -(-length // 128) * 128))
+        kk = min(k_eff, length)
+        kx = k_idx[:, :length]
+        seg_k = None if segment_ids is None else segment_ids[:, :length]
+
+        def one_chunk(i, kx=kx, seg_k=seg_k, length=length, kk=kk):
+            t0 = i * tc
+            q = jax.lax.dynamic_slice_in_dim(q_idx, t0, tc, axis=1)
+            w = jax.lax.dynamic_slice_in_dim(weights, t0, tc, axis=1)
+            seg_q = (None if segment_ids is None
+                     else jax.lax.dynamic_slice_in_dim(segment_ids, t0, tc, 1))
+            scores = index_scores(q, kx, w)
+            mask = _prefix_visible(t0, tc, length, s, t, causal, seg_q, seg_k)
+            return topk_rows(jnp.where(mask, scores, NEG_INF), kk, cap=cap)
+
+        out = jax.lax.map(one_chunk, jnp.arange(c0, c1))  # [n_g, B, tc, kk]
+        out = jnp.moveaxis(out, 0, 1).reshape(b, (c1 - c0) * tc, kk)
+        if kk < k_eff:
+            out = jnp.pad(out, ((0, 0), (0, 0), (0, k_eff - kk)), constant_values=-1)
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    if k_eff < topk:
+        out = jnp.pad(out, ((0, 0), (0, 0), (0, topk - k_eff)), constant_values=-1)
+    return out
+
+
+def _indexer_topk_sort(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segment_ids=None,
+                 chunk: int = 256):
+    """The previous implementation (full-row `lax.top_k` per query chunk), kept for tests:
+    `indexer_topk` must return exactly this."""
     b, t, _, _ = q_idx.shape
     s = k_idx.shape[1]
     if topk < 1:
@@ -84,6 +227,58 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segme
 
 def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 128):
     """Attention of each query over its selected keys only.
+
+    q [B, T, H, Dq], k [B, S, Hk, Dq], v [B, S, Hk, Dv] with Hk in {1, H}, indices int32 [B, T, K]
+    (-1 = no key) -> [B, T, H, Dv] in q's dtype. Softmax in float32; a row without a valid index
+    returns zeros.
+
+    Per query chunk: gather the selected K/V rows (in-bounds gathers: -1 is mapped to row 0 and
+    masked, so XLA skips its bounds clamping, ~2x cheaper on CPU; their transposes are plain
+    scatter-adds), logits laid out [B, tc, K, H] (the key axis outside the head axis makes the
+    per-query products long-by-narrow matmuls, which XLA CPU runs ~2x faster than [H, K]).
+    The chunk body is checkpointed: the backward re-gathers K/V per chunk instead of saving the
+    gathered [T, K, Hk, D] tensors (O(T) residual memory).
+    """
+    b, t, h, _ = q.shape
+    hk = k.shape[2]
+    if hk not in (1, h):
+        raise ValueError(f"k has {hk} heads; sparse_attention allows 1 or H={h}")
+    tc = _pick_chunk(t, chunk)
+    k1 = k[:, :, 0] if hk == 1 else k  # [B, S, D] or [B, S, H, D]
+    v1 = v[:, :, 0] if hk == 1 else v
+
+    def gather(x, idx):  # x [B, S, ...], idx [B, tc, K] (in range) -> [B, tc, K, ...]
+        return jax.vmap(lambda xb, ib: xb.at[ib].get(mode="promise_in_bounds"))(x, idx)
+
+    def one_chunk(i):
+        t0 = i * tc
+        qc = jax.lax.dynamic_slice_in_dim(q, t0, tc, axis=1)
+        idx = jax.lax.dynamic_slice_in_dim(indices, t0, tc, axis=1)
+        valid = (idx >= 0)[..., None]  # [B, tc, K, 1]
+        safe = jnp.where(idx >= 0, idx, 0)
+        kc, vc = gather(k1, safe), gather(v1, safe)
+        if hk == 1:
+            logits = jnp.einsum("btkd,bthd->btkh", kc, qc)
+        else:
+            logits = jnp.einsum("btkhd,bthd->btkh", kc, qc)
+        logits = logits.astype(jnp.float32) * scale
+        logits = jnp.where(valid, logits, NEG_INF)
+        m = jnp.max(logits, axis=2, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(logits - m)
+        denom = jnp.sum(p, axis=2, keepdims=True)
+        p = p / jnp.where(denom == 0, 1.0, denom)
+        p = p.astype(v.dtype)
+        if hk == 1:
+            return jnp.einsum("btkh,btkd->bthd", p, vc)
+        return jnp.einsum("btkh,btkhd->bthd", p, vc)
+
+    out = jax.lax.map(jax.checkpoint(one_chunk), jnp.arange(t // tc))  # [n, B, tc, H, Dv]
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1]).astype(q.dtype)
+
+
+def _sparse_attention_v1(q, k, v, indices, *, scale: float, chunk: int = 128):
+    """Previous formulation (kept for tests/benchmarks): attention over the selected keys only.
 
     q [B, T, H, Dq], k [B, S, Hk, Dq], v [B, S, Hk, Dv] with Hk in {1, H}, indices int32 [B, T, K]
     (-1 = no key) -> [B, T, H, Dv] in q's dtype. Softmax in float32; a row without a valid index
