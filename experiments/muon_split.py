@@ -27,9 +27,9 @@ ARMS = (("mla_adamw", "mla", "adamw"), ("mla_muon", "mla", "muon"), ("mla_muon_s
         ("gqa_muon", "gqa", "muon"))
 
 TINY = dict(
-    seq_len=256, batch_size=8, vocab_size=2048, d_model=128, num_layers=2, num_heads=8, q_lora_rank=64,
+    seq_len=128, batch_size=8, vocab_size=2048, d_model=128, num_layers=2, num_heads=8, q_lora_rank=64,
     kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, gqa_kv_heads=2, gqa_head_dim=24,
-    ffn_dim=384, steps=240, warmup_steps=20, learning_rate=3e-3, muon_learning_rate=3e-3, weight_decay=0.1,
+    ffn_dim=384, steps=160, warmup_steps=16, learning_rate=3e-3, muon_learning_rate=3e-3, weight_decay=0.1,
     eval_every=40, eval_batches=4, monitor_every=10, max_files=0, seed=0, model_preset="", arms="",
 )
 # One accelerator: the "small" preset trunk (MoE, MLA dims from the preset) with 16 heads, GQA-8 (8 KV heads).
