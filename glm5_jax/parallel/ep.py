@@ -84,7 +84,15 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
 
 
 def _context_mesh():
+    """The mesh set by glm5_jax.sharding.use_mesh: jax.set_mesh/use_mesh's abstract mesh, or the legacy
+    `with mesh:` context (what use_mesh enters on jax versions without jax.sharding.use_mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        try:
+            from jax._src.mesh import thread_resources
+            mesh = thread_resources.env.physical_mesh
+        except ImportError:          # pragma: no cover - moved in a future jax
+            mesh = None
     if mesh is None or mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
         return None
     return mesh
@@ -101,7 +109,7 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
         out, dropped, total = dispatch_local(x, weights, ids, gate, up, down, num_experts=num_experts,
                                              capacity_factor=capacity_factor)
         return out, dropped.astype(jnp.float32) / total
-    sizes = dict(zip(mesh.axis_names, mesh.axis_shape))
+    sizes = dict(mesh.shape)
     ep = sizes["expert"]
     shards = math.prod(sizes[a] for a in BATCH_AXES)
     if num_experts % ep:

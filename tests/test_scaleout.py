@@ -1,0 +1,180 @@
+"""Scale-out on 8 forced CPU devices: sharded train steps (GSPMD and the a2a expert-parallel dispatch)
+follow the 1-device loss trajectory, checkpoints restore exactly onto other meshes, saves are async,
+bad meshes / distributed settings fail clearly."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run8(script: str, timeout: int = 600) -> str:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr[-6000:]
+    assert "OK" in res.stdout, res.stdout
+    return res.stdout
+
+
+COMMON = """
+    import time, jax, jax.numpy as jnp, numpy as np
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.train import TrainConfig
+    from glm5_jax.parallel import state as st
+    from glm5_jax import sharding
+    from glm5_jax.model import init_params
+    assert len(jax.devices()) == 8
+    # the tiny config with 8 experts (divisible by every expert axis below), 2 layers, no MTP for speed
+    cfg = ModelConfig(num_experts=8, num_layers=2, index_topk=8, mtp_depth=0)
+    tc = TrainConfig(batch_size=8, seq_len=16, steps=5, warmup_steps=1, optimizer="adamw")
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    batches = []
+    for i in range(5):
+        t = rng.integers(0, cfg.vocab_size, (8, 17))
+        batches.append({"tokens": t[:, :-1].astype(np.int32), "targets": t[:, 1:].astype(np.int32),
+                        "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1)),
+                        "segment_ids": np.ones((8, 16), np.int32), "loss_mask": np.ones((8, 16), np.float32)})
+
+    def trajectory(c, spec, n_dev=8):
+        mesh = sharding.make_mesh(spec, jax.devices()[:n_dev])
+        sharding.check_model_fits_mesh(c, sharding.parse_mesh_spec(spec), tc.batch_size)
+        state, tx = st.init_sharded_state(c, tc, mesh, params=params)
+        step = st.make_sharded_train_step(c, tc, tx, mesh)
+        out = []
+        for b in batches:
+            state, m = step(state, b)
+            out.append({k: float(v) for k, v in m.items()})
+        return out, state
+"""
+
+
+def test_sharded_train_steps_match_single_device():
+    run8(COMMON + """
+    ref, _ = trajectory(cfg, "data:1", 1)
+    want = np.array([m["loss"] for m in ref])
+    assert np.all(np.isfinite(want)) and want[-1] != want[0]
+    cases = [(cfg, "data:2,expert:4"), (cfg, "fsdp:2,expert:4"), (cfg, "tensor:2,expert:4"),
+             (cfg.replace(moe_impl="a2a", moe_capacity_factor=0.0), "fsdp:2,expert:4")]
+    for c, spec in cases:
+        t0 = time.time()
+        got, state = trajectory(c, spec)
+        loss = np.array([m["loss"] for m in got])
+        rel = float(np.max(np.abs(loss - want) / np.abs(want)))
+        assert rel <= 1e-5, (c.moe_impl, spec, loss, want)
+        gp = state["params"]["layer_1"]["moe"]["experts"]["gate_proj"]
+        assert gp.sharding.spec[0] == "expert", gp.sharding.spec
+        if c.moe_impl == "a2a":
+            assert all(m["moe_dropped_fraction"] == 0.0 for m in got), got   # dropless
+        print(c.moe_impl, spec, "rel", rel, f"{time.time() - t0:.1f}s")
+    print("OK")
+    """)
+
+
+def test_a2a_capacity_drops_tokens_and_reports_fraction():
+    run8("""
+    import jax, jax.numpy as jnp, numpy as np
+    from glm5_jax.parallel.ep import a2a_moe, capacity
+    from glm5_jax import sharding
+    assert capacity(64, 4, 1.0) == 16 and capacity(64, 4, 0.0) == 64 and capacity(64, 4, 8.0) == 64
+    n, d, f, e, k = 64, 8, 16, 8, 2
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(ks[0], (n, d))
+    ids = jnp.zeros((n, k), jnp.int32).at[:, 1].set(1)         # every token -> experts 0 and 1 (device 0)
+    ids = ids.at[: n // 2].set(jax.random.randint(ks[1], (n // 2, k), 0, e))
+    w = jnp.full((n, k), 0.5)
+    gate, up = (jax.random.normal(kk, (e, d, f)) * 0.3 for kk in ks[2:])
+    down = jax.random.normal(ks[3], (e, f, d)) * 0.3
+    ref, drop0 = a2a_moe(x, w, ids, gate, up, down, num_experts=e, capacity_factor=0.0)
+    assert float(drop0) == 0.0
+    mesh = sharding.make_mesh("data:2,expert:4")
+    with sharding.use_mesh(mesh):
+        f_ = jax.jit(lambda *a, cf: a2a_moe(*a, num_experts=e, capacity_factor=cf), static_argnames="cf")
+        full, dz = f_(x, w, ids, gate, up, down, cf=0.0)
+        part, dp = f_(x, w, ids, gate, up, down, cf=1.0)
+    np.testing.assert_allclose(np.asarray(full), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    assert float(dz) == 0.0 and 0.0 < float(dp) < 1.0, (dz, dp)
+    # kept tokens are exact, dropped slots contribute 0 (each row is a sum of its kept slots)
+    diff = np.abs(np.asarray(part) - np.asarray(ref)).max(axis=1)
+    assert (diff < 1e-5).sum() > 0 and (diff > 1e-5).sum() > 0
+    print("dropped", float(dp))
+    print("OK")
+    """)
+
+
+def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
+    out = run8(COMMON + f"""
+    from glm5_jax.parallel import checkpoint as pc
+    from glm5_jax.train.checkpoint import Checkpointer
+    _, state = trajectory(cfg, "fsdp:2,expert:4")             # (2, 4) mesh after 5 steps
+    host = jax.tree_util.tree_map(np.asarray, state)
+    ck = Checkpointer({str(tmp_path / 'ck')!r}, keep=3)
+    pc.save(ck, 5, state); ck.wait()
+    for spec, n_dev in [("fsdp:4,expert:2", 8), ("data:1", 1)]:
+        mesh = sharding.make_mesh(spec, jax.devices()[:n_dev])
+        restored, _ = pc.restore_on_mesh(ck, 5, cfg, tc, mesh)
+        want_sh = st.state_shardings(cfg, tc, mesh)
+        for (path, a), b, s in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
+                                   jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(want_sh)):
+            assert a.sharding.is_equivalent_to(s, a.ndim), (path, a.sharding, s)
+            assert np.array_equal(np.asarray(a), b), path
+        print("restored exactly on", spec)
+    # async: save() returns while the write is still running
+    big = {{"w": jax.device_put(jnp.ones((8, 4096, 2048), jnp.float32),
+                               jax.sharding.NamedSharding(sharding.make_mesh("fsdp:8"), jax.sharding.PartitionSpec("fsdp")))}}
+    t0 = time.perf_counter(); pc.save(ck, 6, big); t_ret = time.perf_counter() - t0
+    busy = pc.is_saving(ck)
+    ck.wait(); t_all = time.perf_counter() - t0
+    print(f"async save: save() returned after {{t_ret:.3f}}s, write finished after {{t_all:.3f}}s, busy={{busy}}")
+    assert busy or t_ret < 0.5 * t_all, (t_ret, t_all)
+    ck.close()
+    print("OK")
+    """)
+    print(out)
+
+
+def test_bad_meshes_and_distributed_settings_fail_clearly():
+    run8("""
+    import jax
+    from glm5_jax.config import ModelConfig
+    from glm5_jax import sharding
+    from glm5_jax.sharding import MeshError
+    from glm5_jax.parallel import distributed as dist
+    cfg = ModelConfig(num_experts=8)
+    def fails(fn, *words):
+        try:
+            fn()
+        except (MeshError, dist.DistributedConfigError, ValueError) as e:
+            assert all(w in str(e) for w in words), (words, str(e))
+        else:
+            raise AssertionError(words)
+    fails(lambda: dist.build_mesh("expert:3"), "needs 3 devices", "8 are available")
+    fails(lambda: dist.build_mesh("fsdp:3,expert:-1"), "do not divide 8")
+    fails(lambda: dist.build_mesh("expert:8", model_cfg=cfg.replace(num_experts=4)), "num_experts=4", "expert=8")
+    fails(lambda: dist.build_mesh("tensor:8", model_cfg=cfg), "num_heads=4", "tensor=8")
+    fails(lambda: dist.build_mesh("data:2,expert:4", model_cfg=cfg, batch_size=4), "batch size 4", "= 8")
+    fails(lambda: dist.build_mesh("data:8", scope="nodes"), "scope")
+    m = dist.build_mesh("data:2,expert:4", model_cfg=cfg, batch_size=8, scope="local")
+    assert dict(m.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    calls = []
+    assert dist.maybe_initialize(env={}, initialize=lambda **kw: calls.append(kw)) is False
+    assert dist.maybe_initialize(env={"GLM5_NUM_PROCESSES": "1"}, initialize=lambda **kw: calls.append(kw)) is False
+    env = {"GLM5_COORDINATOR_ADDRESS": "10.0.0.1:1234", "GLM5_NUM_PROCESSES": "4", "GLM5_PROCESS_ID": "3"}
+    assert dist.maybe_initialize(env=env, initialize=lambda **kw: calls.append(kw)) is True
+    assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}], calls
+    assert dist.maybe_initialize("h:1", 2, 0, env={}, initialize=lambda **kw: calls.append(kw))
+    assert calls[-1]["num_processes"] == 2
+    fails(lambda: dist.maybe_initialize(env={"GLM5_NUM_PROCESSES": "2", "GLM5_PROCESS_ID": "0"}, initialize=print),
+          "coordinator")
+    fails(lambda: dist.maybe_initialize(env={**env, "GLM5_PROCESS_ID": "4"}, initialize=print), "process_id=4")
+    fails(lambda: dist.maybe_initialize(env={**env, "GLM5_NUM_PROCESSES": "x"}, initialize=print), "GLM5_NUM_PROCESSES")
+    from glm5_jax.config import ConfigError
+    fails(lambda: ModelConfig(moe_capacity_factor=float("nan")), "moe_capacity_factor")
+    print("OK")
+    """)
