@@ -75,6 +75,24 @@ def _interpret(interpret):
     return bool(interpret)
 
 
+_GPU_BACKEND = {"name": None}
+
+
+def _compiler_kw():
+    """compiler_params for the attention kernels: Triton when `set_gpu_backend("triton")`."""
+    if _GPU_BACKEND["name"] == "triton":
+        from jax.experimental.pallas import triton as pltriton
+        return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=1)}
+    return {}
+
+
+def set_gpu_backend(name):
+    """None (pallas default: Mosaic GPU in jax 0.10) or "triton": how sparse_attention lowers on GPU."""
+    if name not in (None, "triton"):
+        raise ValueError(f"unknown GPU backend {name!r}")
+    _GPU_BACKEND["name"] = name
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -334,8 +352,28 @@ def _gather_rows(ref, ids):
     return g.reshape(bq, kc, *g.shape[1:])
 
 
+def _bmm(spec, a, b):
+    """Batched contraction; with the Triton backend (no batched dot_general there) as a
+    broadcast multiply + reduce."""
+    if _GPU_BACKEND["name"] != "triton":
+        return jnp.einsum(spec, a, b, preferred_element_type=_F32)
+    ins, out = spec.split("->")
+    sa, sb = ins.split(",")
+    full = "".join(dict.fromkeys(sa + sb))
+    def lift(x, sx):  # axes into `full` order, size-1 axes for the missing letters
+        x = jnp.transpose(x.astype(_F32), sorted(range(len(sx)), key=lambda i: full.index(sx[i])))
+        return jnp.expand_dims(x, [full.index(c) for c in full if c not in sx])
+    ea, eb = lift(a, sa), lift(b, sb)
+    red = tuple(i for i, c in enumerate(full) if c not in out)
+    r = jnp.sum(ea * eb, axis=red)
+    kept = "".join(c for c in full if c in out)
+    return jnp.transpose(r, [kept.index(c) for c in out])
+
+
 def _logits(q, kg, hk):
     # q [bq, H, D], kg [bq, kc, Hk, D] -> [bq, H, kc]
+    if _GPU_BACKEND["name"] == "triton":
+        return _bmm("qhd,qkd->qhk", q, kg[:, :, 0]) if hk == 1 else _bmm("qhd,qkhd->qhk", q, kg)
     if hk == 1:
         return jnp.einsum("qhd,qkd->qhk", q, kg[:, :, 0], preferred_element_type=_F32)
     return jnp.einsum("qhd,qkhd->qhk", q, kg, preferred_element_type=_F32)
@@ -343,6 +381,8 @@ def _logits(q, kg, hk):
 
 def _pv(p, vg, hk):
     # p [bq, H, kc], vg [bq, kc, Hk, Dv] -> [bq, H, Dv]
+    if _GPU_BACKEND["name"] == "triton":
+        return _bmm("qhk,qkd->qhd", p, vg[:, :, 0]) if hk == 1 else _bmm("qhk,qkhd->qhd", p, vg)
     if hk == 1:
         return jnp.einsum("qhk,qkd->qhd", p, vg[:, :, 0], preferred_element_type=_F32)
     return jnp.einsum("qhk,qkhd->qhd", p, vg, preferred_element_type=_F32)
@@ -399,9 +439,9 @@ def _attn_bwd_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, d
         ok = valid[:, None, :] & row_ok
         p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_safe[..., None]), 0.0)
         if hk == 1:
-            dp = jnp.einsum("qhd,qkd->qhk", do, vg[:, :, 0].astype(_F32))
+            dp = _bmm("qhd,qkd->qhk", do, vg[:, :, 0].astype(_F32))
         else:
-            dp = jnp.einsum("qhd,qkhd->qhk", do, vg.astype(_F32))
+            dp = _bmm("qhd,qkhd->qhk", do, vg.astype(_F32))
         ds = p * (dp - delta[..., None]) * scale
         dq = dq + _pv(ds, kg.astype(_F32), hk)
         p_ref[0, :, :, pl.ds(c * kc, kc)] = p
@@ -429,9 +469,10 @@ def _attn_fwd(q, k, v, indices, scale, bq, kc, interpret):
     bq, kc, tp, kp, idx = _prep(q, indices, bq, kc)
     qp = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
     kern = functools.partial(_attn_fwd_kernel, scale=scale, kc=kc, n_chunks=kp // kc, hk=hk)
-    # the index block goes to SMEM on TPU (its entries are DMA/gather addresses)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=0,
+    o, lse = pl.pallas_call(
+        kern,
+        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), q.dtype),
+                   jax.ShapeDtypeStruct((b, tp, h), _F32)],
         grid=(b, tp // bq),
         in_specs=[pl.BlockSpec((1, bq, kp), lambda bi, i: (bi, i, 0)),
                   pl.BlockSpec((1, bq, h, dq), lambda bi, i: (bi, i, 0, 0)),
@@ -439,13 +480,8 @@ def _attn_fwd(q, k, v, indices, scale, bq, kc, interpret):
                   pl.BlockSpec((1, s, hk, dv), lambda bi, i: (bi, 0, 0, 0))],
         out_specs=[pl.BlockSpec((1, bq, h, dv), lambda bi, i: (bi, i, 0, 0)),
                    pl.BlockSpec((1, bq, h), lambda bi, i: (bi, i, 0))],
-    )
-    o, lse = pl.pallas_call(
-        kern,
-        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), q.dtype),
-                   jax.ShapeDtypeStruct((b, tp, h), _F32)],
-        grid_spec=grid_spec,
         interpret=interpret,
+        **_compiler_kw(),
     )(idx, qp, k, v)
     return o[:, :t], lse[:, :t]
 
@@ -481,6 +517,7 @@ def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret):
                    pl.BlockSpec((1, bq, h, kp), row4),
                    pl.BlockSpec((1, bq, h, kp), row4)],
         interpret=interpret,
+        **_compiler_kw(),
     )(idx, qp, k, v, dop, lsep, deltap)
 
     # dk / dv: atomic-free scatter-add of per-query contributions, chunk by chunk over queries

@@ -122,6 +122,9 @@ def _select_threshold(keys, k: int, cap: int):
 def topk_rows(scores, k: int, *, cap: int | None = None):
     """Exactly `jax.lax.top_k(scores, k)[1]` (ties to the lower index) with -1 where the value is
     -inf, for float32 scores [..., L], k <= L; by threshold selection (see above)."""
+    if cap is not None and cap <= 0:  # plain lax.top_k (same result)
+        vals, idx = jax.lax.top_k(scores, k)
+        return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
     keys = _sortable_key(scores)
     lo, _ = _select_threshold(keys, k, int(cap or 2 * k))
     vals, idx = jax.lax.top_k(jnp.where(keys >= lo[..., None], scores, NEG_INF), k)
@@ -141,13 +144,16 @@ def _prefix_visible(t0, tc: int, length: int, s: int, t_total: int, causal: bool
 
 
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segment_ids=None,
-                 chunk: int = 256, groups: int = 8, cap: int | None = None):
+                 chunk: int = 256, groups: int = 8, cap: int | None = 0):
     """Exact top-k keys per query by the lightning-indexer score.
 
     q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk]: the same
     array as `lax.top_k` over each full masked score row (values descending, ties towards the
     lower key index, -1 past the visible keys), computed by threshold selection; causal query
     chunks are split into `groups` groups that each score only their visible key prefix.
+    cap=0 (default): plain lax.top_k over that prefix; cap=None or > 0: threshold selection
+    (`topk_rows`) first -- identical output, but on XLA CPU not faster (its TopK cost is mostly
+    the sort of the k outputs, see BUILD_NOTES).
     """
     b, t, _, _ = q_idx.shape
     s = k_idx.shape[1]
