@@ -33,11 +33,11 @@ from glm5_jax.train.step import make_eval_step
 TINY = dict(
     seq_len=512, batch_size=4, vocab_size=2048, d_model=128, num_layers=2, num_heads=4, q_lora_rank=64,
     kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, ffn_dim=384, num_experts=4,
-    moe_ffn_dim=128, index_topk=64, index_n_heads=2, index_head_dim=32, pretrain_steps=200, steps=120,
-    indexer_warmup_steps=40, learning_rate=3e-3, indexer_learning_rate=1e-2, eval_every=40, eval_batches=4,
-    retrieval_fraction=0.2, retrieval_batches=4, bench_seq_len=4096, max_files=0, seed=0, model_preset="",
+    moe_ffn_dim=128, index_topk=64, index_n_heads=2, index_head_dim=32, pretrain_steps=160, steps=100,
+    indexer_warmup_steps=30, learning_rate=3e-3, indexer_learning_rate=1e-2, eval_every=40, eval_batches=4,
+    retrieval_fraction=0.25, retrieval_pairs=2, retrieval_value_digits=1, retrieval_batches=4, bench_seq_len=4096, max_files=0, seed=0, model_preset="",
 )
-SMALL = dict(TINY, seq_len=4096, batch_size=16, vocab_size=32768, model_preset="small", index_topk=512,
+SMALL = dict(TINY, retrieval_pairs=4, retrieval_value_digits=3, seq_len=4096, batch_size=16, vocab_size=32768, model_preset="small", index_topk=512,
              pretrain_steps=4000, steps=2000, indexer_warmup_steps=200, learning_rate=1e-3,
              indexer_learning_rate=3e-3, eval_every=250, eval_batches=16, retrieval_batches=16,
              bench_seq_len=32768)
@@ -119,14 +119,16 @@ def time_attention(cfg_dense: ModelConfig, cfg_sparse: ModelConfig, seq_len: int
 def run(s: dict, workdir: str, log) -> dict:
     t_start = time.time()
     data = build_lm_data(DataConfig(vocab_size=s["vocab_size"], seq_len=s["seq_len"], seed=s["seed"],
-                                    retrieval_fraction=s["retrieval_fraction"], max_files=s["max_files"] or None))
+                                    retrieval_fraction=s["retrieval_fraction"], retrieval_pairs=s["retrieval_pairs"],
+                                    retrieval_value_digits=s["retrieval_value_digits"],
+                                    max_files=s["max_files"] or None))
     vocab = data.tokenizer.vocab_size
     cfgs = model_configs(s, vocab)
     B, T = s["batch_size"], s["seq_len"]
     lm_eval = list(data.eval_batches(B, T, max_batches=s["eval_batches"]))
     ret_eval = list(data.retrieval_eval_batches(B, T, num_batches=s["retrieval_batches"]))
     tc = TrainConfig(steps=s["steps"], batch_size=B, seq_len=T, learning_rate=s["learning_rate"],
-                     warmup_steps=min(20, s["steps"]), eval_every=s["eval_every"], log_every=max(1, s["eval_every"] // 2),
+                     warmup_steps=min(20, s["steps"]), min_lr_ratio=0.1, eval_every=s["eval_every"], log_every=max(1, s["eval_every"] // 2),
                      ckpt_every=s["eval_every"], seed=s["seed"])
     it = lambda seed: data.train_iter(B, T, seed=seed)
     evals = {k: make_eval_fn(c, lm_eval, ret_eval) for k, c in cfgs.items()}
