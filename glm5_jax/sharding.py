@@ -31,8 +31,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
-    ("q_lora", None),
-    ("kv_lora", None),
+    ("q_lora", "fsdp"),      # the up-projections [latent, heads*dim] shard their latent dim; [embed, latent]
+    ("kv_lora", "fsdp"),     # kernels already use fsdp for embed, so flax leaves the latent dim replicated
     ("mlp", "tensor"),
     ("experts", "expert"),
     ("expert_mlp", "tensor"),
@@ -100,13 +100,16 @@ def check_model_fits_mesh(config: ModelConfig, sizes: Mapping[str, int], batch_s
     checks += [("ffn_dim", config.ffn_dim, "tensor"), ("vocab_size", config.vocab_size, "tensor")]
     if not config.is_mla:
         checks.append(("num_kv_heads", config.num_kv_heads, "tensor"))
+    else:
+        checks += [("q_lora_rank", config.q_lora_rank, "fsdp"), ("kv_lora_rank", config.kv_lora_rank, "fsdp")]
     for field, value, axis in checks:
         if value % sizes[axis]:
             raise MeshError(f"ModelConfig.{field}={value} is not divisible by mesh axis {axis}={sizes[axis]}")
     if batch_size is not None:
         shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
         if batch_size % shards:
-            raise MeshError(f"batch size {batch_size} is not divisible by data*fsdp*expert = {shards}")
+            raise MeshError(f"batch size {batch_size} is not divisible by data*fsdp*expert = {shards} "
+                            f"(mesh {dict(sizes)}; the batch is split over all three)")
 
 
 def logical_specs(config: ModelConfig):

@@ -30,8 +30,8 @@ COMMON = """
     from glm5_jax import sharding
     from glm5_jax.model import init_params
     assert len(jax.devices()) == 8
-    # the tiny config with 8 experts (divisible by every expert axis below), 2 layers, no MTP for speed
-    cfg = ModelConfig(num_experts=8, num_layers=2, index_topk=8, mtp_depth=0)
+    # the tiny config with 8 experts (divisible by every expert axis below); one MoE layer, no MTP (CPU time)
+    cfg = ModelConfig(num_experts=8, num_layers=1, first_k_dense=0, index_topk=8, mtp_depth=0)
     tc = TrainConfig(batch_size=8, seq_len=16, steps=5, warmup_steps=1, optimizer="adamw")
     params = init_params(cfg, jax.random.PRNGKey(1))
     rng = np.random.default_rng(0)
@@ -68,7 +68,7 @@ def test_sharded_train_steps_match_single_device():
         loss = np.array([m["loss"] for m in got])
         rel = float(np.max(np.abs(loss - want) / np.abs(want)))
         assert rel <= 1e-5, (c.moe_impl, spec, loss, want)
-        gp = state["params"]["layer_1"]["moe"]["experts"]["gate_proj"]
+        gp = state["params"]["layer_0"]["moe"]["experts"]["gate_proj"]
         assert gp.sharding.spec[0] == "expert", gp.sharding.spec
         if c.moe_impl == "a2a":
             assert all(m["moe_dropped_fraction"] == 0.0 for m in got), got   # dropless
@@ -112,7 +112,12 @@ def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
     out = run8(COMMON + f"""
     from glm5_jax.parallel import checkpoint as pc
     from glm5_jax.train.checkpoint import Checkpointer
-    _, state = trajectory(cfg, "fsdp:2,expert:4")             # (2, 4) mesh after 5 steps
+    mesh0 = sharding.make_mesh("fsdp:2,expert:4")               # the (2, 4) mesh
+    state, _ = st.init_sharded_state(cfg, tc, mesh0, params=params)
+    # non-trivial optimizer moments (mu, nu) and step, keeping every leaf's sharding
+    state = jax.tree_util.tree_map(lambda a: a * 0.5 + 0.25 if a.dtype == jnp.float32 else a, state)
+    state["step"] = state["step"] + 5
+    assert state["params"]["layer_0"]["moe"]["experts"]["gate_proj"].sharding.spec == ("expert", "fsdp", None)
     host = jax.tree_util.tree_map(np.asarray, state)
     ck = Checkpointer({str(tmp_path / 'ck')!r}, keep=3)
     pc.save(ck, 5, state); ck.wait()
@@ -126,7 +131,7 @@ def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
             assert np.array_equal(np.asarray(a), b), path
         print("restored exactly on", spec)
     # async: save() returns while the write is still running
-    big = {{"w": jax.device_put(jnp.ones((8, 4096, 2048), jnp.float32),
+    big = {{"w": jax.device_put(jnp.ones((8, 2048, 1024), jnp.float32),
                                jax.sharding.NamedSharding(sharding.make_mesh("fsdp:8"), jax.sharding.PartitionSpec("fsdp")))}}
     t0 = time.perf_counter(); pc.save(ck, 6, big); t_ret = time.perf_counter() - t0
     busy = pc.is_saving(ck)
@@ -178,3 +183,84 @@ def test_bad_meshes_and_distributed_settings_fail_clearly():
     fails(lambda: ModelConfig(moe_capacity_factor=float("nan")), "moe_capacity_factor")
     print("OK")
     """)
+
+
+# ------------------------------------------------------------------------------------------ tools.plan
+def _hand_count_tiny(sizes):
+    """Per-device bytes of the tiny preset's params and AdamW state, by hand: each parameter dim is
+    divided by the mesh axis its logical name is sharded over (embed, q_lora, kv_lora -> fsdp; vocab,
+    heads, kv_heads, mlp, expert_mlp -> tensor; experts -> expert; everything else whole), float32."""
+    import flax.linen as nn
+    import jax
+    from glm5_jax.config import preset
+    from glm5_jax.model import abstract_params
+    divisor = {"embed": sizes["fsdp"], "q_lora": sizes["fsdp"], "kv_lora": sizes["fsdp"],
+               "vocab": sizes["tensor"], "heads": sizes["tensor"], "kv_heads": sizes["tensor"],
+               "mlp": sizes["tensor"], "expert_mlp": sizes["tensor"], "experts": sizes["expert"]}
+    params, opt = 0, 0
+    boxed = abstract_params(preset("tiny"))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]:
+        shape, names = leaf.value.shape, leaf.names
+        used, n = set(), 1
+        for dim, name in zip(shape, names):
+            div = divisor.get(name, 1)
+            mesh_axis = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "experts": "expert"}.get(name, "tensor")
+            if name in divisor and mesh_axis not in used:     # one mesh axis per parameter at most once
+                used.add(mesh_axis)
+                assert dim % div == 0
+                n *= dim // div
+            else:
+                n *= dim
+        params += 4 * n
+        if "e_score_correction_bias" not in jax.tree_util.keystr(path):   # zero-update leaf: no moments
+            opt += 2 * 4 * n                                              # AdamW mu + nu
+    return params, opt
+
+
+def test_plan_tiny_equals_hand_count():
+    sizes = {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=tiny", "--mesh=fsdp:2,expert:2,tensor:2",
+                          "--batch_size=8", "--seq_len=32", "--activations=estimate", "--json"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    import json
+    p = json.loads(res.stdout)
+    params, opt = _hand_count_tiny(sizes)
+    pd = p["per_device_bytes"]
+    assert pd["params"] == params, (pd, params)
+    # + the optimizer's scalar step counts (int32, replicated), nothing else
+    assert 0 <= pd["optimizer"] - opt <= 64 and (pd["optimizer"] - opt) % 4 == 0, (pd, opt)
+    assert pd["total"] == pd["params"] + pd["optimizer"] + pd["activations"]
+    assert p["sources"]["activations"].startswith("estimated") and p["devices"] == 8
+    assert set(p["fits"]) == {"TPU v5p (95 GB)", "H200 (141 GB)"} and all(p["fits"].values())
+    bad = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=tiny", "--mesh=tensor:8"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "num_heads=4" in bad.stderr and "tensor=8" in bad.stderr, bad.stderr
+
+
+def test_plan_tiny_measures_activations_on_fake_devices():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=tiny", "--mesh=data:2,expert:2",
+                          "--batch_size=4", "--seq_len=16", "--json"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    import json
+    p = json.loads(res.stdout)
+    assert p["sources"]["activations"].startswith("measured"), p["sources"]
+    assert p["per_device_bytes"]["activations"] == p["compiled_memory_analysis"]["temp_size_in_bytes"] > 0
+
+
+def test_plan_glm5_pod_mesh():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=glm5", "--mesh=fsdp:64,expert:4"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = res.stdout
+    print(out)
+    assert "256 devices" in out and "per-device memory" in out
+    for key in ("params", "optimizer", "activations", "total"):
+        assert any(line.strip().startswith(key) and "GB" in line for line in out.splitlines()), key
+    assert "TPU v5p (95 GB)" in out and "H200 (141 GB)" in out
+    assert ("fits:" in out) or ("does not fit:" in out)
