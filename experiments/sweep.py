@@ -19,13 +19,8 @@ from experiments import registry
 from experiments.report import md_table
 from experiments.run import run_experiment
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "Experiment name.")
+FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set come from experiments.run
 flags.DEFINE_string("sweep", None, "key=v1,v2,... : the setting to sweep and its values.")
-flags.DEFINE_string("workdir", None, "Output folder (default runs/sweep_<config>_<key>).")
-flags.DEFINE_string("preset", "tiny", "Scale: tiny (CPU default) or small.")
-flags.DEFINE_integer("steps", None, "Override the experiment's main step count.")
-flags.DEFINE_multi_string("set", [], "Fixed overrides: --set key=value (repeatable).")
 
 
 def flatten_report(report: dict) -> dict[str, float]:
