@@ -1,0 +1,209 @@
+"""The GRPO RL program: rollouts -> rewards -> group advantages -> old log-probs -> jitted updates.
+
+One RL step (``run_grpo``):
+
+1. sample ``prompts_per_step`` tasks; the inference engine (``glm5_jax.infer.generate`` at temperature 1,
+   no top-k/top-p, parameters passed through the mismatch switch ``RLConfig.mismatch``) draws
+   ``group_size`` completions per prompt and reports each token's log-prob (``infer_logp``);
+2. the task checker scores the decoded completion (reward 1 correct, 0 otherwise);
+3. GRPO group advantages (``group_advantages``);
+4. the training engine recomputes the log-probs of the very same token ids under the rollout-time
+   (float32) parameters: ``old_logp`` (jitted forward, ``token_logprobs``);
+5. the rollout batch is split into ``minibatches`` and each gets ONE jitted update step
+   ``(params, opt_state, batch) -> (params, opt_state, metrics)`` with the selected loss
+   (icepop | tis | none, ``glm5_jax.rl.losses``) and AdamW. The first minibatch is exactly on-policy
+   (ratio 1); later ones are slightly off-policy, so the PPO clip can act.
+
+The DSA lightning indexer is frozen during RL: every leaf whose path contains "indexer" gets a zero
+update (``make_optimizer(..., frozen_patterns=("indexer",))``, which also keeps it out of the clip
+norm); its top-k is exact (``lax.top_k``) in both engines, so the selection is deterministic.
+
+Per-step record: reward mean, statuses (counts and fractions), the loss metrics averaged over the
+minibatches (pop_frac, clip_frac, mismatch_kl, ...), the fraction of groups with zero advantage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import random
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from glm5_jax.infer import generate
+from glm5_jax.model import forward
+from glm5_jax.optim import make_optimizer
+from glm5_jax.rl.losses import get_loss, group_advantages
+from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
+from glm5_jax.rl.tasks import aggregate_statuses
+
+__all__ = ["RLConfig", "token_logprobs", "make_rl_optimizer", "make_update_step", "loss_kwargs",
+           "evaluate_accuracy", "run_grpo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    loss: str = "icepop"              # icepop | tis | none
+    steps: int = 40
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 6
+    max_prompt_len: int = 8
+    minibatches: int = 2
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    mismatch: str = "int8"            # none | bf16 | int8 | int4 (rollout engine only)
+    beta: float = 2.0                 # IcePop band [1/beta, beta]
+    tis_cap: float = 2.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    frozen_patterns: tuple = ("indexer",)
+    seed: int = 0
+
+    def __post_init__(self):
+        get_loss(self.loss)
+        if self.mismatch not in MISMATCH_MODES:
+            raise ValueError(f"RLConfig.mismatch={self.mismatch!r}: choose from {MISMATCH_MODES}")
+        if (self.prompts_per_step * self.group_size) % self.minibatches:
+            raise ValueError("prompts_per_step * group_size must be divisible by minibatches")
+
+    def replace(self, **kw) -> "RLConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def loss_kwargs(rl: RLConfig) -> dict:
+    kw = {"eps_low": rl.eps_low, "eps_high": rl.eps_high}
+    if rl.loss == "icepop":
+        kw["beta"] = rl.beta
+    elif rl.loss == "tis":
+        kw["cap"] = rl.tis_cap
+    return kw
+
+
+def _token_logprobs(config, params, inputs, targets):
+    logits = forward(config, params, inputs)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+
+
+token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
+token_logprobs.__doc__ = ("(config, params, inputs [B,S], targets [B,S]) -> log p(targets[b,t] | inputs[b,:t+1]) "
+                          "[B,S] float32: the training engine's forward (jitted).")
+
+
+def make_rl_optimizer(params, rl: RLConfig):
+    """AdamW (+ global-norm clip) with zero updates for leaves matching ``rl.frozen_patterns``."""
+    tx, labels = make_optimizer("adamw", params, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay,
+                                grad_clip=rl.grad_clip or None, frozen_patterns=rl.frozen_patterns)
+    return tx, labels
+
+
+def make_update_step(config, rl: RLConfig, tx: optax.GradientTransformation):
+    """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    batch: inputs, targets, mask, old_logp, infer_logp [B, S]; advantages [B].
+    """
+    loss_fn = functools.partial(get_loss(rl.loss), **loss_kwargs(rl))
+
+    def objective(params, batch):
+        logp = _token_logprobs(config, params, batch["inputs"], batch["targets"])
+        loss, metrics = loss_fn(logp, batch["old_logp"], batch["infer_logp"], batch["advantages"], batch["mask"])
+        return loss, metrics
+
+    def step(params, opt_state, batch):
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
+                       update_norm=optax.global_norm(updates))
+        return params, opt_state, metrics
+
+    return jax.jit(step)
+
+
+def evaluate_accuracy(config, params, tasks: Sequence, vocab, *, max_new_tokens: int, greedy: bool = True,
+                      seed: int = 0, samples: int = 1) -> dict:
+    """Held-out accuracy of ``params`` (float32 training parameters): greedy (temperature 0) or sampled
+    at temperature 1 (``samples`` per task). Returns accuracy, statuses (aggregate_statuses) and n."""
+    prompts = [vocab.encode(t.prompt, bos=True) for t in tasks for _ in range(1 if greedy else samples)]
+    res = generate(config, params, prompts, max_new_tokens=max_new_tokens, temperature=0.0 if greedy else 1.0,
+                   seed=seed, stop_tokens=(vocab.newline_id,))
+    k = 1 if greedy else samples
+    scored = [tasks[i // k].score(vocab.decode(res.tokens[i, :res.lengths[i]])) for i in range(len(prompts))]
+    agg = aggregate_statuses(scored)
+    return {"accuracy": agg["reward_mean"], "statuses": agg, "n": len(prompts)}
+
+
+def _mean_metrics(rows: list) -> dict:
+    keys = rows[0].keys()
+    return {k: float(np.mean([float(r[k]) for r in rows])) for k in keys}
+
+
+def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random], object], vocab, *,
+             log: Callable[[str], None] = print, eval_fn: Optional[Callable[[object], dict]] = None,
+             eval_every: int = 0, metrics_path: Optional[str] = None, name: str = "grpo") -> dict:
+    """GRPO for ``rl.steps`` steps from ``params``. ``sample_task(rng) -> Task`` draws training prompts.
+
+    Returns {"params", "history": per-step rows, "evals": [{"step", ...eval_fn(params)}]}.
+    Seeds: step s draws its prompts from ``Random(seed, s)`` and samples with PRNG seed
+    ``seed * 100_003 + s``, so arms started from the same checkpoint with the same seed see the same
+    prompts at every step.
+    """
+    params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+    tx, _ = make_rl_optimizer(params, rl)
+    opt_state = tx.init(params)
+    update = make_update_step(config, rl, tx)
+    history, evals = [], []
+    mf = open(metrics_path, "w") if metrics_path else None
+    t0 = time.time()
+    B = rl.prompts_per_step * rl.group_size
+    mb = B // rl.minibatches
+    for step in range(1, rl.steps + 1):
+        rng = random.Random(rl.seed * 1_000_003 + step)
+        tasks = [sample_task(rng) for _ in range(rl.prompts_per_step)]
+        t_roll = time.time()
+        ro = collect_rollouts(config, params, tasks, vocab, group_size=rl.group_size,
+                              max_new_tokens=rl.max_new_tokens, seed=rl.seed * 100_003 + step,
+                              temperature=rl.temperature, mismatch=rl.mismatch)
+        adv = np.asarray(group_advantages(jnp.asarray(ro.rewards), rl.group_size))
+        batch = build_batch(ro, adv, rl.max_prompt_len)
+        dev = {k: jnp.asarray(v) for k, v in batch.items()}
+        dev["old_logp"] = token_logprobs(config, params, dev["inputs"], dev["targets"])
+        t_upd = time.time()
+        perm = np.random.default_rng(rl.seed * 7919 + step).permutation(B)
+        rows = []
+        for m in range(rl.minibatches):
+            idx = jnp.asarray(perm[m * mb:(m + 1) * mb])
+            params, opt_state, met = update(params, opt_state, {k: v[idx] for k, v in dev.items()})
+            rows.append(met)
+        met = _mean_metrics(jax.device_get(rows))
+        stat = ro.status_summary()
+        flat_groups = float(np.mean(np.all(adv.reshape(-1, rl.group_size) == 0, axis=1)))
+        row = {"step": step, "reward_mean": float(np.mean(ro.rewards)), **met,
+               "zero_adv_group_frac": flat_groups, "mean_length": float(np.mean(ro.lengths)),
+               **{f"status_{k}": v for k, v in stat.items() if k.startswith("frac_")},
+               "rollout_s": t_upd - t_roll, "update_s": time.time() - t_upd}
+        if eval_fn is not None and eval_every and (step % eval_every == 0 or step == rl.steps):
+            ev = {"step": step, **eval_fn(params)}
+            evals.append(ev)
+            row.update({f"eval_{k}": v for k, v in ev.items() if isinstance(v, (int, float)) and k != "step"})
+        history.append(row)
+        if mf:
+            mf.write(json.dumps(row) + "\n")
+            mf.flush()
+        if step == 1 or step % 5 == 0 or step == rl.steps:
+            ev = f" eval_acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
+            log(f"[{name}] step {step}/{rl.steps} reward {row['reward_mean']:.3f} pop {row['pop_frac']:.4f} "
+                f"clip {row['clip_frac']:.4f} mismatch_kl {row['mismatch_kl']:.2e}{ev} ({time.time() - t0:.0f} s)")
+    if mf:
+        mf.close()
+    return {"params": params, "history": history, "evals": evals}
