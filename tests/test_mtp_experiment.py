@@ -1,0 +1,73 @@
+"""mtp_sharing experiment: arm configs, held-out prompts, the inference-model layer reuse for unshared
+blocks, and a micro end-to-end run (slow: several jit compiles per arm)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import registry
+from experiments.mtp_sharing import ARMS, TINY, arm_configs, inference_model
+from glm5_jax.config import ModelConfig
+from glm5_jax.model import init_params
+
+MICRO = ["steps=2", "batch_size=2", "seq_len=32", "eval_every=2", "eval_batches=1", "num_layers=1", "d_model=32",
+         "ffn_dim=64", "warmup_steps=1", "num_prompts=2", "prompt_len=8", "max_new_tokens=8", "q_lora_rank=16",
+         "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8"]
+
+
+def test_registered_with_both_scales_and_overrides():
+    exp = registry.get("mtp_sharing")
+    assert set(exp.scales) == {"tiny", "small"}
+    s = registry.resolve_settings(exp, "tiny", ["steps=7", "num_prompts=3", "draft_sweep=1,2"])
+    assert (s["steps"], s["num_prompts"], s["draft_sweep"]) == (7, 3, "1,2")
+    assert s["num_draft"] == 4
+    with pytest.raises(registry.ExperimentError):
+        registry.resolve_settings(exp, "tiny", ["no_such_setting=1"])
+
+
+def test_arm_configs_differ_only_in_mtp():
+    cfgs = arm_configs(dict(TINY, d_model=32, num_layers=1), 300)
+    assert set(cfgs) == set(ARMS)
+    assert (cfgs["shared3"].mtp_depth, cfgs["shared3"].mtp_share) == (3, True)
+    assert (cfgs["indep3"].mtp_depth, cfgs["indep3"].mtp_share) == (3, False)
+    assert cfgs["depth1"].mtp_depth == 1
+    for c in cfgs.values():
+        assert c.replace(mtp_depth=1, mtp_share=True) == cfgs["depth1"]
+
+
+def test_inference_model_reuses_last_unshared_block():
+    c = ModelConfig(num_layers=1, num_experts=0, mtp_depth=3, mtp_share=False, attention="mla")
+    p = init_params(c, jax.random.PRNGKey(0))
+    assert {k for k in p if k.startswith("mtp_")} == {"mtp_0", "mtp_1", "mtp_2"}
+    ic, ip = inference_model(c, p, 4)
+    assert ic.mtp_depth == 4 and not ic.mtp_share
+    assert ip["mtp_3"] is p["mtp_2"] and ip["mtp_0"] is p["mtp_0"]
+    # within the trained depth, or shared: unchanged
+    assert inference_model(c, p, 3) == (c, p)
+    cs = c.replace(mtp_share=True)
+    assert inference_model(cs, p, 4)[0] is cs
+
+
+@pytest.mark.slow
+def test_mtp_sharing_micro_run(tmp_path):
+    from experiments.run import run_experiment
+    report = run_experiment("mtp_sharing", str(tmp_path), "tiny", MICRO)
+    on_disk = json.load(open(tmp_path / "report.json"))
+    assert set(on_disk["arms"]) == {"shared3", "indep3", "depth1"}
+    for arm, v in on_disk["arms"].items():
+        assert 1.0 <= v["acceptance_length"] <= 5.0, arm
+        assert math.isfinite(v["final_eval_loss"]), arm
+    assert on_disk["arms"]["indep3"]["mtp_layers_trained"] == 3
+    assert report["arms"].keys() == on_disk["arms"].keys()
+    for f in ("report.md", "eval_loss.png", "acceptance_length.png"):
+        assert os.path.exists(tmp_path / f)
+    md = open(tmp_path / "report.md").read()
+    assert "2.76" in md and "2.55" in md
+    rows = [json.loads(l) for l in open(tmp_path / "shared3" / "metrics.jsonl")]
+    assert any("mtp_loss" in r for r in rows)
