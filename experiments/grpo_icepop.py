@@ -26,20 +26,20 @@ from experiments.report import md_table, plot_curves, write_report
 from glm5_jax.config import ModelConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
 from glm5_jax.rl.sft import CharVocab, SFTIterator
-from glm5_jax.rl.tasks import arithmetic_task
+from glm5_jax.rl.tasks import Task, arithmetic_task
 from glm5_jax.train import TrainConfig, train
 
 ARMS = ("icepop", "none", "tis")
 
 TINY = dict(
-    task_level=2, d_model=64, num_layers=2, num_heads=4, ffn_dim=192, index_topk=16,
+    task="d2d1", d_model=64, num_layers=2, num_heads=4, ffn_dim=192, index_topk=16,
     sft_steps=300, sft_batch_size=16, sft_seq_len=64, sft_learning_rate=3e-3,
-    steps=40, prompts_per_step=16, group_size=8, max_new_tokens=6, minibatches=2, learning_rate=1e-3,
-    mismatch="int8", beta=2.0, tis_cap=2.0, eval_tasks=256, eval_every=10, sampled_eval_samples=2, seed=0,
+    steps=60, prompts_per_step=16, group_size=8, max_new_tokens=6, minibatches=2, learning_rate=3e-4,
+    mismatch="int4", beta=2.0, tis_cap=2.0, eval_tasks=256, eval_every=15, sampled_eval_samples=2, seed=0,
 )
 SMALL = dict(TINY, d_model=256, num_layers=4, num_heads=8, ffn_dim=768, sft_steps=1500, sft_batch_size=64,
              sft_seq_len=128, sft_learning_rate=1e-3, steps=300, prompts_per_step=64, group_size=16,
-             learning_rate=3e-4, eval_tasks=1024, eval_every=25, sampled_eval_samples=4)
+             learning_rate=1e-4, eval_tasks=1024, eval_every=25, sampled_eval_samples=4)
 
 
 def model_config(s: dict, vocab: CharVocab) -> ModelConfig:
@@ -51,11 +51,22 @@ def model_config(s: dict, vocab: CharVocab) -> ModelConfig:
                        mtp_depth=0, attn_chunk=64)
 
 
+def make_task(rng: random.Random, task: str) -> Task:
+    """``d2d1``: two-digit +/- one-digit ("47+8=", "53-6="; 1,800 problems); ``levelN``: tasks.arithmetic_task."""
+    if task.startswith("level"):
+        return arithmetic_task(rng, int(task[5:]))
+    if task != "d2d1":
+        raise ValueError(f"unknown task {task!r}: d2d1 | level0..level4")
+    a, b, op = rng.randint(10, 99), rng.randint(0, 9), rng.choice("+-")
+    v = a + b if op == "+" else a - b
+    return Task(kind="arithmetic", prompt=f"{a}{op}{b}=", answer=str(v), solution=f"{v}\n", level=-1)
+
+
 def held_out(s: dict) -> list:
     rng = random.Random(10_000 + s["seed"])
     seen, out = set(), []
     while len(out) < s["eval_tasks"]:
-        t = arithmetic_task(rng, s["task_level"])
+        t = make_task(rng, s["task"])
         if t.prompt not in seen:
             seen.add(t.prompt)
             out.append(t)
@@ -70,11 +81,11 @@ def run(s: dict, workdir: str, log) -> dict:
     cfg = model_config(s, vocab)
     eval_tasks = held_out(s)
     exclude = {t.prompt for t in eval_tasks}
-    level = s["task_level"]
+    level = s["task"]
 
     def sample_task(rng):
         while True:
-            t = arithmetic_task(rng, level)
+            t = make_task(rng, level)
             if t.prompt not in exclude:
                 return t
 
@@ -132,7 +143,7 @@ def run(s: dict, workdir: str, log) -> dict:
                      "first_reward": h[0]["reward_mean"], "last5_reward": float(np.mean([x["reward_mean"] for x in h[-5:]])),
                      "mean_pop_frac": mean_of(h, "pop_frac"), "mean_clip_frac": mean_of(h, "clip_frac"),
                      "mean_mismatch_kl": mean_of(h, "mismatch_kl"), "wall_s": r["wall_s"]}
-    report = {"arms": arms, "task": f"arithmetic level {level}", "mismatch": s["mismatch"],
+    report = {"arms": arms, "task": level, "mismatch": s["mismatch"],
               "eval": f"greedy, {len(eval_tasks)} held-out prompts", "sft_steps": s["sft_steps"],
               "rl_steps": s["steps"], "rollouts_per_step": s["prompts_per_step"] * s["group_size"],
               "params": int(sum(x.size for x in jax.tree.leaves(sft_params))), "wall_time_s": None}
@@ -158,7 +169,7 @@ def run(s: dict, workdir: str, log) -> dict:
             for a, v in arms.items()]
     md = f"""# grpo_icepop
 
-Task: arithmetic level {level} (two-digit + and -, two-digit * one-digit), character vocabulary
+Task: {level} (d2d1 = two-digit +/- one-digit, e.g. "47+8=" -> "55\\n"), character vocabulary
 ({vocab.size} symbols). Model: DSA, d_model {s['d_model']}, {s['num_layers']} layers, {report['params']:,} parameters,
 SFT {s['sft_steps']} steps ({s['sft_batch_size']}x{s['sft_seq_len']} packed tokens, loss on the answer only).
 GRPO: {s['steps']} steps x {s['prompts_per_step']} prompts x {s['group_size']} samples, {s['minibatches']} updates per

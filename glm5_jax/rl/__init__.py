@@ -1,7 +1,9 @@
-"""RL stage: GRPO/IcePop losses, verifiable tasks and a sandboxed code runner.
+"""RL stage: GRPO/IcePop losses, verifiable tasks, a sandboxed code runner and the GRPO program.
 
 Submodules: ``losses`` (JAX), ``tasks`` and ``sandbox`` (pure Python; importing them does not
-import JAX). Loss names are re-exported lazily.
+import JAX), ``sft`` (character vocabulary, packed SFT iterator), ``rollout`` (inference-engine
+rollouts, mismatch switch, training batch) and ``program`` (jitted update step, GRPO loop).
+Names are re-exported lazily.
 """
 
 _LOSS_NAMES = (
@@ -13,12 +15,19 @@ _LOSS_NAMES = (
     "truncated_is_loss",
 )
 
-__all__ = list(_LOSS_NAMES)
+_PROGRAM_NAMES = ("RLConfig", "evaluate_accuracy", "make_rl_optimizer", "make_update_step", "run_grpo",
+                  "token_logprobs")
+_ROLLOUT_NAMES = ("MISMATCH_MODES", "Rollout", "build_batch", "collect_rollouts", "fake_quant", "rollout_params")
+_SFT_NAMES = ("CharVocab", "SFTIterator", "pack_examples")
+
+__all__ = list(_LOSS_NAMES + _PROGRAM_NAMES + _ROLLOUT_NAMES + _SFT_NAMES)
 
 
 def __getattr__(name):
-    if name in _LOSS_NAMES:
-        from glm5_jax.rl import losses
+    import importlib
 
-        return getattr(losses, name)
+    for mod, names in (("losses", _LOSS_NAMES), ("program", _PROGRAM_NAMES), ("rollout", _ROLLOUT_NAMES),
+                       ("sft", _SFT_NAMES)):
+        if name in names:
+            return getattr(importlib.import_module(f"glm5_jax.rl.{mod}"), name)
     raise AttributeError(f"module 'glm5_jax.rl' has no attribute {name!r}")

@@ -1,0 +1,26 @@
+"""Micro end-to-end run of the grpo_icepop experiment: SFT -> three GRPO arms -> report.json/report.md."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from experiments.run import run_experiment
+
+
+def test_grpo_icepop_micro(tmp_path):
+    wd = str(tmp_path / "grpo")
+    overrides = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "sft_steps": 4, "sft_batch_size": 4,
+                 "sft_seq_len": 32, "steps": 2, "prompts_per_step": 4, "group_size": 2, "eval_tasks": 8,
+                 "eval_every": 2, "sampled_eval_samples": 1}
+    report = run_experiment("grpo_icepop", wd, "tiny", overrides)
+    with open(os.path.join(wd, "report.json")) as f:
+        on_disk = json.load(f)
+    assert set(on_disk["arms"]) == {"icepop", "none", "tis"}
+    for arm in on_disk["arms"].values():
+        assert 0.0 <= arm["initial_accuracy"] <= 1.0 and 0.0 <= arm["final_accuracy"] <= 1.0
+    assert report["arms"]["icepop"]["initial_accuracy"] == report["arms"]["tis"]["initial_accuracy"]
+    for name in ("report.md", "reward.png", "pop_frac.png", "mismatch_kl.png", "rl_icepop.jsonl"):
+        assert os.path.exists(os.path.join(wd, name)), name
+    rows = [json.loads(l) for l in open(os.path.join(wd, "rl_tis.jsonl"))]
+    assert len(rows) == 2 and {"reward_mean", "pop_frac", "clip_frac", "mismatch_kl"} <= set(rows[0])
