@@ -8,6 +8,8 @@ shape: AdamW mu/nu, Muon momentum); everything else (counts, scalars) is replica
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,13 +26,19 @@ from glm5_jax.train.step import build_optimizer, make_train_step
 BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
 
 
+@functools.lru_cache(maxsize=16)
 def abstract_param_shapes(model_cfg: ModelConfig):
     return nn.unbox(abstract_params(model_cfg))
 
 
+@functools.lru_cache(maxsize=16)
+def _logical_specs(model_cfg: ModelConfig):
+    return logical_specs(model_cfg)
+
+
 def param_specs(model_cfg: ModelConfig, rules=LOGICAL_RULES):
     """PartitionSpec (mesh axes) pytree of the params."""
-    return nn.logical_to_mesh(logical_specs(model_cfg), rules)
+    return nn.logical_to_mesh(_logical_specs(model_cfg), rules)
 
 
 def _dict_suffix(path) -> tuple:
