@@ -183,6 +183,8 @@ def test_bad_meshes_and_distributed_settings_fail_clearly():
     assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}], calls
     assert dist.maybe_initialize("h:1", 2, 0, env={}, initialize=lambda **kw: calls.append(kw))
     assert calls[-1]["num_processes"] == 2
+    dist.maybe_initialize(env={**env, "GLM5_LOCAL_DEVICE_IDS": "0,1"}, initialize=lambda **kw: calls.append(kw))
+    assert calls[-1]["local_device_ids"] == [0, 1]
     fails(lambda: dist.maybe_initialize(env={"GLM5_NUM_PROCESSES": "2", "GLM5_PROCESS_ID": "0"}, initialize=print),
           "coordinator")
     fails(lambda: dist.maybe_initialize(env={**env, "GLM5_PROCESS_ID": "4"}, initialize=print), "process_id=4")

@@ -23,6 +23,7 @@ from glm5_jax.sharding import MeshError, check_model_fits_mesh, make_mesh, parse
 ENV_COORDINATOR = "GLM5_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "GLM5_NUM_PROCESSES"
 ENV_PROCESS_ID = "GLM5_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "GLM5_LOCAL_DEVICE_IDS"   # optional, comma-separated (gpu_launch --local_device_ids)
 ENV_AUTO = "GLM5_DISTRIBUTED"
 
 
@@ -59,7 +60,10 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
         raise DistributedConfigError(f"num_processes={num_processes} needs a process id (flag or {ENV_PROCESS_ID})")
     if not 0 <= process_id < num_processes:
         raise DistributedConfigError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
-    return {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id}
+    out = {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if env.get(ENV_LOCAL_DEVICE_IDS):
+        out["local_device_ids"] = [_int(ENV_LOCAL_DEVICE_IDS, i) for i in env[ENV_LOCAL_DEVICE_IDS].split(",")]
+    return out
 
 
 def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
