@@ -5,7 +5,7 @@ Phases:
           examples of the task through glm5_jax.train.train (packed sequences, loss on the answer only),
           deliberately short so it starts clearly below ceiling
   arms    GRPO from that checkpoint, same seeds, same prompts per step, the rollout engine mismatched
-          (int8 per-channel fake-quantised weights by default) while training in float32:
+          (int4 per-channel fake-quantised weights by default) while training in float32:
           icepop (IcePop, beta=2), none (no correction), tis (truncated IS, cap=2)
 Held-out accuracy = GREEDY decoding (temperature 0) of the float32 training parameters on held-out
 prompts (never used in SFT or RL), before (= the SFT model) and after RL per arm; the sampled
@@ -33,13 +33,13 @@ ARMS = ("icepop", "none", "tis")
 
 TINY = dict(
     task="d2d1", d_model=64, num_layers=2, num_heads=4, ffn_dim=192, index_topk=16,
-    sft_steps=300, sft_batch_size=16, sft_seq_len=64, sft_learning_rate=3e-3,
-    steps=60, prompts_per_step=16, group_size=8, max_new_tokens=6, minibatches=2, learning_rate=3e-4,
-    mismatch="int4", beta=2.0, tis_cap=2.0, eval_tasks=256, eval_every=15, sampled_eval_samples=2, seed=0,
+    sft_steps=400, sft_batch_size=16, sft_seq_len=64, sft_learning_rate=3e-3,
+    steps=60, prompts_per_step=32, group_size=8, max_new_tokens=6, minibatches=2, learning_rate=1e-4,
+    mismatch="int4", beta=2.0, tis_cap=2.0, eval_tasks=256, eval_every=20, sampled_eval_samples=4, seed=0,
 )
 SMALL = dict(TINY, d_model=256, num_layers=4, num_heads=8, ffn_dim=768, sft_steps=1500, sft_batch_size=64,
              sft_seq_len=128, sft_learning_rate=1e-3, steps=300, prompts_per_step=64, group_size=16,
-             learning_rate=1e-4, eval_tasks=1024, eval_every=25, sampled_eval_samples=4)
+             learning_rate=5e-5, eval_tasks=1024, eval_every=25, sampled_eval_samples=4)
 
 
 def model_config(s: dict, vocab: CharVocab) -> ModelConfig:
@@ -73,7 +73,7 @@ def held_out(s: dict) -> list:
     return out
 
 
-@register("grpo_icepop", "GRPO on arithmetic from an SFT'd tiny DSA model under int8 rollout mismatch: "
+@register("grpo_icepop", "GRPO on arithmetic from an SFT'd tiny DSA model under int4 rollout mismatch: "
           "IcePop vs no correction vs truncated IS", {"tiny": TINY, "small": SMALL})
 def run(s: dict, workdir: str, log) -> dict:
     t_start = time.time()
