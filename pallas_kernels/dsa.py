@@ -65,6 +65,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import sparse_attn_tpu as _tpu
+from pallas_kernels import sparse_attn_triton as _triton
+
 NEG_INF = float("-inf")
 _F32 = jnp.float32
 
@@ -75,22 +78,16 @@ def _interpret(interpret):
     return bool(interpret)
 
 
-_GPU_BACKEND = {"name": None}
-
-
-def _compiler_kw():
-    """compiler_params for the attention kernels: Triton when `set_gpu_backend("triton")`."""
-    if _GPU_BACKEND["name"] == "triton":
-        from jax.experimental.pallas import triton as pltriton
-        return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=1)}
-    return {}
+_GPU_BACKEND = {"name": "triton"}
 
 
 def set_gpu_backend(name):
-    """None (pallas default: Mosaic GPU in jax 0.10) or "triton": how sparse_attention lowers on GPU."""
+    """Kept for compatibility. sparse_attention always lowers through Pallas Triton on GPU
+    (Mosaic GPU has no in-kernel row gather and staged the whole K/V block in shared memory);
+    None and "triton" are both accepted and mean Triton."""
     if name not in (None, "triton"):
         raise ValueError(f"unknown GPU backend {name!r}")
-    _GPU_BACKEND["name"] = name
+    _GPU_BACKEND["name"] = "triton"
 
 
 def _cdiv(a, b):
@@ -345,185 +342,148 @@ def indexer_block_stats(q_idx, k_idx, weights, topk, *, causal=True, block_size=
 # sparse attention
 # ----------------------------------------------------------------------------------------------
 
-def _gather_rows(ref, ids):
-    """ref block [1, S, Hk, D], ids [bq, kc] (valid, >= 0) -> [bq, kc, Hk, D]."""
-    bq, kc = ids.shape
-    g = ref[0, ids.reshape(-1)]
-    return g.reshape(bq, kc, *g.shape[1:])
+def _round_up(x, m):
+    return _cdiv(x, m) * m
 
 
-def _bmm(spec, a, b):
-    """Batched contraction; with the Triton backend (no batched dot_general there) as a
-    broadcast multiply + reduce."""
-    if _GPU_BACKEND["name"] != "triton":
-        return jnp.einsum(spec, a, b, preferred_element_type=_F32)
-    ins, out = spec.split("->")
-    sa, sb = ins.split(",")
-    full = "".join(dict.fromkeys(sa + sb))
-    def lift(x, sx):  # axes into `full` order, size-1 axes for the missing letters
-        x = jnp.transpose(x.astype(_F32), sorted(range(len(sx)), key=lambda i: full.index(sx[i])))
-        return jnp.expand_dims(x, [full.index(c) for c in full if c not in sx])
-    ea, eb = lift(a, sa), lift(b, sb)
-    red = tuple(i for i, c in enumerate(full) if c not in out)
-    r = jnp.sum(ea * eb, axis=red)
-    kept = "".join(c for c in full if c in out)
-    return jnp.transpose(r, [kept.index(c) for c in out])
+def _pow2(x, lo=16):
+    return max(lo, 1 << max(0, int(x) - 1).bit_length())
 
 
-def _logits(q, kg, hk):
-    # q [bq, H, D], kg [bq, kc, Hk, D] -> [bq, H, kc]
-    if _GPU_BACKEND["name"] == "triton":
-        return _bmm("qhd,qkd->qhk", q, kg[:, :, 0]) if hk == 1 else _bmm("qhd,qkhd->qhk", q, kg)
+def _fold_heads(q, k, v, idx):
+    """KV heads into the batch: every kernel sees one KV head.
+
+    Hk == 1: q [B,T,H,D], k [B,S,D], v [B,S,Dv], idx [B,T,K]. Hk == H: batch B*H, one query head."""
+    b, t, h, dq = q.shape
+    hk = k.shape[2]
     if hk == 1:
-        return jnp.einsum("qhd,qkd->qhk", q, kg[:, :, 0], preferred_element_type=_F32)
-    return jnp.einsum("qhd,qkhd->qhk", q, kg, preferred_element_type=_F32)
+        return q, k[:, :, 0], v[:, :, 0], idx
+    s = k.shape[1]
+    q2 = jnp.swapaxes(q, 1, 2).reshape(b * h, t, 1, dq)
+    k2 = jnp.swapaxes(k, 1, 2).reshape(b * h, s, k.shape[-1])
+    v2 = jnp.swapaxes(v, 1, 2).reshape(b * h, s, v.shape[-1])
+    idx2 = jnp.broadcast_to(idx[:, None], (b, h) + idx.shape[1:]).reshape(b * h, t, -1)
+    return q2, k2, v2, idx2
 
 
-def _pv(p, vg, hk):
-    # p [bq, H, kc], vg [bq, kc, Hk, Dv] -> [bq, H, Dv]
-    if _GPU_BACKEND["name"] == "triton":
-        return _bmm("qhk,qkd->qhd", p, vg[:, :, 0]) if hk == 1 else _bmm("qhk,qkhd->qhd", p, vg)
+def _unfold_heads(x, b, h, hk):
+    """[B', T, H', ...] (folded) -> [B, T, H, ...]."""
     if hk == 1:
-        return jnp.einsum("qhk,qkd->qhd", p, vg[:, :, 0], preferred_element_type=_F32)
-    return jnp.einsum("qhk,qkhd->qhd", p, vg, preferred_element_type=_F32)
+        return x
+    x = x.reshape((b, h) + x.shape[1:])[:, :, :, 0]  # [B, H, T, ...]
+    return jnp.swapaxes(x, 1, 2)
 
 
-def _attn_fwd_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, kc, n_chunks, hk):
-    q = q_ref[0]  # [bq, H, Dq]
-    bq, h, _ = q.shape
-    dv = v_ref.shape[-1]
-
-    def body(c, carry):
-        m, l, acc = carry
-        ids = idx_ref[0, :, pl.ds(c * kc, kc)]  # [bq, kc]
-        valid = ids >= 0
-        safe = jnp.where(valid, ids, 0)
-        kg = _gather_rows(k_ref, safe)
-        vg = _gather_rows(v_ref, safe)
-        s = _logits(q, kg, hk) * scale
-        s = jnp.where(valid[:, None, :], s, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[..., None])
-        l = alpha * l + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + _pv(p.astype(vg.dtype), vg, hk)
-        return m_new, l, acc
-
-    init = (jnp.full((bq, h), NEG_INF, _F32), jnp.zeros((bq, h), _F32),
-            jnp.zeros((bq, h, dv), _F32))
-    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    ok = l > 0
-    l_safe = jnp.where(ok, l, 1.0)
-    o_ref[0] = jnp.where(ok[..., None], acc / l_safe[..., None], 0.0).astype(o_ref.dtype)
-    lse_ref[0] = jnp.where(ok, jnp.where(m == NEG_INF, 0.0, m) + jnp.log(l_safe), NEG_INF)
+def _pad_idx(idx, tp, kp):
+    t, kk = idx.shape[1], idx.shape[2]
+    return jnp.pad(idx, ((0, 0), (0, tp - t), (0, kp - kk)), constant_values=-1)
 
 
-def _attn_bwd_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, p_ref,
-                     ds_ref, *, scale, kc, n_chunks, hk):
-    q = q_ref[0]
-    do = do_ref[0].astype(_F32)  # [bq, H, Dv]
-    lse = lse_ref[0]  # [bq, H]
-    delta = delta_ref[0]  # [bq, H]
-    bq, h, dq_dim = q.shape
-    row_ok = (lse > NEG_INF)[..., None]
-    lse_safe = jnp.where(lse > NEG_INF, lse, 0.0)
-
-    def body(c, dq):
-        ids = idx_ref[0, :, pl.ds(c * kc, kc)]
-        valid = ids >= 0
-        safe = jnp.where(valid, ids, 0)
-        kg = _gather_rows(k_ref, safe)
-        vg = _gather_rows(v_ref, safe)
-        s = _logits(q, kg, hk) * scale
-        ok = valid[:, None, :] & row_ok
-        p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_safe[..., None]), 0.0)
-        if hk == 1:
-            dp = _bmm("qhd,qkd->qhk", do, vg[:, :, 0].astype(_F32))
-        else:
-            dp = _bmm("qhd,qkhd->qhk", do, vg.astype(_F32))
-        ds = p * (dp - delta[..., None]) * scale
-        dq = dq + _pv(ds, kg.astype(_F32), hk)
-        p_ref[0, :, :, pl.ds(c * kc, kc)] = p
-        ds_ref[0, :, :, pl.ds(c * kc, kc)] = ds
-        return dq
-
-    dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((bq, h, dq_dim), _F32))
-    dq_ref[0] = dq.astype(dq_ref.dtype)
+def _pad_to(x, shape, value=0):
+    return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)], constant_values=value)
 
 
-def _prep(q, indices, bq, kc):
-    b, t, h, _ = q.shape
-    kk = indices.shape[-1]
-    bq = min(bq, _cdiv(t, 8) * 8)
+def _tpu_blocks(h, kk, bq, kc, interpret):
+    """(bq, kc) for the TPU kernels. Interpret mode keeps the caller's blocks. For Mosaic: kc a
+    multiple of 128 or all of K (block-shape rule for the [.., kc] index / P / dS blocks), and
+    bq capped so that a step gathers <= 1024 rows per tensor and bq*H <= 256 matmul rows."""
     kc = min(kc, kk)
-    tp, kp = _cdiv(t, bq) * bq, _cdiv(kk, kc) * kc
-    idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, tp - t), (0, kp - kk)),
-                  constant_values=-1)
-    return bq, kc, tp, kp, idx
+    if interpret:
+        return bq, kc
+    if kc < kk:
+        kc = min(_round_up(kc, 128), kk)
+    bq = max(1, min(bq, 256 // h, 1024 // kc))
+    return bq, kc
+
+
+def _fwd_tpu(q2, k2, v2, idx2, scale, bq, kc, interpret):
+    t, h, kk = q2.shape[1], q2.shape[2], idx2.shape[-1]
+    bq, kc = _tpu_blocks(h, kk, bq, kc, interpret)
+    tp, kp = _round_up(t, bq), _round_up(kk, kc)
+    o, lse = _tpu.attn_fwd(_pad_to(q2, (q2.shape[0], tp) + q2.shape[2:]), k2, v2,
+                           _pad_idx(idx2, tp, kp), scale=scale, bq=bq, kc=kc,
+                           interpret=interpret)
+    return o[:, :t], lse[:, :t, :, 0]
+
+
+def _gpu_dims(q2, v2, kk, kc):
+    bp, t, h, dq = q2.shape
+    kc = _pow2(min(kc, kk))
+    return (bp, t, _pow2(h), _pow2(dq), _pow2(v2.shape[-1])), kc, _round_up(kk, kc)
+
+
+def _fwd_gpu(q2, k2, v2, idx2, scale, kc):
+    t, h, kk, dv = q2.shape[1], q2.shape[2], idx2.shape[-1], v2.shape[-1]
+    (bp, _, hp, dqp, dvp), kc, kp = _gpu_dims(q2, v2, kk, kc)
+    o, lse = _triton.attn_fwd(_pad_to(q2, (bp, t, hp, dqp)), _pad_to(k2, k2.shape[:2] + (dqp,)),
+                              _pad_to(v2, v2.shape[:2] + (dvp,)), _pad_idx(idx2, t, kp),
+                              scale=scale, kc=kc)
+    return o[:, :, :h, :dv], lse[:, :, :h]
 
 
 def _attn_fwd(q, k, v, indices, scale, bq, kc, interpret):
-    b, t, h, dq = q.shape
-    s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    bq, kc, tp, kp, idx = _prep(q, indices, bq, kc)
-    qp = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-    kern = functools.partial(_attn_fwd_kernel, scale=scale, kc=kc, n_chunks=kp // kc, hk=hk)
-    o, lse = pl.pallas_call(
-        kern,
-        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), q.dtype),
-                   jax.ShapeDtypeStruct((b, tp, h), _F32)],
-        grid=(b, tp // bq),
-        in_specs=[pl.BlockSpec((1, bq, kp), lambda bi, i: (bi, i, 0)),
-                  pl.BlockSpec((1, bq, h, dq), lambda bi, i: (bi, i, 0, 0)),
-                  pl.BlockSpec((1, s, hk, dq), lambda bi, i: (bi, 0, 0, 0)),
-                  pl.BlockSpec((1, s, hk, dv), lambda bi, i: (bi, 0, 0, 0))],
-        out_specs=[pl.BlockSpec((1, bq, h, dv), lambda bi, i: (bi, i, 0, 0)),
-                   pl.BlockSpec((1, bq, h), lambda bi, i: (bi, i, 0))],
-        interpret=interpret,
-        **_compiler_kw(),
-    )(idx, qp, k, v)
-    return o[:, :t], lse[:, :t]
+    b, t, h, _ = q.shape
+    hk = k.shape[2]
+    q2, k2, v2, idx2 = _fold_heads(q, k, v, indices.astype(jnp.int32))
+    if interpret:
+        o, lse = _fwd_tpu(q2, k2, v2, idx2, scale, bq, kc, True)
+    else:
+        tpu_fn = lambda *a: _fwd_tpu(*a, scale, bq, kc, False)  # noqa: E731
+        gpu_fn = lambda *a: _fwd_gpu(*a, scale, kc)  # noqa: E731
+        o, lse = jax.lax.platform_dependent(q2, k2, v2, idx2, tpu=tpu_fn, cuda=gpu_fn,
+                                            rocm=gpu_fn, default=tpu_fn)
+    return _unfold_heads(o, b, h, hk), _unfold_heads(lse, b, h, hk)
+
+
+def _bwd_tpu(q2, k2, v2, idx2, do2, lse2, delta2, scale, bq, kc, interpret):
+    bp, t, h, _ = q2.shape
+    kk = idx2.shape[-1]
+    bq, kc = _tpu_blocks(h, kk, bq, kc, interpret)
+    tp, kp = _round_up(t, bq), _round_up(kk, kc)
+    padt = lambda x, v=0: _pad_to(x, (bp, tp) + x.shape[2:], v)  # noqa: E731
+    dq, p, ds = _tpu.attn_bwd_dq(
+        padt(q2), k2, v2, _pad_idx(idx2, tp, kp), padt(do2), padt(lse2, NEG_INF)[..., None],
+        padt(delta2)[..., None], scale=scale, bq=bq, kc=kc, interpret=interpret)
+    return dq[:, :t], p[:, :t, :, :kk], ds[:, :t, :, :kk]
+
+
+def _bwd_gpu(q2, k2, v2, idx2, do2, lse2, delta2, scale, kc):
+    t, h, dq_dim, kk = q2.shape[1], q2.shape[2], q2.shape[3], idx2.shape[-1]
+    (bp, _, hp, dqp, dvp), kc, kp = _gpu_dims(q2, v2, kk, kc)
+    dq, p, ds = _triton.attn_bwd_dq(
+        _pad_to(q2, (bp, t, hp, dqp)), _pad_to(k2, k2.shape[:2] + (dqp,)),
+        _pad_to(v2, v2.shape[:2] + (dvp,)), _pad_idx(idx2, t, kp),
+        _pad_to(do2, (bp, t, hp, dvp)), _pad_to(lse2, (bp, t, hp), NEG_INF),
+        _pad_to(delta2, (bp, t, hp)), scale=scale, kc=kc)
+    return dq[:, :, :h, :dq_dim], p[:, :, :h, :kk], ds[:, :, :h, :kk]
 
 
 def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret):
-    b, t, h, dq = q.shape
-    s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    bq, kc, tp, kp, idx = _prep(q, indices, bq, kc)
+    b, t, h, _ = q.shape
+    s, hk = k.shape[1], k.shape[2]
+    indices = indices.astype(jnp.int32)
     delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1)  # [B, T, H]
-    pad_t = ((0, 0), (0, tp - t))
-    qp = jnp.pad(q, pad_t + ((0, 0), (0, 0)))
-    dop = jnp.pad(do, pad_t + ((0, 0), (0, 0)))
-    lsep = jnp.pad(lse, pad_t + ((0, 0),), constant_values=NEG_INF)
-    deltap = jnp.pad(delta, pad_t + ((0, 0),))
-    kern = functools.partial(_attn_bwd_kernel, scale=scale, kc=kc, n_chunks=kp // kc, hk=hk)
-    row = lambda bi, i: (bi, i, 0)  # noqa: E731
-    row4 = lambda bi, i: (bi, i, 0, 0)  # noqa: E731
-    full4 = lambda bi, i: (bi, 0, 0, 0)  # noqa: E731
-    dqp, p, ds = pl.pallas_call(
-        kern,
-        out_shape=[jax.ShapeDtypeStruct((b, tp, h, dq), q.dtype),
-                   jax.ShapeDtypeStruct((b, tp, h, kp), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h, kp), _F32)],
-        grid=(b, tp // bq),
-        in_specs=[pl.BlockSpec((1, bq, kp), row),
-                  pl.BlockSpec((1, bq, h, dq), row4),
-                  pl.BlockSpec((1, s, hk, dq), full4),
-                  pl.BlockSpec((1, s, hk, dv), full4),
-                  pl.BlockSpec((1, bq, h, dv), row4),
-                  pl.BlockSpec((1, bq, h), row),
-                  pl.BlockSpec((1, bq, h), row)],
-        out_specs=[pl.BlockSpec((1, bq, h, dq), row4),
-                   pl.BlockSpec((1, bq, h, kp), row4),
-                   pl.BlockSpec((1, bq, h, kp), row4)],
-        interpret=interpret,
-        **_compiler_kw(),
-    )(idx, qp, k, v, dop, lsep, deltap)
+    q2, k2, v2, idx2 = _fold_heads(q, k, v, indices)
+    do2 = _fold_heads(do, k, v, indices)[0]
+    fold = lambda x: _fold_heads(x[..., None], k, v, indices)[0][..., 0]  # noqa: E731
+    lse2, delta2 = fold(lse), fold(delta)
+    args = (q2, k2, v2, idx2, do2, lse2, delta2)
+    if interpret:
+        dq2, p2, ds2 = _bwd_tpu(*args, scale, bq, kc, True)
+    else:
+        tpu_fn = lambda *a: _bwd_tpu(*a, scale, bq, kc, False)  # noqa: E731
+        gpu_fn = lambda *a: _bwd_gpu(*a, scale, kc)  # noqa: E731
+        dq2, p2, ds2 = jax.lax.platform_dependent(*args, tpu=tpu_fn, cuda=gpu_fn, rocm=gpu_fn,
+                                                  default=tpu_fn)
+    dq = _unfold_heads(dq2, b, h, hk)
+    p, ds = _unfold_heads(p2, b, h, hk), _unfold_heads(ds2, b, h, hk)  # [B, T, H, K]
 
     # dk / dv: atomic-free scatter-add of per-query contributions, chunk by chunk over queries
-    tc = bq
-    n_chunks = tp // tc
-    safe_idx = jnp.where(idx >= 0, idx, s)  # out of range -> dropped
+    tc = max(1, min(bq, t))
+    tp = _round_up(t, tc)
+    padt = lambda x: _pad_to(x, (b, tp) + x.shape[2:])  # noqa: E731
+    safe_idx = padt(jnp.where(indices >= 0, indices, s))  # out of range -> dropped
+    p, ds, qp, dop = padt(p), padt(ds), padt(q), padt(do)
 
     def chunk(c, carry):
         dk, dvv = carry
@@ -542,8 +502,8 @@ def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret):
         return dk, dvv
 
     dk, dvv = jax.lax.fori_loop(
-        0, n_chunks, chunk, (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)))
-    return dqp[:, :t], dk.astype(k.dtype), dvv.astype(v.dtype)
+        0, tp // tc, chunk, (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)))
+    return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -571,7 +531,11 @@ def sparse_attention(q, k, v, indices, *, scale: float, interpret=None, block_q:
 
     q [B, T, H, Dq], k [B, S, Hk, Dq], v [B, S, Hk, Dv], Hk in {1, H}, indices int32 [B, T, K]
     (-1 = none) -> [B, T, H, Dv] in q's dtype. block_q queries per grid step, block_k selected
-    keys per online-softmax chunk.
+    keys per online-softmax chunk (interpret mode uses them as given; the TPU and GPU lowerings
+    adjust them to their block-shape rules, see `_tpu_blocks` / `_gpu_dims`).
+    Without interpret the kernel is chosen per platform (`lax.platform_dependent`): TPU ->
+    Mosaic DMA-gather kernels (`sparse_attn_tpu`), CUDA/ROCm -> Pallas Triton
+    (`sparse_attn_triton`).
     """
     h, hk = q.shape[2], k.shape[2]
     if hk not in (1, h):
