@@ -29,6 +29,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.registry import register  # noqa: E402
@@ -36,6 +38,8 @@ from experiments.report import eval_series, md_table, plot_curves, write_report 
 from glm5_jax.config import ModelConfig, preset  # noqa: E402
 from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
 from glm5_jax.infer import speculative_generate  # noqa: E402
+from glm5_jax.losses import mtp_targets  # noqa: E402
+from glm5_jax.model import GLM5  # noqa: E402
 from glm5_jax.train import TrainConfig, evaluate, train  # noqa: E402
 from glm5_jax.train.step import make_eval_step  # noqa: E402
 
@@ -48,10 +52,10 @@ ARMS = {
 PAPER = {"GLM-5": 2.76, "DeepSeek-V3.2": 2.55}     # acceptance length, 4 speculative steps (GLM-5 report)
 
 TINY = dict(
-    seq_len=256, batch_size=8, vocab_size=2048, d_model=128, num_layers=2, num_heads=4, q_lora_rank=64,
+    seq_len=128, batch_size=8, vocab_size=2048, d_model=128, num_layers=2, num_heads=4, q_lora_rank=64,
     kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, ffn_dim=384, num_experts=0,
-    moe_ffn_dim=128, attention="mla", index_topk=64, steps=240, warmup_steps=20, learning_rate=3e-3,
-    mtp_weight=0.3, eval_every=60, eval_batches=4, num_prompts=8, prompt_len=64, max_new_tokens=64,
+    moe_ffn_dim=128, attention="mla", index_topk=64, steps=120, warmup_steps=10, learning_rate=3e-3,
+    mtp_weight=0.3, eval_every=40, eval_batches=4, num_prompts=8, prompt_len=64, max_new_tokens=64,
     num_draft=4, draft_sweep="", max_files=0, seed=0, model_preset="", arms="",
 )
 # One accelerator: the "small" preset trunk, longer sequences, many more steps and prompts.
@@ -112,31 +116,72 @@ def measure_acceptance(cfg: ModelConfig, params, prompts, num_draft: int, max_ne
             "time_s": time.time() - t0}
 
 
+def teacher_forced(cfg: ModelConfig, params, batches, num_draft: int) -> dict:
+    """MTP drafts on held-out TEXT (teacher forcing): per-depth top-1 accuracy of depth k at position t against
+    the true token t+k+1, and the oracle acceptance length = mean over positions (where all depths stay in the
+    document) of 1 + the longest prefix of correct depths, i.e. the acceptance length of drafting against a
+    target that emits the held-out text. Not distorted by greedy repetition, unlike self-speculation."""
+    icfg, ip = inference_model(cfg, params, num_draft)
+    icfg = icfg.replace(mtp_depth=num_draft)
+
+    @jax.jit
+    def f(p, b):
+        logits = GLM5(icfg).apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"], mtp=True)["mtp_logits"]
+        hits, masks = [], []
+        for k in range(num_draft):
+            t, m = mtp_targets(b["targets"], b["loss_mask"], b["segment_ids"], k + 1)
+            hits.append((jnp.argmax(logits[k], -1) == t).astype(jnp.float32))
+            masks.append(m.astype(jnp.float32))
+        hits, masks = jnp.stack(hits), jnp.stack(masks)                    # [n, B, T]
+        acc = jnp.sum(hits * masks, axis=(1, 2)), jnp.sum(masks, axis=(1, 2))
+        run = 1.0 + jnp.sum(jnp.cumprod(hits, axis=0), axis=0)              # [B, T]
+        full = masks[-1]                                                      # all depths in the document
+        return acc, (jnp.sum(run * full), jnp.sum(full))
+
+    hit, cnt, rs, rc = np.zeros(num_draft), np.zeros(num_draft), 0.0, 0.0
+    for b in batches:
+        (h, c), (r, n) = f(ip, {k: jnp.asarray(v) for k, v in b.items()})
+        hit, cnt, rs, rc = hit + np.asarray(h), cnt + np.asarray(c), rs + float(r), rc + float(n)
+    return {"oracle_acceptance_length": rs / max(rc, 1.0),
+            "draft_accuracy_by_depth": [float(x) for x in hit / np.maximum(cnt, 1.0)]}
+
+
 def plot_acceptance(path: str, arms: dict, num_draft: int, sweep: list[int]) -> str:
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    """Grouped bars per arm: self-speculative (greedy) and oracle (teacher-forced, held-out text) acceptance
+    length, with the paper's two numbers; plus, with a draft sweep, acceptance vs number of draft steps."""
+    ncol = 2 if sweep else 1
+    fig, axes = plt.subplots(1, ncol, figsize=(7 * ncol, 4.4), dpi=110, squeeze=False)
+    ax = axes[0, 0]
     names = list(arms)
+    xs = np.arange(len(names))
+    w = 0.38
+    spec = [arms[a]["acceptance_length"] for a in names]
+    orac = [arms[a]["oracle_acceptance_length"] for a in names]
+    ax.bar(xs - w / 2, spec, w, label="self-speculative, greedy (model's own continuation)")
+    ax.bar(xs + w / 2, orac, w, label="oracle: teacher-forced on held-out text")
+    for x, v in list(zip(xs - w / 2, spec)) + list(zip(xs + w / 2, orac)):
+        ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    px = len(names) + np.arange(len(PAPER))
+    ax.bar(px, list(PAPER.values()), w * 1.5, color="C7", label="paper (GLM-5 report)")
+    for x, v in zip(px, PAPER.values()):
+        ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs) + list(px), names + [f"paper\n{k}" for k in PAPER])
+    ax.axhline(1.0, color="k", lw=0.5, ls="--")
+    ax.set_ylabel("acceptance length")
+    ax.set_ylim(0, num_draft + 1.2)
+    ax.set_title(f"acceptance length, {num_draft} speculative steps")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(alpha=0.3, axis="y")
     if sweep:
+        ax = axes[0, 1]
         for a in names:
             pts = sorted((int(k), v) for k, v in arms[a]["acceptance_by_num_draft"].items())
             ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=a)
         ax.set_xlabel("speculative (draft) steps")
-        ax.axvline(num_draft, color="grey", lw=0.5)
-        for lbl, v in PAPER.items():
-            ax.plot([num_draft], [v], marker="*", markersize=11, ls="none", label=f"paper: {lbl} ({v})")
-    else:
-        xs = np.arange(len(names) + len(PAPER))
-        vals = [arms[a]["acceptance_length"] for a in names] + list(PAPER.values())
-        colors = ["C0"] * len(names) + ["C7"] * len(PAPER)
-        ax.bar(xs, vals, color=colors)
-        ax.set_xticks(xs, names + [f"paper\n{k}" for k in PAPER])
-        for x, v in zip(xs, vals):
-            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom")
-    ax.axhline(1.0, color="k", lw=0.5, ls="--")
-    ax.set_ylabel(f"acceptance length")
-    ax.set_title(f"mtp_sharing: acceptance length, {num_draft} speculative steps (greedy)")
-    ax.grid(alpha=0.3)
-    if sweep:
+        ax.set_ylabel("self-speculative acceptance length")
+        ax.grid(alpha=0.3)
         ax.legend()
+    fig.suptitle("mtp_sharing")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -181,15 +226,19 @@ def run(s: dict, workdir: str, log) -> dict:
         for n in sweep:
             if n != s["num_draft"]:
                 by_n[str(n)] = measure_acceptance(cfg, r["params"], prompts, n, s["max_new_tokens"])["acceptance_length"]
+        tf = teacher_forced(cfg, r["params"], lm_eval, s["num_draft"])
         mtp_rows = [row for row in r["history"] if "mtp_loss" in row]
         arms[arm] = {"mtp_depth": cfg.mtp_depth, "mtp_share": cfg.mtp_share, "description": ARMS[arm][2],
                      "mtp_layers_trained": 1 if cfg.mtp_share else cfg.mtp_depth,
                      "acceptance_length": main["acceptance_length"], "verify_steps": main["verify_steps"],
                      "distinct_token_fraction": main["distinct_token_fraction"],
                      "acceptance_by_num_draft": by_n,
+                     "oracle_acceptance_length": tf["oracle_acceptance_length"],
+                     "draft_accuracy_by_depth": tf["draft_accuracy_by_depth"],
                      "final_eval_loss": float(r["final"]["eval_loss"]),
                      "final_eval_accuracy": float(r["final"]["eval_accuracy"]),
                      "final_train_mtp_loss": float(mtp_rows[-1]["mtp_loss"]) if mtp_rows else None,
+                     "num_params": int(sum(np.size(x) for x in jax.tree_util.tree_leaves(r["params"]))),
                      "train_time_s": t_train, "spec_time_s": main["time_s"]}
         log(f"[{arm}] acceptance length {main['acceptance_length']:.3f}, eval loss {arms[arm]['final_eval_loss']:.4f}")
 
@@ -205,29 +254,45 @@ def run(s: dict, workdir: str, log) -> dict:
 
     rows = [[a, v["mtp_depth"], "yes" if v["mtp_share"] else "no", v["mtp_layers_trained"], v["final_eval_loss"],
              v["final_eval_accuracy"], v["final_train_mtp_loss"] if v["final_train_mtp_loss"] is not None else "-",
-             v["acceptance_length"], v["distinct_token_fraction"]] for a, v in arms.items()]
+             v["acceptance_length"], v["distinct_token_fraction"], v["oracle_acceptance_length"]]
+            for a, v in arms.items()]
+    drows = [[a] + v["draft_accuracy_by_depth"] for a, v in arms.items()]
     sweep_md = ""
     if sweep:
         srows = [[a] + [v["acceptance_by_num_draft"].get(str(n), float("nan")) for n in sweep] for a, v in arms.items()]
-        sweep_md = "Acceptance length by number of draft steps:\n\n" + md_table(
+        sweep_md = "Self-speculative acceptance length by number of draft steps:\n\n" + md_table(
             ["arm"] + [f"{n} drafts" for n in sweep], srows) + "\n"
-    comp = _comparison(arms, s["num_draft"])
+    comp = _comparison(arms, s["num_draft"], len(prompts), s["steps"])
+    nd = s["num_draft"]
     md = f"""# mtp_sharing
 
 Three arms trained from scratch for {s['steps']} steps of {B}x{T} = {B * T} tokens on the same token stream,
 same trunk and same initial trunk weights ({c0.attention}, d_model {c0.d_model}, {c0.num_layers} layers,
 {c0.num_heads} heads, {'MoE ' + str(c0.num_experts) + ' experts' if c0.num_experts else 'dense SwiGLU ' + str(c0.ffn_dim)}),
 loss = main CE + {s['mtp_weight']} x mean-over-depths MTP CE. Eval loss is the MAIN head only, on
-{len(lm_eval)} held-out batches. Acceptance length = mean (1 + accepted drafts) per verification step of greedy
-MTP self-speculative decoding with {s['num_draft']} draft steps on {len(prompts)} held-out prompts (the first
-{s['prompt_len']} tokens of held-out standard-library files), {s['max_new_tokens']} new tokens each. Drafting beyond
-the trained depth reuses a layer: shared3/depth1 apply their single MTP layer at every step, indep3 reuses its
-third layer for the fourth step.
+{len(lm_eval)} held-out batches.
+
+* **acceptance length** (self-speculative): mean (1 + accepted drafts) per verification step of greedy MTP
+  self-speculative decoding with {nd} draft steps on {len(prompts)} held-out prompts (the first {s['prompt_len']}
+  tokens of held-out standard-library files), {s['max_new_tokens']} new tokens each: the papers' metric.
+* **oracle acceptance** (teacher-forced): on the held-out eval batches, 1 + the longest prefix of the {nd}
+  MTP drafts at each position that equals the true next tokens, i.e. the acceptance length when drafting
+  against a target that emits the held-out text. It does not depend on the model's own (often repetitive)
+  greedy continuation.
+* Drafting beyond the trained depth reuses a layer: shared3/depth1 apply their single MTP layer at every
+  step, indep3 reuses its third layer for step 4.
 
 {md_table(["arm", "mtp depth", "shared", "MTP layers", "final eval loss", "eval token acc", "train MTP loss",
-           f"acceptance length ({s['num_draft']} steps)", "distinct-token fraction"], rows)}
+           f"acceptance length ({nd} steps)", "distinct-token fraction", f"oracle acceptance ({nd} steps)"], rows)}
+
+MTP draft top-1 accuracy on held-out text by draft step (step k predicts token t+k+1):
+
+{md_table(["arm"] + [f"step {k + 1}" for k in range(nd)], drows)}
 
 {sweep_md}
+"distinct-token fraction" = distinct tokens / generated tokens per prompt (averaged): a low value means
+greedy decoding fell into a loop, which makes drafting easy and inflates the self-speculative acceptance.
+
 ![eval loss](eval_loss.png)
 
 ![acceptance length](acceptance_length.png)
@@ -236,31 +301,44 @@ third layer for the fourth step.
 
 {comp}
 
-"distinct-token fraction" = distinct tokens / generated tokens per prompt (averaged): a low value means
-greedy decoding fell into repetition, which makes drafting easy and inflates the acceptance length.
-
 Wall time {report['wall_time_s']:.0f} s.
 """
     write_report(workdir, report, md)
     return report
 
 
-def _comparison(arms: dict, num_draft: int) -> str:
+def _comparison(arms: dict, num_draft: int, n_prompts: int, steps: int) -> str:
     lines = [f"The GLM-5 report gives an acceptance length of {PAPER['GLM-5']} for GLM-5 (3 MTP layers sharing "
              f"parameters) vs {PAPER['DeepSeek-V3.2']} for DeepSeek-V3.2 (one MTP layer) with 4 speculative steps, "
              f"i.e. +{PAPER['GLM-5'] - PAPER['DeepSeek-V3.2']:.2f} tokens per verification step "
              f"(+{100 * (PAPER['GLM-5'] / PAPER['DeepSeek-V3.2'] - 1):.1f}%)."]
     if num_draft != 4:
         lines.append(f"(This run used {num_draft} draft steps, so the numbers are not directly comparable.)")
-    sh, d1, ind = (arms.get(k, {}).get("acceptance_length") for k in ("shared3", "depth1", "indep3"))
-    if sh is not None and d1 is not None:
-        lines.append(f"Here shared3 - depth1 = {sh - d1:+.3f} ({100 * (sh / d1 - 1):+.1f}%): the sign "
-                     f"{'matches' if sh > d1 else 'does not match'} the paper's ordering.")
-    if sh is not None and ind is not None:
-        lines.append(f"shared3 - indep3 = {sh - ind:+.3f}.")
-    lines.append("At this tiny scale (a few-M-parameter model trained for minutes on CPU) every acceptance length is "
-                 "far below the paper's: the main model itself predicts code poorly, so the MTP drafts of 2-4 tokens "
-                 "ahead are rarely right and most verification steps accept only the bonus token (1.0 = no draft "
-                 "accepted). Differences between arms of a few hundredths are within the noise of 8 prompts; "
-                 "only the 'small' scale (one accelerator) can say anything about the paper's gap.")
+    for key, what in (("acceptance_length", "self-speculative"), ("oracle_acceptance_length", "oracle (teacher-forced)")):
+        sh, d1, ind = (arms.get(k, {}).get(key) for k in ("shared3", "depth1", "indep3"))
+        parts = []
+        if sh is not None and d1 is not None:
+            parts.append(f"shared3 - depth1 = {sh - d1:+.3f} ({100 * (sh / d1 - 1):+.1f}%; paper ordering "
+                         f"{'reproduced' if sh > d1 else 'not reproduced'})")
+        if sh is not None and ind is not None:
+            parts.append(f"shared3 - indep3 = {sh - ind:+.3f}")
+        if parts:
+            lines.append(f"Here, {what}: " + "; ".join(parts) + ".")
+    spec = [v["acceptance_length"] for v in arms.values()]
+    orac = [v["oracle_acceptance_length"] for v in arms.values()]
+    dist = [v["distinct_token_fraction"] for v in arms.values()]
+    n_params = max(v["num_params"] for v in arms.values())
+    lo, hi = min(orac), max(orac)
+    lines.append(
+        f"Scale: {n_params / 1e6:.1f}M parameters at most per arm, {steps} training steps. The oracle acceptance on "
+        f"real held-out text is {lo:.2f}-{hi:.2f}"
+        + (", close to 1 (the drafts rarely match real code) and far below the paper's 2.55-2.76, as expected "
+           "for a model this small and this briefly trained. " if hi < 1.8 else ". ")
+        + f"The self-speculative acceptance is {min(spec):.2f}-{max(spec):.2f}"
+        + ("; it looks paper-like only because greedy decoding of an undertrained model falls into short loops "
+           f"(distinct-token fraction {min(dist):.2f}-{max(dist):.2f}), which any MTP layer learns to continue, so "
+           "at this scale it measures loop-following, not drafting quality."
+           if max(dist) < 0.3 else " on non-degenerate continuations.")
+        + f" With {n_prompts} prompts and one seed, differences between arms are within run-to-run noise unless "
+        "they are large; the 'small' scale (one accelerator) is the setting that can test the paper's gap.")
     return "\n".join(lines)
