@@ -90,5 +90,5 @@ def test_sparse_attention_lowers_cuda_triton(case, mode, verified_triton):
 def test_cpu_without_interpret_is_rejected():
     """Documented behaviour: CPU has no compiled Pallas path; interpret=False there fails."""
     f = _fns(8, 4)["fwd"]
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="Only interpret mode"):
         jax.jit(f).lower(*_args(1, 8, 16, 2, 1, 8, 8, 4, jnp.float32)).compile()
