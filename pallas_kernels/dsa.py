@@ -39,20 +39,28 @@ below 1 (measured in tools/bench_dsa.py).
 
 sparse_attention
 ----------------
-Forward kernel (grid (B, T/bq)): for each query block, a `fori_loop` over chunks of `kc` selected
-indices gathers the K/V rows of each query (in-kernel gather from the batch's K/V block), online
-softmax in float32, writes O and the log-sum-exp L. Backward = two steps joined by custom_vjp:
-  * a Pallas kernel (grid (B, T/bq)) recomputes P = exp(S - L) chunk by chunk from the saved L,
-    computes dP = dO . V_sel, dS = P (dP - delta) with delta = rowsum(dO * O), accumulates dq in
-    VMEM, and writes the per-(query, head, slot) P and scale*dS ([B, T, H, K], linear in T);
-  * dk / dv are scatter-adds (atomic-free): XLA segment-sums the per-query contributions
-    dv[s] += P[t,h,slot] dO[t,h], dk[s] += scale dS[t,h,slot] q[t,h] chunk by chunk over queries,
-    so no [T, K, D] tensor is materialised. (A Pallas dk/dv kernel would need the transposed index
-    lists, key -> queries; left as future work.)
+KV heads are folded into the batch first (Hk == H -> batch B*H with one query head), so every
+kernel sees a single KV head: q [B, T, H, Dq], k [B, S, Dq], v [B, S, Dv], indices [B, T, K].
+Forward (online softmax over chunks of `block_k` selected keys, float32 state, writes O and the
+log-sum-exp L) and the backward's dq kernel (recomputes P = exp(S - L), dP = dO . V_sel,
+dS = P (dP - delta) with delta = rowsum(dO * O), accumulates dq, writes the per-(query, head, slot)
+P and scale*dS [B, T, H, K], linear in T) exist in two lowerings:
+  * `sparse_attn_tpu` (Mosaic TPU; also the interpret-mode path): grid (B, T/bq, K/kc) with the
+    chunk axis "arbitrary"; K/V stay in HBM (memory_space=ANY); the chunk's indices come as an
+    SMEM block (DMA addresses) and a VMEM block (mask); one make_async_copy per selected row into
+    VMEM [bq, kc, D] buffers, then batched dense matmuls on the gathered tile.
+  * `sparse_attn_triton` (Pallas Triton, GPU): one program per query, index-array loads from
+    global memory (`k_ref[0, ids]`), 2-D tl.dots; H, D, kc padded to powers of two >= 16.
+Without interpret, `lax.platform_dependent` picks the kernel for the lowering platform.
+dk / dv are scatter-adds (atomic-free): XLA segment-sums the per-query contributions
+dv[s] += P[t,h,slot] dO[t,h], dk[s] += scale dS[t,h,slot] q[t,h] chunk by chunk over queries, so
+no [T, K, D] tensor is materialised. (A Pallas dk/dv kernel would need the transposed index lists,
+key -> queries; left as future work.)
 
-Lowering: the kernels use only BlockSpecs, scalar-prefetched block tables (PrefetchScalarGridSpec)
-and 2-D/batched dots, written for Mosaic TPU. Only interpret mode is verified here (CPU); see
-BUILD_NOTES.md for what happens when lowering without interpret.
+Lowering (checked with jax.export from CPU, tests/test_pallas_lowering.py): indexer kernels and
+sparse attention fwd + bwd-dq lower for TPU; sparse attention fwd + bwd-dq lower for CUDA via
+Triton. Device compilation (Mosaic layout passes, Triton -> PTX) and numerics on a device are not
+verified; see BUILD_NOTES.md.
 """
 
 from __future__ import annotations
@@ -407,9 +415,13 @@ def _fwd_tpu(q2, k2, v2, idx2, scale, bq, kc, interpret):
 
 
 def _gpu_dims(q2, v2, kk, kc):
+    """Triton shapes: H, Dq, Dv, kc padded to powers of two >= 16; kc also capped so that the
+    gathered [kc, Dq] + [kc, Dv] tiles stay <= 64 KiB (shared-memory operands of tl.dot)."""
     bp, t, h, dq = q2.shape
-    kc = _pow2(min(kc, kk))
-    return (bp, t, _pow2(h), _pow2(dq), _pow2(v2.shape[-1])), kc, _round_up(kk, kc)
+    dqp, dvp = _pow2(dq), _pow2(v2.shape[-1])
+    cap = max(16, (64 * 1024) // ((dqp + dvp) * q2.dtype.itemsize))
+    kc = min(_pow2(min(kc, kk)), 1 << (cap.bit_length() - 1))
+    return (bp, t, _pow2(h), dqp, dvp), kc, _round_up(kk, kc)
 
 
 def _fwd_gpu(q2, k2, v2, idx2, scale, kc):
