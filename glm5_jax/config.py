@@ -77,6 +77,7 @@ class ModelConfig:
     dtype: str = "float32"                # compute dtype; softmax, router and norms stay float32
     attention_impl: str = "xla"           # xla | pallas (DSA kernels)
     attn_chunk: int = 256                 # query chunk for attention paths (bounds [chunk, S] memory)
+    remat: bool = False                   # recompute each decoder layer in the backward (keeps layer inputs only)
 
     def __post_init__(self):
         if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):

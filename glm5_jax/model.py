@@ -85,7 +85,9 @@ class GLM5(nn.Module):
         self.embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=pdt, dtype=dtype_of(c.dtype),
                               embedding_init=init_normal(c.initializer_range, ("vocab", "embed")))
         types = c.layer_indexer_types
-        self.layers = [DecoderLayer(c, c.is_moe_layer(i), types[i] if types else None, name=f"layer_{i}")
+        # static_argnums count `self`: 6 = indexer_loss, 7 = monitor_logits
+        layer_cls = nn.remat(DecoderLayer, static_argnums=(6, 7)) if c.remat else DecoderLayer
+        self.layers = [layer_cls(c, c.is_moe_layer(i), types[i] if types else None, name=f"layer_{i}")
                        for i in range(c.num_layers)]
         self.final_norm = RMSNorm(c.rms_norm_eps, pdt)
         if not c.tie_embeddings:

@@ -175,3 +175,18 @@ def test_mtp_shared_depths_reuse_one_block():
     out2 = model.GLM5(cfg).apply({"params": params}, tok2, mtp=True)
     np.testing.assert_allclose(out["mtp_logits"][0, :, :7], out2["mtp_logits"][0, :, :7], atol=1e-6)
     assert float(jnp.abs(out["mtp_logits"][0, :, 7] - out2["mtp_logits"][0, :, 7]).max()) > 1e-5
+
+
+def test_remat_gives_identical_loss_and_gradients():
+    cfg = ModelConfig(index_topk=4, mtp_depth=0)
+    params = model.init_params(cfg, jax.random.PRNGKey(12))
+    tok = jax.random.randint(jax.random.PRNGKey(13), (2, 16), 0, cfg.vocab_size)
+
+    def loss(c):
+        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(model.GLM5(c).apply(
+            {"params": p}, tok, indexer_loss="sparse", mutable=["intermediates"])[0]["logits"] ** 2)))(params)
+
+    (l0, g0), (l1, g1) = loss(cfg), loss(cfg.replace(remat=True))
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
