@@ -63,6 +63,8 @@ def test_mtp_sharing_micro_run(tmp_path):
     for arm, v in on_disk["arms"].items():
         assert 1.0 <= v["acceptance_length"] <= 5.0, arm
         assert math.isfinite(v["final_eval_loss"]), arm
+        assert 1.0 <= v["oracle_acceptance_length"] <= 5.0, arm
+        assert len(v["draft_accuracy_by_depth"]) == 4 and all(0.0 <= a <= 1.0 for a in v["draft_accuracy_by_depth"])
     assert on_disk["arms"]["indep3"]["mtp_layers_trained"] == 3
     assert report["arms"].keys() == on_disk["arms"].keys()
     for f in ("report.md", "eval_loss.png", "acceptance_length.png"):
