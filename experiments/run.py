@@ -20,12 +20,16 @@ from absl import app, flags, logging
 from experiments import registry
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "Experiment name (see --list).")
-flags.DEFINE_string("workdir", None, "Output folder (default runs/<config>).")
-flags.DEFINE_string("preset", "tiny", "Scale: tiny (CPU default) or small (one accelerator).")
-flags.DEFINE_integer("steps", None, "Override the experiment's main step count.")
-flags.DEFINE_multi_string("set", [], "Override a setting: --set key=value (repeatable).")
-flags.DEFINE_bool("list", False, "List the registered experiments and exit.")
+
+
+def define_flags() -> None:
+    """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
+    flags.DEFINE_string("config", None, "Experiment name (see --list).")
+    flags.DEFINE_string("workdir", None, "Output folder (default runs/<config>).")
+    flags.DEFINE_string("preset", "tiny", "Scale: tiny (CPU default) or small (one accelerator).")
+    flags.DEFINE_integer("steps", None, "Override the experiment's main step count.")
+    flags.DEFINE_multi_string("set", [], "Override a setting: --set key=value (repeatable).")
+    flags.DEFINE_bool("list", False, "List the registered experiments and exit.")
 
 
 def log(msg: str) -> None:
@@ -64,4 +68,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -17,10 +17,15 @@ from absl import app, flags, logging
 
 from experiments import registry
 from experiments.report import md_table
+from experiments.run import define_flags as run_flags
 from experiments.run import run_experiment
 
 FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set come from experiments.run
-flags.DEFINE_string("sweep", None, "key=v1,v2,... : the setting to sweep and its values.")
+
+
+def define_flags() -> None:
+    """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
+    flags.DEFINE_string("sweep", None, "key=v1,v2,... : the setting to sweep and its values.")
 
 
 def flatten_report(report: dict) -> dict[str, float]:
@@ -71,4 +76,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    run_flags()
+    define_flags()
     app.run(main)

@@ -14,9 +14,13 @@ import os
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("hf_dir", None, "Folder with config.json and model.safetensors (or an index).")
-flags.DEFINE_string("out", None, "Output folder for the orbax checkpoint.")
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Cast parameters (default: keep).")
+
+
+def define_flags() -> None:
+    """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
+    flags.DEFINE_string("hf_dir", None, "Folder with config.json and model.safetensors (or an index).")
+    flags.DEFINE_string("out", None, "Output folder for the orbax checkpoint.")
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Cast parameters (default: keep).")
 
 
 def convert(hf_dir: str, out: str, dtype: str | None = None) -> str:
@@ -62,4 +66,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

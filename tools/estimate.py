@@ -17,9 +17,13 @@ from absl import app, flags
 from glm5_jax.config import ModelConfig, preset
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "tiny", "Model preset: tiny | small | glm5.")
-flags.DEFINE_integer("seq_len", 4096, "Training sequence length for the attention FLOPs.")
-flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
+
+
+def define_flags() -> None:
+    """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
+    flags.DEFINE_string("preset", "tiny", "Model preset: tiny | small | glm5.")
+    flags.DEFINE_integer("seq_len", 4096, "Training sequence length for the attention FLOPs.")
+    flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 
 def _size(leaf) -> int:
@@ -70,4 +74,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

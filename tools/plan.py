@@ -18,14 +18,19 @@ import sys
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "tiny", "Model preset: tiny | small | glm5.")
-flags.DEFINE_string("mesh", "data:1", "Mesh sizes AXIS:N,... over data, fsdp, expert, tensor.")
-flags.DEFINE_integer("batch_size", None, "Global batch (sequences); default one per data*fsdp*expert shard.")
-flags.DEFINE_integer("seq_len", 4096, "Sequence length.")
-flags.DEFINE_string("optimizer", "adamw", "adamw | muon | muon_split.")
-flags.DEFINE_enum("activations", "auto", ["auto", "measure", "estimate"], "Measure (compile) or estimate.")
-flags.DEFINE_integer("max_fake_devices", 64, "Force up to this many CPU devices to measure activations.")
-flags.DEFINE_bool("json", False, "Print JSON.")
+
+
+def define_flags() -> None:
+    """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
+    flags.DEFINE_string("preset", "tiny", "Model preset: tiny | small | glm5.")
+    flags.DEFINE_string("mesh", "data:1", "Mesh sizes AXIS:N,... over data, fsdp, expert, tensor.")
+    flags.DEFINE_integer("batch_size", None, "Global batch (sequences); default one per data*fsdp*expert shard.")
+    flags.DEFINE_integer("seq_len", 4096, "Sequence length.")
+    flags.DEFINE_string("optimizer", "adamw", "adamw | muon | muon_split.")
+    flags.DEFINE_enum("activations", "auto", ["auto", "measure", "estimate"], "Measure (compile) or estimate.")
+    flags.DEFINE_bool("remat", False, "Plan with ModelConfig.remat=True (each decoder layer recomputed).")
+    flags.DEFINE_integer("max_fake_devices", 64, "Force up to this many CPU devices to measure activations.")
+    flags.DEFINE_bool("json", False, "Print JSON.")
 
 
 def _force_cpu_devices(argv) -> None:
@@ -59,7 +64,7 @@ def main(argv):
     from glm5_jax.parallel.plan import format_plan, plan
     from glm5_jax.sharding import MeshError
     try:
-        cfg = preset(FLAGS.preset)
+        cfg = preset(FLAGS.preset, remat=FLAGS.remat)
         p = plan(cfg, FLAGS.mesh, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, optimizer=FLAGS.optimizer,
                  activations=FLAGS.activations, preset_name=FLAGS.preset)
     except (ConfigError, MeshError, ValueError) as e:
@@ -70,4 +75,5 @@ def main(argv):
 
 if __name__ == "__main__":
     _force_cpu_devices(sys.argv[1:])
+    define_flags()
     app.run(main)

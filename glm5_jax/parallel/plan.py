@@ -141,14 +141,16 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
             compiled = step.jitted.lower(rstate, abstract_batch(batch_size, seq_len, real)).compile()
         ma = compiled.memory_analysis()
         a_bytes = int(ma.temp_size_in_bytes)
-        sources["activations"] = "measured: compiled.memory_analysis().temp_size_in_bytes (step as written, no remat)"
+        sources["activations"] = ("measured: compiled.memory_analysis().temp_size_in_bytes "
+                                  f"(remat={'layer' if cfg.remat else 'none'})")
         out["compiled_memory_analysis"] = {k: int(getattr(ma, k)) for k in (
             "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
             "generated_code_size_in_bytes") if hasattr(ma, k)}
     else:
-        a_bytes = est["none"]["bytes"]
-        sources["activations"] = ("estimated: estimate_activation_bytes(remat='none'), the step as written "
-                                  "(see glm5_jax/parallel/plan.py for the formula)")
+        mode = "layer" if cfg.remat else "none"
+        a_bytes = est[mode]["bytes"]
+        sources["activations"] = (f"estimated: estimate_activation_bytes(remat='{mode}') "
+                                  "(ModelConfig.remat; see glm5_jax/parallel/plan.py for the formula)")
     total = p_bytes + o_bytes + a_bytes
     out["per_device_bytes"] = {"params": p_bytes, "optimizer": o_bytes, "activations": a_bytes, "total": total}
     out["sources"] = sources
