@@ -19,6 +19,10 @@ def test_grpo_icepop_micro(tmp_path):
     assert set(on_disk["arms"]) == {"icepop", "none", "tis"}
     for arm in on_disk["arms"].values():
         assert 0.0 <= arm["initial_accuracy"] <= 1.0 and 0.0 <= arm["final_accuracy"] <= 1.0
+        for k in ("greedy", "sampled"):
+            assert 0.0 <= arm[f"initial_{k}_accuracy"] <= 1.0 and 0.0 <= arm[f"final_{k}_accuracy"] <= 1.0
+        # the primary metric is the designated one of the two
+        assert arm["initial_accuracy"] == arm[f"initial_{on_disk['primary_metric']}_accuracy"]
     assert report["arms"]["icepop"]["initial_accuracy"] == report["arms"]["tis"]["initial_accuracy"]
     for name in ("report.md", "reward.png", "pop_frac.png", "mismatch_kl.png", "rl_icepop.jsonl"):
         assert os.path.exists(os.path.join(wd, name)), name

@@ -155,3 +155,30 @@ def test_update_raises_positive_advantage_logprob_and_freezes_indexer(setup, los
         np.testing.assert_array_equal(np.asarray(flat0[k]), np.asarray(flat1[k]))
     changed = [k for k in flat0 if k not in idx_keys and not np.array_equal(np.asarray(flat0[k]), np.asarray(flat1[k]))]
     assert len(changed) > len(flat0) // 2
+
+
+def test_sgd_update_with_frozen_embedding_and_informative_norm(setup):
+    """Momentum-free SGD (the grpo_icepop setting): positive-advantage log-probs rise, frozen leaves
+    (indexer, embedding) get exactly zero update; adv_norm / optimizer / int5 are validated."""
+    cfg, params, _, ro = setup
+    B = len(ro.prompts)
+    adv = np.where(np.arange(B) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    batch = _dev(build_batch(ro, adv, MAX_PROMPT), cfg, params)
+    rl = RLConfig(loss="icepop", optimizer="sgd", momentum=0.0, learning_rate=0.05, mismatch="int5",
+                  adv_norm="informative", frozen_patterns=("indexer", "embed"))
+    tx, _ = make_rl_optimizer(params, rl)
+    step = make_update_step(cfg, rl, tx)
+    p, st = params, tx.init(params)
+    before = _masked_seq_mean(np.asarray(batch["old_logp"]), np.asarray(batch["mask"]))
+    for _ in range(2):
+        p, st, _ = step(p, st, batch)
+    after = _masked_seq_mean(np.asarray(token_logprobs(cfg, p, batch["inputs"], batch["targets"])),
+                             np.asarray(batch["mask"]))
+    assert after[adv > 0].mean() > before[adv > 0].mean()
+    flat0, flat1 = traverse_util.flatten_dict(params), traverse_util.flatten_dict(p)
+    for k in flat0:
+        if any(("indexer" in str(x)) or ("embed" in str(x)) for x in k):
+            np.testing.assert_array_equal(np.asarray(flat0[k]), np.asarray(flat1[k]))
+    for bad in ({"optimizer": "lion"}, {"adv_norm": "x"}, {"mismatch": "int3"}):
+        with pytest.raises(ValueError):
+            RLConfig(**bad)

@@ -39,7 +39,7 @@ import optax
 
 from glm5_jax.infer import generate
 from glm5_jax.model import forward
-from glm5_jax.optim import make_optimizer
+from glm5_jax.optim import make_optimizer, path_to_str
 from glm5_jax.rl.losses import get_loss, group_advantages
 from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
 from glm5_jax.rl.tasks import aggregate_statuses
@@ -58,10 +58,15 @@ class RLConfig:
     max_prompt_len: int = 8
     minibatches: int = 2
     learning_rate: float = 1e-3
+    optimizer: str = "adamw"          # adamw | sgd (momentum SGD; update proportional to the gradient)
+    momentum: float = 0.9             # sgd only
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    adv_norm: str = "batch"           # batch: mean over all B sequences | informative: over non-flat groups only
     temperature: float = 1.0
-    mismatch: str = "int8"            # none | bf16 | int8 | int4 (rollout engine only)
+    mismatch: str = "int8"            # none | bf16 | int8 | int6 | int5 | int4 (rollout engine only)
     beta: float = 2.0                 # IcePop band [1/beta, beta]
     tis_cap: float = 2.0
     eps_low: float = 0.2
@@ -73,6 +78,10 @@ class RLConfig:
         get_loss(self.loss)
         if self.mismatch not in MISMATCH_MODES:
             raise ValueError(f"RLConfig.mismatch={self.mismatch!r}: choose from {MISMATCH_MODES}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"RLConfig.optimizer={self.optimizer!r}: adamw | sgd")
+        if self.adv_norm not in ("batch", "informative"):
+            raise ValueError(f"RLConfig.adv_norm={self.adv_norm!r}: batch | informative")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
             raise ValueError("prompts_per_step * group_size must be divisible by minibatches")
 
@@ -101,9 +110,19 @@ token_logprobs.__doc__ = ("(config, params, inputs [B,S], targets [B,S]) -> log 
 
 
 def make_rl_optimizer(params, rl: RLConfig):
-    """AdamW (+ global-norm clip) with zero updates for leaves matching ``rl.frozen_patterns``."""
-    tx, labels = make_optimizer("adamw", params, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay,
-                                grad_clip=rl.grad_clip or None, frozen_patterns=rl.frozen_patterns)
+    """AdamW or momentum SGD (+ global-norm clip over the trainable leaves) with zero updates for leaves
+    matching ``rl.frozen_patterns``. Returns (tx, labels)."""
+    if rl.optimizer == "adamw":
+        return make_optimizer("adamw", params, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay,
+                              b1=rl.adam_b1, b2=rl.adam_b2, grad_clip=rl.grad_clip or None,
+                              frozen_patterns=rl.frozen_patterns)
+    labels = jax.tree_util.tree_map_with_path(
+        lambda p, _: "frozen" if any(pat in path_to_str(p) for pat in rl.frozen_patterns) else "sgd", params)
+    chain = [optax.clip_by_global_norm(rl.grad_clip)] if rl.grad_clip else []
+    chain.append(optax.sgd(rl.learning_rate, momentum=rl.momentum or None))
+    if rl.weight_decay:
+        chain.insert(len(chain) - 1, optax.add_decayed_weights(rl.weight_decay))
+    tx = optax.multi_transform({"sgd": optax.chain(*chain), "frozen": optax.set_to_zero()}, labels)
     return tx, labels
 
 
@@ -175,7 +194,13 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
                               max_new_tokens=rl.max_new_tokens, seed=rl.seed * 100_003 + step,
                               temperature=rl.temperature, mismatch=rl.mismatch)
         adv = np.asarray(group_advantages(jnp.asarray(ro.rewards), rl.group_size))
-        batch = build_batch(ro, adv, rl.max_prompt_len)
+        adv_train = adv
+        if rl.adv_norm == "informative":
+            # the loss is a mean over the B sequences; rescale so it is a mean over the sequences of
+            # groups with reward variance (flat groups carry no signal and only dilute the step)
+            informative = np.repeat(~np.all(adv.reshape(-1, rl.group_size) == 0, axis=1), rl.group_size)
+            adv_train = adv * (B / max(int(informative.sum()), 1))
+        batch = build_batch(ro, adv_train, rl.max_prompt_len)
         dev = {k: jnp.asarray(v) for k, v in batch.items()}
         dev["old_logp"] = token_logprobs(config, params, dev["inputs"], dev["targets"])
         t_upd = time.time()

@@ -17,7 +17,8 @@ samples with, while training stays float32:
 
 * ``none``  identical parameters (infer_logp == old_logp up to kernel round-off);
 * ``bf16``  every floating leaf rounded to bfloat16 and back;
-* ``int8`` / ``int4``  symmetric per-output-channel fake quantisation of every matrix (kernels:
+* ``int8`` / ``int6`` / ``int5`` / ``int4``  symmetric per-output-channel fake quantisation (with that
+  many bits) of every matrix (kernels:
   one scale per last-axis channel; embeddings: one scale per token row); vectors (norm scales,
   biases) are kept.
 """
@@ -38,7 +39,7 @@ from glm5_jax.rl.tasks import aggregate_statuses
 
 __all__ = ["MISMATCH_MODES", "fake_quant", "rollout_params", "Rollout", "collect_rollouts", "build_batch"]
 
-MISMATCH_MODES = ("none", "bf16", "int8", "int4")
+MISMATCH_MODES = ("none", "bf16", "int8", "int6", "int5", "int4")
 
 
 def fake_quant(x, bits: int, axis: int):
@@ -64,7 +65,7 @@ def _rollout_params(params, mode: str):
     if mode == "bf16":
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype)
                             if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    bits = 8 if mode == "int8" else 4
+    bits = int(mode[3:])
 
     def q(path, x):
         if x.ndim < 2 or not jnp.issubdtype(x.dtype, jnp.floating):
