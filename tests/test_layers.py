@@ -190,3 +190,12 @@ def test_remat_gives_identical_loss_and_gradients():
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_dsa_model_logits_equal_with_pallas_kernels():
+    cfg = ModelConfig(index_topk=4, mtp_depth=0, indexer_types=("full", "shared", "full"))
+    params = model.init_params(cfg, jax.random.PRNGKey(14))
+    tok = jax.random.randint(jax.random.PRNGKey(15), (2, 20), 0, cfg.vocab_size)
+    xla = _jit_forward(cfg)(params, tok)
+    pallas = _jit_forward(cfg.replace(attention_impl="pallas"))(params, tok)     # interpret mode on CPU
+    np.testing.assert_allclose(pallas, xla, atol=1e-5)
