@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 
 from experiments.run import run_experiment
 
 
+@pytest.mark.slow   # ~2 min of compiles on 2 cores; the full experiment run is in BUILD_NOTES
 def test_grpo_icepop_micro(tmp_path):
     wd = str(tmp_path / "grpo")
     overrides = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "sft_steps": 4, "sft_batch_size": 4,

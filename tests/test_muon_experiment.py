@@ -112,6 +112,7 @@ def test_monitor_every_validation():
         TrainConfig(monitor_every=-1)
 
 
+@pytest.mark.slow   # ~2 min of compiles on 2 cores; the full experiment run is in BUILD_NOTES
 def test_muon_split_micro_run(tmp_path):
     from experiments.run import run_experiment
     report = run_experiment("muon_split", str(tmp_path), "tiny",
