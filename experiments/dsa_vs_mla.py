@@ -186,6 +186,9 @@ steps) with top-k = {cfgs['dsa'].index_topk} of T = {T} tokens. **mha** is train
 
 {md_table(["arm", "final eval loss", "retrieval accuracy", "eval token accuracy"], rows)}
 
+Retrieval accuracy is exact match of the {s['retrieval_value_digits']}-digit value on {sum(len(b["tokens"]) for b in ret_eval)}
+held-out probe sequences (chance: {10.0 ** -s['retrieval_value_digits']:.3g}).
+
 **DSA vs MLA gap: {gap:+.2f}%** of the continued-MLA eval loss (negative = DSA lower).
 
 Indexer recall of the true attention top-{cfgs['dsa'].index_topk}: {recall_after_warmup:.3f} after warm-up,
