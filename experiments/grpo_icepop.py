@@ -40,7 +40,7 @@ ARMS = ("icepop", "none", "tis")
 TINY = dict(
     task="d2d1", d_model=64, num_layers=2, num_heads=4, ffn_dim=192, index_topk=16,
     sft_steps=400, sft_batch_size=16, sft_seq_len=64, sft_learning_rate=3e-3,
-    steps=250, prompts_per_step=32, group_size=8, max_new_tokens=6, minibatches=1, learning_rate=2e-4,
+    steps=250, prompts_per_step=64, group_size=8, max_new_tokens=6, minibatches=1, learning_rate=2e-4,
     optimizer="adamw", adam_b2=0.999, momentum=0.0, adv_norm="informative",
     frozen=("indexer", "embed", "layer_0/attn"),
     mismatch="int5", beta=2.0, tis_cap=2.0, eval_tasks=256, eval_every=50, sampled_eval_samples=8, seed=0,
