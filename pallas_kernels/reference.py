@@ -28,11 +28,14 @@ def _pick_chunk(t: int, target: int) -> int:
     return c
 
 
-def visible_mask(t0, tc: int, s: int, t_total: int, causal: bool, seg_q=None, seg_k=None):
-    """Bool [B or 1, tc, s]: key s visible from query t0 + i (bottom-right causal alignment)."""
+def visible_mask(t0, tc: int, s: int, t_total: int, causal: bool, seg_q=None, seg_k=None,
+                 length: int | None = None):
+    """Bool [B or 1, tc, length or s]: key j visible from query t0 + i (bottom-right causal alignment),
+    for the keys of an S-long sequence, or only its prefix [0, length) when `length` is given."""
+    n_keys = s if length is None else length
     q_pos = t0 + jnp.arange(tc)[:, None] + (s - t_total)
-    k_pos = jnp.arange(s)[None, :]
-    mask = (k_pos <= q_pos) if causal else jnp.ones((tc, s), bool)
+    k_pos = jnp.arange(n_keys)[None, :]
+    mask = (k_pos <= q_pos) if causal else jnp.ones((tc, n_keys), bool)
     mask = mask[None]
     if seg_q is not None:
         mask = mask & (seg_q[:, :, None] == seg_k[:, None, :])
@@ -131,18 +134,6 @@ def topk_rows(scores, k: int, *, cap: int | None = None):
     return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
 
 
-def _prefix_visible(t0, tc: int, length: int, s: int, t_total: int, causal: bool, seg_q=None,
-                    seg_k=None):
-    """visible_mask restricted to the key prefix [0, length) of an S-long key sequence."""
-    q_pos = t0 + jnp.arange(tc)[:, None] + (s - t_total)
-    k_pos = jnp.arange(length)[None, :]
-    mask = (k_pos <= q_pos) if causal else jnp.ones((tc, length), bool)
-    mask = mask[None]
-    if seg_q is not None:
-        mask = mask & (seg_q[:, :, None] == seg_k[:, None, :])
-    return mask
-
-
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segment_ids=None,
                  chunk: int = 256, groups: int = 8, cap: int | None = 0):
     """Exact top-k keys per query by the lightning-indexer score.
@@ -186,7 +177,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segme
             seg_q = (None if segment_ids is None
                      else jax.lax.dynamic_slice_in_dim(segment_ids, t0, tc, 1))
             scores = index_scores(q, kx, w)
-            mask = _prefix_visible(t0, tc, length, s, t, causal, seg_q, seg_k)
+            mask = visible_mask(t0, tc, s, t, causal, seg_q, seg_k, length=length)
             return topk_rows(jnp.where(mask, scores, NEG_INF), kk, cap=cap)
 
         out = jax.lax.map(one_chunk, jnp.arange(c0, c1))  # [n_g, B, tc, kk]
