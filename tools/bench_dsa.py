@@ -4,8 +4,10 @@
     python -m tools.bench_dsa [--seq 4096,8192,16384,32768] [--topk 512]
 
 Widths keep GLM-5's proportion: indexer multiply-adds per (query, key) pair = Hi*Di = 1/8 of
-attention's H*(Dq+Dv). Default (2 CPU cores): attention H=4 heads, Dq=Dv=64 (MQA, Hk=1, as DSA's
-absorbed MLA), indexer Hi=1 x Di=64. batch 1.
+attention's H*(Dq+Dv). Default: the issue's example, attention H=16 heads x 128 (MQA, Hk=1, as
+DSA's absorbed MLA) and indexer Hi=4 x 128, batch 1 (`--heads 4 --head_dim 64 --idx_heads 1
+--idx_dim 64` is the narrow variant, where per-pair overheads -- selection, gathers -- weigh more;
+BUILD_NOTES reports both).
 
 "DSA fwd" = indexer top-k + sparse attention forward; "DSA fwd+bwd" = indexer top-k (no grad, as the
 indexer is trained by its own loss) + sparse attention forward and backward (grads of q, k, v).
@@ -50,10 +52,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", default="4096,8192,16384,32768")
     ap.add_argument("--topk", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head_dim", type=int, default=64)
-    ap.add_argument("--idx_heads", type=int, default=1)
-    ap.add_argument("--idx_dim", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--idx_heads", type=int, default=4)
+    ap.add_argument("--idx_dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--skip", default="", help="comma list of: dense,xla,pallas")
     ap.add_argument("--recall", action="store_true", help="also measure approx-mode recall")

@@ -83,6 +83,6 @@ class MLAttention(nn.Module):
         if indices is None or indexer_loss == "dense":
             out = causal_attention(q, k, v, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk)
         else:
-            out = sparse_attention(q, k, v, indices, scale=scale, impl=c.attention_impl, chunk=min(c.attn_chunk, 128))
+            out = sparse_attention(q, k, v, indices, scale=scale, impl=c.attention_impl, chunk=min(c.attn_chunk, 16))
         out = Dense(d, ("heads", "embed"), name="o_proj", **kw)(out.reshape(b, t, h * dv))
         return out, indices
