@@ -57,12 +57,19 @@ def main(argv=None):
     ap.add_argument("--idx_heads", type=int, default=4)
     ap.add_argument("--idx_dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--skip", default="", help="comma list of: dense,xla,pallas")
+    ap.add_argument("--skip", default=None,
+                    help="comma list of: dense,xla,pallas (default: pallas on CPU, where the "
+                         "kernels run in interpret mode and their time means nothing; none elsewhere)")
     ap.add_argument("--recall", action="store_true", help="also measure approx-mode recall")
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seq.split(",")]
     h, d, hi, di, kk = args.heads, args.head_dim, args.idx_heads, args.idx_dim, args.topk
+    if args.skip is None:
+        args.skip = "pallas" if jax.default_backend() == "cpu" else ""
     skip = set(filter(None, args.skip.split(",")))
+    bad = skip - {"dense", "xla", "pallas"}
+    if bad:
+        ap.error(f"--skip: unknown {sorted(bad)}; allowed: dense, xla, pallas")
     print(f"backend={jax.default_backend()} devices={jax.device_count()} B=1 H={h} Hk=1 "
           f"Dq=Dv={d} Hi={hi} Di={di} K={kk}; indexer/attention MAC ratio = "
           f"{hi * di}/{h * 2 * d} = {hi * di / (h * 2 * d):.4f}", flush=True)
