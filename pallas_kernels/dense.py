@@ -77,7 +77,7 @@ def _flash_fwd(q, k, v, scale, blk):
 
 def _flash_bwd(scale, blk, res, do):
     q, k, v, o, lse = res
-    b, n, m, d = q.shape
+    b, n, m, _ = q.shape
     h = m // blk
     tri_t = _diag_mask(blk, h).T  # [blk(k), M]
     delta = jnp.sum(do.astype(_F32) * o.astype(_F32), -1)  # [B, n, M]

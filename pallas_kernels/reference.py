@@ -230,8 +230,8 @@ def _gather_rows(x, idx):
     return jax.vmap(lambda xb, ib: xb.at[ib].get(mode="promise_in_bounds"))(x, idx)
 
 
-def _sparse_chunk_fwd(qc, kv, idx, scale, dq_dim):
-    """One query chunk: qc [B, tc, H, Dq], kv [B, S, Dq+Dv], idx [B, tc, K] ->
+def _sparse_chunk_fwd(qc, kv, idx, scale):
+    """One query chunk: qc [B, tc, H, Dq], kv = (k [B, S, Dq], v [B, S, Dv]), idx [B, tc, K] ->
     (out [B, tc, H, Dv] f32, lse [B, tc, H]; lse = +inf for a row without a valid index)."""
     valid = (idx >= 0)[..., None]  # [B, tc, K, 1]
     safe = jnp.where(idx >= 0, idx, 0)
@@ -258,28 +258,28 @@ def _unchunks(x):  # [n, B, tc, ...] -> [B, T, ...]
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
-def _sparse_mqa_fwd(q, kv, indices, scale, dq_dim, tc):
+def _sparse_mqa_fwd(q, kv, indices, scale, tc):
     def one(args):
         qc, idx = args
-        o, lse = _sparse_chunk_fwd(qc, kv, idx, scale, dq_dim)
+        o, lse = _sparse_chunk_fwd(qc, kv, idx, scale)
         return o.astype(q.dtype), lse
     o, lse = jax.lax.map(one, (_chunks(q, tc), _chunks(indices, tc)))
     return _unchunks(o), _unchunks(lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _sparse_mqa(q, kv, indices, scale, dq_dim, tc):
-    return _sparse_mqa_fwd(q, kv, indices, scale, dq_dim, tc)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _sparse_mqa(q, kv, indices, scale, tc):
+    return _sparse_mqa_fwd(q, kv, indices, scale, tc)[0]
 
 
-def _sparse_mqa_vjp_fwd(q, kv, indices, scale, dq_dim, tc):
-    o, lse = _sparse_mqa_fwd(q, kv, indices, scale, dq_dim, tc)
+def _sparse_mqa_vjp_fwd(q, kv, indices, scale, tc):
+    o, lse = _sparse_mqa_fwd(q, kv, indices, scale, tc)
     return o, (q, kv, indices, o, lse)
 
 
-def _sparse_mqa_vjp_bwd(scale, dq_dim, tc, res, do):
+def _sparse_mqa_vjp_bwd(scale, tc, res, do):
     """Per chunk: re-gather K/V, P = exp(S - lse), dP = dO V^T, dS = P (dP - delta);
-    dQ = dS K, and [dK | dV] rows = [dS^T Q | P^T dO] scatter-added in one scatter."""
+    dQ = dS K; the dK rows (dS^T Q) and dV rows (P^T dO) are scatter-added."""
     q, kv, indices, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)  # [B, T, H]
 
@@ -315,15 +315,16 @@ def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 16):
     (-1 = no key) -> [B, T, H, Dv] in q's dtype. Softmax in float32; a row without a valid index
     returns zeros. Differentiable in q, k and v (custom VJP; indices get no gradient).
 
-    Per query chunk: one gather of the selected rows of [K | V] (concatenated, so one index pass
-    serves both), logits laid out [B, tc, K, H] (key axis outside the head axis: long-by-narrow
-    matmuls, ~2x faster on XLA CPU than [H, K]), softmax, P V; the forward saves only the
+    Per query chunk: gather the selected rows of K and V (two gathers: one gather of a
+    concatenated [K | V] measured slower, its last-axis slices copy), logits laid out
+    [B, tc, K, H] (key axis outside the head axis: long-by-narrow matmuls, ~2x faster on XLA CPU
+    than [H, K]), softmax, P V; the forward saves only the
     log-sum-exp. The backward re-gathers per chunk (O(T) residual memory, no [T, K, D] tensor
-    saved) and scatter-adds [dK | dV] rows in one scatter. Small chunks (16 queries) keep the
+    saved) and scatter-adds the dK and dV rows. Small chunks (16 queries) keep the
     gathered [tc, K, D] tile in cache: ~2-3x faster gathers on CPU than 128-query chunks.
     Hk = H runs as B*H sequences with one shared head each.
     """
-    b, t, h, dq = q.shape
+    b, t, h, _ = q.shape
     hk, dv = k.shape[2], v.shape[-1]
     if hk not in (1, h):
         raise ValueError(f"k has {hk} heads; sparse_attention allows 1 or H={h}")
@@ -336,4 +337,4 @@ def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 16):
         return jnp.swapaxes(o.reshape(b, h, t, dv), 1, 2)
     tc = _pick_chunk(t, chunk)
     kv = (k[:, :, 0], v[:, :, 0])
-    return _sparse_mqa(q, kv, indices.astype(jnp.int32), float(scale), dq, tc).astype(q.dtype)
+    return _sparse_mqa(q, kv, indices.astype(jnp.int32), float(scale), tc).astype(q.dtype)
