@@ -18,6 +18,36 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("xla", "pallas")
 MOE_IMPLS = ("ragged", "dense", "a2a")
 ROPE_SCALING_TYPES = ("linear",)
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")   # see glm5_jax.model.REMAT
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """One scanned stack of decoder layers: `repeats` copies of a block of `period` layers.
+
+    Every parameter under `params[name]["layer_j"]` (j < period) carries a leading axis of length
+    `repeats` (logical name "layers"); block r, sub-layer j is global layer start + r * period + j.
+    """
+    name: str                                   # dense_layers | moe_layers | <either>_tail
+    start: int
+    period: int
+    repeats: int
+    moe: bool
+    indexer_types: tuple                        # per sub-layer: "full" | "shared" | None (not dsa)
+
+    def layer_index(self, r: int, j: int) -> int:
+        return self.start + r * self.period + j
+
+    @property
+    def num_layers(self) -> int:
+        return self.period * self.repeats
+
+
+def _smallest_period(kinds: tuple) -> int:
+    for p in range(1, len(kinds) + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+            return p
+    return len(kinds)
 
 
 class ConfigError(ValueError):
@@ -77,7 +107,8 @@ class ModelConfig:
     dtype: str = "float32"                # compute dtype; softmax, router and norms stay float32
     attention_impl: str = "xla"           # xla | pallas (DSA kernels)
     attn_chunk: int = 256                 # query chunk for attention paths (bounds [chunk, S] memory)
-    remat: bool = False                   # recompute each decoder layer in the backward (keeps layer inputs only)
+    remat: str = "none"                   # none | full (keep layer inputs only) | dots | dots_no_batch
+    scan_layers: bool = True              # nn.scan over each layer stack (False: the same stacks unrolled)
 
     def __post_init__(self):
         if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
@@ -85,6 +116,8 @@ class ModelConfig:
         if self.indexer_types is not None and set(self.indexer_types) == {"full"} \
                 and len(self.indexer_types) == self.num_layers:
             object.__setattr__(self, "indexer_types", None)    # canonical form of "every layer full"
+        if isinstance(self.remat, bool):                        # the first version's on/off switch
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         self.validate()
@@ -106,6 +139,24 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i >= self.first_k_dense
+
+    @property
+    def layer_stacks(self) -> tuple[LayerStack, ...]:
+        """The decoder as scanned stacks: the dense prefix, then the MoE body; each is the shortest
+        repeating block of (indexer type) layouts, plus a `_tail` stack for a partial last block."""
+        types = self.layer_indexer_types or (None,) * self.num_layers
+        n_dense = self.first_k_dense if self.num_experts > 0 else self.num_layers
+        stacks = []
+        for name, lo, hi, moe in (("dense_layers", 0, n_dense, False), ("moe_layers", n_dense, self.num_layers, True)):
+            kinds = tuple(types[lo:hi])
+            if not kinds:
+                continue
+            p = _smallest_period(kinds)
+            reps, rem = divmod(len(kinds), p)
+            stacks.append(LayerStack(name, lo, p, reps, moe, kinds[:p]))
+            if rem:
+                stacks.append(LayerStack(f"{name}_tail", lo + reps * p, rem, 1, moe, kinds[:rem]))
+        return tuple(stacks)
 
     @property
     def rope_scaling_dict(self) -> dict:
@@ -131,7 +182,7 @@ class ModelConfig:
                 _fail(f, v, "must be an integer >= 1")
         if self.attention not in ATTENTION_KINDS:
             _fail("attention", self.attention, f"allowed: {', '.join(ATTENTION_KINDS)}")
-        for f, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES),
+        for f, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
                            ("attention_impl", ATTENTION_IMPLS), ("moe_impl", MOE_IMPLS)):
             if getattr(self, f) not in allowed:
                 _fail(f, getattr(self, f), f"allowed: {', '.join(allowed)}")
