@@ -1,9 +1,13 @@
 """Hugging Face interop: GLM-5 (`glm_moe_dsa`) safetensors checkpoints <-> this package's params.
 
-Names map one path component at a time (`attn` -> `self_attn`, `kernel` -> `weight` transposed, ...);
-routed experts are stored per expert (`mlp.experts.<e>.gate_proj.weight`) as the released
-checkpoint does; MTP block k lives at `model.layers.<num_layers + k>.*` with DeepSeek-V3 names
-(`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of `embed_tokens` / `shared_head.head`).
+Names map one path component at a time (`attn` -> `self_attn`, `kernel` -> `weight` transposed, ...).
+Decoder layers live in scanned stacks (`config.layer_stacks`): `<stack>/layer_<j>/...` carries a leading
+[repeats] axis whose slice r is HF layer `model.layers.<stack.layer_index(r, j)>`; loading stacks the
+per-layer tensors, saving slices them. A stack's sub-layer j is always full or always shared
+(indexer), so shared-indexer layers have no indexer parameters here and none in HF. Routed experts
+are stored per expert (`mlp.experts.<e>.gate_proj.weight`) as the released checkpoint does; MTP
+block k lives at `model.layers.<num_layers + k>.*` with DeepSeek-V3 names (`enorm`, `hnorm`, `eh_proj`,
+`shared_head.norm`, and copies of `embed_tokens` / `shared_head.head`).
 """
 
 from __future__ import annotations
@@ -33,32 +37,55 @@ class CheckpointError(ValueError):
     """A checkpoint tensor is missing, unexpected or has the wrong shape."""
 
 
-def hf_entries(path: tuple[str, ...], shape: tuple[int, ...], num_layers: int) -> Iterator[tuple[str, tuple, bool, int | None]]:
-    """(hf_key, hf_shape, transposed, expert) for one of our parameters (experts yield one per expert)."""
+def hf_entries(path: tuple[str, ...], shape: tuple[int, ...], config: ModelConfig) -> Iterator[tuple[str, tuple, bool, tuple]]:
+    """(hf_key, hf_shape, transposed, index) for each HF tensor that makes up one of our parameters.
+
+    `index` selects the tensor's slice of our leaf (`leaf[index]`): a stacked decoder leaf
+    `<stack>/layer_<j>/...` [repeats, ...] yields one entry per repeat r (HF layer
+    `stack.layer_index(r, j)`), routed experts [.., E, in, out] one per expert as well.
+    """
     head, rest = path[0], list(path[1:])
+    stacks = {s.name: s for s in config.layer_stacks}
+    if head in stacks:
+        stack, j = stacks[head], _sub_layer(path)
+        for r in range(shape[0]):
+            prefix = f"model.layers.{stack.layer_index(r, j)}"
+            for key, hf_shape, transposed, index in _entries(prefix, path, rest[1:], shape[1:]):
+                yield key, hf_shape, transposed, (r,) + index
+        return
     if head in _TOP:
         prefix = _TOP[head]
     elif head == "lm_head":
         prefix = "lm_head"
-    elif head.startswith("layer_"):
-        prefix = f"model.layers.{int(head[6:])}"
     elif head.startswith("mtp_"):
-        prefix = f"model.layers.{num_layers + int(head[4:])}"
+        prefix = f"model.layers.{config.num_layers + int(head[4:])}"
         if rest[0] == "layer":
             rest = rest[1:]
         elif rest[0] in _MTP:
             prefix, rest = f"{prefix}.{_MTP[rest[0]]}", rest[1:]
     else:
-        raise CheckpointError(f"no HF name for parameter {'/'.join(path)}")
+        raise CheckpointError(f"no HF name for parameter {'/'.join(path)}; top-level names are "
+                              f"{', '.join(sorted(set(_TOP) | set(stacks) | {'lm_head', 'mtp_<k>'}))}")
+    yield from _entries(prefix, path, rest, shape)
+
+
+def _sub_layer(path: tuple[str, ...]) -> int:
+    if len(path) < 3 or not re.fullmatch(r"layer_\d+", path[1]):
+        raise CheckpointError(f"no HF name for parameter {'/'.join(path)}: a stack's children are layer_<j>")
+    return int(path[1][6:])
+
+
+def _entries(prefix: str, path: tuple[str, ...], rest: list[str], shape: tuple[int, ...]):
+    """Entries of one layer's (or top-level) parameter of per-layer `shape`; index into that shape."""
     transposed = path[-1] == "kernel"
     if _is_routed_expert(path):
         name = rest[-1]                                     # experts/gate_proj [E, in, out]
         base = ".".join(_RENAME.get(p, p) for p in rest[:-1])
         for e in range(shape[0]):
-            yield f"{prefix}.{base}.{e}.{name}.weight", (shape[2], shape[1]), True, e
+            yield f"{prefix}.{base}.{e}.{name}.weight", (shape[2], shape[1]), True, (e,)
         return
     key = ".".join([prefix] + [_RENAME.get(p, p) for p in rest])
-    yield key, (tuple(reversed(shape)) if transposed else tuple(shape)), transposed, None
+    yield key, (tuple(reversed(shape)) if transposed else tuple(shape)), transposed, ()
 
 
 def _is_routed_expert(p: tuple[str, ...]) -> bool:
@@ -113,18 +140,16 @@ def load_checkpoint(path: str | os.PathLike, **config_overrides) -> tuple[ModelC
     params, used = {}, set()
     for p, leaf in shapes.items():
         leaf = leaf.unbox() if hasattr(leaf, "unbox") else leaf
-        shape, dtype = tuple(leaf.shape), leaf.dtype
-        parts = []
-        for key, hf_shape, transposed, expert in hf_entries(p, shape, config.num_layers):
+        value = np.empty(tuple(leaf.shape), leaf.dtype)
+        for key, hf_shape, transposed, index in hf_entries(p, tuple(leaf.shape), config):
             if key not in reader.where:
                 raise CheckpointError(f"checkpoint {path} lacks tensor {key!r} (expected shape {list(hf_shape)})")
             arr = reader.get(key)
             if tuple(arr.shape) != hf_shape:
                 raise CheckpointError(f"tensor {key!r} has shape {list(arr.shape)}; expected {list(hf_shape)}")
             used.add(key)
-            parts.append(arr.T if transposed else arr)
-        value = np.stack(parts) if _is_routed_expert(p) else parts[0]
-        params[p] = np.asarray(value).astype(dtype)
+            value[index] = arr.T if transposed else arr
+        params[p] = value
     n_mtp = (1 if config.mtp_share else config.mtp_depth) if config.mtp_depth else 0
     extra = reader.keys() - used - set(_mtp_extra_keys(config, n_mtp))
     extra = {k for k in extra if not k.endswith("rotary_emb.inv_freq")}
@@ -143,8 +168,8 @@ def save_checkpoint(config: ModelConfig, params, path: str | os.PathLike, *, max
     tensors: dict[str, np.ndarray] = {}
     for p, value in flat.items():
         value = np.asarray(jax.device_get(value))
-        for key, _, transposed, expert in hf_entries(p, value.shape, config.num_layers):
-            arr = value[expert] if expert is not None else value
+        for key, _, transposed, index in hf_entries(p, value.shape, config):
+            arr = value[index]
             tensors[key] = np.ascontiguousarray(arr.T if transposed else arr)
     n_mtp = (1 if config.mtp_share else config.mtp_depth) if config.mtp_depth else 0
     for k in range(n_mtp):                       # DeepSeek-V3-style copies inside the MTP layer
