@@ -15,9 +15,10 @@ from typing import Any, Callable, Iterable, Optional
 import jax
 import optax
 
-from .monitor import max_attention_logit
+from glm5_jax.utils import path_to_str
+
 from .muon import (HeadSplit, MuonState, NS_COEFFS, NS_STEPS, muon, newton_schulz,
-                   orthogonalize_leaf, path_to_str, scale_by_muon)
+                   orthogonalize_leaf, scale_by_muon)
 from .partition import (LABELS, OPTIMIZER_NAMES, MuonSplitSpec, check_optimizer_name,
                         make_split_fn, optimizer_table, partition_params)
 from .schedules import warmup_cosine
@@ -25,7 +26,7 @@ from .schedules import warmup_cosine
 __all__ = [
     "make_optimizer", "partition_params", "optimizer_table", "MuonSplitSpec", "HeadSplit",
     "scale_by_muon", "muon", "newton_schulz", "orthogonalize_leaf", "warmup_cosine",
-    "max_attention_logit", "OPTIMIZER_NAMES", "LABELS", "MuonState", "NS_COEFFS", "NS_STEPS",
+    "path_to_str", "OPTIMIZER_NAMES", "LABELS", "MuonState", "NS_COEFFS", "NS_STEPS",
 ]
 
 
@@ -42,8 +43,7 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
                    total_steps: Optional[int] = None, min_lr_ratio: float = 0.1,
                    trainable: Optional[Callable[[str], bool]] = None,
                    frozen_patterns: Optional[Iterable[str]] = None,
-                   muon_rms_scale: float = 0.2, mu_dtype=None,
-                   muon_group_same_shapes: bool = True):
+                   muon_rms_scale: float = 0.2, mu_dtype=None):
     """Build the optimizer. Returns ``(optax.GradientTransformation, labels)``.
 
     name: 'adamw' | 'muon' | 'muon_split' (ValueError otherwise).
@@ -77,7 +77,7 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
 
     def muon_tx(split_fn):
         return muon(lr, weight_decay=weight_decay, beta=muon_momentum, rms_scale=muon_rms_scale,
-                    split_fn=split_fn, group_same_shapes=muon_group_same_shapes)
+                    split_fn=split_fn)
 
     transforms = {
         "adamw": adamw_tx(weight_decay),

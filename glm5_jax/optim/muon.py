@@ -1,6 +1,8 @@
 """Muon (momentum orthogonalised by Newton-Schulz) as an optax transformation.
 
-Update for a matrix leaf W (kernel layout [in, out], any leading axes are batch axes):
+Update for a matrix leaf W (kernel layout [in, out]). Every axis before the last two is a batch
+axis: the scanned layer axis [repeats] of a stacked layer leaf, the expert axis, or both
+([repeats, E, in, out]); each [in, out] slice is its own matrix.
 
     m_t   = beta * m_{t-1} + (1 - beta) * g_t                   (EMA momentum, float32)
     u_t   = beta * m_t + (1 - beta) * g_t                       (Nesterov look-ahead)
@@ -23,6 +25,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+
+from glm5_jax.utils import path_to_str
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -118,33 +122,12 @@ def _pieces_to_leaf(pieces: list[jax.Array], shape: tuple,
     return out.reshape(shape)
 
 
-def _orthogonalize_batches(batches: list[jax.Array], *, rms_scale, coeffs, steps, eps,
-                           group: bool, groupable: Optional[list[bool]] = None
-                           ) -> list[jax.Array]:
-    """NS + RMS scale for a list of [N_i, m_i, n_i] batches. When ``group``, the groupable
-    batches of equal (m, n) are concatenated into one batch first (fewer, larger matmuls and a
-    much smaller program); the results are the same."""
+def _orthogonalize_batches(batches: list[jax.Array], *, rms_scale, coeffs, steps,
+                           eps) -> list[jax.Array]:
+    """NS + RMS scale (each matrix's own fan-in/fan-out) for a list of [N_i, m_i, n_i] batches."""
     coeffs = tuple(float(v) for v in coeffs)
     ns = jax.vmap(lambda mat: _ns_matrix(mat, coeffs, steps, eps))
-    out: list[Optional[jax.Array]] = [None] * len(batches)
-    groups: dict[tuple, list[int]] = {}
-    for i, bt in enumerate(batches):
-        ok = group and (groupable is None or groupable[i])
-        groups.setdefault(("g",) + tuple(bt.shape[1:]) if ok else (i,), []).append(i)
-    for idx in groups.values():
-        m, n = batches[idx[0]].shape[1:]
-        fac = _rms_factor(m, n, rms_scale)
-        if len(idx) == 1:
-            out[idx[0]] = ns(batches[idx[0]]) * fac
-            continue
-        cat = jnp.concatenate([batches[i] for i in idx], axis=0)
-        res = ns(cat) * fac
-        off = 0
-        for i in idx:
-            nb = batches[i].shape[0]
-            out[i] = res[off:off + nb]
-            off += nb
-    return out
+    return [ns(bt) * _rms_factor(bt.shape[1], bt.shape[2], rms_scale) for bt in batches]
 
 
 def orthogonalize_leaf(x: jax.Array, split: Optional[HeadSplit] = None, *,
@@ -154,22 +137,8 @@ def orthogonalize_leaf(x: jax.Array, split: Optional[HeadSplit] = None, *,
     matrix uses its own fan-in/fan-out); float32 out, same shape as ``x``."""
     pieces = _leaf_to_pieces(x, split)
     outs = _orthogonalize_batches(pieces, rms_scale=rms_scale, coeffs=coeffs, steps=steps,
-                                  eps=eps, group=False)
+                                  eps=eps)
     return _pieces_to_leaf(outs, x.shape, split)
-
-
-# --------------------------------------------------------------------------------------------
-# Path helpers (shared with partition.py)
-# --------------------------------------------------------------------------------------------
-def key_to_str(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_to_str(path) -> str:
-    return "/".join(key_to_str(k) for k in path)
 
 
 SplitFn = Callable[[str, tuple], Optional[HeadSplit]]
@@ -186,17 +155,16 @@ class MuonState(NamedTuple):
 def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction: bool = False,
                   rms_scale: Optional[float] = 0.2, coeffs: Sequence[float] = NS_COEFFS,
                   steps: int = NS_STEPS, eps: float = 1e-7, split_fn: Optional[SplitFn] = None,
-                  mu_dtype=jnp.float32, group_same_shapes: bool = True) -> optax.GradientTransformation:
+                  mu_dtype=jnp.float32) -> optax.GradientTransformation:
     """Muon direction (momentum -> Newton-Schulz -> RMS scale). No learning rate, no decay.
 
     ``split_fn(path, shape) -> HeadSplit | None`` chooses the Muon-Split view per leaf (path is the
     '/'-joined key path). ``bias_correction=True`` reproduces optax.contrib.muon's bias-corrected
     Nesterov combination exactly; the default (False) is the original Muon/Moonlight form. Both
     give the same direction on step 1 and converge to the same one as beta^t -> 0.
-    ``group_same_shapes``: concatenate the independent matrices of equal shape that come from 2-D
-    leaves (the same projection in every unrolled layer, Muon-Split head pieces) into one batched
-    NS call. Stacked leaves (experts) keep their own call. Results are identical; set False if
-    concatenating differently-sharded leaves is undesirable.
+    Each leaf is one batched NS call over its leading axes (a layer stack's [repeats] axis, experts,
+    Muon-Split heads): the scanned layout already batches same-shape matrices, so leaves are never
+    concatenated (which would also mix their shardings).
     """
     coeffs = tuple(float(c) for c in coeffs)
 
@@ -223,23 +191,12 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
 
         flat_look, treedef = jax.tree_util.tree_flatten_with_path(look)
         flat_g = treedef.flatten_up_to(updates)
-        splits, batches, owners, groupable = [], [], [], []
-        for i, (path, u) in enumerate(flat_look):
+        new_leaves = []
+        for (path, u), g in zip(flat_look, flat_g):
             sp = split_fn(path_to_str(path), tuple(u.shape)) if split_fn else None
-            splits.append(sp)
-            for piece in _leaf_to_pieces(u, sp):
-                batches.append(piece)
-                owners.append(i)
-                # stacked leaves (experts, scanned layers) are already one big batch; never
-                # concatenate them with others (size, and their sharding along the batch axis)
-                groupable.append(u.ndim == 2)
-        outs = _orthogonalize_batches(batches, rms_scale=rms_scale, coeffs=coeffs, steps=steps,
-                                      eps=eps, group=group_same_shapes, groupable=groupable)
-        per_leaf: list[list[jax.Array]] = [[] for _ in flat_look]
-        for o, w in zip(outs, owners):
-            per_leaf[w].append(o)
-        new_leaves = [_pieces_to_leaf(per_leaf[i], u.shape, splits[i]).astype(g.dtype)
-                      for i, ((_, u), g) in enumerate(zip(flat_look, flat_g))]
+            pieces = _orthogonalize_batches(_leaf_to_pieces(u, sp), rms_scale=rms_scale,
+                                            coeffs=coeffs, steps=steps, eps=eps)
+            new_leaves.append(_pieces_to_leaf(pieces, u.shape, sp).astype(g.dtype))
         new_updates = jax.tree_util.tree_unflatten(treedef, new_leaves)
         return new_updates, MuonState(count=count, mu=jax.tree.map(
             lambda m: m.astype(mu_dtype), mu))
@@ -249,14 +206,13 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
 
 def muon(learning_rate, *, weight_decay: float = 0.1, beta: float = 0.95,
          rms_scale: Optional[float] = 0.2, split_fn: Optional[SplitFn] = None,
-         bias_correction: bool = False, nesterov: bool = True, eps: float = 1e-7,
-         group_same_shapes: bool = True) -> optax.GradientTransformation:
+         bias_correction: bool = False, nesterov: bool = True,
+         eps: float = 1e-7) -> optax.GradientTransformation:
     """Muon on every leaf (all leaves must be matrices, possibly stacked): direction, decoupled
     weight decay (lr * wd * W), learning rate (float or schedule)."""
     return optax.chain(
         scale_by_muon(beta=beta, nesterov=nesterov, bias_correction=bias_correction,
-                      rms_scale=rms_scale, split_fn=split_fn, eps=eps,
-                      group_same_shapes=group_same_shapes),
+                      rms_scale=rms_scale, split_fn=split_fn, eps=eps),
         optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -1,10 +1,14 @@
 """Assign every parameter leaf an optimizer label from its path (see BUILD_NOTES.md layout).
 
+Paths are '/'-joined key paths of the scanned layout: decoder layers sit under a layer stack
+(`moe_layers/layer_0/attn/q_b_proj/kernel`, leading axis [repeats]); rules match path components,
+never layer indices, so the same rules hold for every stack and for the MTP block.
+
 Labels:
   muon           Muon on the whole matrix (leading axes = stacked layers / experts, one each)
   muon_split     Muon Split: q_b_proj per head, kv_b_proj per head split into K and V parts
   adamw          AdamW with weight decay (lm_head, indexer weights_proj, all leaves for 'adamw')
-  adamw_nodecay  AdamW without weight decay (embeddings, norm scales, biases, any 1-D leaf)
+  adamw_nodecay  AdamW without weight decay (embeddings, norm scales, biases, leaves 1-D per layer)
   zero           exactly zero update, no state, no decay (moe/router/e_score_correction_bias)
   frozen         exactly zero update, no state (user-frozen leaves)
 """
@@ -17,10 +21,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import jax
 
-from .muon import HeadSplit, path_to_str
+from glm5_jax.utils import path_to_str
+
+from .muon import HeadSplit
 
 OPTIMIZER_NAMES = ("adamw", "muon", "muon_split")
 LABELS = ("muon", "muon_split", "adamw", "adamw_nodecay", "zero", "frozen")
+# first path component of a scanned layer stack (ModelConfig.layer_stacks names): its leaves carry
+# a leading [repeats] layer axis
+_STACK = re.compile(r"^(dense|moe)_layers(_tail)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +94,8 @@ def _base_label(path: str, ndim: int, optimizer_name: str) -> str:
     last = parts[-1]
     if last == "e_score_correction_bias":
         return "zero"
-    if ndim <= 1 or last in ("scale", "bias") or last.endswith("_bias"):
+    per_layer_ndim = ndim - 1 if _STACK.match(parts[0]) else ndim     # the layer axis is a batch axis
+    if per_layer_ndim <= 1 or last in ("scale", "bias") or last.endswith("_bias"):
         return "adamw_nodecay"
     if last == "embedding" or any("embed" == p or p.endswith("_embed") or p == "embed_tokens"
                                   for p in parts):
@@ -140,11 +150,10 @@ def describe_split(path: str, shape: tuple, label: str,
     if label not in ("muon", "muon_split"):
         return "-"
     lead, (m, n) = tuple(shape[:-2]), tuple(shape[-2:])
-    nb = math.prod(lead) if lead else 1
-    batch_txt = ""
-    if lead:
-        what = "expert" if "experts" in _name_parts(path) else "batch"
-        batch_txt = f" x{nb} ({what})"
+    parts = _name_parts(path)
+    names = (["layers"] if _STACK.match(parts[0]) else []) + (["expert"] if "experts" in parts else [])
+    names = ["batch"] * (len(lead) - len(names)) + names[-len(lead):] if lead else []
+    batch_txt = "".join(f" x{k} ({what})" for k, what in zip(lead, names))
     if label == "muon":
         return f"[{m},{n}]{batch_txt}"
     if split_spec is None:
