@@ -1,6 +1,9 @@
 """Per-device memory of the train step on a mesh, without the devices.
 
-    python -m tools.plan --preset=glm5 --mesh=fsdp:64,expert:4 [--batch_size N] [--seq_len N] [--json]
+    python -m tools.plan --preset=glm5 --mesh=fsdp:64,expert:4 [--batch_size N] [--seq_len N]
+        [--remat=none|full|dots|dots_no_batch] [--json]
+
+`--remat` alone means `--remat=full` (each decoder layer recomputed in the backward pass).
 
 Params and optimizer state are exact (sharded abstract shapes); activations are measured from the
 compiled step when the mesh's devices exist (on CPU this tool forces that many host devices for
@@ -17,6 +20,8 @@ import sys
 
 from absl import app, flags
 
+from glm5_jax.config import REMAT_POLICIES
+
 FLAGS = flags.FLAGS
 
 
@@ -28,7 +33,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("seq_len", 4096, "Sequence length.")
     flags.DEFINE_string("optimizer", "adamw", "adamw | muon | muon_split.")
     flags.DEFINE_enum("activations", "auto", ["auto", "measure", "estimate"], "Measure (compile) or estimate.")
-    flags.DEFINE_bool("remat", False, "Plan with ModelConfig.remat=True (each decoder layer recomputed).")
+    flags.DEFINE_enum("remat", "none", REMAT_POLICIES, "ModelConfig.remat policy to plan with (see glm5_jax.model).")
     flags.DEFINE_integer("max_fake_devices", 64, "Force up to this many CPU devices to measure activations.")
     flags.DEFINE_bool("json", False, "Print JSON.")
 
@@ -73,7 +78,19 @@ def main(argv):
     print(json.dumps(p, indent=1) if FLAGS.json else format_plan(p))
 
 
+def _remat_alias(argv: list[str]) -> list[str]:
+    """The former boolean flag: `--remat` -> `--remat=full`, `--noremat` -> `--remat=none`
+    (`--remat dots`, a value as the next argument, is left to absl)."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--remat" and (i + 1 == len(argv) or argv[i + 1] not in REMAT_POLICIES):
+            a = "--remat=full"
+        out.append("--remat=none" if a == "--noremat" else a)
+    return out
+
+
 if __name__ == "__main__":
+    sys.argv = _remat_alias(sys.argv)
     _force_cpu_devices(sys.argv[1:])
     define_flags()
     app.run(main)

@@ -29,6 +29,10 @@ from glm5_jax.sharding import MESH_AXES, check_model_fits_mesh, parse_mesh_spec
 from glm5_jax.train.config import TrainConfig
 
 TARGETS = {"TPU v5p (95 GB)": 95e9, "H200 (141 GB)": 141e9}
+# ModelConfig.remat policy -> the estimate's formula. "full" keeps only each layer's input ("layer");
+# the dots policies keep every matmul output, which is most of a layer's saved values, so they are
+# estimated with the no-remat formula (an upper bound for them).
+ESTIMATE_MODE = {"none": "none", "full": "layer", "dots": "none", "dots_no_batch": "none"}
 _DT = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -52,7 +56,7 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
                  act] + 3*c*ceil(F_moe*shared/tensor);   dense layer 3*c*ceil(ffn/tensor)
       norms      4*c*D (two norm inputs, two residual sums)
     logits       f*ceil(V/tensor)*(1 + mtp_depth) [stacked logits] + 2*f*ceil(V/tensor) [softmax, grad]
-    remat="none" (the step as written today): every layer's values live at once:
+    remat="none" (no rematerialisation): every layer's values live at once:
       n * (sum over L layers + mtp_depth MTP layers of per-layer bytes) + n * logits.
     remat="layer" (checkpoint each decoder layer): only layer inputs are kept, one layer is recomputed:
       n * c * D * (L + mtp_depth) + 2 * n * max per-layer bytes [its values and their gradients] + n * logits.
@@ -142,15 +146,15 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
         ma = compiled.memory_analysis()
         a_bytes = int(ma.temp_size_in_bytes)
         sources["activations"] = ("measured: compiled.memory_analysis().temp_size_in_bytes "
-                                  f"(remat={'layer' if cfg.remat else 'none'})")
+                                  f"(remat={cfg.remat})")
         out["compiled_memory_analysis"] = {k: int(getattr(ma, k)) for k in (
             "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
             "generated_code_size_in_bytes") if hasattr(ma, k)}
     else:
-        mode = "layer" if cfg.remat else "none"
+        mode = ESTIMATE_MODE[cfg.remat]
         a_bytes = est[mode]["bytes"]
         sources["activations"] = (f"estimated: estimate_activation_bytes(remat='{mode}') "
-                                  "(ModelConfig.remat; see glm5_jax/parallel/plan.py for the formula)")
+                                  f"(ModelConfig.remat={cfg.remat}; see glm5_jax/parallel/plan.py for the formula)")
     total = p_bytes + o_bytes + a_bytes
     out["per_device_bytes"] = {"params": p_bytes, "optimizer": o_bytes, "activations": a_bytes, "total": total}
     out["sources"] = sources
