@@ -8,10 +8,14 @@ Phases:
           (int5 per-channel fake-quantised weights by default: k3 KL ~0.05/token, IcePop pops ~4%) while
           training in float32: icepop (IcePop, beta=2), none (no correction), tis (truncated IS, cap=2)
 RL settings (second round): one on-policy AdamW step per rollout batch (b2 0.999, no weight decay,
-clip 1.0); the token embedding and layer 0's attention are frozen along with the DSA indexer (their
-policy gradient dominates the global norm and a step along it is sharp: a norm-0.02 SGD step lowered
-the exact expected reward of the batch's prompts); the loss is averaged over informative
-(non-flat-reward) groups only.
+clip 1.0); the token embedding and the dense stack's attention are frozen along with the DSA indexer
+(their policy gradient dominates the global norm and a step along it is sharp: a norm-0.02 SGD step
+lowered the exact expected reward of the batch's prompts); the loss is averaged over informative
+(non-flat-reward) groups only. Freezing works per parameter leaf and a scanned stack holds all its
+layers in one leaf, so the pattern is "dense_layers/.*/attn": with MoE and first_k_dense=1 that is
+exactly layer 0; this experiment's model is dense (num_experts 0), so every layer sits in the
+dense_layers stack and the pattern freezes the attention of ALL layers (the first version, with
+unrolled layers, froze layer 0's only; results recorded before the scanned layout used that).
 Held-out accuracy, before (= the SFT model) and after RL per arm, on prompts never used in SFT or RL,
 decoding the float32 training parameters: ``primary`` (fixed in the config before the final run) is
 "sampled" = temperature-1 pass@1 over ``sampled_eval_samples`` samples per prompt (the objective GRPO
@@ -20,44 +24,78 @@ optimises, lower noise); greedy (temperature 0) accuracy is always reported next
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
+from typing import ClassVar
 
 import jax
 import numpy as np
 
-from experiments.registry import register
+from experiments.registry import mesh_kw, register
 from experiments.report import md_table, plot_curves, write_report
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
 from glm5_jax.rl.sft import CharVocab, SFTIterator
 from glm5_jax.rl.tasks import Task, arithmetic_task
 from glm5_jax.train import TrainConfig, train
 
 ARMS = ("icepop", "none", "tis")
-
-TINY = dict(
-    task="d2d1", d_model=64, num_layers=2, num_heads=4, ffn_dim=192, index_topk=16,
-    sft_steps=400, sft_batch_size=16, sft_seq_len=64, sft_learning_rate=3e-3,
-    steps=250, prompts_per_step=64, group_size=8, max_new_tokens=6, minibatches=1, learning_rate=2e-4,
-    optimizer="adamw", adam_b2=0.999, momentum=0.0, adv_norm="informative",
-    frozen=("indexer", "embed", "layer_0/attn"),
-    mismatch="int5", beta=2.0, tis_cap=2.0, eval_tasks=256, eval_every=50, sampled_eval_samples=8, seed=0,
-    primary="sampled",
-)
-SMALL = dict(TINY, d_model=256, num_layers=4, num_heads=8, ffn_dim=768, sft_steps=1500, sft_batch_size=64,
-             sft_seq_len=128, sft_learning_rate=1e-3, steps=300, prompts_per_step=64, group_size=16,
-             eval_tasks=1024, eval_every=25, sampled_eval_samples=4)
+TASKS = ("d2d1", "level0", "level1", "level2", "level3", "level4")
+PRIMARY = ("greedy", "sampled")
 
 
-def model_config(s: dict, vocab: CharVocab) -> ModelConfig:
-    d, h = s["d_model"], s["num_heads"]
-    return ModelConfig(vocab_size=vocab.padded_size(), d_model=d, num_layers=s["num_layers"], ffn_dim=s["ffn_dim"],
+@dataclasses.dataclass(frozen=True)
+class GrpoIcepopConfig:
+    """model: the DSA policy (model.vocab_size is the character vocabulary's padded size). train: the SFT
+    phase (glm5_jax.train.train). rl: the GRPO phase (rl.loss is set per arm; rl.steps is the main step
+    count). No DataConfig: the data is the synthetic `task`, encoded with the character vocabulary."""
+    model: ModelConfig
+    train: TrainConfig
+    rl: RLConfig
+    task: str = "d2d1"
+    eval_tasks: int = 256                  # held-out prompts, never used in SFT or RL
+    eval_every: int = 50                   # RL steps between held-out evaluations
+    sampled_eval_samples: int = 8
+    primary: str = "sampled"               # the headline metric, fixed before the final run
+
+    STEPS_KEY: ClassVar[str] = "rl.steps"
+    DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary", "rl.loss": "the arm"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", self.model.replace(vocab_size=CharVocab().padded_size()))
+        if self.task not in TASKS:
+            raise ConfigError(f"GrpoIcepopConfig.task={self.task!r} is invalid: allowed: {', '.join(TASKS)}")
+        if self.primary not in PRIMARY:
+            raise ConfigError(f"GrpoIcepopConfig.primary={self.primary!r} is invalid: allowed: {', '.join(PRIMARY)}")
+        for f in ("eval_tasks", "eval_every", "sampled_eval_samples"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"GrpoIcepopConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+
+
+def _policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
+    return ModelConfig(vocab_size=CharVocab().padded_size(), d_model=d, num_layers=layers, ffn_dim=ffn,
                        attention="dsa", num_heads=h, q_lora_rank=d // 2, kv_lora_rank=d // 2,
                        qk_nope_head_dim=d // h, qk_rope_head_dim=max(4, d // (2 * h)), v_head_dim=d // h,
-                       index_topk=s["index_topk"], index_n_heads=2, index_head_dim=16, num_experts=0,
-                       mtp_depth=0, attn_chunk=64)
+                       index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0, mtp_depth=0, attn_chunk=64)
+
+
+TINY = GrpoIcepopConfig(
+    model=_policy(64, 4, 2, 192),
+    train=TrainConfig(steps=400, batch_size=16, seq_len=64, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                      weight_decay=0.0, eval_every=100, log_every=100, ckpt_every=400, seed=0),
+    rl=RLConfig(steps=250, prompts_per_step=64, group_size=8, max_new_tokens=6, max_prompt_len=8, minibatches=1,
+                learning_rate=2e-4, optimizer="adamw", adam_b2=0.999, momentum=0.0, adv_norm="informative",
+                frozen_patterns=("indexer", "embed", "dense_layers/.*/attn"), mismatch="int5", beta=2.0,
+                tis_cap=2.0, seed=0),
+)
+SMALL = dataclasses.replace(
+    TINY, model=_policy(256, 8, 4, 768),
+    train=TINY.train.replace(steps=1500, batch_size=64, seq_len=128, learning_rate=1e-3, eval_every=375,
+                             log_every=375, ckpt_every=1500),
+    rl=TINY.rl.replace(steps=300, prompts_per_step=64, group_size=16),
+    eval_tasks=1024, eval_every=25, sampled_eval_samples=4)
 
 
 def make_task(rng: random.Random, task: str) -> Task:
@@ -71,11 +109,11 @@ def make_task(rng: random.Random, task: str) -> Task:
     return Task(kind="arithmetic", prompt=f"{a}{op}{b}=", answer=str(v), solution=f"{v}\n", level=-1)
 
 
-def held_out(s: dict) -> list:
-    rng = random.Random(10_000 + s["seed"])
+def held_out(cfg: GrpoIcepopConfig) -> list:
+    rng = random.Random(10_000 + cfg.train.seed)
     seen, out = set(), []
-    while len(out) < s["eval_tasks"]:
-        t = make_task(rng, s["task"])
+    while len(out) < cfg.eval_tasks:
+        t = make_task(rng, cfg.task)
         if t.prompt not in seen:
             seen.add(t.prompt)
             out.append(t)
@@ -84,13 +122,13 @@ def held_out(s: dict) -> list:
 
 @register("grpo_icepop", "GRPO on arithmetic from an SFT'd tiny DSA model under int4 rollout mismatch: "
           "IcePop vs no correction vs truncated IS", {"tiny": TINY, "small": SMALL})
-def run(s: dict, workdir: str, log) -> dict:
+def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
     t_start = time.time()
     vocab = CharVocab()
-    cfg = model_config(s, vocab)
-    eval_tasks = held_out(s)
+    mcfg, tc, rl = cfg.model, cfg.train, cfg.rl
+    eval_tasks = held_out(cfg)
     exclude = {t.prompt for t in eval_tasks}
-    level = s["task"]
+    level = cfg.task
 
     def sample_task(rng):
         while True:
@@ -98,49 +136,38 @@ def run(s: dict, workdir: str, log) -> dict:
             if t.prompt not in exclude:
                 return t
 
-    max_new = s["max_new_tokens"]
-
-    primary = s["primary"]
-    if primary not in ("greedy", "sampled"):
-        raise ValueError(f"primary={primary!r}: greedy | sampled")
+    max_new = rl.max_new_tokens
+    primary = cfg.primary
 
     def eval_fn(params, sampled: bool = True):
         """greedy_accuracy, sampled_accuracy (temperature 1, pass@1 over sampled_eval_samples per prompt) and
         accuracy = the designated primary of the two."""
-        g = evaluate_accuracy(cfg, params, eval_tasks, vocab, max_new_tokens=max_new, greedy=True)
+        g = evaluate_accuracy(mcfg, params, eval_tasks, vocab, max_new_tokens=max_new, greedy=True)
         out = {"greedy_accuracy": g["accuracy"], "frac_truncated": g["statuses"]["frac_truncated"],
                "frac_malformed": g["statuses"]["frac_malformed"]}
         if sampled or primary == "sampled":
-            sm = evaluate_accuracy(cfg, params, eval_tasks, vocab, max_new_tokens=max_new, greedy=False,
-                                   samples=s["sampled_eval_samples"], seed=s["seed"] + 99)
+            sm = evaluate_accuracy(mcfg, params, eval_tasks, vocab, max_new_tokens=max_new, greedy=False,
+                                   samples=cfg.sampled_eval_samples, seed=tc.seed + 99)
             out["sampled_accuracy"] = sm["accuracy"]
         out["accuracy"] = out[f"{primary}_accuracy"]
         return out
 
     # ---- SFT through the training system
-    tc = TrainConfig(steps=s["sft_steps"], batch_size=s["sft_batch_size"], seq_len=s["sft_seq_len"],
-                     learning_rate=s["sft_learning_rate"], warmup_steps=min(20, s["sft_steps"]), min_lr_ratio=0.1,
-                     weight_decay=0.0, eval_every=max(1, s["sft_steps"] // 4), log_every=max(1, s["sft_steps"] // 4),
-                     ckpt_every=s["sft_steps"], seed=s["seed"])
-    it = SFTIterator(sample_task, vocab, s["sft_batch_size"], s["sft_seq_len"], seed=s["seed"], exclude=exclude)
-    sft = train(cfg, tc, it, os.path.join(workdir, "sft"), eval_fn=lambda p: {"greedy_accuracy": eval_fn(p, sampled=False)["greedy_accuracy"]},
-                log=log, name="sft")
+    it = SFTIterator(sample_task, vocab, tc.batch_size, tc.seq_len, seed=tc.seed, exclude=exclude)
+    sft = train(mcfg, tc, it, os.path.join(workdir, "sft"),
+                eval_fn=lambda p: {"greedy_accuracy": eval_fn(p, sampled=False)["greedy_accuracy"]},
+                log=log, name="sft", **mesh_kw(mesh))
     sft_params = sft["params"]
     initial = eval_fn(sft_params, sampled=True)
     log(f"[sft] held-out greedy accuracy {initial['greedy_accuracy']:.3f}, sampled {initial['sampled_accuracy']:.3f}")
 
     # ---- GRPO arms
-    rl = RLConfig(steps=s["steps"], prompts_per_step=s["prompts_per_step"], group_size=s["group_size"],
-                  max_new_tokens=max_new, max_prompt_len=8, minibatches=s["minibatches"],
-                  learning_rate=s["learning_rate"], optimizer=s["optimizer"], momentum=s["momentum"], adam_b2=s["adam_b2"],
-                  adv_norm=s["adv_norm"], frozen_patterns=tuple(s["frozen"]), mismatch=s["mismatch"],
-                  beta=s["beta"], tis_cap=s["tis_cap"], seed=s["seed"])
     runs = {}
     for arm in ARMS:
         t_arm = time.time()
-        r = run_grpo(cfg, sft_params, rl.replace(loss=arm), sample_task, vocab, log=log,
-                     eval_fn=eval_fn, eval_every=s["eval_every"],
-                     metrics_path=os.path.join(workdir, f"rl_{arm}.jsonl"), name=arm)
+        r = run_grpo(mcfg, sft_params, rl.replace(loss=arm), sample_task, vocab, log=log,
+                     eval_fn=eval_fn, eval_every=cfg.eval_every,
+                     metrics_path=os.path.join(workdir, f"rl_{arm}.jsonl"), name=arm, **mesh_kw(mesh))
         r["final"] = eval_fn(r["params"], sampled=True)
         r["wall_s"] = time.time() - t_arm
         log(f"[{arm}] held-out {primary} (primary) accuracy {initial['accuracy']:.3f} -> {r['final']['accuracy']:.3f}; "
@@ -163,16 +190,16 @@ def run(s: dict, workdir: str, log) -> dict:
                      "first_reward": h[0]["reward_mean"], "last5_reward": float(np.mean([x["reward_mean"] for x in h[-5:]])),
                      "mean_pop_frac": mean_of(h, "pop_frac"), "mean_clip_frac": mean_of(h, "clip_frac"),
                      "mean_mismatch_kl": mean_of(h, "mismatch_kl"), "wall_s": r["wall_s"]}
-    report = {"arms": arms, "task": level, "mismatch": s["mismatch"], "primary_metric": primary,
-              "eval": f"primary = {primary}; greedy and sampled (temperature 1, {s['sampled_eval_samples']} per prompt) "
-                      f"pass@1 on {len(eval_tasks)} held-out prompts", "sft_steps": s["sft_steps"],
-              "rl_steps": s["steps"], "rollouts_per_step": s["prompts_per_step"] * s["group_size"],
+    report = {"arms": arms, "task": level, "mismatch": rl.mismatch, "primary_metric": primary,
+              "eval": f"primary = {primary}; greedy and sampled (temperature 1, {cfg.sampled_eval_samples} per prompt) "
+                      f"pass@1 on {len(eval_tasks)} held-out prompts", "sft_steps": tc.steps,
+              "rl_steps": rl.steps, "rollouts_per_step": rl.prompts_per_step * rl.group_size,
               "params": int(sum(x.size for x in jax.tree.leaves(sft_params))), "wall_time_s": None}
 
     steps_of = lambda h: [row["step"] for row in h]  # noqa: E731
     plot_curves(os.path.join(workdir, "reward.png"),
                 {a: (steps_of(r["history"]), [x["reward_mean"] for x in r["history"]]) for a, r in runs.items()},
-                title=f"GRPO rollout reward (mismatch {s['mismatch']})", xlabel="RL step", ylabel="mean reward")
+                title=f"GRPO rollout reward (mismatch {rl.mismatch})", xlabel="RL step", ylabel="mean reward")
     plot_curves(os.path.join(workdir, "pop_frac.png"),
                 {a: (steps_of(r["history"]), [x["pop_frac"] for x in r["history"]]) for a, r in runs.items()},
                 title="fraction of tokens popped (icepop) / truncated (tis)", xlabel="RL step", ylabel="fraction")
@@ -192,14 +219,14 @@ def run(s: dict, workdir: str, log) -> dict:
     md = f"""# grpo_icepop
 
 Task: {level} (d2d1 = two-digit +/- one-digit, e.g. "47+8=" -> "55\\n"), character vocabulary
-({vocab.size} symbols). Model: DSA, d_model {s['d_model']}, {s['num_layers']} layers, {report['params']:,} parameters,
-SFT {s['sft_steps']} steps ({s['sft_batch_size']}x{s['sft_seq_len']} packed tokens, loss on the answer only).
-GRPO: {s['steps']} steps x {s['prompts_per_step']} prompts x {s['group_size']} samples, {s['minibatches']} updates per
-rollout batch, {s['optimizer']} lr {s['learning_rate']} (adam b2 {s['adam_b2']}; momentum {s['momentum']} for sgd), advantages normalised
-over {s['adv_norm']} groups, frozen in RL: {', '.join(s['frozen'])}. Rollout engine mismatch: **{s['mismatch']}**
+({vocab.size} symbols). Model: DSA, d_model {mcfg.d_model}, {mcfg.num_layers} layers, {report['params']:,} parameters,
+SFT {tc.steps} steps ({tc.batch_size}x{tc.seq_len} packed tokens, loss on the answer only).
+GRPO: {rl.steps} steps x {rl.prompts_per_step} prompts x {rl.group_size} samples, {rl.minibatches} updates per
+rollout batch, {rl.optimizer} lr {rl.learning_rate} (adam b2 {rl.adam_b2}; momentum {rl.momentum} for sgd), advantages normalised
+over {rl.adv_norm} groups, frozen in RL: {', '.join(rl.frozen_patterns)}. Rollout engine mismatch: **{rl.mismatch}**
 (training in float32). Held-out: {len(eval_tasks)} prompts never used in SFT or RL, decoded with the trained float32
 parameters. Primary metric (fixed before the run): **{primary}** pass@1. Sampled = temperature 1,
-{s['sampled_eval_samples']} samples per prompt ({len(eval_tasks) * s['sampled_eval_samples']} completions): it is
+{cfg.sampled_eval_samples} samples per prompt ({len(eval_tasks) * cfg.sampled_eval_samples} completions): it is
 the quantity GRPO optimises (expected reward of the temperature-1 policy) and has ~3x less sampling noise than
 greedy on 256 prompts. Greedy = temperature 0, also reported.
 

@@ -15,15 +15,17 @@ draft steps measures the acceptance length (mean 1 + accepted drafts per verific
   shared3 / depth1   the (single) MTP layer is applied at all 4 depths
   indep3             depths 1-3 use their own layers, depth 4 reuses layer 3 (the inference model is
                      given mtp_depth 4 with mtp_3 := mtp_2; the trained weights are unchanged)
-Optional `draft_sweep` (e.g. "1,2,3") also measures the acceptance length at other draft counts.
+Optional `draft_sweep` (e.g. `--set draft_sweep=1,2,3`) also measures the acceptance length at other draft counts.
 Output: main-head eval-loss curves, final eval loss, acceptance length per arm, and a comparison with
 the GLM-5 report (2.76 for GLM-5 vs 2.55 for DeepSeek-V3.2 with 4 speculative steps).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from typing import ClassVar
 
 import matplotlib
 
@@ -33,9 +35,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.registry import register  # noqa: E402
+from experiments.registry import mesh_kw, register  # noqa: E402
 from experiments.report import eval_series, md_table, plot_curves, write_report  # noqa: E402
-from glm5_jax.config import ModelConfig, preset  # noqa: E402
+from glm5_jax.config import ConfigError, ModelConfig, preset  # noqa: E402
 from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
 from glm5_jax.infer import speculative_generate  # noqa: E402
 from glm5_jax.losses import mtp_targets  # noqa: E402
@@ -51,38 +53,61 @@ ARMS = {
 }
 PAPER = {"GLM-5": 2.76, "DeepSeek-V3.2": 2.55}     # acceptance length, 4 speculative steps (GLM-5 report)
 
-TINY = dict(
-    seq_len=128, batch_size=8, vocab_size=2048, d_model=128, num_layers=2, num_heads=4, q_lora_rank=64,
-    kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, ffn_dim=384, num_experts=0,
-    moe_ffn_dim=128, attention="mla", index_topk=64, steps=120, warmup_steps=10, learning_rate=3e-3,
-    mtp_weight=0.3, eval_every=40, eval_batches=4, num_prompts=8, prompt_len=64, max_new_tokens=64,
-    num_draft=4, draft_sweep="", max_files=0, seed=0, model_preset="", arms="",
+ARM_NAMES = tuple(ARMS)
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpSharingConfig:
+    """model: the trunk shared by every arm (its mtp_depth / mtp_share are set per arm). train: every
+    arm (train.mtp_weight weighs the MTP loss). model.vocab_size and data.seq_len follow
+    data.vocab_size and train.seq_len. Own knobs: the held-out speculative-decoding evaluation."""
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+    num_prompts: int = 8
+    prompt_len: int = 64
+    max_new_tokens: int = 64
+    num_draft: int = 4
+    draft_sweep: tuple[int, ...] = ()      # extra draft counts to measure (empty: only num_draft)
+    arms: tuple[str, ...] = ARM_NAMES
+
+    STEPS_KEY: ClassVar[str] = "train.steps"
+    DERIVED: ClassVar[dict] = {"model.vocab_size": "data.vocab_size", "data.seq_len": "train.seq_len",
+                               "model.mtp_depth": "the arm (arms=...)", "model.mtp_share": "the arm (arms=...)"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", self.model.replace(vocab_size=self.data.vocab_size))
+        object.__setattr__(self, "data", dataclasses.replace(self.data, seq_len=self.train.seq_len))
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad or not self.arms:
+            raise ConfigError(f"MtpSharingConfig.arms={self.arms!r} is invalid: a non-empty subset of {', '.join(ARMS)}")
+        for f in ("num_prompts", "prompt_len", "max_new_tokens", "num_draft"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"MtpSharingConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        if any(n < 1 for n in self.draft_sweep):
+            raise ConfigError(f"MtpSharingConfig.draft_sweep={self.draft_sweep!r} is invalid: draft counts >= 1")
+
+
+TINY = MtpSharingConfig(
+    model=ModelConfig(vocab_size=2048, d_model=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, ffn_dim=384, num_experts=0,
+                      moe_ffn_dim=128, first_k_dense=0, attention="mla", index_topk=64, index_n_heads=2,
+                      index_head_dim=32, attn_chunk=128),
+    train=TrainConfig(steps=120, batch_size=8, seq_len=128, learning_rate=3e-3, warmup_steps=10, mtp_weight=0.3,
+                      eval_every=40, log_every=20, ckpt_every=40, eval_batches=4, seed=0),
+    data=DataConfig(vocab_size=2048, seq_len=128, seed=0),
 )
-# One accelerator: the "small" preset trunk, longer sequences, many more steps and prompts.
-SMALL = dict(TINY, seq_len=2048, batch_size=32, vocab_size=32768, model_preset="small", num_experts=-1,
-             steps=4000, warmup_steps=200, learning_rate=1e-3, eval_every=250, eval_batches=16,
-             num_prompts=64, prompt_len=256, max_new_tokens=128, draft_sweep="1,2,3")
+# One accelerator: the "small" preset trunk (its MoE), longer sequences, many more steps and prompts.
+SMALL = dataclasses.replace(
+    TINY, model=preset("small", vocab_size=32768, attention="mla"),
+    train=TINY.train.replace(steps=4000, batch_size=32, seq_len=2048, learning_rate=1e-3, warmup_steps=200,
+                             eval_every=250, log_every=125, ckpt_every=250, eval_batches=16),
+    data=dataclasses.replace(TINY.data, vocab_size=32768),
+    num_prompts=64, prompt_len=256, max_new_tokens=128, draft_sweep=(1, 2, 3))
 
 
-def base_config(s: dict, vocab: int) -> ModelConfig:
-    if s["model_preset"]:
-        kw = dict(vocab_size=vocab, attention=s["attention"])
-        if s["num_experts"] >= 0:
-            kw["num_experts"] = s["num_experts"]
-        return preset(s["model_preset"], **kw)
-    moe = s["num_experts"] > 0
-    return ModelConfig(vocab_size=vocab, d_model=s["d_model"], num_layers=s["num_layers"], num_heads=s["num_heads"],
-                       q_lora_rank=s["q_lora_rank"], kv_lora_rank=s["kv_lora_rank"],
-                       qk_nope_head_dim=s["qk_nope_head_dim"], qk_rope_head_dim=s["qk_rope_head_dim"],
-                       v_head_dim=s["v_head_dim"], ffn_dim=s["ffn_dim"], num_experts=max(s["num_experts"], 0),
-                       moe_ffn_dim=s["moe_ffn_dim"], first_k_dense=1 if moe else 0, attention=s["attention"],
-                       index_topk=s["index_topk"], index_n_heads=2, index_head_dim=32,
-                       attn_chunk=min(256, s["seq_len"]))
-
-
-def arm_configs(s: dict, vocab: int) -> dict[str, ModelConfig]:
-    base = base_config(s, vocab)
-    return {arm: base.replace(mtp_depth=d, mtp_share=sh) for arm, (d, sh, _) in ARMS.items()}
+def arm_configs(model: ModelConfig) -> dict[str, ModelConfig]:
+    return {arm: model.replace(mtp_depth=d, mtp_share=sh) for arm, (d, sh, _) in ARMS.items()}
 
 
 def held_out_prompts(data, num: int, length: int) -> list[np.ndarray]:
@@ -190,46 +215,39 @@ def plot_acceptance(path: str, arms: dict, num_draft: int, sweep: list[int]) -> 
 
 @register("mtp_sharing", "MTP depth 3 with one shared layer (GLM-5) vs 3 independent layers vs depth 1 "
           "(DeepSeek-V3): main eval loss and speculative acceptance length", {"tiny": TINY, "small": SMALL})
-def run(s: dict, workdir: str, log) -> dict:
+def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
     t_start = time.time()
-    B, T = s["batch_size"], s["seq_len"]
-    data = build_lm_data(DataConfig(vocab_size=s["vocab_size"], seq_len=T, seed=s["seed"],
-                                    max_files=s["max_files"] or None))
-    cfgs = arm_configs(s, data.tokenizer.vocab_size)
-    lm_eval = list(data.eval_batches(B, T, max_batches=s["eval_batches"]))
-    prompts = held_out_prompts(data, s["num_prompts"], s["prompt_len"])
-    sweep = sorted({int(x) for x in s["draft_sweep"].split(",") if x.strip()} | ({s["num_draft"]}
-                   if s["draft_sweep"].strip() else set()))
-    tc = TrainConfig(steps=s["steps"], batch_size=B, seq_len=T, learning_rate=s["learning_rate"],
-                     warmup_steps=min(s["warmup_steps"], s["steps"]), mtp_weight=s["mtp_weight"],
-                     eval_every=s["eval_every"], log_every=max(1, s["eval_every"] // 2), ckpt_every=s["eval_every"],
-                     seed=s["seed"])
-    wanted = [a for a in s["arms"].split(",") if a] or list(ARMS)
-    unknown = sorted(set(wanted) - set(ARMS))
-    if unknown:
-        raise ValueError(f"unknown arms {unknown}; allowed: {', '.join(ARMS)}")
+    tc = cfg.train
+    B, T = tc.batch_size, tc.seq_len
+    data = build_lm_data(cfg.data)
+    cfgs = arm_configs(cfg.model)
+    lm_eval = list(data.eval_batches(B, T, max_batches=tc.eval_batches))
+    prompts = held_out_prompts(data, cfg.num_prompts, cfg.prompt_len)
+    nd = cfg.num_draft
+    sweep = sorted(set(cfg.draft_sweep) | ({nd} if cfg.draft_sweep else set()))
     runs, arms = {}, {}
     for arm in ARMS:
-        if arm not in wanted:
+        if arm not in cfg.arms:
             continue
-        cfg = cfgs[arm]
-        eval_step = make_eval_step(cfg)
+        mcfg = cfgs[arm]
+        eval_step = make_eval_step(mcfg)
         t0 = time.time()
-        r = train(cfg, tc, data.train_iter(B, T, seed=s["seed"]), os.path.join(workdir, arm),
-                  eval_fn=lambda p, c=cfg, e=eval_step: evaluate(c, p, lm_eval, e), log=log, name=arm)
+        r = train(mcfg, tc, data.train_iter(B, T, seed=cfg.data.seed), os.path.join(workdir, arm),
+                  eval_fn=lambda p, c=mcfg, e=eval_step: evaluate(c, p, lm_eval, e), log=log, name=arm,
+                  **mesh_kw(mesh))
         t_train = time.time() - t0
         runs[arm] = r
-        log(f"[{arm}] speculative decoding: {len(prompts)} prompts x {s['prompt_len']} tokens, "
-            f"{s['max_new_tokens']} new, {s['num_draft']} drafts ...")
-        main = measure_acceptance(cfg, r["params"], prompts, s["num_draft"], s["max_new_tokens"])
-        by_n = {str(s["num_draft"]): main["acceptance_length"]}
+        log(f"[{arm}] speculative decoding: {len(prompts)} prompts x {cfg.prompt_len} tokens, "
+            f"{cfg.max_new_tokens} new, {nd} drafts ...")
+        main = measure_acceptance(mcfg, r["params"], prompts, nd, cfg.max_new_tokens)
+        by_n = {str(nd): main["acceptance_length"]}
         for n in sweep:
-            if n != s["num_draft"]:
-                by_n[str(n)] = measure_acceptance(cfg, r["params"], prompts, n, s["max_new_tokens"])["acceptance_length"]
-        tf = teacher_forced(cfg, r["params"], lm_eval, s["num_draft"])
+            if n != nd:
+                by_n[str(n)] = measure_acceptance(mcfg, r["params"], prompts, n, cfg.max_new_tokens)["acceptance_length"]
+        tf = teacher_forced(mcfg, r["params"], lm_eval, nd)
         mtp_rows = [row for row in r["history"] if "mtp_loss" in row]
-        arms[arm] = {"mtp_depth": cfg.mtp_depth, "mtp_share": cfg.mtp_share, "description": ARMS[arm][2],
-                     "mtp_layers_trained": 1 if cfg.mtp_share else cfg.mtp_depth,
+        arms[arm] = {"mtp_depth": mcfg.mtp_depth, "mtp_share": mcfg.mtp_share, "description": ARMS[arm][2],
+                     "mtp_layers_trained": 1 if mcfg.mtp_share else mcfg.mtp_depth,
                      "acceptance_length": main["acceptance_length"], "verify_steps": main["verify_steps"],
                      "distinct_token_fraction": main["distinct_token_fraction"],
                      "acceptance_by_num_draft": by_n,
@@ -243,13 +261,13 @@ def run(s: dict, workdir: str, log) -> dict:
         log(f"[{arm}] acceptance length {main['acceptance_length']:.3f}, eval loss {arms[arm]['final_eval_loss']:.4f}")
 
     plot_curves(os.path.join(workdir, "eval_loss.png"), {a: eval_series(r["history"]) for a, r in runs.items()},
-                title=f"mtp_sharing: main-head eval loss (B={B}, T={T}, mtp_weight={s['mtp_weight']})")
-    plot_acceptance(os.path.join(workdir, "acceptance_length.png"), arms, s["num_draft"], sweep)
+                title=f"mtp_sharing: main-head eval loss (B={B}, T={T}, mtp_weight={tc.mtp_weight})")
+    plot_acceptance(os.path.join(workdir, "acceptance_length.png"), arms, nd, sweep)
     c0 = next(iter(cfgs.values()))
-    report = {"arms": arms, "paper_acceptance_length_4_steps": PAPER, "num_draft": s["num_draft"],
-              "num_prompts": len(prompts), "prompt_len": s["prompt_len"], "max_new_tokens": s["max_new_tokens"],
-              "steps": s["steps"], "tokens_per_step": B * T, "tokens_total": B * T * s["steps"],
-              "mtp_weight": s["mtp_weight"], "wall_time_s": None}
+    report = {"arms": arms, "paper_acceptance_length_4_steps": PAPER, "num_draft": nd,
+              "num_prompts": len(prompts), "prompt_len": cfg.prompt_len, "max_new_tokens": cfg.max_new_tokens,
+              "steps": tc.steps, "tokens_per_step": B * T, "tokens_total": B * T * tc.steps,
+              "mtp_weight": tc.mtp_weight, "wall_time_s": None}
     report["wall_time_s"] = time.time() - t_start
 
     rows = [[a, v["mtp_depth"], "yes" if v["mtp_share"] else "no", v["mtp_layers_trained"], v["final_eval_loss"],
@@ -262,19 +280,18 @@ def run(s: dict, workdir: str, log) -> dict:
         srows = [[a] + [v["acceptance_by_num_draft"].get(str(n), float("nan")) for n in sweep] for a, v in arms.items()]
         sweep_md = "Self-speculative acceptance length by number of draft steps:\n\n" + md_table(
             ["arm"] + [f"{n} drafts" for n in sweep], srows) + "\n"
-    comp = _comparison(arms, s["num_draft"], len(prompts), s["steps"])
-    nd = s["num_draft"]
+    comp = _comparison(arms, nd, len(prompts), tc.steps)
     md = f"""# mtp_sharing
 
-Three arms trained from scratch for {s['steps']} steps of {B}x{T} = {B * T} tokens on the same token stream,
+Three arms trained from scratch for {tc.steps} steps of {B}x{T} = {B * T} tokens on the same token stream,
 same trunk and same initial trunk weights ({c0.attention}, d_model {c0.d_model}, {c0.num_layers} layers,
 {c0.num_heads} heads, {'MoE ' + str(c0.num_experts) + ' experts' if c0.num_experts else 'dense SwiGLU ' + str(c0.ffn_dim)}),
-loss = main CE + {s['mtp_weight']} x mean-over-depths MTP CE. Eval loss is the MAIN head only, on
+loss = main CE + {tc.mtp_weight} x mean-over-depths MTP CE. Eval loss is the MAIN head only, on
 {len(lm_eval)} held-out batches.
 
 * **acceptance length** (self-speculative): mean (1 + accepted drafts) per verification step of greedy MTP
-  self-speculative decoding with {nd} draft steps on {len(prompts)} held-out prompts (the first {s['prompt_len']}
-  tokens of held-out standard-library files), {s['max_new_tokens']} new tokens each: the papers' metric.
+  self-speculative decoding with {nd} draft steps on {len(prompts)} held-out prompts (the first {cfg.prompt_len}
+  tokens of held-out standard-library files), {cfg.max_new_tokens} new tokens each: the papers' metric.
 * **oracle acceptance** (teacher-forced): on the held-out eval batches, 1 + the longest prefix of the {nd}
   MTP drafts at each position that equals the true next tokens, i.e. the acceptance length when drafting
   against a target that emits the held-out text. It does not depend on the model's own (often repetitive)

@@ -1,37 +1,50 @@
-"""The experiment registry: name -> (description, settings per scale, run function).
+"""The experiment registry: name -> (description, one typed config per scale, run function).
 
-An experiment is a small composition of library calls. Its settings are a flat dict; each scale
-("tiny" = the CPU default, "small" = one accelerator) is a full set of them, and `--set key=value`
-overrides single fields with the type of the default value.
+An experiment is a small composition of library calls. Its settings are one frozen dataclass composed
+of `model: ModelConfig`, `train: TrainConfig`, `data: DataConfig` (where it reads LM data) and its
+own knobs; each scale ("tiny" = the CPU default, "small" = one accelerator) is one value of that
+dataclass. `resolve_config` applies `--steps` and dotted `--set a.b=value` overrides
+(experiments.overrides) and so validates the whole tree before anything compiles.
+
+A config class may declare two class attributes:
+  STEPS_KEY  the dotted key `--steps N` sets (default "train.steps")
+  DERIVED    {key: source} for fields computed from others in `__post_init__` (e.g. model.vocab_size
+             from data.vocab_size); overriding one of them is refused with a pointer to its source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
+
+from experiments.overrides import OverrideError, apply_overrides, split_item
 
 MODULES = ("experiments.dsa_vs_mla", "experiments.muon_split", "experiments.mtp_sharing", "experiments.grpo_icepop")
 
 
 class ExperimentError(ValueError):
-    """Unknown experiment, scale or setting, or a value of the wrong type."""
+    """Unknown experiment or scale."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
     name: str
     description: str
-    scales: dict[str, dict[str, Any]]
-    run: Callable[[dict, str, Callable[[str], None]], dict]   # (settings, workdir, log) -> report dict
+    scales: dict[str, Any]               # scale -> config (a frozen dataclass instance)
+    run: Callable[..., dict]             # (config, workdir, log, mesh=None) -> report dict
 
 
 REGISTRY: dict[str, Experiment] = {}
 
 
-def register(name: str, description: str, scales: dict[str, dict[str, Any]]):
+def register(name: str, description: str, scales: Mapping[str, Any]):
+    for scale, cfg in scales.items():
+        if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+            raise TypeError(f"experiment {name!r}: scale {scale!r} must be a dataclass instance, got {cfg!r}")
+
     def deco(fn):
-        REGISTRY[name] = Experiment(name, description, scales, fn)
+        REGISTRY[name] = Experiment(name, description, dict(scales), fn)
         return fn
     return deco
 
@@ -53,43 +66,29 @@ def get(name: str) -> Experiment:
     return exps[name]
 
 
-def _coerce(key: str, raw: str, default: Any) -> Any:
-    if raw.lower() in ("none", "null") and default is None:
-        return None
-    try:
-        if isinstance(default, bool):
-            if raw.lower() in ("1", "true", "yes"):
-                return True
-            if raw.lower() in ("0", "false", "no"):
-                return False
-            raise ValueError(raw)
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
-    except ValueError:
-        raise ExperimentError(f"setting {key}={raw!r}: expected a {type(default).__name__} like {default!r}") from None
-    return raw
+def mesh_kw(mesh) -> dict:
+    """Keyword arguments that put a training call on `mesh` (none for the single-device default)."""
+    return {} if mesh is None else {"mesh": mesh}
 
 
-def resolve_settings(exp: Experiment, scale: str, overrides: list[str] | dict[str, Any] = (),
-                     steps: int | None = None) -> dict[str, Any]:
+def steps_key(cfg) -> str:
+    return getattr(type(cfg), "STEPS_KEY", "train.steps")
+
+
+def resolve_config(exp: Experiment, scale: str, overrides: Iterable[str] | Mapping[str, Any] = (),
+                   steps: int | None = None):
+    """The scale's config with `steps` (at STEPS_KEY) and then `overrides` applied, validated.
+
+    Raises ExperimentError (unknown scale), OverrideError (unknown key / unparsable value) or
+    ConfigError (a combination the configs' own validation rejects)."""
     if scale not in exp.scales:
         raise ExperimentError(f"experiment {exp.name!r} has no scale {scale!r}; allowed: {', '.join(exp.scales)}")
-    settings = dict(exp.scales[scale])
+    cfg = exp.scales[scale]
+    items = dict(overrides) if isinstance(overrides, Mapping) else dict(split_item(o) for o in overrides)
     if steps is not None:
-        settings["steps"] = steps
-    items = overrides.items() if isinstance(overrides, dict) else [_split(o) for o in overrides]
-    for key, raw in items:
-        if key not in settings:
-            raise ExperimentError(f"experiment {exp.name!r} has no setting {key!r}; valid settings: "
-                                  f"{', '.join(sorted(settings))}")
-        settings[key] = _coerce(key, raw, settings[key]) if isinstance(raw, str) else raw
-    return settings
+        items = {steps_key(cfg): steps, **items}          # an explicit --set of the same key wins
+    return apply_overrides(cfg, items, getattr(type(cfg), "DERIVED", None))
 
 
-def _split(item: str) -> tuple[str, str]:
-    if "=" not in item:
-        raise ExperimentError(f"--set expects key=value, got {item!r}")
-    k, v = item.split("=", 1)
-    return k.strip(), v.strip()
+__all__ = ["Experiment", "ExperimentError", "OverrideError", "REGISTRY", "register", "load_all", "get",
+           "resolve_config", "steps_key", "mesh_kw"]

@@ -1,8 +1,10 @@
 """Run an ablation sweep over one setting and write a comparison table.
 
-    python -m experiments.sweep --config=NAME --sweep key=v1,v2,... [--workdir DIR] [--preset tiny]
-                                [--set key=value ...]
+    python -m experiments.sweep --config=NAME --sweep section.field=v1,v2,... [--workdir DIR]
+                                [--preset tiny] [--steps N] [--set section.field=value ...] [--mesh ...]
 
+e.g. --sweep model.index_topk=32,64. The key is any dotted key `--set` accepts (values are split on
+commas, so a tuple-valued field cannot be swept). Every value is validated before the first run.
 Each value runs in <workdir>/<key>=<value>/; sweep.md and sweep.json compare every arm's final
 numbers from the runs' report.json files.
 """
@@ -18,14 +20,14 @@ from absl import app, flags, logging
 from experiments import registry
 from experiments.report import md_table
 from experiments.run import define_flags as run_flags
-from experiments.run import run_experiment
+from experiments.run import USAGE_ERRORS, make_mesh, run_experiment
 
-FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set come from experiments.run
+FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh come from experiments.run
 
 
 def define_flags() -> None:
     """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
-    flags.DEFINE_string("sweep", None, "key=v1,v2,... : the setting to sweep and its values.")
+    flags.DEFINE_string("sweep", None, "section.field=v1,v2,... : the config key to sweep and its values.")
 
 
 def flatten_report(report: dict) -> dict[str, float]:
@@ -40,16 +42,23 @@ def flatten_report(report: dict) -> dict[str, float]:
     return out
 
 
-def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=None) -> dict:
+def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=None, mesh=None) -> dict:
     exp = registry.get(name)
     if "=" not in sweep_spec:
         raise registry.ExperimentError(f"--sweep expects key=v1,v2,..., got {sweep_spec!r}")
     key, values = sweep_spec.split("=", 1)
-    values = [v for v in values.split(",") if v]
-    registry.resolve_settings(exp, scale, [*fixed, *(f"{key}={v}" for v in values)], steps)   # validate first
+    key = key.strip()
+    values = [v.strip() for v in values.split(",") if v.strip()]
+    if not values:
+        raise registry.ExperimentError(f"--sweep {key}= has no values")
+    for v in values:                                     # validate every arm before the first compile
+        registry.resolve_config(exp, scale, [*fixed, f"{key}={v}"], steps)
+    if isinstance(mesh, str):
+        mesh = make_mesh(mesh, registry.resolve_config(exp, scale, fixed, steps))
     results = {}
     for v in values:
-        report = run_experiment(name, os.path.join(workdir, f"{key}={v}"), scale, [*fixed, f"{key}={v}"], steps)
+        report = run_experiment(name, os.path.join(workdir, f"{key}={v}"), scale, [*fixed, f"{key}={v}"], steps,
+                                mesh)
         results[v] = flatten_report(report)
     cols = sorted({c for r in results.values() for c in r})
     table = md_table([key] + cols, [[v] + [results[v].get(c, "") for c in cols] for v in values])
@@ -67,10 +76,11 @@ def main(argv):
     if not FLAGS.config or not FLAGS.sweep:
         raise app.UsageError("--config and --sweep are required")
     key = FLAGS.sweep.split("=", 1)[0]
+    from glm5_jax.sharding import MeshError
     try:
         sweep(FLAGS.config, FLAGS.sweep, FLAGS.workdir or os.path.join("runs", f"sweep_{FLAGS.config}_{key}"),
-              FLAGS.preset, FLAGS.set, FLAGS.steps)
-    except registry.ExperimentError as e:
+              FLAGS.preset, FLAGS.set, FLAGS.steps, FLAGS.mesh)
+    except USAGE_ERRORS + (MeshError,) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

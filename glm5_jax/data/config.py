@@ -1,7 +1,9 @@
 """`DataConfig`: every knob of the LM data pipeline, validated at construction.
 
-All sizes are validated eagerly so that a bad value fails with a message naming the field,
-the value and what is allowed, instead of failing deep inside sentencepiece or grain.
+All sizes are validated eagerly so that a bad value fails with a ConfigError naming the field,
+the value and what is allowed, instead of failing deep inside sentencepiece or grain. Every field
+can be set from the command line of an experiment (`--set data.max_files=50`, `data.cache_dir=none`,
+`data.exclude_dirs=test,tests`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Optional, Tuple
+
+from glm5_jax.config import ConfigError
 
 # Directory names skipped anywhere below the stdlib root (test suites and third-party code).
 DEFAULT_EXCLUDE_DIRS: Tuple[str, ...] = (
@@ -31,8 +35,9 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "glm5_jax", "data")
 
 
-def _bad(field: str, value, allowed: str) -> ValueError:
-    return ValueError(f"DataConfig.{field}={value!r} is invalid; allowed: {allowed}")
+def _bad(field: str, value, allowed: str) -> ConfigError:
+    # ConfigError (a ValueError) like ModelConfig / TrainConfig, so one except clause covers a config tree
+    return ConfigError(f"DataConfig.{field}={value!r} is invalid; allowed: {allowed}")
 
 
 def _is_int(v) -> bool:
