@@ -1,8 +1,15 @@
-"""The GLM-5 decoder: embed -> layers -> norm -> head, plus multi-token-prediction (MTP) blocks.
+"""The GLM-5 decoder: embed -> layer stacks -> norm -> head, plus multi-token-prediction (MTP) blocks.
 
 `GLM5` is the Flax Linen module; `forward(config, params, tokens)` is the plain-function entry.
-Layers are unrolled: GLM-5 mixes dense and MoE MLPs and full / shared indexer layers, and a shared
-layer consumes the indices of the full layer before it.
+
+Layers live in scanned stacks (`ModelConfig.layer_stacks`): the dense prefix and the MoE body, each an
+`nn.scan` over a block of `period` decoder layers (period 1 unless shared-indexer layouts repeat with
+a longer period). Every stacked parameter has a leading layer axis (logical name "layers"); the top-k
+indices of the last `full` indexer layer travel in the scan carry, so a `shared` layer anywhere reads
+them. `scan_layers=False` unrolls the same stacks at trace time (same parameter tree).
+
+Training, prefill and decode run the same modules: pass `cache` (from `glm5_jax.infer.cache`) and the
+attention layers write this call's keys into it and attend over it (MLA in its absorbed latent form).
 """
 
 from __future__ import annotations
@@ -15,13 +22,21 @@ import jax.numpy as jnp
 
 from glm5_jax.attention.mha import GQAttention
 from glm5_jax.attention.mla import MLAttention
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import LayerStack, ModelConfig
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of, init_normal
 from glm5_jax.layers.mlp import SwiGLU
 from glm5_jax.layers.moe import MoE
 from glm5_jax.layers.rope import rope_angles
 
 ACT = ("activation_batch", "activation_seq", "activation_embed")
+
+# ModelConfig.remat -> jax checkpoint policy (None: no rematerialisation at all).
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
 class DecoderLayer(nn.Module):
@@ -31,15 +46,18 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, indexer_loss=None,
-                 monitor_logits: bool = False):
+                 monitor_logits: bool = False, *, positions=None, cache=None, write_positions=None):
+        """x [B, T, D] -> (x, top-k indices [B, T, K] or None, new layer cache or None)."""
         c = self.cfg
         pdt, dt = dtype_of(c.param_dtype), dtype_of(c.dtype)
         h = RMSNorm(c.rms_norm_eps, pdt, name="input_norm")(x)
+        kw = dict(positions=positions, cache=cache, write_positions=write_positions)
         if c.is_mla:
-            attn, indices = MLAttention(c, self.indexer_type, name="attn")(h, cos, sin, segment_ids, prev_indices,
-                                                                           indexer_loss, monitor_logits)
+            attn, indices, cache = MLAttention(c, self.indexer_type, name="attn")(
+                h, cos, sin, segment_ids, prev_indices, indexer_loss, monitor_logits, **kw)
         else:
-            attn, indices = GQAttention(c, name="attn")(h, cos, sin, segment_ids, monitor_logits=monitor_logits)
+            attn, indices, cache = GQAttention(c, name="attn")(h, cos, sin, segment_ids,
+                                                               monitor_logits=monitor_logits, **kw)
         x = constrain(x + attn, ACT)
         h = RMSNorm(c.rms_norm_eps, pdt, name="post_attn_norm")(x)
         if self.moe:
@@ -48,7 +66,41 @@ class DecoderLayer(nn.Module):
                       c.initializer_range, dt, pdt, capacity_factor=c.moe_capacity_factor, name="moe")(h)
         else:
             mlp = SwiGLU(c.ffn_dim, c.initializer_range, dt, pdt, name="mlp")(h)
-        return constrain(x + mlp, ACT), indices
+        return constrain(x + mlp, ACT), indices, cache
+
+
+class Block(nn.Module):
+    """One scan step of a stack: `stack.period` decoder layers (`layer_0` ...)."""
+    cfg: ModelConfig
+    stack: LayerStack
+
+    @nn.compact
+    def __call__(self, carry, cache, cos, sin, segment_ids, positions, write_positions, indexer_loss,
+                 monitor_logits):
+        x, indices = carry
+        new_cache = {} if cache is not None else None
+        for j, itype in enumerate(self.stack.indexer_types):
+            lc = None if cache is None else cache[f"layer_{j}"]
+            x, idx, lc = DecoderLayer(self.cfg, self.stack.moe, itype, name=f"layer_{j}")(
+                x, cos, sin, segment_ids, indices, indexer_loss, monitor_logits,
+                positions=positions, cache=lc, write_positions=write_positions)
+            if idx is not None:
+                indices = idx
+            if new_cache is not None:
+                new_cache[f"layer_{j}"] = lc
+        return (x, indices), new_cache
+
+
+def stack_module(cfg: ModelConfig, stack: LayerStack):
+    """The scanned (or unrolled) Block class of one stack, with the config's remat policy inside."""
+    block = Block
+    if cfg.remat != "none":
+        # argnums count `self`: 8 = indexer_loss, 9 = monitor_logits (Python values, not traced)
+        block = nn.remat(Block, policy=REMAT[cfg.remat], prevent_cse=not cfg.scan_layers, static_argnums=(8, 9))
+    return nn.scan(block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                   in_axes=(0,) + (nn.broadcast,) * 7, length=stack.repeats,
+                   unroll=1 if cfg.scan_layers else stack.repeats,
+                   metadata_params={nn.PARTITION_NAME: "layers"})
 
 
 class MTPBlock(nn.Module):
@@ -59,7 +111,9 @@ class MTPBlock(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, h_prev, emb, cos, sin, segment_ids=None):
+    def __call__(self, h_prev, emb, cos, sin, segment_ids=None, *, positions=None, cache=None,
+                 write_positions=None):
+        """-> (h [B, T, D], final-normed h, new cache or None)."""
         c = self.cfg
         pdt, dt = dtype_of(c.param_dtype), dtype_of(c.dtype)
         e = RMSNorm(c.rms_norm_eps, pdt, name="enorm")(emb)
@@ -67,13 +121,20 @@ class MTPBlock(nn.Module):
         h = Dense(c.d_model, ("mtp_in", "embed"), c.initializer_range, dt, pdt, name="eh_proj")(
             jnp.concatenate([e, hp], axis=-1))
         idx_type = "full" if c.attention == "dsa" else None
-        h, _ = DecoderLayer(c, c.num_experts > 0, idx_type, name="layer")(h, cos, sin, segment_ids)
-        return h, RMSNorm(c.rms_norm_eps, pdt, name="final_norm")(h)
+        h, _, cache = DecoderLayer(c, c.num_experts > 0, idx_type, name="layer")(
+            h, cos, sin, segment_ids, positions=positions, cache=cache, write_positions=write_positions)
+        return h, RMSNorm(c.rms_norm_eps, pdt, name="final_norm")(h), cache
 
 
 def shift_left(x, k: int, fill=0):
     """x [B, T] -> x[:, k:] padded with `fill` on the right (the token k steps ahead)."""
     return jnp.concatenate([x[:, k:], jnp.full((x.shape[0], k), fill, x.dtype)], axis=1) if k else x
+
+
+def num_indices(config: ModelConfig, cache_size: int | None) -> int:
+    """Width K of the DSA top-k index arrays: index_topk in training (padded with -1 past the visible
+    keys), min(index_topk, S) over a cache of S slots."""
+    return config.index_topk if cache_size is None else min(config.index_topk, cache_size)
 
 
 class GLM5(nn.Module):
@@ -84,11 +145,7 @@ class GLM5(nn.Module):
         pdt = dtype_of(c.param_dtype)
         self.embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=pdt, dtype=dtype_of(c.dtype),
                               embedding_init=init_normal(c.initializer_range, ("vocab", "embed")))
-        types = c.layer_indexer_types
-        # static_argnums count `self`: 6 = indexer_loss, 7 = monitor_logits
-        layer_cls = nn.remat(DecoderLayer, static_argnums=(6, 7)) if c.remat else DecoderLayer
-        self.layers = [layer_cls(c, c.is_moe_layer(i), types[i] if types else None, name=f"layer_{i}")
-                       for i in range(c.num_layers)]
+        self.stacks = [stack_module(c, s)(c, s, name=s.name) for s in c.layer_stacks]
         self.final_norm = RMSNorm(c.rms_norm_eps, pdt)
         if not c.tie_embeddings:
             self.lm_head = Dense(c.vocab_size, ("embed", "vocab"), c.initializer_range, jnp.float32, pdt)
@@ -101,36 +158,60 @@ class GLM5(nn.Module):
             return self.embed.attend(h.astype(jnp.float32)).astype(jnp.float32)
         return self.lm_head(h.astype(jnp.float32))
 
+    def rope(self, positions):
+        c = self.cfg
+        return rope_angles(positions, c.qk_rope_head_dim if c.is_mla else c.head_dim, c.rope_theta,
+                           c.rope_scaling_dict or None)
+
+    def mtp_depth(self, k: int, h_prev, next_tokens, positions, segment_ids=None, *, cache=None,
+                  write_positions=None):
+        """MTP depth k (1-based): h_prev [B, T, D] (depth k-1's h; the trunk's pre-norm output at k=1),
+        next_tokens [B, T] (the token k steps ahead of each position) -> (h, final-normed h, cache)."""
+        cos, sin = self.rope(positions)
+        block = self.mtp[0] if self.cfg.mtp_share else self.mtp[k - 1]
+        return block(h_prev, self.embed(next_tokens), cos, sin, segment_ids, positions=positions, cache=cache,
+                     write_positions=write_positions)
+
     def __call__(self, tokens, positions=None, segment_ids=None, *, indexer_loss=None, mtp: bool = False,
-                 return_hidden: bool = False, monitor_logits: bool = False) -> dict[str, Any]:
+                 return_hidden: bool = False, monitor_logits: bool = False, cache=None, write_positions=None,
+                 logits: bool = True) -> dict[str, Any]:
         """tokens [B, T] int -> {"logits": [B, T, V] float32, "mtp_logits": [depth, B, T, V] if mtp,
-        "hidden": [B, T, D] final-normed if return_hidden}.
+        "hidden": [B, T, D] final-normed and "trunk": [B, T, D] before the final norm if return_hidden,
+        "cache": the updated layer caches if cache}.
 
         positions [B, T] default arange (restart them per document when packing); segment_ids [B, T]
         keep attention inside documents; indexer_loss in (None, "dense", "sparse") sows indexer KL;
-        monitor_logits sows each main layer's max |q.k|*scale as intermediates/layer_i/attn/max_attn_logit.
+        monitor_logits sows each layer's max |q.k|*scale as intermediates/<stack>/layer_j/attn/max_attn_logit.
+        cache: {stack name: {"layer_j": buffers [repeats, B, S, ...]}} (glm5_jax.infer.cache.init_cache's
+        "layers"); this call's keys are written at write_positions (default positions; < 0 = not written)
+        and a query at position p attends the cache slots 0..p. logits=False skips the head.
         """
         c = self.cfg
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        rope_dim = c.qk_rope_head_dim if c.is_mla else c.head_dim
-        cos, sin = rope_angles(positions, rope_dim, c.rope_theta, c.rope_scaling_dict or None)
+        cos, sin = self.rope(positions)
         x = constrain(self.embed(tokens), ACT)
         indices = None
-        for layer in self.layers:
-            x, new_indices = layer(x, cos, sin, segment_ids, indices, indexer_loss, monitor_logits)
-            indices = new_indices if new_indices is not None else indices
+        if c.attention == "dsa":
+            size = None if cache is None else next(iter(next(iter(cache.values())).values()))["latent"].shape[2]
+            indices = jnp.full((b, t, num_indices(c, size)), -1, jnp.int32)
+        new_cache = {} if cache is not None else None
+        for stack, mod in zip(c.layer_stacks, self.stacks):
+            (x, indices), sc = mod((x, indices), None if cache is None else cache[stack.name], cos, sin,
+                                   segment_ids, positions, write_positions, indexer_loss, monitor_logits)
+            if new_cache is not None:
+                new_cache[stack.name] = sc
         hidden = self.final_norm(x)
-        out = {"logits": self.head(hidden)}
+        out = {"logits": self.head(hidden)} if logits else {}
         if return_hidden:
-            out["hidden"] = hidden
+            out["hidden"], out["trunk"] = hidden, x
+        if new_cache is not None:
+            out["cache"] = new_cache
         if mtp and c.mtp_depth:
             h, mtp_logits = x, []
             for k in range(1, c.mtp_depth + 1):
-                block = self.mtp[0] if c.mtp_share else self.mtp[k - 1]
-                emb = self.embed(shift_left(tokens, k))
-                h, hn = block(h, emb, cos, sin, segment_ids)
+                h, hn, _ = self.mtp_depth(k, h, shift_left(tokens, k), positions, segment_ids)
                 mtp_logits.append(self.head(hn))
             out["mtp_logits"] = jnp.stack(mtp_logits)
         return out
@@ -154,3 +235,32 @@ def abstract_params(config: ModelConfig, seq_len: int = 8):
 def forward(config: ModelConfig, params, tokens, positions=None, segment_ids=None):
     """Main-head logits [B, T, vocab] float32 of `tokens` [B, T]."""
     return GLM5(config).apply({"params": params}, jnp.asarray(tokens), positions, segment_ids)["logits"]
+
+
+def per_layer(config: ModelConfig, tree, name: str) -> dict[int, Any]:
+    """{global layer index: value} of the leaves called `name` in a stacked tree (params or sown
+    intermediates, e.g. "max_attn_logit", "expert_load"): undoes the stacks' leading layer axis."""
+    out = {}
+    for stack in config.layer_stacks:
+        sub = tree.get(stack.name, {})
+        for j in range(stack.period):
+            leaf = _find(sub.get(f"layer_{j}", {}), name)
+            if leaf is None:
+                continue
+            if isinstance(leaf, tuple):           # flax sow keeps a tuple of sown values
+                leaf = leaf[0] if len(leaf) == 1 else jnp.stack(leaf, axis=1).sum(axis=1)
+            for r in range(stack.repeats):
+                out[stack.layer_index(r, j)] = leaf[r]
+    return out
+
+
+def _find(tree, name):
+    if not isinstance(tree, dict):
+        return None
+    if name in tree:
+        return tree[name]
+    for v in tree.values():
+        hit = _find(v, name)
+        if hit is not None:
+            return hit
+    return None

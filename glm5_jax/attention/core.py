@@ -36,3 +36,36 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
         return one_chunk(0)
     out = jax.lax.map(one_chunk, jnp.arange(t // tc))
     return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+
+
+# ----------------------------------------------------------------------------- attention over a cache
+def write_cache(buf, wpos, new):
+    """buf [B, S, ...] with new [B, T, ...] written at slots wpos [B, T]; wpos < 0 or >= S is dropped."""
+    s = buf.shape[1]
+    wpos = jnp.where(wpos < 0, s, wpos)
+    rows = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[rows, wpos].set(new.astype(buf.dtype), mode="drop")
+
+
+def visible_slots(positions, size: int):
+    """[B, T, S] bool: cache slot s is visible from a query at position p iff s <= p (slot == position)."""
+    return jnp.arange(size)[None, None, :] <= positions[..., None]
+
+
+def masked_softmax(logits, mask):
+    """Softmax over the last axis where mask; a row with no visible entry gives zeros, never NaN."""
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    d = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(d == 0, 1.0, d)
+
+
+def cached_attention(q, k, v, positions, *, scale: float):
+    """q [B, T, H, D] over a K/V cache k [B, S, Hk, D], v [B, S, Hk, Dv] -> [B, T, H, Dv]; the query
+    at position p sees the slots 0..p."""
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    logits = jnp.einsum("btkgd,bskd->btkgs", q.reshape(b, t, hk, h // hk, d), k).astype(jnp.float32)
+    probs = masked_softmax(logits * scale, visible_slots(positions, k.shape[1])[:, :, None, None, :])
+    return jnp.einsum("btkgs,bskd->btkgd", probs.astype(v.dtype), v).reshape(b, t, h, v.shape[-1])

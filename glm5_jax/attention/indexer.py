@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.attention.core import visible_slots
 from glm5_jax.layers.common import Dense, LayerNorm, dtype_of
 from glm5_jax.layers.rope import apply_rope
 from pallas_kernels import reference as ref
@@ -45,6 +46,16 @@ def select_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: str
             raise ValueError("attention_impl='pallas' does not take packed segment_ids; use 'xla' for packed batches")
         return dsa.indexer_topk(q_idx, k_idx, weights, topk)
     return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk)
+
+
+def select_topk_cached(q_idx, k_cache, weights, topk: int, positions):
+    """Exact top-k over an indexer-key cache k_cache [B, S, Di] for queries at positions [B, T]
+    (slots 0..p visible) -> int32 [B, T, min(topk, S)], -1 where fewer keys are visible; ties go to the
+    lower slot, as in training."""
+    scores = jnp.where(visible_slots(positions, k_cache.shape[1]), ref.index_scores(q_idx, k_cache, weights),
+                       -jnp.inf)
+    vals, idx = jax.lax.top_k(scores, min(topk, k_cache.shape[1]))
+    return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32)
 
 
 def _kl(p, log_q, valid):

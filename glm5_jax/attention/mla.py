@@ -10,8 +10,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.attention.core import causal_attention
-from glm5_jax.attention.indexer import Indexer, indexer_kl_dense, indexer_kl_sparse, select_topk
+from glm5_jax.attention.core import causal_attention, masked_softmax, visible_slots, write_cache
+from glm5_jax.attention.indexer import (Indexer, indexer_kl_dense, indexer_kl_sparse, select_topk,
+                                        select_topk_cached)
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope
 from glm5_jax.optim.monitor import max_attention_logit
@@ -31,8 +32,13 @@ class MLAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, indexer_loss=None,
-                 monitor_logits: bool = False):
-        """x [B, T, D] -> (out [B, T, D], top-k indices [B, T, K] or None)."""
+                 monitor_logits: bool = False, *, positions=None, cache=None, write_positions=None):
+        """x [B, T, D] -> (out [B, T, D], top-k indices [B, T, K] or None, new cache or None).
+
+        With `cache` ({"latent" [B, S, kv_lora], "k_rope" [B, S, dr], + "k_idx" [B, S, Di] on full
+        indexer layers}) this call's latent / rope key / indexer key are written at write_positions
+        (default positions) and attention runs in the absorbed form over the cache.
+        """
         c = self.cfg
         b, t, d = x.shape
         h, dn, dr, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -42,16 +48,22 @@ class MLAttention(nn.Module):
         q_latent = norm("q_a_norm")(Dense(c.q_lora_rank, ("embed", "q_lora"), name="q_a_proj", **kw)(x))
         q = Dense(h * (dn + dr), ("q_lora", "heads"), name="q_b_proj", **kw)(q_latent).reshape(b, t, h, dn + dr)
         q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], cos, sin)], axis=-1)
+        q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
 
         kv = Dense(c.kv_lora_rank + dr, ("embed", "kv_lora"), name="kv_a_proj", **kw)(x)
         latent = norm("kv_a_norm")(kv[..., :c.kv_lora_rank])
         k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin)                       # [B, T, dr]
-        kvb = Dense(h * (dn + dv), ("kv_lora", "heads"), name="kv_b_proj", **kw)(latent).reshape(b, t, h, dn + dv)
+        kv_b = Dense(h * (dn + dv), ("kv_lora", "heads"), name="kv_b_proj", **kw)
+        o_proj = Dense(d, ("heads", "embed"), name="o_proj", **kw)
+        scale = (dn + dr) ** -0.5
+        if cache is not None:
+            return self._cached(x, q, q_latent, latent, k_rope, kv_b, o_proj, cos, sin, prev_indices, positions,
+                                positions if write_positions is None else write_positions, cache, scale)
+
+        kvb = kv_b(latent).reshape(b, t, h, dn + dv)
         k = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, dr))], axis=-1)
         v = kvb[..., dn:]
-        q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
         k = constrain(k, ("activation_batch", "activation_seq", "activation_heads", None))
-        scale = (dn + dr) ** -0.5
         if monitor_logits:   # dense max |q.k| * scale over visible keys (also for DSA: not only the top-k)
             self.sow("intermediates", "max_attn_logit",
                      max_attention_logit(q, k, scale, causal=True, q_segment_ids=segment_ids,
@@ -76,13 +88,66 @@ class MLAttention(nn.Module):
                                        q_idx, k_idx, w, indices, chunk=c.attn_chunk)
                 self.sow("intermediates", "indexer_kl", kl)
         elif self.indexer_type == "shared":
-            if prev_indices is None:
-                raise ValueError("a 'shared' indexer layer needs the top-k indices of a previous 'full' layer")
-            indices = prev_indices
+            indices = self._shared(prev_indices)
 
         if indices is None or indexer_loss == "dense":
             out = causal_attention(q, k, v, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk)
         else:
             out = sparse_attention(q, k, v, indices, scale=scale, impl=c.attention_impl, chunk=min(c.attn_chunk, 16))
-        out = Dense(d, ("heads", "embed"), name="o_proj", **kw)(out.reshape(b, t, h * dv))
-        return out, indices
+        return o_proj(out.reshape(b, t, h * dv)), indices, None
+
+    @staticmethod
+    def _shared(prev_indices):
+        if prev_indices is None:
+            raise ValueError("a 'shared' indexer layer needs the top-k indices of a previous 'full' layer")
+        return prev_indices
+
+    def _cached(self, x, q, q_latent, latent, k_rope, kv_b, o_proj, cos, sin, prev_indices, positions, wpos,
+                cache, scale):
+        """Absorbed MLA over the latent cache. With kv_b = [W_UK | W_UV] per head,
+        q_nope . k_nope = (q_nope W_UK^T) . latent and sum_s p_s v_s = (sum_s p_s latent_s) W_UV,
+        so attention runs over the (kv_lora + qk_rope)-wide cache and K/V are never expanded."""
+        c = self.cfg
+        b, t = x.shape[:2]
+        dn = c.qk_nope_head_dim
+        if positions is None:
+            raise ValueError("attention over a cache needs explicit positions [B, T]")
+        cache = dict(cache, latent=write_cache(cache["latent"], wpos, latent),
+                     k_rope=write_cache(cache["k_rope"], wpos, k_rope))
+        indices = None
+        if self.indexer_type == "full":
+            q_idx, k_idx, w = Indexer(c, name="indexer")(x, q_latent, cos, sin)
+            cache = dict(cache, k_idx=write_cache(cache["k_idx"], wpos, k_idx))
+            indices = select_topk_cached(q_idx, cache["k_idx"], w, c.index_topk, positions)
+        elif self.indexer_type == "shared":
+            indices = self._shared(prev_indices)
+        w = nn.unbox(kv_b.variables["params"]["kernel"]).reshape(c.kv_lora_rank, c.num_heads, dn + c.v_head_dim)
+        out = absorbed_attention(q[..., :dn], q[..., dn:], cache["latent"], cache["k_rope"], w[..., :dn],
+                                 w[..., dn:], scale, positions=positions, indices=indices)
+        return o_proj(out.reshape(b, t, -1)), indices, cache
+
+
+def absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, positions=None, indices=None):
+    """Absorbed MLA attention over a latent cache.
+
+    q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], w_uk [r,H,dn], w_uv [r,H,dv];
+    either positions [B,T] (dense: the query at p sees slots 0..p) or indices [B,T,K] (-1 = none; DSA:
+    only the selected slots are gathered) -> [B,T,H,dv].
+    """
+    dt = latent.dtype
+    q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk.astype(q_nope.dtype)).astype(dt)
+    if indices is None:
+        logits = (jnp.einsum("bthr,bsr->bths", q_lat, latent).astype(jnp.float32)
+                  + jnp.einsum("bthd,bsd->bths", q_rope.astype(dt), k_rope).astype(jnp.float32))
+        probs = masked_softmax(logits * scale, visible_slots(positions, latent.shape[1])[:, :, None, :]).astype(dt)
+        o_lat = jnp.einsum("bths,bsr->bthr", probs, latent)
+    else:
+        valid = indices >= 0
+        safe = jnp.where(valid, indices, 0)
+        gather = jax.vmap(lambda buf, i: buf[i])             # [S, d], [T, K] -> [T, K, d]
+        lat_g, kr_g = gather(latent, safe), gather(k_rope, safe)
+        logits = (jnp.einsum("bthr,btkr->bthk", q_lat, lat_g).astype(jnp.float32)
+                  + jnp.einsum("bthd,btkd->bthk", q_rope.astype(dt), kr_g).astype(jnp.float32))
+        probs = masked_softmax(logits * scale, valid[:, :, None, :]).astype(dt)
+        o_lat = jnp.einsum("bthk,btkr->bthr", probs, lat_g)
+    return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(dt))

@@ -1,8 +1,7 @@
 """Cached autoregressive generation: prefill and decode as separate jitted programs.
 
-The decode path is a plain-function re-implementation of the GLM-5 decoder that reads the same
-parameter tree as `glm5_jax.model.GLM5` (norms, MLP/MoE and the head reuse the Flax modules;
-attention runs over the caches of `cache.py`).
+Prefill and decode run the model's own modules (`GLM5.__call__` with a cache, `GLM5.mtp_depth`);
+this module holds only the cache bookkeeping, the decode loop and sampling.
 
 Batching: prompts are RIGHT-padded (pad id 0) to the longest prompt P. Row b's tokens sit at
 positions 0..len_b-1 and cache slot == position, so each row's RoPE phases, visible keys and DSA
@@ -27,10 +26,6 @@ import numpy as np
 
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer import sampling
-from glm5_jax.layers.common import dtype_of
-from glm5_jax.layers.mlp import SwiGLU
-from glm5_jax.layers.moe import MoE
-from glm5_jax.layers.rope import rope_angles
 from glm5_jax.model import GLM5
 
 PAD_ID = 0
@@ -46,70 +41,31 @@ class GenerateResult:
 
 
 # ----------------------------------------------------------------------------- model pieces
-def embed(config, params, tokens):
-    return GLM5(config).apply({"params": params}, tokens, method=lambda m, t: m.embed(t))
+def _apply(config, params, *args, **kw):
+    return GLM5(config).apply({"params": params}, *args, **kw)
 
 
 def head(config, params, normed):
     """Final-normed hidden [.., D] -> float32 logits (lm_head or tied embedding)."""
-    return GLM5(config).apply({"params": params}, normed, method=lambda m, h: m.head(h))
+    return _apply(config, params, normed, method=GLM5.head)
 
 
 def final_norm(config, params, x):
-    return kv.rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
-
-
-def rope(config, pos):
-    dim = config.qk_rope_head_dim if config.is_mla else config.head_dim
-    return rope_angles(pos, dim, config.rope_theta, config.rope_scaling_dict or None)
-
-
-def decoder_layer(config, p, x, cos, sin, pos, wpos, lc, moe: bool, indexer_type, prev_indices):
-    c = config
-    dt, pdt = dtype_of(c.dtype), dtype_of(c.param_dtype)
-    h = kv.rms_norm(x, p["input_norm"]["scale"], c.rms_norm_eps)
-    if c.is_mla:
-        a, lc, idx = kv.mla_attention(c, p["attn"], h, cos, sin, pos, wpos, lc, indexer_type, prev_indices)
-    else:
-        (a, lc), idx = kv.gqa_attention(c, p["attn"], h, cos, sin, pos, wpos, lc), None
-    x = x + a
-    h = kv.rms_norm(x, p["post_attn_norm"]["scale"], c.rms_norm_eps)
-    if moe:
-        mod = MoE(c.num_experts, c.experts_per_tok, c.moe_ffn_dim, c.num_shared_experts, c.n_group,
-                  c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, c.moe_impl,
-                  c.initializer_range, dt, pdt)
-        m = mod.apply({"params": p["moe"]}, h)
-    else:
-        m = SwiGLU(c.ffn_dim, c.initializer_range, dt, pdt).apply({"params": p["mlp"]}, h)
-    return x + m, lc, idx
+    return _apply(config, params, x, method=lambda m, h: m.final_norm(h))
 
 
 def model_step(config, params, layer_caches, tokens, pos, wpos=None):
     """Main trunk over new tokens [B, T] at positions pos [B, T] (written to slots wpos, default pos).
     Returns (pre-final-norm hidden [B, T, D], new layer caches)."""
-    c = config
-    wpos = pos if wpos is None else wpos
-    cos, sin = rope(c, pos)
-    x = embed(c, params, tokens)
-    types = c.layer_indexer_types
-    indices, new = None, []
-    for i in range(c.num_layers):
-        x, lc, ni = decoder_layer(c, params[f"layer_{i}"], x, cos, sin, pos, wpos, layer_caches[i],
-                                  c.is_moe_layer(i), types[i] if types else None, indices)
-        indices = ni if ni is not None else indices
-        new.append(lc)
-    return x, new
+    out = _apply(config, params, tokens, pos, cache=layer_caches, write_positions=wpos, return_hidden=True,
+                 logits=False)
+    return out["trunk"], out["cache"]
 
 
-def mtp_block(config, p, h_prev, emb, cos, sin, pos, wpos, lc):
-    """One MTP depth (GLM5 MTPBlock): -> (h [B,T,D], final-normed h, new cache)."""
-    c = config
-    e = kv.rms_norm(emb, p["enorm"]["scale"], c.rms_norm_eps)
-    hp = kv.rms_norm(h_prev, p["hnorm"]["scale"], c.rms_norm_eps)
-    h = kv.dense(jnp.concatenate([e, hp], axis=-1), p["eh_proj"]["kernel"], dtype_of(c.dtype))
-    h, lc, _ = decoder_layer(c, p["layer"], h, cos, sin, pos, wpos, lc, c.num_experts > 0,
-                             "full" if c.attention == "dsa" else None, None)
-    return h, kv.rms_norm(h, p["final_norm"]["scale"], c.rms_norm_eps), lc
+def mtp_block(config, params, k, h_prev, next_tokens, pos, wpos, lc):
+    """MTP depth k over positions pos: -> (h [B,T,D], final-normed h, new cache)."""
+    return _apply(config, params, k, h_prev, next_tokens, pos, cache=lc, write_positions=wpos,
+                  method=GLM5.mtp_depth)
 
 
 # ----------------------------------------------------------------------------- jitted programs

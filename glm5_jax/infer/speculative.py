@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.infer import cache as kv
-from glm5_jax.infer.decode import (PAD_ID, GenerateResult, _reasons, embed, final_norm, head, model_step,
-                                   mtp_block, prefill, prepare_prompts, resolve_max_len, rope, stop_array)
+from glm5_jax.infer.decode import (PAD_ID, GenerateResult, _reasons, final_norm, head, model_step, mtp_block,
+                                   prefill, prepare_prompts, resolve_max_len, stop_array)
+from glm5_jax.layers.common import dtype_of
 
 
 @dataclasses.dataclass
@@ -38,10 +39,6 @@ class SpeculativeResult(GenerateResult):
     acceptance_length: float = 0.0   # mean 1 + accepted drafts per (row, verification step)
     verify_steps: int = 0            # verification passes (rounds)
     tokens_per_s: float = 0.0        # generated tokens / wall time after prefill
-
-
-def _mtp_params(config, params, k: int):
-    return params["mtp_0"] if config.mtp_share else params[f"mtp_{k - 1}"]
 
 
 def mtp_pass(config, n: int, params, mtp_caches, hbuf, seq, win_pos, wpos, e):
@@ -55,7 +52,6 @@ def mtp_pass(config, n: int, params, mtp_caches, hbuf, seq, win_pos, wpos, e):
     c = config
     b, w = win_pos.shape
     qpos = jnp.maximum(win_pos, 0)
-    cos, sin = rope(c, qpos)
     h = jnp.take_along_axis(hbuf, qpos[..., None], axis=1)
     col = jnp.clip(e - win_pos[:, 0], 0, w - 1)                 # window column holding position e
     drafts = jnp.zeros((b, n), jnp.int32)
@@ -66,8 +62,7 @@ def mtp_pass(config, n: int, params, mtp_caches, hbuf, seq, win_pos, wpos, e):
         t_seq = jnp.take_along_axis(seq, jnp.clip(tp, 0, seq.shape[1] - 1), axis=1)
         t_draft = jnp.take_along_axis(drafts, jnp.clip(tp - e[:, None] - 2, 0, n - 1), axis=1)
         tok = jnp.where(from_seq, t_seq, t_draft)
-        h, hn, lc = mtp_block(c, _mtp_params(c, params, k), h, embed(c, params, tok), cos, sin, qpos, wpos,
-                              mtp_caches[k - 1])
+        h, hn, lc = mtp_block(c, params, k, h, tok, qpos, wpos, mtp_caches[k - 1])
         logits = head(c, params, hn[jnp.arange(b), col])
         drafts = drafts.at[:, k - 1].set(jnp.argmax(logits, axis=-1).astype(jnp.int32))
         caches.append(lc)
@@ -165,7 +160,7 @@ def speculative_generate(config, params, prompts, *, max_new_tokens: int, num_dr
     tokens, lens = prepare_prompts(config, prompts)
     size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len) + num_draft + 1
     b, n, n_new = tokens.shape[0], num_draft, int(max_new_tokens)
-    dt = kv.dtype_of(config.dtype)
+    dt = dtype_of(config.dtype)
     cache = kv.init_cache(config, b, size, mtp_depths=n)
     hbuf = jnp.zeros((b, size, config.d_model), dt)
     seq = jnp.zeros((b, size + 1), jnp.int32)
