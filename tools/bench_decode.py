@@ -82,7 +82,8 @@ def python_loop(cfg, params, prompt, n_new):
 def perfect_drafter(cfg, params):
     """Zero every attention/MLP/MoE output (trunk = embed -> head) and set eh_proj = [I; 0]."""
     p = jax.tree_util.tree_map(lambda x: x, params)
-    blocks = [p[f"layer_{i}"] for i in range(cfg.num_layers)] + [p["mtp_0"]["layer"]]
+    # stacked sub-layers ([repeats, ...] leaves) and the MTP layer: zeros_like covers every repeat
+    blocks = [p[s.name][f"layer_{j}"] for s in cfg.layer_stacks for j in range(s.period)] + [p["mtp_0"]["layer"]]
     for blk in blocks:
         blk["attn"]["o_proj"]["kernel"] = jnp.zeros_like(blk["attn"]["o_proj"]["kernel"])
         if "mlp" in blk:
