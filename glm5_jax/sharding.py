@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import abstract_params
+from glm5_jax.parallel.ep import BATCH_AXES   # the batch dim is split over all three (activation_batch)
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -126,12 +127,28 @@ def shard_params(params, shardings):
     return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, s), params, shardings)
 
 
+
+
+def single_device_mesh() -> Mesh:
+    """The trivial mesh (every axis 1) on the first device: one device runs the same sharded program."""
+    return make_mesh(None, jax.devices()[:1])
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules=LOGICAL_RULES):
-    """Activate `mesh` and the logical rules so activation constraints apply inside jit."""
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh, nn.logical_axis_rules(rules):
+    """Activate `mesh` and the logical rules so activation constraints apply inside jit.
+
+    `jax.set_mesh` (not `with mesh:`): flax's with_logical_constraint reads the *abstract* mesh
+    (jax.sharding.get_abstract_mesh), which only set_mesh sets; under the legacy `with mesh:` context
+    every constraint silently became a no-op (tests/test_step_sharding.py guards this).
+    """
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield
 
 
+def batch_spec() -> P:
+    return P(BATCH_AXES)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(("data", "fsdp", "expert")))
+    return NamedSharding(mesh, batch_spec())

@@ -13,10 +13,11 @@ from flax import traverse_util
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import init_params
-from glm5_jax.rl.program import RLConfig, make_rl_optimizer, make_update_step, token_logprobs
+from glm5_jax.rl.program import RLConfig, make_rl_optimizer, make_update_step, rl_train_config, token_logprobs
 from glm5_jax.rl.rollout import Rollout, build_batch, collect_rollouts, fake_quant, rollout_params
 from glm5_jax.rl.sft import CharVocab, SFTIterator, pack_examples
 from glm5_jax.rl.tasks import arithmetic_task
+from glm5_jax.train.state import init_train_state
 
 VOCAB = CharVocab()
 MAX_NEW, MAX_PROMPT = 6, 8
@@ -138,16 +139,18 @@ def test_update_raises_positive_advantage_logprob_and_freezes_indexer(setup, los
     frozen = [k for k, v in traverse_util.flatten_dict(labels).items() if v == "frozen"]
     assert frozen and all(any("indexer" in str(p) for p in k) for k in frozen)
     step = make_update_step(cfg, rl, tx)
-    p, st = params, tx.init(params)
+    state, _ = init_train_state(cfg, rl_train_config(rl), tx=tx, params=params)
     before = _masked_seq_mean(np.asarray(batch["old_logp"]), np.asarray(batch["mask"]))
     for _ in range(2):
-        p, st, metrics = step(p, st, batch)
+        state, metrics = step(state, batch)
+    p = state["params"]
     after = _masked_seq_mean(np.asarray(token_logprobs(cfg, p, batch["inputs"], batch["targets"])),
                              np.asarray(batch["mask"]))
     pos = adv > 0
     assert after[pos].mean() > before[pos].mean() + 1e-3
     assert after[~pos].mean() < before[~pos].mean()
     assert float(metrics["pop_frac"]) == 0.0 and np.isfinite(float(metrics["loss"]))
+    assert {"clip_frac", "mismatch_kl", "grad_norm", "update_norm"} <= set(metrics)
     flat0, flat1 = traverse_util.flatten_dict(params), traverse_util.flatten_dict(p)
     idx_keys = [k for k in flat0 if any("indexer" in str(x) for x in k)]
     assert idx_keys
@@ -168,10 +171,11 @@ def test_sgd_update_with_frozen_embedding_and_informative_norm(setup):
                   adv_norm="informative", frozen_patterns=("indexer", "embed"))
     tx, _ = make_rl_optimizer(params, rl)
     step = make_update_step(cfg, rl, tx)
-    p, st = params, tx.init(params)
+    state, _ = init_train_state(cfg, rl_train_config(rl), tx=tx, params=params)
     before = _masked_seq_mean(np.asarray(batch["old_logp"]), np.asarray(batch["mask"]))
     for _ in range(2):
-        p, st, _ = step(p, st, batch)
+        state, _ = step(state, batch)
+    p = state["params"]
     after = _masked_seq_mean(np.asarray(token_logprobs(cfg, p, batch["inputs"], batch["targets"])),
                              np.asarray(batch["mask"]))
     assert after[adv > 0].mean() > before[adv > 0].mean()

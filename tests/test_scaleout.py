@@ -26,7 +26,9 @@ COMMON = """
     import time, jax, jax.numpy as jnp, numpy as np
     from glm5_jax.config import ModelConfig
     from glm5_jax.train import TrainConfig
-    from glm5_jax.parallel import state as st
+    from flax import traverse_util
+    from glm5_jax.train.state import abstract_state, init_train_state, state_shardings
+    from glm5_jax.train.step import make_train_step
     from glm5_jax import sharding
     from glm5_jax.model import init_params
     assert len(jax.devices()) == 8
@@ -42,14 +44,20 @@ COMMON = """
                         "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1)),
                         "segment_ids": np.ones((8, 16), np.int32), "loss_mask": np.ones((8, 16), np.float32)})
 
+    def leaf_spec(tree, name):
+        """The mesh axes of each dim of the leaf called `name` (layout-agnostic: stacked or not)."""
+        a = next(v for k, v in traverse_util.flatten_dict(tree).items() if k[-1] == name)
+        spec = tuple(a.sharding.spec)
+        return spec + (None,) * (a.ndim - len(spec))
+
     def trajectory(c, spec, n_dev=8):
         mesh = sharding.make_mesh(spec, jax.devices()[:n_dev])
         sharding.check_model_fits_mesh(c, sharding.parse_mesh_spec(spec), tc.batch_size)
-        state, tx = st.init_sharded_state(c, tc, mesh, params=params)
-        step = st.make_sharded_train_step(c, tc, tx, mesh)
+        state, tx = init_train_state(c, tc, mesh, params=params)
+        step = make_train_step(c, tc, tx, mesh)
         out = []
         for b in batches:
-            state, m = step(state, b)
+            state, m = step(state, jax.device_put(b, step.batch_sharding))
             out.append({k: float(v) for k, v in m.items()})
         return out, state
 """
@@ -62,15 +70,14 @@ def test_sharded_train_steps_match_single_device():
     assert np.all(np.isfinite(want)) and want[-1] != want[0]
     # the a2a (shard_map) dispatch, dropless, on the fsdp x expert mesh
     cases = [(cfg, "data:2,expert:4"), (cfg.replace(moe_impl="a2a", moe_capacity_factor=0.0), "fsdp:2,expert:4"),
-             (cfg, "tensor:2,expert:4")]
+             (cfg, "tensor:2,expert:4"), (cfg, "data:2,fsdp:2,expert:2")]
     for c, spec in cases:
         t0 = time.time()
         got, state = trajectory(c, spec)
         loss = np.array([m["loss"] for m in got])
         rel = float(np.max(np.abs(loss - want) / np.abs(want)))
         assert rel <= 1e-5, (c.moe_impl, spec, loss, want)
-        gp = state["params"]["layer_0"]["moe"]["experts"]["gate_proj"]
-        assert gp.sharding.spec[0] == "expert", gp.sharding.spec
+        assert leaf_spec(state["params"], "gate_proj")[-3] == "expert"        # [..., E, D, F]
         if c.moe_impl == "a2a":
             assert all(m["moe_dropped_fraction"] == 0.0 for m in got), got   # dropless
         print(c.moe_impl, spec, "rel", rel, f"{time.time() - t0:.1f}s")
@@ -118,21 +125,20 @@ def test_a2a_capacity_drops_tokens_and_reports_fraction():
 
 def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
     out = run8(COMMON + f"""
-    from glm5_jax.parallel import checkpoint as pc
     from glm5_jax.train.checkpoint import Checkpointer
     mesh0 = sharding.make_mesh("fsdp:2,expert:4")               # the (2, 4) mesh
-    state, _ = st.init_sharded_state(cfg, tc, mesh0, params=params)
+    state, _ = init_train_state(cfg, tc, mesh0, params=params)
     # non-trivial optimizer moments (mu, nu) and step, keeping every leaf's sharding
     state = jax.tree_util.tree_map(lambda a: a * 0.5 + 0.25 if a.dtype == jnp.float32 else a, state)
     state["step"] = state["step"] + 5
-    assert state["params"]["layer_0"]["moe"]["experts"]["gate_proj"].sharding.spec[:2] == ("expert", "fsdp")
+    assert leaf_spec(state["params"], "gate_proj")[-3:-1] == ("expert", "fsdp")
     host = jax.tree_util.tree_map(np.asarray, state)
     ck = Checkpointer({str(tmp_path / 'ck')!r}, keep=3)
-    pc.save(ck, 5, state); ck.wait()
+    ck.save(5, state); ck.wait()
     for spec, n_dev in [("fsdp:4,expert:2", 8), ("data:1", 1)]:
         mesh = sharding.make_mesh(spec, jax.devices()[:n_dev])
-        restored, _ = pc.restore_on_mesh(ck, 5, cfg, tc, mesh)
-        want_sh = st.state_shardings(cfg, tc, mesh)
+        restored, _ = ck.restore(5, abstract_state(cfg, tc, mesh)[0])
+        want_sh = state_shardings(cfg, tc, mesh)
         for (path, a), b, s in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
                                    jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(want_sh)):
             assert a.sharding.is_equivalent_to(s, a.ndim), (path, a.sharding, s)
@@ -141,8 +147,8 @@ def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
     # async: save() returns while the write is still running
     big = {{"w": jax.device_put(jnp.ones((8, 2048, 1024), jnp.float32),
                                jax.sharding.NamedSharding(sharding.make_mesh("fsdp:8"), jax.sharding.PartitionSpec("fsdp")))}}
-    t0 = time.perf_counter(); pc.save(ck, 6, big); t_ret = time.perf_counter() - t0
-    busy = pc.is_saving(ck)
+    t0 = time.perf_counter(); ck.save(6, big); t_ret = time.perf_counter() - t0
+    busy = ck.is_saving()
     ck.wait(); t_all = time.perf_counter() - t0
     print(f"async save: save() returned after {{t_ret:.3f}}s, write finished after {{t_all:.3f}}s, busy={{busy}}")
     assert busy or t_ret < 0.5 * t_all, (t_ret, t_all)

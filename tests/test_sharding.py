@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
+    from flax import traverse_util
     from glm5_jax.config import ModelConfig
     from glm5_jax import model, sharding
     assert len(jax.devices()) == 8
@@ -22,8 +23,9 @@ SCRIPT = textwrap.dedent("""
     for spec in ["data:2,expert:4", "expert:8", "fsdp:2,expert:2,tensor:2"]:
         mesh = sharding.make_mesh(spec)
         ps = sharding.shard_params(params, sharding.param_shardings(cfg, mesh))
-        spec_e = ps["layer_1"]["moe"]["experts"]["gate_proj"].sharding.spec
-        assert spec_e[0] == "expert", spec_e
+        gp = next(v for k, v in traverse_util.flatten_dict(ps).items() if k[-1] == "gate_proj")
+        spec_e = tuple(gp.sharding.spec) + (None,) * (gp.ndim - len(gp.sharding.spec))
+        assert spec_e[-3] == "expert", spec_e                 # [..., experts, embed, expert_mlp]
         with sharding.use_mesh(mesh):
             got = np.asarray(fwd(ps, jax.device_put(tok, sharding.batch_sharding(mesh))))
         err = float(np.abs(got - want).max())

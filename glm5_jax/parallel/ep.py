@@ -84,16 +84,10 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
 
 
 def _context_mesh():
-    """The mesh set by glm5_jax.sharding.use_mesh: jax.set_mesh/use_mesh's abstract mesh, or the legacy
-    `with mesh:` context (what use_mesh enters on jax versions without jax.sharding.use_mesh)."""
+    """The mesh activated by glm5_jax.sharding.use_mesh (jax.set_mesh), as the abstract mesh jit traces
+    under; None without one or when it lacks the batch axes (then the MoE runs on one device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        try:
-            from jax._src.mesh import thread_resources
-            mesh = thread_resources.env.physical_mesh
-        except ImportError:          # pragma: no cover - moved in a future jax
-            mesh = None
-    if mesh is None or mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
         return None
     return mesh
 

@@ -9,9 +9,9 @@ One RL step (``run_grpo``):
 3. GRPO group advantages (``group_advantages``);
 4. the training engine recomputes the log-probs of the very same token ids under the rollout-time
    (float32) parameters: ``old_logp`` (jitted forward, ``token_logprobs``);
-5. the rollout batch is split into ``minibatches`` and each gets ONE jitted update step
-   ``(params, opt_state, batch) -> (params, opt_state, metrics)`` with the selected loss
-   (icepop | tis | none, ``glm5_jax.rl.losses``) and AdamW. The first minibatch is exactly on-policy
+5. the rollout batch is split into ``minibatches`` and each gets ONE update: the one train step
+   (``glm5_jax.train.step.make_train_step``, on a mesh) with the selected loss plugged in
+   (icepop | tis | none, ``glm5_jax.rl.losses``) and AdamW or SGD. The first minibatch is exactly on-policy
    (ratio 1); later ones are slightly off-policy, so the PPO clip can act.
 
 The DSA lightning indexer is frozen during RL: every leaf whose path contains "indexer" gets a zero
@@ -43,8 +43,12 @@ from glm5_jax.optim import make_optimizer, path_to_str
 from glm5_jax.rl.losses import get_loss, group_advantages
 from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
 from glm5_jax.rl.tasks import aggregate_statuses
+from glm5_jax.train.config import TrainConfig
+from glm5_jax.train.state import init_train_state
+from glm5_jax.train.step import make_train_step
 
-__all__ = ["RLConfig", "token_logprobs", "make_rl_optimizer", "make_update_step", "loss_kwargs",
+__all__ = ["RLConfig", "token_logprobs", "make_rl_optimizer", "make_rl_loss", "make_update_step", "rl_train_config",
+           "loss_kwargs",
            "evaluate_accuracy", "run_grpo"]
 
 
@@ -126,27 +130,38 @@ def make_rl_optimizer(params, rl: RLConfig):
     return tx, labels
 
 
-def make_update_step(config, rl: RLConfig, tx: optax.GradientTransformation):
-    """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+def make_rl_loss(config, rl: RLConfig):
+    """loss_fn(params, batch) -> (loss, (metrics, {})) for the step factory: the selected policy loss
+    (icepop | tis | none) on the training engine's log-probs of the rollout tokens. No expert loads
+    are reported, so the RL update leaves the MoE correction biases where SFT/pre-training put them.
 
     batch: inputs, targets, mask, old_logp, infer_logp [B, S]; advantages [B].
     """
-    loss_fn = functools.partial(get_loss(rl.loss), **loss_kwargs(rl))
+    policy_loss = functools.partial(get_loss(rl.loss), **loss_kwargs(rl))
 
-    def objective(params, batch):
+    def loss_fn(params, batch):
         logp = _token_logprobs(config, params, batch["inputs"], batch["targets"])
-        loss, metrics = loss_fn(logp, batch["old_logp"], batch["infer_logp"], batch["advantages"], batch["mask"])
-        return loss, metrics
+        loss, metrics = policy_loss(logp, batch["old_logp"], batch["infer_logp"], batch["advantages"], batch["mask"])
+        return loss, (dict(metrics, loss=loss), {})
 
-    def step(params, opt_state, batch):
-        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
-                       update_norm=optax.global_norm(updates))
-        return params, opt_state, metrics
+    return loss_fn
 
-    return jax.jit(step)
+
+def rl_train_config(rl: RLConfig) -> TrainConfig:
+    """The TrainConfig the RL update runs under (the step factory reads bias_update_rate and
+    trainable_pattern from it; the optimizer itself comes from make_rl_optimizer)."""
+    return TrainConfig(steps=max(rl.steps, 1), learning_rate=rl.learning_rate, weight_decay=rl.weight_decay,
+                       grad_clip=rl.grad_clip, warmup_steps=0, bias_update_rate=0.0, seed=rl.seed)
+
+
+def make_update_step(config, rl: RLConfig, tx: optax.GradientTransformation, mesh=None):
+    """The one train step (glm5_jax.train.step.make_train_step) with the RL loss plugged in:
+    ``(state, batch) -> (state, metrics)``, state = {"params", "opt_state", "step", "rng"}
+    (``init_train_state(config, rl_train_config(rl), mesh, tx=tx, params=params)``), donated.
+
+    metrics: the loss's (pop_frac, clip_frac, mismatch_kl, ...), loss, grad_norm, update_norm.
+    """
+    return make_train_step(config, rl_train_config(rl), tx, mesh, loss_fn=make_rl_loss(config, rl))
 
 
 def evaluate_accuracy(config, params, tasks: Sequence, vocab, *, max_new_tokens: int, greedy: bool = True,
@@ -169,18 +184,18 @@ def _mean_metrics(rows: list) -> dict:
 
 def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random], object], vocab, *,
              log: Callable[[str], None] = print, eval_fn: Optional[Callable[[object], dict]] = None,
-             eval_every: int = 0, metrics_path: Optional[str] = None, name: str = "grpo") -> dict:
+             eval_every: int = 0, metrics_path: Optional[str] = None, name: str = "grpo", mesh=None) -> dict:
     """GRPO for ``rl.steps`` steps from ``params``. ``sample_task(rng) -> Task`` draws training prompts.
 
     Returns {"params", "history": per-step rows, "evals": [{"step", ...eval_fn(params)}]}.
+    mesh: where the training state lives and the update runs (default: one device).
     Seeds: step s draws its prompts from ``Random(seed, s)`` and samples with PRNG seed
     ``seed * 100_003 + s``, so arms started from the same checkpoint with the same seed see the same
     prompts at every step.
     """
-    params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     tx, _ = make_rl_optimizer(params, rl)
-    opt_state = tx.init(params)
-    update = make_update_step(config, rl, tx)
+    state, _ = init_train_state(config, rl_train_config(rl), mesh, tx=tx, params=params)
+    update = make_update_step(config, rl, tx, mesh)
     history, evals = [], []
     mf = open(metrics_path, "w") if metrics_path else None
     t0 = time.time()
@@ -190,6 +205,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
         rng = random.Random(rl.seed * 1_000_003 + step)
         tasks = [sample_task(rng) for _ in range(rl.prompts_per_step)]
         t_roll = time.time()
+        params = state["params"]
         ro = collect_rollouts(config, params, tasks, vocab, group_size=rl.group_size,
                               max_new_tokens=rl.max_new_tokens, seed=rl.seed * 100_003 + step,
                               temperature=rl.temperature, mismatch=rl.mismatch)
@@ -201,14 +217,15 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             informative = np.repeat(~np.all(adv.reshape(-1, rl.group_size) == 0, axis=1), rl.group_size)
             adv_train = adv * (B / max(int(informative.sum()), 1))
         batch = build_batch(ro, adv_train, rl.max_prompt_len)
-        dev = {k: jnp.asarray(v) for k, v in batch.items()}
-        dev["old_logp"] = token_logprobs(config, params, dev["inputs"], dev["targets"])
+        batch["old_logp"] = np.asarray(token_logprobs(config, params, jnp.asarray(batch["inputs"]),
+                                                      jnp.asarray(batch["targets"])))
         t_upd = time.time()
         perm = np.random.default_rng(rl.seed * 7919 + step).permutation(B)
         rows = []
         for m in range(rl.minibatches):
-            idx = jnp.asarray(perm[m * mb:(m + 1) * mb])
-            params, opt_state, met = update(params, opt_state, {k: v[idx] for k, v in dev.items()})
+            idx = perm[m * mb:(m + 1) * mb]
+            minibatch = jax.device_put({k: v[idx] for k, v in batch.items()}, update.batch_sharding)
+            state, met = update(state, minibatch)
             rows.append(met)
         met = _mean_metrics(jax.device_get(rows))
         stat = ro.status_summary()
@@ -218,7 +235,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
                **{f"status_{k}": v for k, v in stat.items() if k.startswith("frac_")},
                "rollout_s": t_upd - t_roll, "update_s": time.time() - t_upd}
         if eval_fn is not None and eval_every and (step % eval_every == 0 or step == rl.steps):
-            ev = {"step": step, **eval_fn(params)}
+            ev = {"step": step, **eval_fn(state["params"])}
             evals.append(ev)
             row.update({f"eval_{k}": v for k, v in ev.items() if isinstance(v, (int, float)) and k != "step"})
         history.append(row)
@@ -231,4 +248,4 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
                 f"clip {row['clip_frac']:.4f} mismatch_kl {row['mismatch_kl']:.2e}{ev} ({time.time() - t0:.0f} s)")
     if mf:
         mf.close()
-    return {"params": params, "history": history, "evals": evals}
+    return {"params": state["params"], "history": history, "evals": evals}

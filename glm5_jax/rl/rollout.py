@@ -18,9 +18,9 @@ samples with, while training stays float32:
 * ``none``  identical parameters (infer_logp == old_logp up to kernel round-off);
 * ``bf16``  every floating leaf rounded to bfloat16 and back;
 * ``int8`` / ``int6`` / ``int5`` / ``int4``  symmetric per-output-channel fake quantisation (with that
-  many bits) of every matrix (kernels:
-  one scale per last-axis channel; embeddings: one scale per token row); vectors (norm scales,
-  biases) are kept.
+  many bits) of every matrix (kernels [..., in, out]: one scale per output channel of each matrix,
+  so every layer of a scanned stack and every expert has its own; embeddings: one scale per token
+  row); vectors (norm scales, biases) are kept.
 """
 
 from __future__ import annotations
@@ -40,12 +40,17 @@ from glm5_jax.rl.tasks import aggregate_statuses
 __all__ = ["MISMATCH_MODES", "fake_quant", "rollout_params", "Rollout", "collect_rollouts", "build_batch"]
 
 MISMATCH_MODES = ("none", "bf16", "int8", "int6", "int5", "int4")
+MATRIX_LEAVES = ("kernel", "embedding", "gate_proj", "up_proj", "down_proj")   # quantised by int* modes
 
 
 def fake_quant(x, bits: int, axis: int):
     """Symmetric fake quantisation with one scale per index of ``axis`` (max |x| over the others)."""
+    return _quantize(x, bits, tuple(i for i in range(x.ndim) if i != axis % x.ndim))
+
+
+def _quantize(x, bits: int, reduce: tuple):
+    """Symmetric fake quantisation, one scale per index of the axes not in ``reduce``."""
     qmax = 2 ** (bits - 1) - 1
-    reduce = tuple(i for i in range(x.ndim) if i != axis % x.ndim)
     amax = jnp.max(jnp.abs(x), axis=reduce, keepdims=True)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)
     return (jnp.clip(jnp.round(x / scale), -qmax, qmax) * scale).astype(x.dtype)
@@ -68,10 +73,13 @@ def _rollout_params(params, mode: str):
     bits = int(mode[3:])
 
     def q(path, x):
-        if x.ndim < 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        # matrices by leaf name, not by ndim: a scanned stack's norm scales are [layers, D] but vectors
+        if path[-1].key not in MATRIX_LEAVES or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
-        axis = 0 if path_to_str(path).endswith("embedding") else -1     # embedding [V, D]: per token row
-        return fake_quant(x, bits, axis)
+        # one scale per output channel of each matrix: reduce over the input axis only, so leading
+        # axes (a scanned stack's layers, the experts) each keep their own scales.
+        # embedding [V, D]: one scale per token row
+        return _quantize(x, bits, (x.ndim - 1,) if path_to_str(path).endswith("embedding") else (x.ndim - 2,))
 
     return jax.tree_util.tree_map_with_path(q, params)
 

@@ -1,13 +1,19 @@
-"""The jitted train and eval steps: (state, batch) -> (state, metrics).
+"""The one train step factory: (state, batch) -> (state, metrics), jitted on a mesh.
 
-state = {"params", "opt_state", "step", "rng"}. The loss is LM cross-entropy (+ z-loss) + the MTP loss
-times its weight + the DSA indexer KL (dense warm-up or sparse stage). The MoE correction bias is
-updated aux-loss-free from expert load after the optimizer step.
+state = {"params", "opt_state", "step", "rng"} (glm5_jax.train.state). Every program trains through
+`make_train_step`: the LM loop (glm5_jax.train.loop), SFT (the same loop with its data) and the RL
+update (glm5_jax.rl.program plugs its loss in). One device is the trivial mesh, so there is one
+program whether it runs on a laptop or a pod.
+
+The default loss is LM cross-entropy (+ z-loss) + the MTP loss times its weight + the DSA indexer KL
+(dense warm-up or sparse stage). The MoE correction bias is updated aux-loss-free from the expert
+loads the loss reports, after the optimizer step.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,37 +23,50 @@ from flax import traverse_util
 from glm5_jax.config import ModelConfig
 from glm5_jax.losses import cross_entropy, mtp_loss
 from glm5_jax.model import GLM5
-from glm5_jax.optim import make_optimizer
+from glm5_jax.sharding import batch_sharding, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
+from glm5_jax.train.state import build_optimizer, state_shardings
 
+__all__ = ["build_optimizer", "make_eval_step", "make_loss_fn", "make_monitor_fn", "make_train_step"]
 
-def build_optimizer(model_cfg: ModelConfig, tcfg: TrainConfig, params):
-    trainable = None
-    if tcfg.trainable_pattern:
-        pat = re.compile(tcfg.trainable_pattern)
-        trainable = lambda path: bool(pat.search(path))
-    return make_optimizer(tcfg.optimizer, params, learning_rate=tcfg.learning_rate, weight_decay=tcfg.weight_decay,
-                          split_spec=model_cfg if tcfg.optimizer == "muon_split" else None,
-                          grad_clip=tcfg.grad_clip or None, warmup_steps=min(tcfg.warmup_steps, tcfg.steps),
-                          total_steps=tcfg.steps, min_lr_ratio=tcfg.min_lr_ratio, trainable=trainable)
+BIAS = "e_score_correction_bias"
 
 
 def _collect(inter, name):
-    flat = traverse_util.flatten_dict(inter)
-    return {k[:-1]: sum(v) / len(v) if name != "expert_load" else sum(v) for k, v in flat.items() if k[-1] == name}
+    """{module path: value} of the intermediates sown as `name`. Inside a scanned stack the value keeps
+    the stack's leading layer axis ([repeats, ...]). Several sows at one path (a shared MTP block used
+    at every depth) are summed for expert_load (token counts) and averaged otherwise."""
+    out = {}
+    for k, v in traverse_util.flatten_dict(inter).items():
+        if k[-1] == name:
+            vals = jnp.stack([jnp.asarray(x) for x in v])
+            out[k[:-1]] = vals.sum(0) if name == "expert_load" else vals.mean(0)
+    return out
+
+
+def _layer_mean(values) -> jax.Array:
+    """Mean over layers of per-layer scalars given per path as scalars or [repeats] vectors."""
+    return jnp.mean(jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in values]))
 
 
 def _bias_update(params, loads, rate):
-    """bias_e += rate * sign(mean load - load_e): raise the bias of under-loaded experts."""
+    """bias_e += rate * sign(mean load - load_e) for each MoE layer: raise the bias of under-loaded
+    experts. loads: {module path: [E] or stacked [repeats, E]}; the mean is over the experts of each
+    layer (last axis), never across layers."""
     flat = traverse_util.flatten_dict(params)
     for path, load in loads.items():
-        key = tuple(path) + ("router", "e_score_correction_bias")
+        key = tuple(path) + ("router", BIAS)
+        bias = flat[key]
+        if bias.shape != load.shape:
+            raise ValueError(f"expert load {load.shape} at {'/'.join(path)} does not match its bias {bias.shape}")
         load = load.astype(jnp.float32)
-        flat[key] = flat[key] + rate * jnp.sign(jnp.mean(load) - load)
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        flat[key] = (bias + step).astype(bias.dtype)
     return traverse_util.unflatten_dict(flat)
 
 
 def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
+    """loss_fn(params, batch) -> (loss, (metrics, expert loads)): the LM training loss."""
     model = GLM5(model_cfg)
     use_mtp = model_cfg.mtp_depth > 0 and tcfg.mtp_weight > 0
 
@@ -63,15 +82,15 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
             metrics["mtp_loss"] = ml
         kls = _collect(inter, "indexer_kl")
         if kls:
-            kl = jnp.mean(jnp.stack(list(kls.values())))
+            kl = _layer_mean(kls.values())
             loss = loss + tcfg.indexer_loss_weight * kl
             metrics["indexer_kl"] = kl
         recalls = _collect(inter, "indexer_recall")
         if recalls:
-            metrics["indexer_recall"] = jnp.mean(jnp.stack(list(recalls.values())))
+            metrics["indexer_recall"] = _layer_mean(recalls.values())
         dropped = _collect(inter, "dropped_fraction")     # moe_impl="a2a" with a finite capacity
         if dropped:
-            metrics["moe_dropped_fraction"] = jnp.mean(jnp.stack(list(dropped.values())))
+            metrics["moe_dropped_fraction"] = _layer_mean(dropped.values())
         loads = _collect(inter, "expert_load")
         metrics["loss"] = loss
         return loss, (metrics, loads)
@@ -79,29 +98,58 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
     return loss_fn
 
 
-def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.GradientTransformation):
-    loss_fn = make_loss_fn(model_cfg, tcfg)
+LossFn = Callable[[object, dict], tuple]
+
+
+def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.GradientTransformation, mesh=None, *,
+                    loss_fn: LossFn | None = None):
+    """step(state, batch) -> (state, metrics), jitted on `mesh` (default: the trivial 1-device mesh).
+
+    The state comes in and goes out with its shardings (glm5_jax.train.state.state_shardings) and is
+    donated; every batch leaf is split on its first axis over (data, fsdp, expert). The step is traced
+    under the mesh and the logical rules, so the model's activation constraints apply.
+    loss_fn(params, batch) -> (loss, (metrics, expert loads {module path: [E] or [repeats, E]})):
+    default make_loss_fn(model_cfg, tcfg); the RL loss plugs in here (glm5_jax.rl.program).
+    After the optimizer update the MoE correction biases move aux-loss-free (tcfg.bias_update_rate)
+    from the reported loads (a frozen router, per tcfg.trainable_pattern, keeps its bias).
+    metrics: the loss's metrics + grad_norm, update_norm (+ expert_load_max_over_mean with MoE).
+    The returned callable has .jitted, .lower(state, batch), .shardings, .batch_sharding, .mesh.
+    """
+    mesh = single_device_mesh() if mesh is None else mesh
+    loss_fn = make_loss_fn(model_cfg, tcfg) if loss_fn is None else loss_fn
+    pat = re.compile(tcfg.trainable_pattern) if tcfg.trainable_pattern else None
 
     def train_step(state, batch):
         (_, (metrics, loads)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        metrics = dict(metrics)
         if loads:
             if tcfg.bias_update_rate:
-                if tcfg.trainable_pattern:     # a frozen router keeps its bias too
-                    pat = re.compile(tcfg.trainable_pattern)
-                    loads_upd = {k: v for k, v in loads.items()
-                                 if pat.search("/".join(k + ("router", "e_score_correction_bias")))}
-                else:
-                    loads_upd = loads
-                params = _bias_update(params, loads_upd, tcfg.bias_update_rate)
-            imbalance = [jnp.max(l) / jnp.maximum(jnp.mean(l.astype(jnp.float32)), 1e-9) for l in loads.values()]
-            metrics["expert_load_max_over_mean"] = jnp.mean(jnp.stack(imbalance))
+                upd = {k: v for k, v in loads.items() if pat is None or pat.search("/".join(k + ("router", BIAS)))}
+                params = _bias_update(params, upd, tcfg.bias_update_rate)
+            metrics["expert_load_max_over_mean"] = _layer_mean(
+                [jnp.max(l, axis=-1) / jnp.maximum(jnp.mean(l.astype(jnp.float32), axis=-1), 1e-9)
+                 for l in loads.values()])
         metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["update_norm"] = optax.tree.norm(updates)
         rng, _ = jax.random.split(state["rng"])
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}, metrics
 
-    return jax.jit(train_step, donate_argnums=(0,))
+    sh = state_shardings(model_cfg, tcfg, mesh, tx)
+    bsh = batch_sharding(mesh)
+    jitted = jax.jit(train_step, in_shardings=(sh, bsh), out_shardings=(sh, None), donate_argnums=(0,))
+
+    def step(state, batch):
+        with use_mesh(mesh):
+            return jitted(state, batch)
+
+    def lower(state, batch):
+        with use_mesh(mesh):
+            return jitted.lower(state, batch)
+
+    step.jitted, step.lower, step.shardings, step.batch_sharding, step.mesh = jitted, lower, sh, bsh, mesh
+    return step
 
 
 def make_eval_step(model_cfg: ModelConfig):
@@ -125,11 +173,11 @@ def make_monitor_fn(model_cfg: ModelConfig):
     def monitor(params, batch):
         _, state = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
                                monitor_logits=True, mutable=["intermediates"])
-        flat = traverse_util.flatten_dict(state.get("intermediates", {}))
-        per_layer = {k[0]: jnp.max(jnp.stack(v)) for k, v in flat.items() if k[-1] == "max_attn_logit"}
-        out = {f"max_attn_logit/{k}": v for k, v in per_layer.items()}
-        if per_layer:
-            out["max_attn_logit"] = jnp.max(jnp.stack(list(per_layer.values())))
+        from glm5_jax.model import per_layer      # global layer index <- (stack, repeat, layer in block)
+        layers = per_layer(model_cfg, state.get("intermediates", {}), "max_attn_logit")
+        out = {f"max_attn_logit/layer_{i}": v for i, v in sorted(layers.items())}
+        if layers:
+            out["max_attn_logit"] = jnp.max(jnp.stack(list(layers.values())))
         return out
 
     return jax.jit(monitor)
