@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from experiments.registry import mesh_kw, register
+from experiments.registry import register
 from experiments.report import eval_series, md_table, plot_curves, write_report
 from glm5_jax.attention.mla import MLAttention
 from glm5_jax.config import ConfigError, ModelConfig, preset
@@ -171,25 +171,24 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
     ret_eval = list(data.retrieval_eval_batches(B, T, num_batches=cfg.retrieval_batches))
     it = lambda offset: data.train_iter(B, T, seed=cfg.data.seed + offset)  # noqa: E731
     evals = {k: make_eval_fn(c, lm_eval, ret_eval) for k, c in cfgs.items()}
-    on_mesh = mesh_kw(mesh)
     runs = {}
 
     base = train(cfgs["mla"], tc.replace(steps=cfg.pretrain_steps), it(0), os.path.join(workdir, "base"),
-                 eval_fn=evals["mla"], log=log, name="base-mla", **on_mesh)
+                 eval_fn=evals["mla"], log=log, name="base-mla", mesh=mesh)
     runs["mla"] = train(cfgs["mla"], tc, it(1), os.path.join(workdir, "mla"),
-                        init_params=base["params"], eval_fn=evals["mla"], log=log, name="mla", **on_mesh)
+                        init_params=base["params"], eval_fn=evals["mla"], log=log, name="mla", mesh=mesh)
     dsa_init = graft(init_params(cfgs["dsa"], jax.random.PRNGKey(seed + 7)), base["params"])
     w = cfg.indexer_warmup_steps
     warm = train(cfgs["dsa"], tc.replace(steps=w, indexer_loss="dense", trainable_pattern="indexer",
                                          learning_rate=cfg.indexer_learning_rate, warmup_steps=min(5, w), eval_every=w),
                  it(2), os.path.join(workdir, "dsa_warmup"), init_params=dsa_init,
-                 eval_fn=evals["dsa"], log=log, name="dsa-warmup", **on_mesh)
+                 eval_fn=evals["dsa"], log=log, name="dsa-warmup", mesh=mesh)
     recall_after_warmup = indexer_recall(cfgs["dsa"], warm["params"], lm_eval[:2])
     runs["dsa"] = train(cfgs["dsa"], tc.replace(indexer_loss="sparse"), it(1), os.path.join(workdir, "dsa"),
-                        init_params=warm["params"], eval_fn=evals["dsa"], log=log, name="dsa", **on_mesh)
+                        init_params=warm["params"], eval_fn=evals["dsa"], log=log, name="dsa", mesh=mesh)
     recall_final = indexer_recall(cfgs["dsa"], runs["dsa"]["params"], lm_eval[:2])
     runs["mha"] = train(cfgs["mha"], tc.replace(steps=cfg.pretrain_steps + tc.steps), it(0),
-                        os.path.join(workdir, "mha"), eval_fn=evals["mha"], log=log, name="mha", **on_mesh)
+                        os.path.join(workdir, "mha"), eval_fn=evals["mha"], log=log, name="mha", mesh=mesh)
     log("timing attention dense vs sparse ...")
     timing = {f"T={T}": time_attention(cfgs["mla"], cfgs["dsa"], T, B),
               f"T={cfg.bench_seq_len}": time_attention(cfgs["mla"], cfgs["dsa"], cfg.bench_seq_len, 1, reps=1)}

@@ -33,7 +33,7 @@ from typing import ClassVar
 import jax
 import numpy as np
 
-from experiments.registry import mesh_kw, register
+from experiments.registry import register
 from experiments.report import md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
@@ -156,7 +156,7 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
     it = SFTIterator(sample_task, vocab, tc.batch_size, tc.seq_len, seed=tc.seed, exclude=exclude)
     sft = train(mcfg, tc, it, os.path.join(workdir, "sft"),
                 eval_fn=lambda p: {"greedy_accuracy": eval_fn(p, sampled=False)["greedy_accuracy"]},
-                log=log, name="sft", **mesh_kw(mesh))
+                log=log, name="sft", mesh=mesh)
     sft_params = sft["params"]
     initial = eval_fn(sft_params, sampled=True)
     log(f"[sft] held-out greedy accuracy {initial['greedy_accuracy']:.3f}, sampled {initial['sampled_accuracy']:.3f}")
@@ -167,7 +167,7 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
         t_arm = time.time()
         r = run_grpo(mcfg, sft_params, rl.replace(loss=arm), sample_task, vocab, log=log,
                      eval_fn=eval_fn, eval_every=cfg.eval_every,
-                     metrics_path=os.path.join(workdir, f"rl_{arm}.jsonl"), name=arm, **mesh_kw(mesh))
+                     metrics_path=os.path.join(workdir, f"rl_{arm}.jsonl"), name=arm, mesh=mesh)
         r["final"] = eval_fn(r["params"], sampled=True)
         r["wall_s"] = time.time() - t_arm
         log(f"[{arm}] held-out {primary} (primary) accuracy {initial['accuracy']:.3f} -> {r['final']['accuracy']:.3f}; "

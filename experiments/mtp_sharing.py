@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.registry import mesh_kw, register  # noqa: E402
+from experiments.registry import register  # noqa: E402
 from experiments.report import eval_series, md_table, plot_curves, write_report  # noqa: E402
 from glm5_jax.config import ConfigError, ModelConfig, preset  # noqa: E402
 from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
@@ -234,7 +234,7 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
         t0 = time.time()
         r = train(mcfg, tc, data.train_iter(B, T, seed=cfg.data.seed), os.path.join(workdir, arm),
                   eval_fn=lambda p, c=mcfg, e=eval_step: evaluate(c, p, lm_eval, e), log=log, name=arm,
-                  **mesh_kw(mesh))
+                  mesh=mesh)
         t_train = time.time() - t0
         runs[arm] = r
         log(f"[{arm}] speculative decoding: {len(prompts)} prompts x {cfg.prompt_len} tokens, "

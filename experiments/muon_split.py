@@ -18,7 +18,7 @@ import os
 import time
 from typing import ClassVar
 
-from experiments.registry import mesh_kw, register
+from experiments.registry import register
 from experiments.report import eval_series, md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
@@ -106,7 +106,7 @@ def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
         t0 = time.time()
         r = train(mcfg, tc.replace(optimizer=opt, learning_rate=lr), data.train_iter(B, T, seed=cfg.data.seed),
                   os.path.join(workdir, arm), eval_fn=lambda p, c=mcfg, e=eval_step: evaluate(c, p, lm_eval, e),
-                  log=log, name=arm, **mesh_kw(mesh))
+                  log=log, name=arm, mesh=mesh)
         runs[arm] = r
         mon = [row for row in r["history"] if "max_attn_logit" in row]
         last = mon[-1] if mon else {}

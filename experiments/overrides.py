@@ -62,7 +62,17 @@ def flat_items(cfg) -> list[tuple[str, Any]]:
 
 
 def type_name(tp) -> str:
-    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None and isinstance(tp, type) else str(tp)
+    """`int | None`, `tuple[str, ...]`, `float`: the declared type as a person writes it."""
+    if tp is type(None):
+        return "None"
+    if tp is Any:
+        return "any (JSON)"
+    if _is_union(tp):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple:
+        return "tuple[" + ", ".join("..." if a is Ellipsis else type_name(a) for a in args) + "]"
+    return tp.__name__ if isinstance(tp, type) else str(tp)
 
 
 def _is_union(tp) -> bool:
@@ -90,7 +100,7 @@ def parse_value(key: str, raw: str, tp) -> Any:
                 return parse_value(key, raw, a)
             except OverrideError:
                 continue
-        raise _bad(key, raw, tp, "or none" if type(None) in args else "")
+        raise _bad(key, raw, tp, "none for None" if type(None) in args else "")
     origin = typing.get_origin(tp)
     if tp is tuple or origin is tuple:
         return _parse_tuple(key, raw, tp)

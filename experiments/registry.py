@@ -66,11 +66,6 @@ def get(name: str) -> Experiment:
     return exps[name]
 
 
-def mesh_kw(mesh) -> dict:
-    """Keyword arguments that put a training call on `mesh` (none for the single-device default)."""
-    return {} if mesh is None else {"mesh": mesh}
-
-
 def steps_key(cfg) -> str:
     return getattr(type(cfg), "STEPS_KEY", "train.steps")
 
@@ -91,4 +86,4 @@ def resolve_config(exp: Experiment, scale: str, overrides: Iterable[str] | Mappi
 
 
 __all__ = ["Experiment", "ExperimentError", "OverrideError", "REGISTRY", "register", "load_all", "get",
-           "resolve_config", "steps_key", "mesh_kw"]
+           "resolve_config", "steps_key"]

@@ -1,17 +1,71 @@
-"""The main job end to end at a micro scale: every phase runs and the report has the promised shape."""
+"""Every registered experiment at a micro scale through the one train loop: it completes and writes
+its report with the resolved config, and on 8 fake CPU devices (mesh data 2 x fsdp 2 x expert 2) it
+gives the same loss trajectory as on one device.
 
+MICRO is each experiment's micro run (tiny config, very few steps, tiny seq/batch); a new experiment
+must add its own. The other experiments' micro runs (with their specific checks) live in
+test_mtp_experiment.py, test_muon_experiment.py and test_grpo_experiment.py.
+"""
+
+import glob
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
-from experiments.run import run_experiment
+import numpy as np
+import pytest
 
-MICRO = ["pretrain_steps=2", "steps=2", "indexer_warmup_steps=2", "eval_every=2", "seq_len=128", "index_topk=16",
-         "batch_size=2", "bench_seq_len=256", "max_files=20", "eval_batches=1", "retrieval_batches=1",
-         "vocab_size=512", "d_model=32", "ffn_dim=64", "moe_ffn_dim=32"]
+from experiments import registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH = "data:2,fsdp:2,expert:2"
+
+MICRO = {
+    "dsa_vs_mla": {"pretrain_steps": "2", "train.steps": "2", "indexer_warmup_steps": "2", "train.eval_every": "2",
+                   "train.seq_len": "128", "model.index_topk": "16", "train.batch_size": "2", "bench_seq_len": "256",
+                   "data.max_files": "20", "train.eval_batches": "1", "retrieval_batches": "1",
+                   "data.vocab_size": "512", "model.d_model": "32", "model.ffn_dim": "64", "model.moe_ffn_dim": "32"},
+    "muon_split": {"train.steps": "2", "train.batch_size": "2", "train.seq_len": "32", "train.eval_every": "2",
+                   "train.eval_batches": "1", "train.monitor_every": "1", "model.num_layers": "1", "model.d_model": "32",
+                   "model.ffn_dim": "64", "train.warmup_steps": "1"},
+    "mtp_sharing": {"train.steps": "2", "train.batch_size": "2", "train.seq_len": "32", "train.eval_every": "2",
+                    "train.eval_batches": "1", "model.num_layers": "1", "model.d_model": "32", "model.ffn_dim": "64",
+                    "train.warmup_steps": "1", "num_prompts": "2", "prompt_len": "8", "max_new_tokens": "8",
+                    "model.q_lora_rank": "16", "model.kv_lora_rank": "16", "model.qk_nope_head_dim": "8",
+                    "model.qk_rope_head_dim": "8", "model.v_head_dim": "8"},
+    "grpo_icepop": {"model.d_model": "32", "model.num_heads": "2", "model.ffn_dim": "64", "model.q_lora_rank": "16",
+                    "model.kv_lora_rank": "16", "model.qk_nope_head_dim": "16", "model.v_head_dim": "16",
+                    "train.steps": "4", "train.batch_size": "4", "train.seq_len": "32", "rl.steps": "2",
+                    "rl.prompts_per_step": "4", "rl.group_size": "2", "eval_tasks": "8", "eval_every": "2",
+                    "sampled_eval_samples": "1"},
+}
+
+# The mesh runs: batches split over data*fsdp*expert = 8 devices, and three steps for a trajectory.
+MESH_MICRO = {
+    "muon_split": {**MICRO["muon_split"], "arms": "mla_adamw", "train.batch_size": "8", "train.steps": "3",
+                   "train.monitor_every": "0", "train.eval_every": "3"},
+    "dsa_vs_mla": {**MICRO["dsa_vs_mla"], "train.batch_size": "8", "train.seq_len": "64", "model.index_topk": "8",
+                   "bench_seq_len": "64"},
+    "mtp_sharing": {**MICRO["mtp_sharing"], "arms": "shared3", "train.batch_size": "8", "train.steps": "3",
+                    "train.eval_every": "3"},
+    "grpo_icepop": {**MICRO["grpo_icepop"], "train.batch_size": "8", "rl.prompts_per_step": "4",
+                    "rl.group_size": "2"},
+}
+
+
+def test_every_registered_experiment_has_a_micro_run():
+    names = set(registry.load_all()) - {"toy_quadratic"}        # test_registry's toy
+    assert names == set(MICRO) == set(MESH_MICRO)
+    for name in names:                                          # and the micro configs resolve
+        registry.resolve_config(registry.get(name), "tiny", MICRO[name])
+        registry.resolve_config(registry.get(name), "tiny", MESH_MICRO[name])
 
 
 def test_dsa_vs_mla_micro_run_writes_complete_report(tmp_path):
-    report = run_experiment("dsa_vs_mla", str(tmp_path), "tiny", MICRO)
+    from experiments.run import run_experiment
+    report = run_experiment("dsa_vs_mla", str(tmp_path), "tiny", {**MICRO["dsa_vs_mla"], "model.index_topk": "24"})
     with open(tmp_path / "report.json") as f:
         saved = json.load(f)
     assert saved["arms"].keys() == {"mla", "dsa", "mha"}
@@ -20,8 +74,68 @@ def test_dsa_vs_mla_micro_run_writes_complete_report(tmp_path):
         assert 0.0 <= arm["retrieval_accuracy"] <= 1.0
     assert isinstance(saved["dsa_vs_mla_gap_pct"], float)
     assert report["dsa_vs_mla_gap_pct"] == saved["dsa_vs_mla_gap_pct"]
+    # the override reached the model and both records carry the full resolved config
+    assert saved["index_topk"] == 24 and saved["config"]["model"]["index_topk"] == 24
+    settings = json.load(open(tmp_path / "settings.json"))
+    assert settings["config"] == saved["config"] and settings["config"]["model"]["vocab_size"] == 512
+    assert settings["config"]["train"]["steps"] == 2 and settings["config"]["data"]["max_files"] == 20
     for f in ("report.md", "eval_loss.png", "indexer_warmup.png", "settings.json"):
         assert os.path.getsize(tmp_path / f) > 0
     for phase in ("base", "mla", "dsa_warmup", "dsa", "mha"):
         assert os.path.exists(tmp_path / phase / "metrics.jsonl")
     assert "DSA vs MLA gap" in open(tmp_path / "report.md").read()
+
+
+_MESH_SCRIPT = """
+import json, sys
+from experiments.run import run_experiment
+name, out, micro, mesh = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+import jax
+assert len(jax.devices()) == 8, jax.devices()
+run_experiment(name, out + "/one", "tiny", micro)
+run_experiment(name, out + "/mesh", "tiny", micro, mesh=mesh)
+"""
+
+
+def loss_trajectories(workdir: str) -> dict[str, list[float]]:
+    """{metrics file relative to workdir: [loss per step]} for every phase's metrics."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(workdir, "**", "*.jsonl"), recursive=True)):
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        losses = [r["loss"] for r in rows if "loss" in r]
+        if losses:
+            out[os.path.relpath(path, workdir)] = losses
+    return out
+
+
+def run_on_one_and_eight_devices(name: str, tmp_path) -> tuple[dict, dict]:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_MESH_SCRIPT), name, str(tmp_path),
+                          json.dumps(MESH_MICRO[name]), MESH], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1500)
+    assert res.returncode == 0, res.stderr[-4000:]
+    one, mesh = loss_trajectories(str(tmp_path / "one")), loss_trajectories(str(tmp_path / "mesh"))
+    settings = json.load(open(tmp_path / "mesh" / "settings.json"))
+    assert settings["mesh"] == MESH
+    return one, mesh
+
+
+def _assert_same_trajectories(one: dict, mesh: dict) -> None:
+    assert one and one.keys() == mesh.keys()
+    for phase in one:
+        assert len(one[phase]) == len(mesh[phase]) >= 2, phase
+        np.testing.assert_allclose(mesh[phase], one[phase], rtol=1e-4, err_msg=phase)
+
+
+def test_muon_split_same_losses_on_eight_devices(tmp_path):
+    """The cheapest experiment (one arm, three steps) on data 2 x fsdp 2 x expert 2 vs one device."""
+    one, mesh = run_on_one_and_eight_devices("muon_split", tmp_path)
+    assert list(one) == ["mla_adamw/metrics.jsonl"]
+    _assert_same_trajectories(one, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dsa_vs_mla", "mtp_sharing", "grpo_icepop"])
+def test_experiment_same_losses_on_eight_devices(name, tmp_path):
+    one, mesh = run_on_one_and_eight_devices(name, tmp_path)
+    _assert_same_trajectories(one, mesh)

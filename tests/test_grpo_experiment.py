@@ -8,15 +8,13 @@ import json
 import os
 
 from experiments.run import run_experiment
+from tests.test_experiments import MICRO
 
 
 @pytest.mark.slow   # ~2 min of compiles on 2 cores; the full experiment run is in BUILD_NOTES
 def test_grpo_icepop_micro(tmp_path):
     wd = str(tmp_path / "grpo")
-    overrides = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "sft_steps": 4, "sft_batch_size": 4,
-                 "sft_seq_len": 32, "steps": 2, "prompts_per_step": 4, "group_size": 2, "eval_tasks": 8,
-                 "eval_every": 2, "sampled_eval_samples": 1}
-    report = run_experiment("grpo_icepop", wd, "tiny", overrides)
+    report = run_experiment("grpo_icepop", wd, "tiny", MICRO["grpo_icepop"])
     with open(os.path.join(wd, "report.json")) as f:
         on_disk = json.load(f)
     assert set(on_disk["arms"]) == {"icepop", "none", "tis"}

@@ -13,26 +13,28 @@ import pytest
 
 from experiments import registry
 from experiments.mtp_sharing import ARMS, TINY, arm_configs, inference_model
-from glm5_jax.config import ModelConfig
+from experiments.overrides import OverrideError
+from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.model import init_params
-
-MICRO = ["steps=2", "batch_size=2", "seq_len=32", "eval_every=2", "eval_batches=1", "num_layers=1", "d_model=32",
-         "ffn_dim=64", "warmup_steps=1", "num_prompts=2", "prompt_len=8", "max_new_tokens=8", "q_lora_rank=16",
-         "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8"]
+from tests.test_experiments import MICRO
 
 
 def test_registered_with_both_scales_and_overrides():
     exp = registry.get("mtp_sharing")
     assert set(exp.scales) == {"tiny", "small"}
-    s = registry.resolve_settings(exp, "tiny", ["steps=7", "num_prompts=3", "draft_sweep=1,2"])
-    assert (s["steps"], s["num_prompts"], s["draft_sweep"]) == (7, 3, "1,2")
-    assert s["num_draft"] == 4
-    with pytest.raises(registry.ExperimentError):
-        registry.resolve_settings(exp, "tiny", ["no_such_setting=1"])
+    c = registry.resolve_config(exp, "tiny", ["num_prompts=3", "draft_sweep=1,2", "arms=shared3,depth1"], steps=7)
+    assert (c.train.steps, c.num_prompts, c.draft_sweep, c.arms) == (7, 3, (1, 2), ("shared3", "depth1"))
+    assert c.num_draft == 4
+    with pytest.raises(OverrideError, match="no field 'no_such_setting'"):
+        registry.resolve_config(exp, "tiny", ["no_such_setting=1"])
+    with pytest.raises(ConfigError, match="arms=.*allowed|subset of shared3, indep3, depth1"):
+        registry.resolve_config(exp, "tiny", ["arms=shared3,bogus"])
+    with pytest.raises(OverrideError, match="derives it from the arm"):
+        registry.resolve_config(exp, "tiny", ["model.mtp_depth=2"])
 
 
 def test_arm_configs_differ_only_in_mtp():
-    cfgs = arm_configs(dict(TINY, d_model=32, num_layers=1), 300)
+    cfgs = arm_configs(TINY.model.replace(d_model=32, num_layers=1, vocab_size=300))
     assert set(cfgs) == set(ARMS)
     assert (cfgs["shared3"].mtp_depth, cfgs["shared3"].mtp_share) == (3, True)
     assert (cfgs["indep3"].mtp_depth, cfgs["indep3"].mtp_share) == (3, False)
@@ -57,7 +59,7 @@ def test_inference_model_reuses_last_unshared_block():
 @pytest.mark.slow
 def test_mtp_sharing_micro_run(tmp_path):
     from experiments.run import run_experiment
-    report = run_experiment("mtp_sharing", str(tmp_path), "tiny", MICRO)
+    report = run_experiment("mtp_sharing", str(tmp_path), "tiny", MICRO["mtp_sharing"])
     on_disk = json.load(open(tmp_path / "report.json"))
     assert set(on_disk["arms"]) == {"shared3", "indep3", "depth1"}
     for arm, v in on_disk["arms"].items():

@@ -103,7 +103,10 @@ def test_model_monitor_fn_per_layer(attention):
     mon, st = GLM5(c).apply({"params": params}, tokens, pos, seg, monitor_logits=True, mutable=["intermediates"])
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(mon["logits"]))
     flat = traverse_util.flatten_dict(st["intermediates"])
-    assert float(flat[("layer_1", "attn", "max_attn_logit")][0]) == pytest.approx(out["max_attn_logit/layer_1"])
+    # scanned layout: both dense layers are one stack, layer 1 = index 1 of its leading axis
+    stacked = flat[("dense_layers", "layer_0", "attn", "max_attn_logit")][0]
+    assert stacked.shape == (2,)
+    assert float(stacked[1]) == pytest.approx(out["max_attn_logit/layer_1"])
 
 
 def test_monitor_every_validation():
@@ -115,9 +118,8 @@ def test_monitor_every_validation():
 @pytest.mark.slow   # ~2 min of compiles on 2 cores; the full experiment run is in BUILD_NOTES
 def test_muon_split_micro_run(tmp_path):
     from experiments.run import run_experiment
-    report = run_experiment("muon_split", str(tmp_path), "tiny",
-                            ["steps=2", "batch_size=2", "seq_len=32", "eval_every=2", "eval_batches=1",
-                             "monitor_every=1", "num_layers=1", "d_model=32", "ffn_dim=64", "warmup_steps=1"])
+    from tests.test_experiments import MICRO
+    report = run_experiment("muon_split", str(tmp_path), "tiny", MICRO["muon_split"])
     on_disk = json.load(open(tmp_path / "report.json"))
     assert set(on_disk["arms"]) == {"mla_adamw", "mla_muon", "mla_muon_split", "gqa_muon"}
     for arm, v in on_disk["arms"].items():
