@@ -4,7 +4,8 @@ gives the same loss trajectory as on one device.
 
 MICRO is each experiment's micro run (tiny config, very few steps, tiny seq/batch); a new experiment
 must add its own. The other experiments' micro runs (with their specific checks) live in
-test_mtp_experiment.py, test_muon_experiment.py and test_grpo_experiment.py.
+test_mtp_experiment.py, test_muon_experiment.py and test_grpo_experiment.py. In the default suite:
+muon_split (one arm) on 1 and on 8 devices; every other micro run is `-m slow`.
 """
 
 import glob
@@ -63,6 +64,7 @@ def test_every_registered_experiment_has_a_micro_run():
         registry.resolve_config(registry.get(name), "tiny", MESH_MICRO[name])
 
 
+@pytest.mark.slow   # ~20 jit compiles (5 phases, evals, attention timing): 373 s on 2 busy cores
 def test_dsa_vs_mla_micro_run_writes_complete_report(tmp_path):
     from experiments.run import run_experiment
     report = run_experiment("dsa_vs_mla", str(tmp_path), "tiny", {**MICRO["dsa_vs_mla"], "model.index_topk": "24"})
@@ -87,13 +89,23 @@ def test_dsa_vs_mla_micro_run_writes_complete_report(tmp_path):
 
 
 _MESH_SCRIPT = """
-import json, sys
+import importlib, json, sys
+import jax
 from experiments.run import run_experiment
 name, out, micro, mesh = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-import jax
 assert len(jax.devices()) == 8, jax.devices()
+# record how many devices each training call's parameters ended up on
+module, devices = importlib.import_module("experiments." + name), []
+real_train = module.train
+def spy(*args, **kwargs):
+    result = real_train(*args, **kwargs)
+    devices.append(max(len(x.sharding.device_set) for x in jax.tree.leaves(result["params"])))
+    return result
+module.train = spy
 run_experiment(name, out + "/one", "tiny", micro)
+one = list(devices)
 run_experiment(name, out + "/mesh", "tiny", micro, mesh=mesh)
+print("DEVICES " + json.dumps({"one": one, "mesh": devices[len(one):]}))
 """
 
 
@@ -114,6 +126,8 @@ def run_on_one_and_eight_devices(name: str, tmp_path) -> tuple[dict, dict]:
                           json.dumps(MESH_MICRO[name]), MESH], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1500)
     assert res.returncode == 0, res.stderr[-4000:]
+    used = json.loads(res.stdout.split("DEVICES ", 1)[1])
+    assert used["one"] and set(used["one"]) == {1} and set(used["mesh"]) == {8}, used
     one, mesh = loss_trajectories(str(tmp_path / "one")), loss_trajectories(str(tmp_path / "mesh"))
     settings = json.load(open(tmp_path / "mesh" / "settings.json"))
     assert settings["mesh"] == MESH
