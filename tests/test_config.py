@@ -53,3 +53,21 @@ def test_from_hf_rejects_other_model_types_and_rope_types():
         ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
     scaled = ModelConfig(rope_scaling={"type": "linear", "factor": 4.0})
     assert ModelConfig.from_hf(scaled.to_hf()) == scaled
+
+
+def test_dotted_overrides_reach_every_model_field():
+    """experiments.overrides on a bare ModelConfig: each field parses from its command-line text by
+    its declared type, and a combination is judged by validate() once, after all fields are set."""
+    from experiments.overrides import OverrideError, all_keys, apply_overrides
+    base = preset("glm5")
+    text = {bool: lambda v: str(v).lower(), type(None): lambda v: "none", tuple: lambda v: ",".join(map(str, v))}
+    items = [f"{k}={text.get(type(getattr(base, k)), str)(getattr(base, k))}" for k in all_keys(base)]
+    assert len(items) == len(ModelConfig.__dataclass_fields__)
+    assert apply_overrides(base, items) == base
+    c = apply_overrides(base, ["num_layers=4", "first_k_dense=1", "indexer_types=full,shared,full,shared",
+                               "remat=dots", "scan_layers=false", "rope_scaling=none", "dtype=float32"])
+    assert (c.num_layers, c.indexer_types, c.remat, c.scan_layers) == (4, ("full", "shared", "full", "shared"), "dots", False)
+    with pytest.raises(ConfigError, match="ModelConfig.first_k_dense=3"):
+        apply_overrides(base, ["num_layers=2"])                  # glm5 has 3 dense layers
+    with pytest.raises(OverrideError, match="valid keys: .*index_topk"):
+        apply_overrides(base, ["index_top_k=8"])
