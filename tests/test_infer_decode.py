@@ -159,17 +159,18 @@ def test_absorbed_mla_decode_equals_expanded_attention(kind):
     """Unit level: the training-path MLAttention on T tokens == absorbed attention over a latent
     cache, both filled at once (prefill) and token by token (decode)."""
     cfg = CONFIGS[kind]
-    p = _params(kind)["layer_0"]["attn"]
+    p = jax.tree_util.tree_map(lambda a: a[0], _params(kind)["dense_layers"]["layer_0"]["attn"])
     t, s = 11, 16
     x = jax.random.normal(jax.random.PRNGKey(1), (2, t, cfg.d_model))
     pos = jnp.broadcast_to(jnp.arange(t), (2, t))
     cos, sin = rope_angles(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
     itype = "full" if kind == "dsa" else None
-    want, want_idx = MLAttention(cfg, itype).apply({"params": p}, x, cos, sin)
+    attn = MLAttention(cfg, itype)
+    want, want_idx, _ = attn.apply({"params": p}, x, cos, sin)
     lc = kv.layer_cache(cfg, 2, s, kind == "dsa")
-    got, _, idx = kv.mla_attention(cfg, p, x, cos, sin, pos, pos, lc, itype)
+    got, idx, _ = attn.apply({"params": p}, x, cos, sin, positions=pos, cache=lc)
     np.testing.assert_allclose(got, want, atol=2e-5)
-    step = jax.jit(lambda lc, x1, c1, s1, p1: kv.mla_attention(cfg, p, x1, c1, s1, p1, p1, lc, itype)[:2])
+    step = jax.jit(lambda lc, x1, c1, s1, p1: attn.apply({"params": p}, x1, c1, s1, positions=p1, cache=lc)[::2])
     steps = []
     for i in range(t):
         out, lc = step(lc, x[:, i:i + 1], cos[:, i:i + 1], sin[:, i:i + 1], pos[:, i:i + 1])
@@ -179,3 +180,25 @@ def test_absorbed_mla_decode_equals_expanded_attention(kind):
     if kind == "dsa":
         k = cfg.index_topk
         np.testing.assert_array_equal(np.sort(np.asarray(idx[..., :k]), -1), np.sort(np.asarray(want_idx[..., :k]), -1))
+
+
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(num_layers=4, indexer_types=("full", "shared", "full", "shared"), index_topk=4),
+    ModelConfig(num_layers=3, index_topk=4, scan_layers=False),
+    ModelConfig(attention="gqa", num_kv_heads=2, num_layers=3),
+], ids=["dsa-shared-period2-tail", "dsa-unrolled", "gqa"])
+def test_cached_prefill_then_decode_equals_full_forward(cfg):
+    """The model's own modules over a cache (prefill 7 tokens, then 5 single-token steps, scanned
+    stacks with a carried top-k for shared-indexer layers) give the trunk of one full forward."""
+    from glm5_jax.infer.decode import model_step
+    params = model.init_params(cfg, jax.random.PRNGKey(3))
+    toks = jax.random.randint(jax.random.PRNGKey(4), (2, 12), 0, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    want = model.GLM5(cfg).apply({"params": params}, toks, return_hidden=True)["trunk"]
+    step = jax.jit(lambda p, c, t, q: model_step(cfg, p, c, t, q))
+    x, cache = step(params, kv.init_cache(cfg, 2, 16)["layers"], toks[:, :7], pos[:, :7])
+    got = [x]
+    for i in range(7, 12):
+        x, cache = step(params, cache, toks[:, i:i + 1], pos[:, i:i + 1])
+        got.append(x)
+    np.testing.assert_allclose(jnp.concatenate(got, axis=1), want, atol=2e-5)

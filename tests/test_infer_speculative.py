@@ -35,9 +35,9 @@ def _bigram_model():
     cfg = ModelConfig(attention="gqa", num_kv_heads=2, num_layers=2, num_experts=0, mtp_depth=1)
     params = model.init_params(cfg, jax.random.PRNGKey(1))
     params = jax.tree_util.tree_map(lambda x: x, params)
-    for name in [f"layer_{i}" for i in range(cfg.num_layers)]:
-        params[name]["attn"]["o_proj"]["kernel"] = jnp.zeros_like(params[name]["attn"]["o_proj"]["kernel"])
-        params[name]["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(params[name]["mlp"]["down_proj"]["kernel"])
+    stack = params["dense_layers"]["layer_0"]                      # both layers: stacked [2, ...]
+    stack["attn"]["o_proj"]["kernel"] = jnp.zeros_like(stack["attn"]["o_proj"]["kernel"])
+    stack["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(stack["mlp"]["down_proj"]["kernel"])
     layer = params["mtp_0"]["layer"]
     layer["attn"]["o_proj"]["kernel"] = jnp.zeros_like(layer["attn"]["o_proj"]["kernel"])
     layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from glm5_jax import model
-from glm5_jax.attention.indexer import select_topk
+from glm5_jax.attention.kernels import indexer_topk
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.moe import MoE, route
 from glm5_jax.layers.rope import apply_rope, rope_angles
@@ -106,7 +106,7 @@ def test_indexer_scores_and_topk_match_formula():
             for s in range(t):
                 want[bb, i, s] = sum(w[bb, i, j] * max(0.0, float(q[bb, i, j] @ k[bb, s])) for j in range(hi))
     np.testing.assert_allclose(np.asarray(ref.index_scores(q, k, w)), want, rtol=1e-5, atol=1e-6)
-    idx = np.asarray(select_topk(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), 4, chunk=4))
+    idx = np.asarray(indexer_topk(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), 4, chunk=4))
     for bb in range(b):
         for i in range(t):
             vis = want[bb, i, :i + 1]
@@ -125,9 +125,8 @@ def test_dsa_with_topk_covering_all_keys_equals_mla():
     params = model.init_params(dsa, jax.random.PRNGKey(3))
     mla = dsa.replace(attention="mla")
     mla_params = jax.tree_util.tree_map(lambda x: x, params)
-    for name in mla_params:
-        if name.startswith("layer_"):
-            mla_params[name]["attn"].pop("indexer")
+    for stack in dsa.layer_stacks:
+        mla_params[stack.name]["layer_0"]["attn"].pop("indexer")
     tok = jax.random.randint(jax.random.PRNGKey(4), (2, 24), 0, dsa.vocab_size)
     np.testing.assert_allclose(_jit_forward(dsa)(params, tok), _jit_forward(mla)(mla_params, tok), atol=1e-5)
     sparse = dsa.replace(index_topk=4)              # really dropping keys changes the result
@@ -186,10 +185,40 @@ def test_remat_gives_identical_loss_and_gradients():
         return jax.jit(jax.value_and_grad(lambda p: jnp.mean(model.GLM5(c).apply(
             {"params": p}, tok, indexer_loss="sparse", mutable=["intermediates"])[0]["logits"] ** 2)))(params)
 
-    (l0, g0), (l1, g1) = loss(cfg), loss(cfg.replace(remat=True))
-    np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    l0, g0 = loss(cfg)
+    for policy in ("full", "dots", True):
+        l1, g1 = loss(cfg.replace(remat=policy))
+        np.testing.assert_allclose(l0, l1, rtol=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("types", [None, ("full", "shared", "full", "shared", "shared")])
+def test_scanned_stacks_equal_unrolled_and_per_layer_reference(types):
+    """The scanned model == the same stacks unrolled (scan_layers=False) == a hand-written loop over
+    the individual DecoderLayers (each global layer's parameter slice, indices carried by hand)."""
+    from glm5_jax.layers.rope import rope_angles
+    cfg = ModelConfig(num_layers=5, index_topk=4, mtp_depth=0, indexer_types=types)
+    params = model.init_params(cfg, jax.random.PRNGKey(16))
+    tok = jax.random.randint(jax.random.PRNGKey(17), (2, 12), 0, cfg.vocab_size)
+    scanned = model.GLM5(cfg).apply({"params": params}, tok, return_hidden=True)["trunk"]
+    unrolled = model.GLM5(cfg.replace(scan_layers=False)).apply({"params": params}, tok, return_hidden=True)["trunk"]
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-6)
+    x = params["embed"]["embedding"][tok]
+    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(12), (2, 12)), cfg.qk_rope_head_dim, cfg.rope_theta)
+    kinds = cfg.layer_indexer_types
+    by_layer = {}
+    for st in cfg.layer_stacks:
+        for r in range(st.repeats):
+            for j in range(st.period):
+                by_layer[st.layer_index(r, j)] = jax.tree_util.tree_map(lambda a: a[r], params[st.name][f"layer_{j}"])
+    assert sorted(by_layer) == list(range(cfg.num_layers))
+    idx = None
+    for i in range(cfg.num_layers):
+        layer = model.DecoderLayer(cfg, cfg.is_moe_layer(i), kinds[i])
+        x, new_idx, _ = layer.apply({"params": by_layer[i]}, x, cos, sin, None, idx)
+        idx = new_idx if new_idx is not None else idx
+    np.testing.assert_allclose(scanned, x, atol=1e-5)
 
 
 def test_dsa_model_logits_equal_with_pallas_kernels():

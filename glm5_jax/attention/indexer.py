@@ -38,16 +38,6 @@ class Indexer(nn.Module):
         return q * (di ** -0.5), k, w * (hi ** -0.5)
 
 
-def select_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: str = "xla", chunk: int = 256):
-    """Exact top-k key indices per query, int32 [B, T, topk], -1 where fewer keys are visible."""
-    if impl == "pallas":
-        from pallas_kernels import dsa
-        if segment_ids is not None:
-            raise ValueError("attention_impl='pallas' does not take packed segment_ids; use 'xla' for packed batches")
-        return dsa.indexer_topk(q_idx, k_idx, weights, topk)
-    return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk)
-
-
 def select_topk_cached(q_idx, k_cache, weights, topk: int, positions):
     """Exact top-k over an indexer-key cache k_cache [B, S, Di] for queries at positions [B, T]
     (slots 0..p visible) -> int32 [B, T, min(topk, S)], -1 where fewer keys are visible; ties go to the
@@ -69,7 +59,7 @@ def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_i
     p_t is the main attention distribution summed over heads and L1-normalised (a fixed target).
     Also returns the indexer's recall of the true top-k keys of p_t.
 
-    q [B, T, H, Dq], k [B, S, H, Dq] (main attention, expanded), q_idx/k_idx/weights as select_topk.
+    q [B, T, H, Dq], k [B, S, H, Dq] (main attention, expanded), q_idx/k_idx/weights as kernels.indexer_topk.
     """
     b, t = q.shape[:2]
     s = k.shape[1]

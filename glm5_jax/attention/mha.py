@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from glm5_jax.attention.core import cached_attention, causal_attention, write_cache
 from glm5_jax.layers.common import Dense, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope
-from glm5_jax.optim.monitor import max_attention_logit
+from glm5_jax.attention.monitor import max_attention_logit
 
 
 class GQAttention(nn.Module):

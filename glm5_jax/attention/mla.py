@@ -11,19 +11,11 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.attention.core import causal_attention, masked_softmax, visible_slots, write_cache
-from glm5_jax.attention.indexer import (Indexer, indexer_kl_dense, indexer_kl_sparse, select_topk,
-                                        select_topk_cached)
+from glm5_jax.attention.indexer import Indexer, indexer_kl_dense, indexer_kl_sparse, select_topk_cached
+from glm5_jax.attention.kernels import indexer_topk, sparse_attention
+from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope
-from glm5_jax.optim.monitor import max_attention_logit
-from pallas_kernels import reference as ref
-
-
-def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int = 128):
-    if impl == "pallas":
-        from pallas_kernels import dsa
-        return dsa.sparse_attention(q, k, v, indices, scale=scale)
-    return ref.sparse_attention(q, k, v, indices, scale=scale, chunk=chunk)
 
 
 class MLAttention(nn.Module):
@@ -74,9 +66,9 @@ class MLAttention(nn.Module):
             # The indexer never trains through the LM loss: its input is detached.
             idx_in = (jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent))
             q_idx, k_idx, w = Indexer(c, name="indexer")(*idx_in, cos, sin)
-            indices = select_topk(jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(k_idx),
-                                  jax.lax.stop_gradient(w), c.index_topk, segment_ids=segment_ids,
-                                  impl=c.attention_impl, chunk=c.attn_chunk)
+            indices = indexer_topk(jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(k_idx),
+                                   jax.lax.stop_gradient(w), c.index_topk, segment_ids=segment_ids,
+                                   impl=c.attention_impl, chunk=c.attn_chunk)
             if indexer_loss == "dense":
                 kl, recall = indexer_kl_dense(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), scale,
                                               q_idx, k_idx, w, topk=c.index_topk, segment_ids=segment_ids,

@@ -1,0 +1,25 @@
+"""The one place that picks a DSA kernel: `ModelConfig.attention_impl` "xla" runs the jnp references
+(pallas_kernels.reference), "pallas" the Pallas kernels (pallas_kernels.dsa: Mosaic on TPU, Triton on
+GPU, interpret mode on CPU). Both have the same signatures; tests compare them."""
+
+from __future__ import annotations
+
+from pallas_kernels import reference as ref
+
+
+def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: str = "xla", chunk: int = 256):
+    """Exact top-k key indices per query, int32 [B, T, topk], -1 where fewer keys are visible."""
+    if impl == "pallas":
+        from pallas_kernels import dsa
+        if segment_ids is not None:
+            raise ValueError("attention_impl='pallas' does not take packed segment_ids; use 'xla' for packed batches")
+        return dsa.indexer_topk(q_idx, k_idx, weights, topk)
+    return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk)
+
+
+def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int = 128):
+    """q [B, T, H, D] over the keys `indices` [B, T, K] (-1 = none) of k/v [B, S, Hk, D] -> [B, T, H, Dv]."""
+    if impl == "pallas":
+        from pallas_kernels import dsa
+        return dsa.sparse_attention(q, k, v, indices, scale=scale)
+    return ref.sparse_attention(q, k, v, indices, scale=scale, chunk=chunk)
