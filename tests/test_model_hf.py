@@ -1,4 +1,8 @@
-"""Golden logits against HF transformers GlmMoeDsaForCausalLM fixtures, and HF checkpoint I/O."""
+"""Golden logits against HF transformers GlmMoeDsaForCausalLM fixtures, and HF checkpoint I/O.
+
+Every load runs with the scanned layer stacks (scan_layers=True, the default) and unrolled
+(scan_layers=False): the parameter tree is the same, only the forward differs.
+"""
 
 import json
 import os
@@ -13,12 +17,15 @@ from glm5_jax.config import ModelConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 NAMES = ["hf_sparse", "hf_shared", "hf_grouped", "hf_dense_equiv"]
+SCAN = pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 
 
+@SCAN
 @pytest.mark.parametrize("name", NAMES)
-def test_golden_logits_match_transformers(name):
+def test_golden_logits_match_transformers(name, scan):
     d = os.path.join(FIXTURES, name)
-    cfg, params = hf.load_checkpoint(d)
+    cfg, params = hf.load_checkpoint(d, scan_layers=scan)
+    assert cfg.scan_layers is scan
     ids = np.load(os.path.join(d, "input_ids.npy"))
     want = np.load(os.path.join(d, "logits.npy"))
     got = np.asarray(jax.jit(lambda p, t: model.forward(cfg, p, t))(params, ids))
@@ -52,13 +59,49 @@ def test_hf_round_trip_is_exact(tmp_path, shard):
     cfg2, params2 = hf.load_checkpoint(tmp_path)
     assert cfg2 == cfg
     _assert_same_tree(params, params2)
+    cfg3, params3 = hf.load_checkpoint(tmp_path, scan_layers=False)     # one tree for both forwards
+    assert cfg3 == cfg.replace(scan_layers=False)
+    _assert_same_tree(params, params3)
+
+
+def test_stacked_leaves_hold_hf_layers_in_order():
+    """Slice r of `<stack>/layer_<j>` is HF layer stack.layer_index(r, j), read straight from the file;
+    shared-indexer sub-layers have no indexer (and HF has none for those layers)."""
+    from safetensors.numpy import load_file
+    d = os.path.join(FIXTURES, "hf_shared")
+    cfg, params = hf.load_checkpoint(d)
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    assert {s.name for s in cfg.layer_stacks} | {"embed", "final_norm", "lm_head"} >= set(params)
+    seen = set()
+    for stack in cfg.layer_stacks:
+        for j in range(stack.period):
+            sub = params[stack.name][f"layer_{j}"]
+            assert sub["input_norm"]["scale"].shape[0] == stack.repeats
+            has_indexer = "indexer" in sub["attn"]
+            assert has_indexer == (stack.indexer_types[j] == "full")
+            for r in range(stack.repeats):
+                i = stack.layer_index(r, j)
+                seen.add(i)
+                base = f"model.layers.{i}"
+                np.testing.assert_array_equal(sub["attn"]["q_b_proj"]["kernel"][r],
+                                              tensors[f"{base}.self_attn.q_b_proj.weight"].T)
+                if stack.moe:
+                    np.testing.assert_array_equal(sub["moe"]["experts"]["down_proj"][r, 1],
+                                                  tensors[f"{base}.mlp.experts.1.down_proj.weight"].T)
+                else:
+                    np.testing.assert_array_equal(sub["mlp"]["up_proj"]["kernel"][r],
+                                                  tensors[f"{base}.mlp.up_proj.weight"].T)
+                assert (f"{base}.self_attn.indexer.wk.weight" in tensors) == has_indexer
+    assert seen == set(range(cfg.num_layers))
 
 
 @pytest.mark.parametrize("variant", [dict(attention="gqa", num_kv_heads=2, indexer_types=None, mtp_depth=2, mtp_share=False),
-                                     dict(attention="dsa", mtp_depth=3, mtp_share=True, n_group=2, topk_group=1)])
+                                     dict(attention="dsa", mtp_depth=3, mtp_share=True, n_group=2, topk_group=1,
+                                          num_layers=6,     # MoE stack: a repeated (full, shared) block + a tail
+                                          indexer_types=("full", "full", "shared", "full", "shared", "full"))])
 def test_round_trip_of_own_variants_with_mtp(tmp_path, variant):
     cfg = ModelConfig(**variant)
-    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    params = jax.jit(lambda r: model.init_params(cfg, r))(jax.random.PRNGKey(0))   # jit: eager init is slow
     hf.save_checkpoint(cfg, params, tmp_path)
     cfg2, params2 = hf.load_checkpoint(tmp_path)
     assert cfg2 == cfg
