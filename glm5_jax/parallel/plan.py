@@ -108,9 +108,9 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
     activations: auto (measure if the mesh's devices exist and the model has < 5e9 parameters, else
     estimate) | measure | estimate.
     """
-    from glm5_jax.parallel.state import (abstract_batch, abstract_state, make_sharded_train_step,
-                                         per_device_bytes)
     from glm5_jax.sharding import make_mesh
+    from glm5_jax.train.state import abstract_batch, abstract_state, per_device_bytes
+    from glm5_jax.train.step import make_train_step
 
     sizes = parse_mesh_spec(mesh)
     if any(v == -1 for v in sizes.values()):
@@ -139,10 +139,8 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
     if measure:
         real = make_mesh(sizes, jax.devices()[:n_dev])
         rstate, _ = abstract_state(cfg, tcfg, real, tx)
-        step = make_sharded_train_step(cfg, tcfg, tx, real)
-        from glm5_jax.sharding import use_mesh
-        with use_mesh(real):
-            compiled = step.jitted.lower(rstate, abstract_batch(batch_size, seq_len, real)).compile()
+        step = make_train_step(cfg, tcfg, tx, real)          # the step every experiment runs
+        compiled = step.lower(rstate, abstract_batch(batch_size, seq_len, real)).compile()
         ma = compiled.memory_analysis()
         a_bytes = int(ma.temp_size_in_bytes)
         sources["activations"] = ("measured: compiled.memory_analysis().temp_size_in_bytes "
