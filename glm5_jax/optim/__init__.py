@@ -20,11 +20,11 @@ from glm5_jax.utils import path_to_str
 from .muon import (HeadSplit, MuonState, NS_COEFFS, NS_STEPS, muon, newton_schulz,
                    orthogonalize_leaf, scale_by_muon)
 from .partition import (LABELS, OPTIMIZER_NAMES, MuonSplitSpec, check_optimizer_name,
-                        make_split_fn, optimizer_table, partition_params)
+                        frozen_predicate, make_split_fn, optimizer_table, partition_params)
 from .schedules import warmup_cosine
 
 __all__ = [
-    "make_optimizer", "partition_params", "optimizer_table", "MuonSplitSpec", "HeadSplit",
+    "make_optimizer", "partition_params", "frozen_predicate", "optimizer_table", "MuonSplitSpec", "HeadSplit",
     "scale_by_muon", "muon", "newton_schulz", "orthogonalize_leaf", "warmup_cosine",
     "path_to_str", "OPTIMIZER_NAMES", "LABELS", "MuonState", "NS_COEFFS", "NS_STEPS",
 ]

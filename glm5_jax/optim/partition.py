@@ -109,8 +109,10 @@ def _base_label(path: str, ndim: int, optimizer_name: str) -> str:
     return "muon"
 
 
-def _frozen_predicate(trainable: Optional[Callable[[str], bool]],
-                      frozen_patterns: Optional[Iterable[str]]) -> Callable[[str], bool]:
+def frozen_predicate(trainable: Optional[Callable[[str], bool]],
+                     frozen_patterns: Optional[Iterable[str]]) -> Callable[[str], bool]:
+    """path -> frozen?: `trainable(path)` is False, or a regex of `frozen_patterns` is found in the
+    '/'-joined path (the one rule every optimizer builder should share)."""
     pats = [re.compile(p) for p in (frozen_patterns or ())]
 
     def is_frozen(path: str) -> bool:
@@ -128,7 +130,7 @@ def partition_params(params, optimizer_name: str, *,
     ``trainable(path) -> bool`` and/or ``frozen_patterns`` (regexes searched in the '/'-joined
     path) mark leaves 'frozen'."""
     check_optimizer_name(optimizer_name)
-    is_frozen = _frozen_predicate(trainable, frozen_patterns)
+    is_frozen = frozen_predicate(trainable, frozen_patterns)
 
     def label(path, leaf):
         p = path_to_str(path)
