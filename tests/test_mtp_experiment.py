@@ -8,7 +8,6 @@ import math
 import os
 
 import jax
-import numpy as np
 import pytest
 
 from experiments import registry
