@@ -7,8 +7,9 @@ num_layers=N)` twice in this one process: with the model's default stacking (`sc
 one `nn.scan` per layer stack) and unrolled (`scan_layers=False`, the same stacks traced layer by
 layer). Lowering (trace + StableHLO) and XLA compilation are timed separately; inputs are
 `jax.ShapeDtypeStruct`s and the parameters come from `model.abstract_params` (eval_shape), so
-nothing model-sized is allocated and nothing runs. A throw-away 1-layer compile first takes the
-one-time backend start-up out of the first row.
+nothing model-sized is allocated and nothing runs. A throw-away 2-layer compile (one dense and one
+MoE layer) first takes the one-time start-up costs (backend, first traces of each module) out of
+the first row.
 
 Printed: a table (layers, lower / compile / total seconds per mode) and, per mode, the ratio of
 the deepest to the shallowest total (issue 12's target: scanned 32-layer / 4-layer <= 2x; the
@@ -46,7 +47,7 @@ def compile_seconds(num_layers: int, scan_layers: bool, seq: int = 64, batch: in
 
 
 def run(layers: list[int], modes: list[str], seq: int = 64) -> dict:
-    compile_seconds(1, True, seq)                            # backend start-up, not measured
+    compile_seconds(2, True, seq)                            # start-up costs, not measured
     rows = []
     for n in layers:
         row = {"layers": n}
