@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Masked attention / index scores. -inf (not a large finite number) so a fully masked row is
-# detectable and exp() of it is exactly 0.
-NEG_INF = -jnp.inf
+# Masked attention / index scores: -inf (not a large finite number) so a fully masked row is
+# detectable and exp() of it is exactly 0. Defined once, beside the kernels that need it too.
+from pallas_kernels.reference import NEG_INF  # noqa: E402,F401
 
 
 def key_to_str(k) -> str:

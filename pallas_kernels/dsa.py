@@ -76,7 +76,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import sparse_attn_tpu as _tpu
 from pallas_kernels import sparse_attn_triton as _triton
 
-NEG_INF = float("-inf")
+from pallas_kernels.reference import NEG_INF
 _F32 = jnp.float32
 
 

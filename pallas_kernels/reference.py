@@ -19,10 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -jnp.inf
+NEG_INF = float("-inf")   # the one masked-score value (a Python float: usable inside Pallas kernels)
 
 
-def _pick_chunk(t: int, target: int) -> int:
+def pick_chunk(t: int, target: int) -> int:
     """Largest divisor of t that is <= target (chunks must tile T exactly for lax.map)."""
     c = max(1, min(t, target))
     while t % c:
@@ -154,7 +154,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segme
         raise ValueError(f"topk must be >= 1, got {topk}")
     if segment_ids is not None and s != t:
         raise ValueError(f"segment_ids needs S == T, got S={s}, T={t}")
-    tc = _pick_chunk(t, chunk)
+    tc = pick_chunk(t, chunk)
     n = t // tc
     k_eff = min(topk, s)
     g = max(1, min(int(groups), n)) if causal else 1
@@ -203,7 +203,7 @@ def _indexer_topk_sort(q_idx, k_idx, weights, topk: int, *, causal: bool = True,
         raise ValueError(f"topk must be >= 1, got {topk}")
     if segment_ids is not None and s != t:
         raise ValueError(f"segment_ids needs S == T, got S={s}, T={t}")
-    tc = _pick_chunk(t, chunk)
+    tc = pick_chunk(t, chunk)
     k_eff = min(topk, s)
 
     def one_chunk(i):
@@ -335,6 +335,6 @@ def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 16):
         idx = jnp.repeat(indices, h, axis=0)
         o = sparse_attention(fold(q), fold(k), fold(v), idx, scale=scale, chunk=chunk)
         return jnp.swapaxes(o.reshape(b, h, t, dv), 1, 2)
-    tc = _pick_chunk(t, chunk)
+    tc = pick_chunk(t, chunk)
     kv = (k[:, :, 0], v[:, :, 0])
     return _sparse_mqa(q, kv, indices.astype(jnp.int32), float(scale), tc).astype(q.dtype)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-NEG_INF = float("-inf")
+from pallas_kernels.reference import NEG_INF
 _F32 = jnp.float32
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-NEG_INF = float("-inf")
+from pallas_kernels.reference import NEG_INF
 _F32 = jnp.float32
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import _pick_chunk, visible_mask
+from glm5_jax.utils import NEG_INF
+from pallas_kernels.reference import pick_chunk, visible_mask
 
 
 def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 256):
@@ -20,7 +21,7 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
     if h % hk:
         raise ValueError(f"query heads {h} must be a multiple of key heads {hk}")
     g = h // hk
-    tc = _pick_chunk(t, chunk)
+    tc = pick_chunk(t, chunk)
 
     def one_chunk(i):
         t0 = i * tc
@@ -28,7 +29,7 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
         seg_q = None if segment_ids is None else jax.lax.dynamic_slice_in_dim(segment_ids, t0, tc, 1)
         logits = jnp.einsum("btkgd,bskd->bkgts", qc, k).astype(jnp.float32) * scale
         mask = visible_mask(t0, tc, s, t, True, seg_q, segment_ids)     # [B|1, tc, S]
-        logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+        logits = jnp.where(mask[:, None, None], logits, NEG_INF)
         p = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, tc, h, -1)
 
@@ -54,7 +55,7 @@ def visible_slots(positions, size: int):
 
 def masked_softmax(logits, mask):
     """Softmax over the last axis where mask; a row with no visible entry gives zeros, never NaN."""
-    logits = jnp.where(mask, logits, -jnp.inf)
+    logits = jnp.where(mask, logits, NEG_INF)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     d = jnp.sum(p, axis=-1, keepdims=True)

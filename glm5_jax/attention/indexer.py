@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.attention.core import visible_slots
+from glm5_jax.utils import NEG_INF
 from glm5_jax.layers.common import Dense, LayerNorm, dtype_of
 from glm5_jax.layers.rope import apply_rope
 from pallas_kernels import reference as ref
@@ -43,9 +44,9 @@ def select_topk_cached(q_idx, k_cache, weights, topk: int, positions):
     (slots 0..p visible) -> int32 [B, T, min(topk, S)], -1 where fewer keys are visible; ties go to the
     lower slot, as in training."""
     scores = jnp.where(visible_slots(positions, k_cache.shape[1]), ref.index_scores(q_idx, k_cache, weights),
-                       -jnp.inf)
+                       NEG_INF)
     vals, idx = jax.lax.top_k(scores, min(topk, k_cache.shape[1]))
-    return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32)
+    return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
 
 
 def _kl(p, log_q, valid):
@@ -63,7 +64,7 @@ def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_i
     """
     b, t = q.shape[:2]
     s = k.shape[1]
-    tc = ref._pick_chunk(t, chunk)
+    tc = ref.pick_chunk(t, chunk)
     kk = min(topk, s)
 
     def one_chunk(i):
@@ -72,10 +73,10 @@ def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_i
         seg_q = None if segment_ids is None else sl(segment_ids)
         mask = ref.visible_mask(t0, tc, s, t, True, seg_q, segment_ids)
         logits = jnp.einsum("bthd,bshd->bhts", sl(q), k).astype(jnp.float32) * scale
-        probs = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+        probs = jax.nn.softmax(jnp.where(mask[:, None], logits, NEG_INF), axis=-1)
         p = jnp.sum(probs, axis=1)
         p = jax.lax.stop_gradient(p / jnp.sum(p, axis=-1, keepdims=True))
-        scores = jnp.where(mask, ref.index_scores(sl(q_idx), k_idx, sl(weights)), -jnp.inf)
+        scores = jnp.where(mask, ref.index_scores(sl(q_idx), k_idx, sl(weights)), NEG_INF)
         log_q = jax.nn.log_softmax(scores, axis=-1)
         kl = _kl(p, log_q, mask)
         # recall: fraction of the true top-k (by p) that the indexer's top-k also holds
@@ -94,7 +95,7 @@ def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_i
 def indexer_kl_sparse(q, k, scale, q_idx, k_idx, weights, indices, *, chunk: int = 256):
     """Sparse-stage loss: the same KL restricted to each query's selected keys `indices` [B, T, K]."""
     b, t = q.shape[:2]
-    tc = ref._pick_chunk(t, chunk)
+    tc = ref.pick_chunk(t, chunk)
     gather = jax.vmap(lambda xb, ib: xb[ib])
 
     def one_chunk(i):
@@ -105,13 +106,13 @@ def indexer_kl_sparse(q, k, scale, q_idx, k_idx, weights, indices, *, chunk: int
         safe = jnp.where(valid, idx, 0)
         kc = gather(k, safe)                                                    # [B, tc, K, H, D]
         logits = jnp.einsum("bthd,btkhd->bhtk", sl(q), kc).astype(jnp.float32) * scale
-        probs = jax.nn.softmax(jnp.where(valid[:, None], logits, -jnp.inf), axis=-1)
+        probs = jax.nn.softmax(jnp.where(valid[:, None], logits, NEG_INF), axis=-1)
         p = jnp.sum(probs, axis=1)
         p = jax.lax.stop_gradient(p / jnp.sum(p, axis=-1, keepdims=True))
         ki = gather(k_idx, safe)                                                # [B, tc, K, Di]
         dots = jax.nn.relu(jnp.einsum("bthd,btkd->bthk", sl(q_idx).astype(jnp.float32), ki.astype(jnp.float32)))
         scores = jnp.einsum("bth,bthk->btk", sl(weights), dots)
-        log_q = jax.nn.log_softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
+        log_q = jax.nn.log_softmax(jnp.where(valid, scores, NEG_INF), axis=-1)
         return _kl(p, log_q, valid)
 
     return jnp.mean(jax.lax.map(one_chunk, jnp.arange(t // tc)))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from glm5_jax.layers.common import constrain, init_normal
 from glm5_jax.layers.mlp import SwiGLU
+from glm5_jax.utils import NEG_INF
 
 
 def route(x, router_kernel, bias, *, experts_per_tok: int, n_group: int, topk_group: int,
@@ -27,7 +28,7 @@ def route(x, router_kernel, bias, *, experts_per_tok: int, n_group: int, topk_gr
         _, top_groups = jax.lax.top_k(group_scores, topk_group)                   # [N, topk_group]
         group_keep = jnp.any(top_groups[..., None] == jnp.arange(n_group), axis=1)  # [N, G]
         keep = jnp.repeat(group_keep, e // n_group, axis=1)
-        choice = jnp.where(keep, choice, -jnp.inf)
+        choice = jnp.where(keep, choice, NEG_INF)
     _, ids = jax.lax.top_k(choice, experts_per_tok)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if norm_topk_prob:
