@@ -45,7 +45,7 @@ COMMON = """
                         "segment_ids": np.ones((8, 16), np.int32), "loss_mask": np.ones((8, 16), np.float32)})
 
     def leaf_spec(tree, name):
-        """The mesh axes of each dim of the leaf called `name` (layout-agnostic: stacked or not)."""
+        # the mesh axes of each dim of the leaf called `name` (layout-agnostic: stacked or not)
         a = next(v for k, v in traverse_util.flatten_dict(tree).items() if k[-1] == name)
         spec = tuple(a.sharding.spec)
         return spec + (None,) * (a.ndim - len(spec))
@@ -156,6 +156,39 @@ def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
     print("OK")
     """)
     print(out)
+
+
+def test_train_loop_on_a_mesh_resumes_resharded_on_another(tmp_path):
+    """The loop on data2 x fsdp2 x expert2 stops after step 2, resumes on fsdp4 x expert2 (the checkpoint
+    is resharded on restore) and its 4-step loss trajectory equals the uninterrupted 1-device run."""
+    run8(COMMON + f"""
+    from glm5_jax.train import train
+
+    class It:
+        def __init__(self):
+            self.i = 0
+        def __next__(self):
+            self.i += 1
+            return batches[(self.i - 1) % len(batches)]
+        def get_state(self):
+            return {{"i": self.i}}
+        def set_state(self, s):
+            self.i = s["i"]
+
+    t4 = tc.replace(steps=4, ckpt_every=2, async_checkpoints=False)
+    quiet = lambda m: None
+    ref = train(cfg, t4, It(), {str(tmp_path / 'one')!r}, init_params=params, log=quiet)
+    a, b = sharding.make_mesh("data:2,fsdp:2,expert:2"), sharding.make_mesh("fsdp:4,expert:2")
+    train(cfg, t4, It(), {str(tmp_path / 'two')!r}, init_params=params, log=quiet, mesh=a, stop_after=2)
+    out = train(cfg, t4, It(), {str(tmp_path / 'two')!r}, init_params=params, log=quiet, mesh=b)
+    assert [r["step"] for r in out["history"]] == [1, 2, 3, 4]
+    want = np.array([r["loss"] for r in ref["history"]])
+    got = np.array([r["loss"] for r in out["history"]])
+    assert np.max(np.abs(got - want) / np.abs(want)) <= 1e-5, (got, want)
+    assert leaf_spec(out["params"], "gate_proj")[-3:-1] == ("expert", "fsdp")   # lives on mesh b
+    assert dict(jax.tree_util.tree_leaves(out["params"])[0].sharding.mesh.shape)["fsdp"] == 4
+    print("OK")
+    """)
 
 
 def test_bad_meshes_and_distributed_settings_fail_clearly():

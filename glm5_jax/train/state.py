@@ -146,7 +146,11 @@ def init_train_state(model_cfg: ModelConfig, tcfg: TrainConfig | None, mesh=None
                 p = init_params(model_cfg, jax.random.fold_in(rng, 1))
                 return {"params": p, "opt_state": tx.init(p), **rest()}
             return jax.jit(init, out_shardings=sh)(), tx
-        params = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, s, may_alias=False), params, sh["params"])
+        # device_put moves any source layout onto the shardings; the compiled copy then guarantees fresh
+        # buffers (jax 0.10.2's device_put keeps the source buffer as one shard of a replicated target
+        # even with may_alias=False, and the step's donation would delete the caller's arrays)
+        params = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t), out_shardings=sh["params"])(
+            jax.device_put(params, sh["params"]))
         opt = jax.jit(tx.init, out_shardings=sh["opt_state"])(params)
         other = jax.jit(rest, out_shardings={"step": sh["step"], "rng": sh["rng"]})()
     return {"params": params, "opt_state": opt, **other}, tx

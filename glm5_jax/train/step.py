@@ -22,7 +22,7 @@ from flax import traverse_util
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.losses import cross_entropy, mtp_loss
-from glm5_jax.model import GLM5
+from glm5_jax.model import GLM5, per_layer
 from glm5_jax.sharding import batch_sharding, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.state import build_optimizer, state_shardings
@@ -173,7 +173,6 @@ def make_monitor_fn(model_cfg: ModelConfig):
     def monitor(params, batch):
         _, state = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
                                monitor_logits=True, mutable=["intermediates"])
-        from glm5_jax.model import per_layer      # global layer index <- (stack, repeat, layer in block)
         layers = per_layer(model_cfg, state.get("intermediates", {}), "max_attn_logit")
         out = {f"max_attn_logit/layer_{i}": v for i, v in sorted(layers.items())}
         if layers:
