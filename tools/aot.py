@@ -1,0 +1,280 @@
+"""Compile the train step for a TPU topology without the TPU, and report its per-device memory.
+
+    python -m tools.aot --preset=glm5 --topology=v5p:4x4x8 [--mesh=fsdp:32,expert:4] [--batch_size=N]
+        [--seq_len=T] [--remat=none|full|dots|dots_no_batch] [--optimizer=adamw|muon|muon_split]
+        [--set model.FIELD=V ...] [--set train.FIELD=V ...] [--dump_dir=DIR] [--json]
+
+It builds the SAME step experiments train with (glm5_jax.train.step.make_train_step on a Mesh of
+the topology's devices, state shapes from glm5_jax.train.state.abstract_state, batch shapes from
+abstract_batch), lowers it with ShapeDtypeStructs (nothing is allocated) and compiles it with the
+TPU compiler that `jax[tpu]` brings (libtpu; `jax.experimental.topologies` gives the devices of a
+topology, no TPU needed). Printed: compile seconds, `compiled.memory_analysis()` per device
+(arguments, outputs, temporaries, aliased) against the chip's HBM, and tools.plan's estimate beside it.
+Per-device total = arguments + outputs + temporaries - aliased (the donated state's outputs reuse
+its argument buffers; memory_analysis reports the aliased bytes, and they are subtracted).
+
+Progress lines go to stderr; with --json the last stdout line is one JSON object. `--dump_dir`
+sets XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text (buffer assignment and memory-usage report
+in *buffer-assignment.txt / *memory-usage-report.txt).
+
+Defaults: DEFAULTS below holds the configuration measured to fit for (preset, topology) pairs
+(docs/scaleout.md, "Compiled memory (tools.aot)"); otherwise the mesh is fsdp over every device,
+one sequence per batch shard, seq_len 4096. Gradient accumulation: TrainConfig has no grad_accum
+(yet), so there is no --grad_accum; the step compiled is one full-batch step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+# chip kind -> (HBM bytes per chip, chips per host bounds of the kind's hosts)
+CHIPS = {
+    "v5p": (95 * 2**30, (2, 2, 1)),
+    "v4": (32 * 2**30, (2, 2, 1)),
+    "v6e": (32 * 2**30, (2, 4, 1)),
+    "v5e": (16 * 2**30, (2, 4, 1)),
+}
+REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")
+
+# (preset, topology) -> flag defaults that were compiled and fit (see docs/scaleout.md). Flags given
+# on the command line win; `set` entries come before the command line's --set.
+DEFAULTS: dict[tuple[str, str], dict] = {}
+
+
+class AotError(ValueError):
+    """A bad topology, mesh, preset or override: raised before anything is compiled."""
+
+
+def _log(t0: float, msg: str) -> None:
+    print(f"[aot {time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
+    """'v5p:4x4x8' -> ('v5p', (4, 4, 8)); AotError naming the allowed kinds otherwise."""
+    if ":" not in topology:
+        raise AotError(f"--topology={topology!r} must look like KIND:AxBxC (e.g. v5p:4x4x8); "
+                       f"kinds: {', '.join(CHIPS)}")
+    kind, dims = topology.split(":", 1)
+    if kind not in CHIPS:
+        raise AotError(f"--topology={topology!r}: unknown chip kind {kind!r}; allowed: {', '.join(CHIPS)}")
+    try:
+        shape = tuple(int(d) for d in dims.split("x"))
+    except ValueError:
+        raise AotError(f"--topology={topology!r}: dims {dims!r} must be integers joined by 'x' (e.g. 4x4x8)") from None
+    if not 2 <= len(shape) <= 3 or any(d < 1 for d in shape):
+        raise AotError(f"--topology={topology!r}: needs 2 or 3 positive dims (e.g. v5p:4x4x8, v5e:4x4)")
+    return kind, shape
+
+
+def topology_devices(topology: str):
+    """The devices of a TPU topology (compile-only: no TPU needed, libtpu must be importable)."""
+    kind, shape = parse_topology(topology)
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # pragma: no cover
+        raise AotError(f"jax.experimental.topologies is unavailable: {e}") from e
+    host = CHIPS[kind][1][:len(shape)]
+    # a topology smaller than one host needs its host bounds clipped to it (e.g. v5p:1x1x1)
+    bounds = [min(s, h) for s, h in zip(shape, host)] + [1] * (3 - len(shape))
+    kw = {} if all(s >= h for s, h in zip(shape, host)) else {"chips_per_host_bounds": bounds}
+    try:
+        desc = topologies.get_topology_desc(topology, "tpu", **kw)
+    except Exception as e:
+        raise AotError(f"--topology={topology!r}: the TPU compiler cannot build it ({type(e).__name__}: {e}). "
+                       "Is libtpu installed (pip install '.[tpu]')? A second process needs "
+                       "ALLOW_MULTIPLE_LIBTPU_LOAD=1.") from e
+    return list(desc.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class AotConfig:
+    """What --set reaches: model.FIELD (ModelConfig) and train.FIELD (TrainConfig)."""
+    model: object
+    train: object
+
+
+def resolve(preset_name: str, topology: str, mesh: str | None = None, batch_size: int | None = None,
+            seq_len: int | None = None, remat: str | None = None, optimizer: str | None = None,
+            overrides: tuple[str, ...] = ()) -> dict:
+    """The configuration to compile: flags > DEFAULTS[(preset, topology)] > generic defaults.
+    Checks everything that can be checked without the compiler (AotError / ConfigError / MeshError)."""
+    from experiments.overrides import OverrideError, apply_overrides
+    from glm5_jax.config import PRESETS, ConfigError, preset
+    from glm5_jax.sharding import MeshError, check_model_fits_mesh, parse_mesh_spec, resolve_mesh_shape
+    from glm5_jax.train.config import TrainConfig
+
+    if preset_name not in PRESETS:
+        raise AotError(f"--preset={preset_name!r} is unknown; allowed: {', '.join(PRESETS)}")
+    kind, shape = parse_topology(topology)
+    n_dev = math.prod(shape)
+    d = DEFAULTS.get((preset_name, topology), {})
+    mesh = mesh or d.get("mesh") or f"fsdp:{n_dev}"
+    remat = remat or d.get("remat")
+    if remat is not None and remat not in REMAT_CHOICES:
+        raise AotError(f"--remat={remat!r}; allowed: {', '.join(REMAT_CHOICES)}")
+    try:
+        sizes = resolve_mesh_shape(parse_mesh_spec(mesh), n_dev)
+    except MeshError as e:
+        raise AotError(f"--mesh={mesh!r} on --topology={topology} ({n_dev} devices): {e}") from e
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    batch_size = batch_size or d.get("batch_size") or shards
+    seq_len = seq_len or d.get("seq_len") or 4096
+    cfg = preset(preset_name)
+    if remat is not None:
+        cfg = cfg.replace(remat=remat)
+    train = TrainConfig(batch_size=batch_size, seq_len=seq_len, steps=1000,
+                        optimizer=optimizer or d.get("optimizer", "adamw"))
+    try:
+        conf = apply_overrides(AotConfig(cfg, train), tuple(d.get("set", ())) + tuple(overrides))
+    except (OverrideError, ConfigError) as e:
+        raise AotError(str(e)) from e
+    check_model_fits_mesh(conf.model, sizes, conf.train.batch_size)
+    return {"preset": preset_name, "topology": topology, "chip": kind, "devices": n_dev, "mesh": sizes,
+            "model": conf.model, "train": conf.train, "hbm_bytes": CHIPS[kind][0]}
+
+
+def plan_estimate(model_cfg, tcfg, sizes) -> dict:
+    """tools.plan's per-device figures for the same config (params/optimizer exact, activations
+    estimated analytically)."""
+    from glm5_jax.parallel.plan import plan
+    p = plan(model_cfg, sizes, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, optimizer=tcfg.optimizer,
+             activations="estimate")
+    return {"per_device_bytes": p["per_device_bytes"], "activations_source": p["sources"]["activations"]}
+
+
+def compile_step(r: dict, *, log=None) -> dict:
+    """Lower and compile the train step of a resolve()d config for its topology. Returns the report
+    (per_device_bytes, compile_seconds, ...) without the plan estimate."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from glm5_jax.sharding import MESH_AXES
+    from glm5_jax.train.state import abstract_batch, abstract_state, per_device_bytes
+    from glm5_jax.train.step import make_train_step
+
+    log = log or (lambda msg: None)
+    devices = topology_devices(r["topology"])
+    sizes = r["mesh"]
+    mesh = Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    cfg, tcfg = r["model"], r["train"]
+    t = time.time()
+    state, tx = abstract_state(cfg, tcfg, mesh)
+    step = make_train_step(cfg, tcfg, tx, mesh)
+    batch = abstract_batch(tcfg.batch_size, tcfg.seq_len, mesh)
+    log(f"abstract state built ({time.time() - t:.1f}s); lowering")
+    t = time.time()
+    lowered = step.lower(state, batch)
+    lower_s = time.time() - t
+    log(f"lowered in {lower_s:.1f}s; compiling with the TPU compiler")
+    t = time.time()
+    compiled = lowered.compile()
+    compile_s = time.time() - t
+    log(f"compiled in {compile_s:.1f}s")
+    ma = compiled.memory_analysis()
+    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    tmp, alias = int(ma.temp_size_in_bytes), int(getattr(ma, "alias_size_in_bytes", 0) or 0)
+    total = arg + out + tmp - alias
+    return {
+        "per_device_bytes": {"arguments": arg, "outputs": out, "temporaries": tmp, "aliased": alias,
+                             "total": total},
+        "total_formula": "arguments + outputs + temporaries - aliased" if alias else
+                         "arguments + outputs + temporaries (memory_analysis reports no aliasing)",
+        "state_bytes": {"params": per_device_bytes(state["params"]),
+                        "optimizer": per_device_bytes(state["opt_state"])},
+        "generated_code_bytes": int(getattr(ma, "generated_code_size_in_bytes", 0) or 0),
+        "lower_seconds": round(lower_s, 1), "compile_seconds": round(compile_s, 1),
+        "num_params": int(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))),
+    }
+
+
+def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, **kw) -> dict:
+    """resolve() + compile_step() + the plan estimate: the JSON report tools.aot prints."""
+    from experiments.overrides import as_dict
+    r = resolve(preset_name, topology, **kw)
+    out = compile_step(r, log=log)
+    hbm = r["hbm_bytes"]
+    report = {"preset": preset_name, "topology": topology, "chip": r["chip"], "devices": r["devices"],
+              "mesh": r["mesh"], "batch_size": r["train"].batch_size, "seq_len": r["train"].seq_len,
+              "tokens_per_step": r["train"].batch_size * r["train"].seq_len,
+              **out, "hbm_bytes": hbm, "fits": out["per_device_bytes"]["total"] <= hbm,
+              "config": {"model": as_dict(r["model"]), "train": as_dict(r["train"])}}
+    if with_plan:
+        est = plan_estimate(r["model"], r["train"], r["mesh"])
+        report["plan_estimate"] = est
+        if est["per_device_bytes"]["total"]:
+            report["compiled_over_plan"] = round(out["per_device_bytes"]["total"] / est["per_device_bytes"]["total"], 3)
+    return report
+
+
+def format_report(p: dict) -> str:
+    gib = lambda b: f"{b / 2**30:10.2f} GiB"
+    pd = p["per_device_bytes"]
+    mesh = ",".join(f"{a}:{n}" for a, n in p["mesh"].items() if n > 1) or "1 device"
+    m = p["config"]["model"]
+    lines = [f"preset {p['preset']} on {p['topology']} ({p['devices']} chips), mesh {mesh}, batch "
+             f"{p['batch_size']} x {p['seq_len']} ({p['tokens_per_step']:,} tokens/step), "
+             f"optimizer {p['config']['train']['optimizer']}, layers {m['num_layers']}, remat {m['remat']}, "
+             f"moe_impl {m['moe_impl']}",
+             f"compiled in {p['compile_seconds']:.1f}s (lowered in {p['lower_seconds']:.1f}s)",
+             "per-device memory (compiled.memory_analysis()):"]
+    for k in ("arguments", "outputs", "temporaries", "aliased", "total"):
+        lines.append(f"  {k:<12}{gib(pd[k])}")
+    lines.append(f"  ({p['total_formula']})")
+    lines.append(f"{'fits' if p['fits'] else 'DOES NOT FIT'}: {p['chip']} HBM {p['hbm_bytes'] / 2**30:.0f} GiB")
+    if "plan_estimate" in p:
+        e = p["plan_estimate"]["per_device_bytes"]
+        lines.append(f"tools.plan estimate: params {gib(e['params'])}, optimizer {gib(e['optimizer'])}, "
+                     f"activations {gib(e['activations'])}, total {gib(e['total'])}"
+                     f" (compiled / plan = {p.get('compiled_over_plan')})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.aot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--topology", required=True, help="KIND:AxBxC, kinds: " + ", ".join(CHIPS))
+    ap.add_argument("--mesh", default=None, help="AXIS:N,... over data, fsdp, expert, tensor (-1 = fill)")
+    ap.add_argument("--batch_size", type=int, default=None)
+    ap.add_argument("--seq_len", type=int, default=None)
+    ap.add_argument("--remat", default=None, help="ModelConfig.remat: " + " | ".join(REMAT_CHOICES))
+    ap.add_argument("--optimizer", default=None, help="TrainConfig.optimizer: adamw | muon | muon_split")
+    ap.add_argument("--set", action="append", default=[], metavar="model.FIELD=V",
+                    help="dotted override of model.* (ModelConfig) or train.* (TrainConfig); repeatable")
+    ap.add_argument("--dump_dir", default=None, help="dump the compiled HLO and buffer assignment here")
+    ap.add_argument("--no_plan", action="store_true", help="skip tools.plan's estimate")
+    ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    log = lambda msg: _log(t0, msg)
+    if a.dump_dir:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_dump_to={a.dump_dir} --xla_dump_hlo_as_text").strip()
+    from glm5_jax.config import ConfigError
+    from glm5_jax.sharding import MeshError
+    try:
+        resolve(a.preset, a.topology, mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len, remat=a.remat,
+                optimizer=a.optimizer, overrides=tuple(a.set))     # every flag checked before the compiler
+        log(f"config resolved; building the {a.topology} devices")
+        report = run(a.preset, a.topology, mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len,
+                     remat=a.remat, optimizer=a.optimizer, overrides=tuple(a.set), with_plan=not a.no_plan,
+                     log=log)
+    except (AotError, ConfigError, MeshError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report["elapsed_seconds"] = round(time.time() - t0, 1)
+    print(format_report(report))
+    if a.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
