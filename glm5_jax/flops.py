@@ -1,0 +1,56 @@
+"""Parameter counts and training FLOPs per token of a model config, from the real parameter tree.
+
+    from glm5_jax.flops import estimate, train_flops_per_token
+    estimate(preset("glm5"), seq_len=4096)["active_params"]
+    train_flops_per_token(cfg, seq_len)      # what MFU (glm5_jax.train.observe) divides by
+
+Counts come from `jax.eval_shape` of the model's init (nothing is allocated), so they follow the
+code, not a formula. Active parameters count every non-routed parameter in full (embedding table and
+output head included) plus experts_per_tok of the routed experts in each MoE layer. The MTP layers
+are counted apart (mtp_params) and are not in the FLOPs. `python -m tools.estimate` prints these.
+"""
+
+from __future__ import annotations
+
+import math
+
+from glm5_jax.config import ModelConfig
+
+
+def _size(leaf) -> int:
+    leaf = leaf.unbox() if hasattr(leaf, "unbox") else leaf
+    return math.prod(leaf.shape)
+
+
+def estimate(config: ModelConfig, seq_len: int = 4096) -> dict:
+    """Parameter counts and training FLOPs per token at `seq_len` (forward + backward)."""
+    from flax import traverse_util
+
+    from glm5_jax.model import abstract_params
+
+    flat = traverse_util.flatten_dict(abstract_params(config))
+    mtp = sum(_size(v) for p, v in flat.items() if p[0].startswith("mtp_"))
+    main = {p: v for p, v in flat.items() if not p[0].startswith("mtp_")}
+    total = sum(_size(v) for v in main.values())
+    routed = sum(_size(v) for p, v in main.items() if "experts" in p and "shared_experts" not in p)
+    n_moe = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    active = total - (routed * (config.num_experts - config.experts_per_tok) // config.num_experts if config.num_experts else 0)
+    embed = config.vocab_size * config.d_model
+    matmul_active = active - embed            # the embedding lookup is not a matmul
+    # Attention score + value FLOPs per token (forward): 2 * heads * (qk + v) * keys attended.
+    avg_keys = (seq_len + 1) / 2
+    keys = min(config.index_topk, avg_keys) if config.attention == "dsa" else avg_keys
+    v_dim = config.v_head_dim if config.is_mla else config.head_dim
+    attn_fwd = 2 * config.num_heads * (config.qk_head_dim + v_dim) * keys * config.num_layers
+    index_fwd = (2 * config.index_n_heads * config.index_head_dim * avg_keys * sum(
+        t == "full" for t in config.layer_indexer_types)) if config.attention == "dsa" else 0
+    flops = 6 * matmul_active + 3 * attn_fwd + index_fwd
+    return {"total_params": total, "active_params": active,
+            "mtp_params": mtp, "routed_expert_params": routed, "moe_layers": n_moe,
+            "train_flops_per_token": float(flops), "seq_len": seq_len,
+            "attention_flops_per_token_fwd": float(attn_fwd), "indexer_flops_per_token_fwd": float(index_fwd)}
+
+
+def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token (6 x active matmul params + attention), as estimate() counts."""
+    return estimate(config, seq_len)["train_flops_per_token"]
