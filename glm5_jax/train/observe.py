@@ -1,0 +1,197 @@
+"""Run observability: TensorBoard scalars, a profiler trace on request, step time, tokens/s and MFU.
+
+    obs = RunObserver(workdir, model_cfg=cfg, tcfg=tcfg, mesh=mesh, profile_steps=(5, 7))
+    for step in range(start + 1, end + 1):
+        obs.step_started(step)                      # starts / stops the jax.profiler trace
+        ...                                         # run the step, time it
+        perf = obs.record(step, metrics, step_seconds=dt)
+        if step % tcfg.log_every == 0:
+            log(obs.progress(step, tcfg.steps, metrics, perf))
+    obs.close()
+
+Only the primary process (jax.process_index() == 0 unless `primary` says otherwise) writes: TensorBoard
+event files into WORKDIR/tensorboard (tensorboardX, the maintained writer; `tensorboard --logdir
+WORKDIR/tensorboard`), and the trace of steps profile_steps[0]..profile_steps[1] into WORKDIR/profile
+(open with TensorBoard's profile plugin / xprof). Every process returns the same figures.
+
+MFU = model FLOPs per token (glm5_jax.flops: 6 x active matmul params + attention) x tokens/s
+      / (devices in the mesh x per-device peak bf16 FLOP/s of jax's device_kind);
+None where the peak is unknown (CPU, an unlisted chip).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+
+from glm5_jax.flops import train_flops_per_token
+
+# Dense bf16 peak FLOP/s per jax device, by device_kind. TPU kinds are matched exactly (jax names
+# v5p "TPU v5" and v5e "TPU v5 lite", so a substring match would confuse them); GPU kinds
+# ("NVIDIA H100 80GB HBM3", ...) by the first listed substring they contain.
+PEAK_BF16_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12, "TPU v5e": 197e12,
+    "TPU v5": 459e12, "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+}
+GPU_PEAK_BF16_FLOPS = (          # order matters: the more specific name first
+    ("H100 PCIe", 756e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Per-device peak bf16 FLOP/s for a jax device_kind, or None when not listed (e.g. "cpu")."""
+    if device_kind in PEAK_BF16_FLOPS:
+        return PEAK_BF16_FLOPS[device_kind]
+    for name, peak in GPU_PEAK_BF16_FLOPS:
+        if name in device_kind:
+            return peak
+    return None
+
+
+def fmt_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _scalar(value) -> float | None:
+    """A float for a Python/numpy/jax scalar (or one-element array); None for anything else."""
+    if isinstance(value, (bool, str)) or value is None:
+        return None
+    try:
+        arr = np.asarray(jax.device_get(value))
+    except (TypeError, ValueError):
+        return None
+    if arr.size != 1 or not np.issubdtype(arr.dtype, np.number):
+        return None
+    return float(arr.reshape(()))
+
+
+class RunObserver:
+    """TensorBoard scalars, an optional profiler trace and throughput/MFU figures for one training run.
+
+    mesh: the mesh the step runs on (its device count and kind set the MFU denominator); None means
+    the loop's single-device default. profile_steps: (first, last) steps to trace, inclusive.
+    device_kind: overrides the mesh's device kind (for hardware jax names unusually, and tests).
+    """
+
+    def __init__(self, workdir: str, *, model_cfg, tcfg, mesh=None, profile_steps: tuple[int, int] | None = None,
+                 primary: bool | None = None, device_kind: str | None = None):
+        if profile_steps is not None:
+            ok = (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
+                  and all(isinstance(s, int) and not isinstance(s, bool) for s in profile_steps)
+                  and 1 <= profile_steps[0] <= profile_steps[1])
+            if not ok:
+                raise ValueError(f"profile_steps={profile_steps!r} is invalid: expected (first, last) step "
+                                 "numbers with 1 <= first <= last, or None")
+            profile_steps = (int(profile_steps[0]), int(profile_steps[1]))
+        self.workdir = workdir
+        self.primary = jax.process_index() == 0 if primary is None else bool(primary)
+        self.profile_steps = profile_steps
+        self.tensorboard_dir = os.path.join(workdir, "tensorboard")
+        self.profile_dir = os.path.join(workdir, "profile")
+        devices = list(np.asarray(mesh.devices).flat) if mesh is not None else jax.local_devices()[:1]
+        self.num_devices = len(devices)
+        self.device_kind = device_kind if device_kind is not None else devices[0].device_kind
+        self.peak_flops_per_device = peak_flops(self.device_kind)
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
+        self.flops_per_token = train_flops_per_token(model_cfg, tcfg.seq_len)
+        self._writer = None                  # created at the first record (its step purges stale events)
+        self._tracing = False
+        self._last = {"step_time_s": None, "tokens_per_s": None, "mfu": None}
+        self._run = [0, 0.0]                 # steps, seconds since the first recorded step (for the ETA)
+        self._window = [0, 0.0]              # steps, seconds since the last progress line
+        self._first_recorded = None
+
+    # ------------------------------------------------------------------ profiler
+    def step_started(self, step: int) -> None:
+        """Start the trace as step profile_steps[0] starts; stop it as step profile_steps[1] + 1 starts
+        (or at close()), so the trace holds the requested steps' dispatch and device work."""
+        if not self.primary or self.profile_steps is None:
+            return
+        first, last = self.profile_steps
+        if step == first and not self._tracing:
+            jax.profiler.start_trace(self.profile_dir)
+            self._tracing = True
+        elif step > last and self._tracing:
+            self._stop_trace()
+
+    def _stop_trace(self) -> None:
+        jax.profiler.stop_trace()
+        self._tracing = False
+
+    # ------------------------------------------------------------------ figures
+    def throughput(self, step_seconds: float) -> dict:
+        """{"step_time_s", "tokens_per_s", "mfu"} for one optimizer step of `step_seconds`."""
+        if not (isinstance(step_seconds, (int, float)) and step_seconds > 0 and math.isfinite(step_seconds)):
+            raise ValueError(f"step_seconds={step_seconds!r} is invalid: must be a finite number > 0")
+        tokens_per_s = self.tokens_per_step / step_seconds
+        mfu = None
+        if self.peak_flops_per_device is not None:
+            mfu = self.flops_per_token * tokens_per_s / (self.num_devices * self.peak_flops_per_device)
+        return {"step_time_s": float(step_seconds), "tokens_per_s": tokens_per_s, "mfu": mfu}
+
+    def record(self, step: int, metrics: dict, *, step_seconds: float) -> dict:
+        """Figures for `step`; the primary writes every scalar of metrics and the figures to TensorBoard."""
+        perf = self.throughput(step_seconds)
+        self._last = perf
+        if self._first_recorded is None:
+            self._first_recorded = step      # its time includes compilation: kept out of the ETA
+        else:
+            self._run[0] += 1
+            self._run[1] += step_seconds
+        self._window[0] += 1
+        self._window[1] += step_seconds
+        if self.primary:
+            if self._writer is None:
+                from tensorboardX import SummaryWriter
+                # purge_step: after a resume TensorBoard hides the events a crashed run logged past it.
+                self._writer = SummaryWriter(self.tensorboard_dir, purge_step=step, flush_secs=30)
+            for key, value in {**metrics, **perf}.items():
+                v = _scalar(value)
+                if v is not None:
+                    self._writer.add_scalar(key, v, global_step=step)
+        return perf
+
+    def progress(self, step: int, total: int, metrics: dict, extra: dict | None = None) -> str:
+        """One progress line: loss (and eval_loss / max_attn_logit when in metrics or extra), step time,
+        tokens/s and MFU averaged over the steps recorded since the previous line, and the ETA from the
+        mean step time of this run (the first recorded step, which compiles, left out)."""
+        row = {**metrics, **(extra or {})}
+        parts = [f"step {step}/{total}"]
+        for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("max_attn_logit", ".2f")):
+            v = _scalar(row.get(key))
+            if v is not None:
+                parts.append(f"{key} {v:{fmt}}")
+        n, secs = self._window
+        perf = self.throughput(secs / n) if n else self._last
+        self._window = [0, 0.0]
+        if perf["step_time_s"] is None:
+            parts.append("step time n/a")
+        else:
+            mfu = "n/a" if perf["mfu"] is None else f"{perf['mfu']:.1%}"
+            parts.append(f"{perf['step_time_s']:.3f} s/step {perf['tokens_per_s']:,.0f} tok/s MFU {mfu}")
+        run_n, run_secs = self._run
+        mean = run_secs / run_n if run_n else perf["step_time_s"]
+        parts.append("ETA " + ("n/a" if mean is None else fmt_eta((total - step) * mean)))
+        return " ".join(parts)
+
+    def close(self) -> None:
+        if self._tracing:
+            self._stop_trace()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
