@@ -1,0 +1,76 @@
+"""tools.aot: the tiny model's train step compiled by the TPU compiler (no TPU) for v5p:2x2x1, and
+clear errors for bad topologies / meshes / presets before anything compiles.
+
+The compile runs in a subprocess: libtpu stays out of this test process (whose other tests use CPU
+devices), and ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets parallel workers each load it.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tools.aot import AotError, CHIPS, parse_topology, resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable: install the '.[tpu]' extra to compile "
+                                            "for TPU topologies without a TPU")
+def test_tiny_train_step_compiles_for_v5p_2x2x1():
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+    env.pop("JAX_PLATFORMS", None)           # the TPU plugin must load (compile-only client)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run([sys.executable, "-m", "tools.aot", "--preset=tiny", "--topology=v5p:2x2x1",
+                          "--mesh=data:2,expert:2", "--batch_size=4", "--seq_len=64", "--json"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    assert "compiling with the TPU compiler" in res.stderr        # progress goes to stderr
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    pd = r["per_device_bytes"]
+    assert set(pd) >= {"arguments", "outputs", "temporaries", "total"}
+    assert pd["total"] == pd["arguments"] + pd["outputs"] + pd["temporaries"] - pd["aliased"]
+    assert pd["temporaries"] > 0 and r["compile_seconds"] > 0
+    # the donated state comes back in its own buffers: aliased bytes are (at least) the params + optimizer
+    state = r["state_bytes"]["params"] + r["state_bytes"]["optimizer"]
+    assert pd["arguments"] >= state and pd["aliased"] >= state
+    # tiny is float32 and, on data:2 x expert:2, only the experts are split: >= num_params * 4 / 2 bytes
+    assert r["state_bytes"]["params"] >= r["num_params"] * 4 // 2
+    assert r["hbm_bytes"] == 95 * 2**30 and r["fits"] is True and r["devices"] == 4
+    assert r["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "tensor": 1}
+    assert r["config"]["model"]["num_layers"] == 3 and r["tokens_per_step"] == 4 * 64
+    assert r["plan_estimate"]["per_device_bytes"]["total"] > 0
+
+
+def test_bad_topology_mesh_and_preset_fail_before_compiling():
+    with pytest.raises(AotError, match="allowed: " + ", ".join(CHIPS)):
+        parse_topology("v9:2x2x2")
+    with pytest.raises(AotError, match="KIND:AxBxC"):
+        parse_topology("v5p")
+    with pytest.raises(AotError, match="integers"):
+        parse_topology("v5p:2xax1")
+    assert parse_topology("v5p:4x4x8") == ("v5p", (4, 4, 8))
+    with pytest.raises(AotError, match="allowed: tiny, small, glm5"):
+        resolve("huge", "v5p:2x2x1")
+    with pytest.raises(AotError, match="needs 8 devices but 4"):
+        resolve("tiny", "v5p:2x2x1", mesh="data:8")
+    with pytest.raises(AotError, match="unknown mesh axis"):
+        resolve("tiny", "v5p:2x2x1", mesh="pipe:4")
+    with pytest.raises(AotError, match="remat"):
+        resolve("tiny", "v5p:2x2x1", remat="some")
+    with pytest.raises(AotError, match="moe_impl"):
+        resolve("tiny", "v5p:2x2x1", overrides=("model.moe_impl=magic",))
+    r = resolve("tiny", "v5p:2x2x1", mesh="fsdp:-1", overrides=("model.num_layers=2", "train.optimizer=muon"))
+    assert r["mesh"]["fsdp"] == 4 and r["model"].num_layers == 2 and r["train"].optimizer == "muon"
+    assert r["train"].batch_size == 4 and r["hbm_bytes"] == 95 * 2**30
+
+
+def test_cli_error_exit_code_names_allowed_values():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "tools.aot", "--preset=tiny", "--topology=tpu:2x2"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and "allowed: v5p, v4, v6e, v5e" in res.stderr, res.stderr[-2000:]
