@@ -11,11 +11,9 @@ RL settings (second round): one on-policy AdamW step per rollout batch (b2 0.999
 clip 1.0); the token embedding and the dense stack's attention are frozen along with the DSA indexer
 (their policy gradient dominates the global norm and a step along it is sharp: a norm-0.02 SGD step
 lowered the exact expected reward of the batch's prompts); the loss is averaged over informative
-(non-flat-reward) groups only. Freezing works per parameter leaf and a scanned stack holds all its
-layers in one leaf, so the pattern is "dense_layers/.*/attn": with MoE and first_k_dense=1 that is
-exactly layer 0; this experiment's model is dense (num_experts 0), so every layer sits in the
-dense_layers stack and the pattern freezes the attention of ALL layers (the first version, with
-unrolled layers, froze layer 0's only; results recorded before the scanned layout used that).
+(non-flat-reward) groups only. Freeze patterns see per-layer names ("layer_0/attn"): the optimizer
+zeroes that slice of the scanned stack's leaves (glm5_jax.optim.slice_masks), as the first version
+froze layer 0's attention with unrolled layers.
 Held-out accuracy, before (= the SFT model) and after RL per arm, on prompts never used in SFT or RL,
 decoding the float32 training parameters: ``primary`` (fixed in the config before the final run) is
 "sampled" = temperature-1 pass@1 over ``sampled_eval_samples`` samples per prompt (the objective GRPO
@@ -87,7 +85,7 @@ TINY = GrpoIcepopConfig(
                       weight_decay=0.0, eval_every=100, log_every=100, ckpt_every=400, seed=0),
     rl=RLConfig(steps=250, prompts_per_step=64, group_size=8, max_new_tokens=6, max_prompt_len=8, minibatches=1,
                 learning_rate=2e-4, optimizer="adamw", adam_b2=0.999, momentum=0.0, adv_norm="informative",
-                frozen_patterns=("indexer", "embed", "dense_layers/.*/attn"), mismatch="int5", beta=2.0,
+                frozen_patterns=("indexer", "embed", "layer_0/attn"), mismatch="int5", beta=2.0,
                 tis_cap=2.0, seed=0),
 )
 SMALL = dataclasses.replace(

@@ -237,6 +237,19 @@ def forward(config: ModelConfig, params, tokens, positions=None, segment_ids=Non
     return GLM5(config).apply({"params": params}, jnp.asarray(tokens), positions, segment_ids)["logits"]
 
 
+def layer_slice_paths(config: ModelConfig, path: str) -> list[str] | None:
+    """'/'-joined path of a stacked parameter (e.g. "dense_layers/layer_0/attn/q_a_proj/kernel") ->
+    the per-layer name of each slice of its leading axis ("layer_<i>/attn/q_a_proj/kernel", i the
+    global layer index); None for a parameter outside the layer stacks."""
+    head, _, rest = path.partition("/")
+    for stack in config.layer_stacks:
+        if head == stack.name:
+            sub, _, tail = rest.partition("/")
+            j = int(sub[len("layer_"):])
+            return [f"layer_{stack.layer_index(r, j)}/{tail}" for r in range(stack.repeats)]
+    return None
+
+
 def per_layer(config: ModelConfig, tree, name: str) -> dict[int, Any]:
     """{global layer index: value} of the leaves called `name` in a stacked tree (params or sown
     intermediates, e.g. "max_attn_logit", "expert_load"): undoes the stacks' leading layer axis."""

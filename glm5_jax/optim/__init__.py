@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from glm5_jax.utils import path_to_str
@@ -20,11 +21,11 @@ from glm5_jax.utils import path_to_str
 from .muon import (HeadSplit, MuonState, NS_COEFFS, NS_STEPS, muon, newton_schulz,
                    orthogonalize_leaf, scale_by_muon)
 from .partition import (LABELS, OPTIMIZER_NAMES, MuonSplitSpec, check_optimizer_name,
-                        frozen_predicate, make_split_fn, optimizer_table, partition_params)
+                        frozen_predicate, make_split_fn, optimizer_table, partition_params, slice_masks)
 from .schedules import warmup_cosine
 
 __all__ = [
-    "make_optimizer", "partition_params", "frozen_predicate", "optimizer_table", "MuonSplitSpec", "HeadSplit",
+    "make_optimizer", "partition_params", "frozen_predicate", "slice_masks", "scale_slices", "optimizer_table", "MuonSplitSpec", "HeadSplit",
     "scale_by_muon", "muon", "newton_schulz", "orthogonalize_leaf", "warmup_cosine",
     "path_to_str", "OPTIMIZER_NAMES", "LABELS", "MuonState", "NS_COEFFS", "NS_STEPS",
 ]
@@ -36,6 +37,13 @@ def _zero_masked(labels, zero_labels=("zero", "frozen")) -> optax.GradientTransf
     return optax.masked(optax.set_to_zero(), mask)
 
 
+def scale_slices(masks) -> optax.GradientTransformation:
+    """Multiply each update by its slice mask (zero for frozen layer slices of a stacked leaf)."""
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, masks), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.1,
                    b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
                    muon_momentum: float = 0.95, split_spec: Any = None,
@@ -43,6 +51,7 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
                    total_steps: Optional[int] = None, min_lr_ratio: float = 0.1,
                    trainable: Optional[Callable[[str], bool]] = None,
                    frozen_patterns: Optional[Iterable[str]] = None,
+                   slice_paths: Optional[Callable[[str], Optional[list]]] = None,
                    muon_rms_scale: float = 0.2, mu_dtype=None):
     """Build the optimizer. Returns ``(optax.GradientTransformation, labels)``.
 
@@ -54,6 +63,9 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
       qk_nope_head_dim, qk_rope_head_dim, v_head_dim. Required for 'muon_split'.
     grad_clip: global-norm clip over all trainable grads (None/0 disables).
     trainable / frozen_patterns: freeze leaves by '/'-joined path (zero update, no state).
+    slice_paths: per-layer names of a stacked leaf's slices (glm5_jax.model.layer_slice_paths); with
+      it, stacked leaves are frozen per layer ("layer_0/attn" freezes layer 0 of its stack only:
+      its gradient is zeroed before the clip norm and its update, weight decay included, after).
     ``tx.update`` must be called with ``params`` (decoupled weight decay needs them).
     """
     check_optimizer_name(name)
@@ -63,7 +75,9 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
             raise ValueError("optimizer 'muon_split' needs split_spec (MuonSplitSpec or a config "
                              "with num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)")
         spec = MuonSplitSpec.from_any(split_spec)
-    labels = partition_params(params, name, trainable=trainable, frozen_patterns=frozen_patterns)
+    labels = partition_params(params, name, trainable=trainable, frozen_patterns=frozen_patterns,
+                              slice_paths=slice_paths)
+    masks = slice_masks(params, trainable=trainable, frozen_patterns=frozen_patterns, slice_paths=slice_paths)
 
     if callable(learning_rate):
         lr = learning_rate
@@ -91,8 +105,10 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
     transforms = {k: v for k, v in transforms.items() if k in used}
     if not transforms:  # empty tree
         return optax.identity(), labels
-    parts = [_zero_masked(labels)]
+    parts = [_zero_masked(labels)] + ([scale_slices(masks)] if masks is not None else [])
     if grad_clip:
         parts.append(optax.clip_by_global_norm(float(grad_clip)))
     parts.append(optax.partition(transforms, labels))
+    if masks is not None:
+        parts.append(scale_slices(masks))
     return optax.chain(*parts), labels

@@ -20,6 +20,7 @@ import re
 from typing import Any, Callable, Iterable, Optional
 
 import jax
+import numpy as np
 
 from glm5_jax.utils import path_to_str
 
@@ -122,23 +123,57 @@ def frozen_predicate(trainable: Optional[Callable[[str], bool]],
     return is_frozen
 
 
+SlicePaths = Callable[[str], Optional[list]]
+
+
+def _frozen_slices(path: str, is_frozen, slice_paths: Optional[SlicePaths]) -> Optional[list]:
+    """Per-slice frozen flags of a stacked leaf (None for a leaf outside a stack). A stacked leaf is
+    judged by the per-layer names of its slices (`slice_paths`, e.g. glm5_jax.model.layer_slice_paths:
+    "layer_<i>/attn/..."), so a pattern can freeze one layer of a stack."""
+    names = slice_paths(path) if slice_paths is not None else None
+    return None if names is None else [is_frozen(n) for n in names]
+
+
 def partition_params(params, optimizer_name: str, *,
                      trainable: Optional[Callable[[str], bool]] = None,
-                     frozen_patterns: Optional[Iterable[str]] = None):
+                     frozen_patterns: Optional[Iterable[str]] = None,
+                     slice_paths: Optional[SlicePaths] = None):
     """Pytree (same structure as ``params``) of label strings, one per leaf (see module doc).
 
     ``trainable(path) -> bool`` and/or ``frozen_patterns`` (regexes searched in the '/'-joined
-    path) mark leaves 'frozen'."""
+    path) mark leaves 'frozen'. With ``slice_paths``, stacked leaves are judged per layer slice
+    (see `slice_masks`): a leaf is 'frozen' when every slice is."""
     check_optimizer_name(optimizer_name)
     is_frozen = frozen_predicate(trainable, frozen_patterns)
 
     def label(path, leaf):
         p = path_to_str(path)
-        if is_frozen(p):
+        flags = _frozen_slices(p, is_frozen, slice_paths)
+        if (all(flags) if flags is not None else is_frozen(p)):
             return "frozen"
         return _base_label(p, len(getattr(leaf, "shape", ())), optimizer_name)
 
     return jax.tree_util.tree_map_with_path(label, params)
+
+
+def slice_masks(params, *, trainable: Optional[Callable[[str], bool]] = None,
+                frozen_patterns: Optional[Iterable[str]] = None, slice_paths: Optional[SlicePaths] = None):
+    """Pytree of update multipliers: 1.0 for whole leaves, a float32 [repeats, 1, ...] array of 0/1
+    for stacked leaves with some (not all) layer slices frozen; None when there is no such leaf."""
+    is_frozen = frozen_predicate(trainable, frozen_patterns)
+    found = False
+
+    def mask(path, leaf):
+        nonlocal found
+        flags = _frozen_slices(path_to_str(path), is_frozen, slice_paths)
+        if flags is None or all(flags) or not any(flags):
+            return 1.0
+        found = True
+        shape = (len(flags),) + (1,) * (len(leaf.shape) - 1)
+        return np.asarray([0.0 if f else 1.0 for f in flags], np.float32).reshape(shape)
+
+    tree = jax.tree_util.tree_map_with_path(mask, params)
+    return tree if found else None
 
 
 def check_optimizer_name(name: str) -> None:

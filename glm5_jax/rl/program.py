@@ -38,8 +38,8 @@ import numpy as np
 import optax
 
 from glm5_jax.infer import generate
-from glm5_jax.model import forward
-from glm5_jax.optim import make_optimizer, path_to_str
+from glm5_jax.model import forward, layer_slice_paths
+from glm5_jax.optim import make_optimizer, partition_params, scale_slices, slice_masks
 from glm5_jax.rl.losses import get_loss, group_advantages
 from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
 from glm5_jax.rl.tasks import aggregate_statuses
@@ -113,20 +113,27 @@ token_logprobs.__doc__ = ("(config, params, inputs [B,S], targets [B,S]) -> log 
                           "[B,S] float32: the training engine's forward (jitted).")
 
 
-def make_rl_optimizer(params, rl: RLConfig):
+def make_rl_optimizer(params, rl: RLConfig, config=None):
     """AdamW or momentum SGD (+ global-norm clip over the trainable leaves) with zero updates for leaves
-    matching ``rl.frozen_patterns``. Returns (tx, labels)."""
+    matching ``rl.frozen_patterns`` (regexes; with the model `config`, stacked leaves are frozen per
+    layer: "layer_0/attn" is layer 0 only) and for the router correction bias. Returns (tx, labels)."""
+    slice_paths = None if config is None else functools.partial(layer_slice_paths, config)
     if rl.optimizer == "adamw":
         return make_optimizer("adamw", params, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay,
                               b1=rl.adam_b1, b2=rl.adam_b2, grad_clip=rl.grad_clip or None,
-                              frozen_patterns=rl.frozen_patterns)
-    labels = jax.tree_util.tree_map_with_path(
-        lambda p, _: "frozen" if any(pat in path_to_str(p) for pat in rl.frozen_patterns) else "sgd", params)
+                              frozen_patterns=rl.frozen_patterns, slice_paths=slice_paths)
+    # momentum SGD: the same labels and per-layer masks as make_optimizer; every trainable leaf is "sgd"
+    labels = jax.tree.map(lambda lab: lab if lab in ("frozen", "zero") else "sgd",
+                          partition_params(params, "adamw", frozen_patterns=rl.frozen_patterns, slice_paths=slice_paths))
+    masks = slice_masks(params, frozen_patterns=rl.frozen_patterns, slice_paths=slice_paths)
     chain = [optax.clip_by_global_norm(rl.grad_clip)] if rl.grad_clip else []
-    chain.append(optax.sgd(rl.learning_rate, momentum=rl.momentum or None))
     if rl.weight_decay:
-        chain.insert(len(chain) - 1, optax.add_decayed_weights(rl.weight_decay))
-    tx = optax.multi_transform({"sgd": optax.chain(*chain), "frozen": optax.set_to_zero()}, labels)
+        chain.append(optax.add_decayed_weights(rl.weight_decay))
+    chain.append(optax.sgd(rl.learning_rate, momentum=rl.momentum or None))
+    transforms = {"sgd": optax.chain(*chain), "frozen": optax.set_to_zero(), "zero": optax.set_to_zero()}
+    tx = optax.multi_transform(transforms, labels)
+    if masks is not None:
+        tx = optax.chain(scale_slices(masks), tx, scale_slices(masks))
     return tx, labels
 
 
@@ -193,7 +200,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     ``seed * 100_003 + s``, so arms started from the same checkpoint with the same seed see the same
     prompts at every step.
     """
-    tx, _ = make_rl_optimizer(params, rl)
+    tx, _ = make_rl_optimizer(params, rl, config)
     state, _ = init_train_state(config, rl_train_config(rl), mesh, tx=tx, params=params)
     update = make_update_step(config, rl, tx, mesh)
     history, evals = [], []

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.tree_util import DictKey
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model import abstract_params, init_params
+from glm5_jax.model import abstract_params, init_params, layer_slice_paths
 from glm5_jax.optim import make_optimizer
 from glm5_jax.sharding import LOGICAL_RULES, batch_spec, logical_specs, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
@@ -38,7 +38,8 @@ def build_optimizer(model_cfg: ModelConfig, tcfg: TrainConfig, params):
     return make_optimizer(tcfg.optimizer, params, learning_rate=tcfg.learning_rate, weight_decay=tcfg.weight_decay,
                           split_spec=model_cfg if tcfg.optimizer == "muon_split" else None,
                           grad_clip=tcfg.grad_clip or None, warmup_steps=min(tcfg.warmup_steps, tcfg.steps),
-                          total_steps=tcfg.steps, min_lr_ratio=tcfg.min_lr_ratio, trainable=trainable)
+                          total_steps=tcfg.steps, min_lr_ratio=tcfg.min_lr_ratio, trainable=trainable,
+                          slice_paths=functools.partial(layer_slice_paths, model_cfg))
 
 
 @functools.lru_cache(maxsize=16)
