@@ -1,2 +1,3 @@
-"""Scale-out: multi-process start-up, meshes, expert-parallel MoE dispatch, sharded train state,
-resharding checkpoints and the memory planner (tools/plan.py). See README "## Scale-out"."""
+"""Scale-out: multi-process start-up and global meshes (distributed), expert-parallel MoE dispatch (ep)
+and the memory planner (plan, tools/plan.py). The sharded train state and the one step factory live in
+glm5_jax.train.state / glm5_jax.train.step. See docs/scaleout.md."""
