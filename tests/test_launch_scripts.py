@@ -1,8 +1,13 @@
-"""Dry-run tests of tools/tpu_vm.sh and tools/gpu_launch.sh (no gcloud / SLURM needed)."""
+"""Dry-run tests of tools/tpu_vm.sh and tools/gpu_launch.sh (no gcloud / SLURM needed): the exact
+commands they print, that they start the real entry point and install the pinned extras."""
 
+import configparser
+import glob
 import os
+import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -10,8 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(ROOT, "tools", "tpu_vm.sh")
 GPU = os.path.join(ROOT, "tools", "gpu_launch.sh")
 BASH = shutil.which("bash") or "/bin/bash"
-
-SLURM_VARS = [k for k in os.environ if k.startswith("SLURM_")]
+Q = "'\\''"          # how a single quote inside a single-quoted shell word is written
 
 
 def _env(path=None, **extra):
@@ -58,13 +62,69 @@ def test_tpu_create_equals_form_spot_and_explicit_version(empty_path):
     )
 
 
+def test_tpu_create_queued_resource(empty_path):
+    r = run(TPU, "create", "--name", "glm5-q", "--zone", "us-east5-a", "--project", "my-proj",
+            "--accelerator", "v5p-256", "--queued", "--spot", "--dry_run", path=empty_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "+ gcloud compute tpus queued-resources create glm5-q --node-id=glm5-q --zone=us-east5-a "
+        "--project=my-proj --accelerator-type=v5p-256 --runtime-version=v2-alpha-tpuv5 --spot"
+    ]
+
+
+def test_tpu_status_and_delete_queued(empty_path):
+    r = run(TPU, "status", "--name", "glm5-q", "--zone", "us-east5-a", "--queued", "--dry_run", path=empty_path)
+    assert r.stdout.splitlines() == ["+ gcloud compute tpus queued-resources describe glm5-q --zone=us-east5-a"]
+    r = run(TPU, "status", "--name", "glm5-q", "--zone", "us-east5-a", "--dry_run", path=empty_path)
+    assert r.stdout.splitlines() == ["+ gcloud compute tpus tpu-vm describe glm5-q --zone=us-east5-a"]
+    r = run(TPU, "delete", "--name", "glm5-q", "--zone", "us-east5-a", "--queued", "--dry_run", path=empty_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "+ gcloud compute tpus queued-resources delete glm5-q --zone=us-east5-a --force --quiet"]
+
+
+def test_tpu_setup_installs_the_tpu_extra_on_every_worker(empty_path, tmp_path):
+    src = tmp_path / "repo"
+    src.mkdir()
+    r = run(TPU, "setup", "--name", "glm5-a", "--zone", "us-east5-a", "--project", "p", "--src", str(src),
+            "--dry_run", path=empty_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"+ tar --exclude=.git --exclude=__pycache__ --exclude=.venv -czf /tmp/glm5-jax-src.tar.gz -C {src} .",
+        "+ gcloud compute tpus tpu-vm scp /tmp/glm5-jax-src.tar.gz glm5-a:/tmp/glm5-jax-src.tar.gz "
+        "--zone=us-east5-a --project=p --worker=all",
+        "+ gcloud compute tpus tpu-vm ssh glm5-a --zone=us-east5-a --project=p --worker=all "
+        "--command='mkdir -p ~/glm5-jax && tar -xzf /tmp/glm5-jax-src.tar.gz -C ~/glm5-jax'",
+        "+ gcloud compute tpus tpu-vm ssh glm5-a --zone=us-east5-a --project=p --worker=all "
+        """--command='cd ~/glm5-jax && python3 -m pip install -r requirements.txt -e ".[tpu]"'""",
+    ]
+
+
+def test_tpu_train_starts_the_entry_point_on_every_worker(empty_path):
+    r = run(TPU, "train", "--name", "glm5-a", "--zone", "us-east5-a", "--config", "dsa_vs_mla",
+            "--mesh", "fsdp:-1,expert:4", "--set", "train.batch_size=256", "--set=data.note=a b",
+            "--dry_run", "--", "--steps", "10", path=empty_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "+ gcloud compute tpus tpu-vm ssh glm5-a --zone=us-east5-a --worker=all "
+        "--command='cd ~/glm5-jax && GLM5_DISTRIBUTED=auto python3 -m experiments.run --config=dsa_vs_mla "
+        f"--mesh=fsdp:-1,expert:4 --set=train.batch_size=256 --set={Q}data.note=a b{Q} --steps 10'"
+    ]
+    r = run(TPU, "train", "--name", "glm5-a", "--zone", "us-east5-a", "--config", "mtp_sharing",
+            "--python", "python", "--remote_dir", "w/g", "--dry_run", path=empty_path)
+    assert r.stdout.splitlines() == [
+        "+ gcloud compute tpus tpu-vm ssh glm5-a --zone=us-east5-a --worker=all "
+        "--command='cd ~/w/g && GLM5_DISTRIBUTED=auto python -m experiments.run --config=mtp_sharing'"
+    ]
+
+
 def test_tpu_run_all_workers(empty_path):
     r = run(TPU, "run", "--name", "glm5-a", "--zone", "us-east5-a", "--project", "p", "--dry_run", "--",
-            "python", "-m", "glm5_jax.train", "--steps", "10", "--note", "a b", path=empty_path)
+            "python3", "-m", "experiments.run", "--list", "--note", "a b", path=empty_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == (
         "+ gcloud compute tpus tpu-vm ssh glm5-a --zone=us-east5-a --project=p --worker=all "
-        "--command='cd ~/glm5-jax && python -m glm5_jax.train --steps 10 --note '\\''a b'\\'''"
+        f"--command='cd ~/glm5-jax && python3 -m experiments.run --list --note {Q}a b{Q}'"
     )
 
 
@@ -95,11 +155,14 @@ def test_tpu_delete(empty_path):
     assert r.stdout.strip() == "+ gcloud compute tpus tpu-vm delete glm5-a --zone=us-east5-a --quiet"
 
 
+SUBS = "create status setup train copy run delete"
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
-        ([], "missing subcommand; allowed: create run copy delete"),
-        (["launch", "--name", "a", "--zone", "us-east5-a"], "unknown subcommand 'launch'; allowed: create run copy delete"),
+        ([], f"missing subcommand; allowed: {SUBS}"),
+        (["launch", "--name", "a", "--zone", "us-east5-a"], f"unknown subcommand 'launch'; allowed: {SUBS}"),
         (["create", "--name", "a", "--zone", "us-east5-a", "--bogus", "1", "--dry_run"], "unknown flag '--bogus'"),
         (["create", "--zone", "us-east5-a", "--dry_run"], "flag '--name' is required"),
         (["create", "--name", "a", "--dry_run"], "flag '--zone' is required"),
@@ -109,6 +172,21 @@ def test_tpu_delete(empty_path):
         (["delete", "--name", "a", "--zone", "us-east5-a", "--spot", "--dry_run"], "'--spot' is only valid for 'create'"),
         (["create", "--name", "a", "--zone", "us-east5-a", "--project"], "flag '--project' needs a value"),
         (["create", "--name", "Bad_Name", "--zone", "us-east5-a", "--dry_run"], "bad --name 'Bad_Name'"),
+        (["copy", "--name", "a", "--zone", "us-east5-a", "--queued", "--dry_run"],
+         "flag '--queued' is only valid for 'create', 'status', 'delete'"),
+        (["train", "--name", "a", "--zone", "us-east5-a", "--dry_run"], "flag '--config' is required for 'train'"),
+        (["create", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--dry_run"],
+         "flag '--config' is only valid for 'train'"),
+        (["setup", "--name", "a", "--zone", "us-east5-a", "--set", "a.b=1", "--dry_run"],
+         "flag '--set' is only valid for 'train'"),
+        (["train", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--mesh", "fsdp=4", "--dry_run"],
+         "bad --mesh 'fsdp=4': AXIS:N,... over data, fsdp, expert, tensor"),
+        (["train", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--set", "lr", "--dry_run"],
+         "bad --set 'lr': expected section.field=value"),
+        (["train", "--name", "a", "--zone", "us-east5-a", "--config", "configs/x.py", "--dry_run"],
+         "bad --config 'configs/x.py'"),
+        (["delete", "--name", "a", "--zone", "us-east5-a", "--dry_run", "--", "x"],
+         "'delete' takes no arguments after '--'"),
     ],
 )
 def test_tpu_bad_input(empty_path, args, needle):
@@ -137,7 +215,7 @@ def _exports(stdout):
 
 
 def test_gpu_fake_slurm_builtin_nodelist_parser(empty_path):
-    r = run(GPU, "--dry_run", "--", "python", "-m", "glm5_jax.train", "--tag", "x y", path=empty_path,
+    r = run(GPU, "--dry_run", "--", "python", "-m", "experiments.run", "--tag", "x y", path=empty_path,
             SLURM_JOB_ID="77", SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_JOB_NODELIST="gpu[017-020,031],cpu5")
     assert r.returncode == 0, r.stderr
     assert _exports(r.stdout) == [
@@ -145,7 +223,7 @@ def test_gpu_fake_slurm_builtin_nodelist_parser(empty_path):
         "export GLM5_NUM_PROCESSES=4",
         "export GLM5_PROCESS_ID=3",
     ]
-    assert r.stdout.splitlines()[-1] == "+ python -m glm5_jax.train --tag 'x y'"
+    assert r.stdout.splitlines()[-1] == "+ python -m experiments.run --tag 'x y'"
     assert "from slurm" in r.stdout
 
 
@@ -188,6 +266,26 @@ def test_gpu_single_process_default(empty_path):
     ]
 
 
+def test_gpu_install_and_entry_point(empty_path):
+    r = run(GPU, "--install", "--config", "dsa_vs_mla", "--mesh=fsdp:-1,expert:8", "--set", "train.batch_size=64",
+            "--dry_run", "--", "--steps", "5", path=empty_path,
+            SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_JOB_NODELIST="gpu[1-2]")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "# tools/gpu_launch.sh: topology from slurm",
+        "export GLM5_COORDINATOR_ADDRESS=gpu1:12355",
+        "export GLM5_NUM_PROCESSES=2",
+        "export GLM5_PROCESS_ID=1",
+        f"+ cd {ROOT}",
+        "+ python -m pip install -r requirements.txt -e '.[cuda12]'",
+        "+ python -m experiments.run --config=dsa_vs_mla --mesh=fsdp:-1,expert:8 --set=train.batch_size=64 --steps 5",
+    ]
+    r = run(GPU, "--config", "mtp_sharing", "--python", "/opt/venv/bin/python", "--dry_run", path=empty_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-2:] == [f"+ cd {ROOT}",
+                                          "+ /opt/venv/bin/python -m experiments.run --config=mtp_sharing"]
+
+
 def test_gpu_exec_passes_env():
     r = run(GPU, "--coordinator", "h:1", "--num_processes", "2", "--process_id", "1", "--",
             BASH, "-c", 'echo "ENV $GLM5_COORDINATOR_ADDRESS $GLM5_NUM_PROCESSES $GLM5_PROCESS_ID"')
@@ -195,11 +293,23 @@ def test_gpu_exec_passes_env():
     assert r.stdout.splitlines()[-1] == "ENV h:1 2 1"
 
 
+def test_gpu_exports_the_variables_distributed_reads():
+    from glm5_jax.parallel import distributed
+    text = open(GPU).read()
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                 distributed.ENV_LOCAL_DEVICE_IDS):
+        assert f"export {name}=" in text, name
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
         (["--bogus", "--", "true"], "unknown flag '--bogus'; allowed: --coordinator"),
-        (["--dry_run"], "missing command after '--'"),
+        (["--dry_run"], "missing --config NAME or a command after '--'"),
+        (["--mesh", "fsdp:2", "--", "true"], "flags '--mesh' and '--set' need --config"),
+        (["--config", "a/b"], "bad --config 'a/b'"),
+        (["--config", "x", "--mesh", "fsdp"], "bad --mesh 'fsdp'"),
+        (["--config", "x", "--set", "noequals"], "bad --set 'noequals'"),
         (["--num_processes", "two", "--coordinator", "h:1", "--", "true"], "bad --num_processes 'two'"),
         (["--num_processes", "2", "--process_id", "2", "--coordinator", "h:1", "--", "true"],
          "bad --process_id '2': must be < num_processes (2)"),
@@ -222,3 +332,38 @@ def test_scripts_are_strict_and_executable():
         text = open(p).read()
         assert "set -euo pipefail" in text
         assert os.access(p, os.X_OK)
+
+
+# ----------------------------------------------------------------------------- what the scripts name
+
+def test_docs_and_scripts_name_only_the_real_entry_point():
+    """Launch docs, scripts and README start `python -m experiments.run`; the old, nonexistent
+    `python -m glm5_jax.train --config configs/...` is gone everywhere."""
+    paths = glob.glob(os.path.join(ROOT, "tools", "*.sh")) + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    paths.append(os.path.join(ROOT, "README.md"))
+    for p in paths:
+        text = open(p).read()
+        assert "-m glm5_jax.train" not in text and "--config configs/" not in text, p
+    for p in (TPU, GPU, os.path.join(ROOT, "docs", "launch.md")):
+        assert "-m experiments.run --config=" in open(p).read(), p
+
+
+def test_entry_point_has_the_flags_the_scripts_pass():
+    out = subprocess.run([sys.executable, "-m", "experiments.run", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    for flag in ("--config", "--mesh", "--set"):
+        assert re.search(rf"^\s+{flag}:", out.stdout + out.stderr, re.M), flag
+
+
+def test_extras_pin_the_same_jax():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    reqs = cfg["options"]["install_requires"].split()
+    extras = {k: v.split() for k, v in cfg["options.extras_require"].items()}
+    version = next(r for r in reqs if r.startswith("jax==")).split("==")[1]
+    assert f"jax[tpu]=={version}" in extras["tpu"]
+    assert any(re.fullmatch(r"libtpu==[0-9.]+", e) for e in extras["tpu"])        # exact, not a range
+    for pin in (f"jax[cuda12]=={version}", f"jax-cuda12-plugin[with-cuda]=={version}", f"jax-cuda12-pjrt=={version}"):
+        assert pin in extras["cuda12"]
+    pinned = [ln.strip() for ln in open(os.path.join(ROOT, "requirements.txt")) if ln.strip() and ln[0] != "#"]
+    assert sorted(pinned) == sorted(reqs)      # requirements.txt: the direct dependencies, pinned alike

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Multi-node GPU launcher for glm5-jax: resolves the jax.distributed topology, exports it, execs CMD.
-# See docs/launch.md.
+# Multi-node GPU launcher for glm5-jax: resolves the jax.distributed topology, exports it, and starts
+# the entry point (python -m experiments.run) or CMD on this worker. See docs/launch.md.
 #
-#   tools/gpu_launch.sh [--coordinator HOST:PORT] [--num_processes N] [--process_id I]
-#                       [--port P] [--local_device_ids 0,1,...] [--dry_run] -- CMD [ARGS...]
+#   tools/gpu_launch.sh [topology flags] [--install] --config NAME [--mesh SPEC] [--set K=V ...] [-- ARGS...]
+#   tools/gpu_launch.sh [topology flags] [--install] -- CMD [ARGS...]
+#   topology flags: [--coordinator HOST:PORT] [--num_processes N] [--process_id I] [--port P]
+#                   [--local_device_ids 0,1,...] [--python PY] [--dry_run]
+#
+# --install first runs, from the repo root: PY -m pip install -r requirements.txt -e ".[cuda12]".
+# --config runs, from the repo root: PY -m experiments.run --config=NAME [--mesh=SPEC] [--set=K=V ...] [ARGS].
 #
 # Exported for the training code (which calls jax.distributed.initialize with them):
 #   GLM5_COORDINATOR_ADDRESS  host:port of process 0
@@ -16,12 +21,13 @@
 set -euo pipefail
 
 PROG="tools/gpu_launch.sh"
-FLAGS="--coordinator --num_processes --process_id --port --local_device_ids --dry_run --help"
+FLAGS="--coordinator --num_processes --process_id --port --local_device_ids --config --mesh --set --install --python --dry_run --help"
 
 usage() {  # builtins only (no cat), so errors print even with an empty PATH
   local text
   IFS= read -r -d '' text <<EOF || true
-usage: $PROG [options] -- CMD [ARGS...]
+usage: $PROG [options] [--install] --config NAME [--mesh SPEC] [--set K=V ...] [-- ARGS...]
+       $PROG [options] [--install] -- CMD [ARGS...]
 
 options:
   --coordinator HOST:PORT   coordinator (process 0) address; default: first SLURM host:PORT,
@@ -30,11 +36,18 @@ options:
   --process_id I            this process' id (0 <= I < N); default: \$SLURM_PROCID, else 0
   --port P                  coordinator port when --coordinator is not given (default 12355)
   --local_device_ids LIST   comma-separated local GPU ids for this process (e.g. 0,1,2,3)
-  --dry_run                 print the exports and the command, run nothing
+  --config NAME             run the entry point PY -m experiments.run --config=NAME from the repo root
+                            (arguments after '--' are appended to it)
+  --mesh SPEC               device mesh AXIS:N,... over data, fsdp, expert, tensor; -1 fills (with --config)
+  --set K=V                 config override, repeatable (with --config), e.g. --set train.batch_size=256
+  --install                 first install the CUDA 12 extra from the repo root:
+                            PY -m pip install -r requirements.txt -e ".[cuda12]"
+  --python PY               the Python to install into and run (default: python)
+  --dry_run                 print the exports and the commands, run nothing
   --help                    this text
 
 exports: GLM5_COORDINATOR_ADDRESS, GLM5_NUM_PROCESSES, GLM5_PROCESS_ID[, GLM5_LOCAL_DEVICE_IDS]
-SLURM:   srun --ntasks-per-node=1 $PROG -- python -m glm5_jax.train ...
+SLURM:   srun --ntasks-per-node=1 $PROG --install --config=dsa_vs_mla --mesh=fsdp:-1
 EOF
   printf '%s' "$text"
 }
@@ -87,7 +100,8 @@ first_slurm_host() {
   printf '%s' "$h"
 }
 
-COORD="" NPROC="" PID_="" PORT="12355" LOCAL_IDS="" DRY_RUN=0
+COORD="" NPROC="" PID_="" PORT="12355" LOCAL_IDS="" DRY_RUN=0 INSTALL=0 PY="python" CONFIG="" MESH=""
+SETS=()
 CMD=()
 
 while [[ $# -gt 0 ]]; do
@@ -97,7 +111,7 @@ while [[ $# -gt 0 ]]; do
     arg=$1
   fi
   case "$arg" in
-    --coordinator | --num_processes | --process_id | --port | --local_device_ids)
+    --coordinator | --num_processes | --process_id | --port | --local_device_ids | --config | --mesh | --set | --python)
       [[ $# -ge 2 ]] || die "flag '$arg' needs a value"
       case "$arg" in
         --coordinator) COORD=$2 ;;
@@ -105,8 +119,13 @@ while [[ $# -gt 0 ]]; do
         --process_id) PID_=$2 ;;
         --port) PORT=$2 ;;
         --local_device_ids) LOCAL_IDS=$2 ;;
+        --config) CONFIG=$2 ;;
+        --mesh) MESH=$2 ;;
+        --set) SETS+=("$2") ;;
+        --python) PY=$2 ;;
       esac
       shift 2 ;;
+    --install) INSTALL=1; shift ;;
     --dry_run) DRY_RUN=1; shift ;;
     -h | --help) usage; exit 0 ;;
     --) shift; CMD=("$@"); break ;;
@@ -114,7 +133,22 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-[[ ${#CMD[@]} -gt 0 ]] || die "missing command after '--', e.g. $PROG -- python -m glm5_jax.train"
+[[ -n $CONFIG || ${#CMD[@]} -gt 0 ]] ||
+  die "missing --config NAME or a command after '--', e.g. $PROG --config=dsa_vs_mla --mesh=fsdp:-1"
+[[ -n $CONFIG || ( -z $MESH && ${#SETS[@]} -eq 0 ) ]] || die "flags '--mesh' and '--set' need --config"
+[[ $PY =~ ^[A-Za-z0-9_./~-]+$ ]] || die "bad --python '$PY': a command name or path"
+if [[ -n $CONFIG ]]; then
+  [[ $CONFIG =~ ^[A-Za-z0-9_]+$ ]] || die "bad --config '$CONFIG': an experiment name (letters, digits, '_')"
+  [[ -z $MESH || $MESH =~ ^[a-z]+:-?[0-9]+(,[a-z]+:-?[0-9]+)*$ ]] ||
+    die "bad --mesh '$MESH': AXIS:N,... over data, fsdp, expert, tensor (e.g. fsdp:-1,expert:8)"
+  for kv in "${SETS[@]}"; do
+    [[ $kv =~ ^[A-Za-z0-9_.]+=.+$ ]] || die "bad --set '$kv': expected section.field=value"
+  done
+  ENTRY=("$PY" -m experiments.run --config="$CONFIG")
+  [[ -z $MESH ]] || ENTRY+=(--mesh="$MESH")
+  for kv in "${SETS[@]}"; do ENTRY+=(--set="$kv"); done
+  CMD=("${ENTRY[@]}" "${CMD[@]}")
+fi
 [[ $PORT =~ ^[0-9]+$ && $PORT -ge 1 && $PORT -le 65535 ]] || die "bad --port '$PORT': integer in 1..65535"
 
 SOURCE="flags/default"
@@ -151,9 +185,28 @@ fi
 
 echo "# $PROG: topology from $SOURCE"
 for v in "${VARS[@]}"; do echo "export $v=$(quote "${!v}")"; done
-out="+"
-for a in "${CMD[@]}"; do out+=" $(quote "$a")"; done
-echo "$out"
+
+show() {  # echo "+ cmd args" (shell-quoted)
+  local out="+" a
+  for a in "$@"; do out+=" $(quote "$a")"; done
+  echo "$out"
+}
+
+if [[ -n $CONFIG || $INSTALL -eq 1 ]]; then
+  # The entry point's module paths, requirements.txt and the default workdir runs/NAME are relative
+  # to the repo root.
+  here=${BASH_SOURCE[0]%/*}
+  [[ $here != "${BASH_SOURCE[0]}" ]] || here=.
+  ROOT="$(cd "$here/.." && pwd)"
+  show cd "$ROOT"
+  [[ $DRY_RUN -eq 1 ]] || cd "$ROOT"
+fi
+if [[ $INSTALL -eq 1 ]]; then
+  INSTALL_CMD=("$PY" -m pip install -r requirements.txt -e ".[cuda12]")
+  show "${INSTALL_CMD[@]}"
+  [[ $DRY_RUN -eq 1 ]] || "${INSTALL_CMD[@]}"
+fi
+show "${CMD[@]}"
 if [[ $DRY_RUN -eq 1 ]]; then
   exit 0
 fi

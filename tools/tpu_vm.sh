@@ -1,41 +1,55 @@
 #!/usr/bin/env bash
-# Manage a (multi-host) Cloud TPU VM for glm5-jax. See docs/launch.md.
+# Manage a (multi-host) Cloud TPU VM for glm5-jax and train on every worker. See docs/launch.md.
 #
-#   tools/tpu_vm.sh create --name N --zone Z [--project P] [--accelerator v5p-128] [--version V] [--spot]
+#   tools/tpu_vm.sh create --name N --zone Z [--project P] [--accelerator v5p-128] [--version V] [--spot] [--queued]
+#   tools/tpu_vm.sh status --name N --zone Z [--project P] [--queued]
+#   tools/tpu_vm.sh setup  --name N --zone Z [--project P] [--src DIR] [--remote_dir DIR] [--python PY]
+#   tools/tpu_vm.sh train  --name N --zone Z [--project P] --config NAME [--mesh SPEC] [--set K=V ...] [-- ARGS...]
 #   tools/tpu_vm.sh copy   --name N --zone Z [--project P] [--src DIR] [--remote_dir DIR]
 #   tools/tpu_vm.sh run    --name N --zone Z [--project P] [--remote_dir DIR] -- CMD [ARGS...]
-#   tools/tpu_vm.sh delete --name N --zone Z [--project P]
+#   tools/tpu_vm.sh delete --name N --zone Z [--project P] [--queued]
 #
 # Every gcloud command is echoed (prefixed with "+ ") before it runs; --dry_run only echoes and
 # never needs gcloud. The dry-run code path uses bash builtins only.
 set -euo pipefail
 
 PROG="tools/tpu_vm.sh"
-SUBCOMMANDS="create run copy delete"
-FLAGS="--project --zone --accelerator --version --name --src --remote_dir --spot --dry_run --help"
+SUBCOMMANDS="create status setup train copy run delete"
+FLAGS="--project --zone --accelerator --version --name --src --remote_dir --python --config --mesh --set --spot --queued --dry_run --help"
 ACCEL_FAMILIES="v4-N v5p-N v5litepod-N v6e-N (N = chip/core count, e.g. v5p-128)"
 
 usage() {  # builtins only (no cat), so errors print even with an empty PATH
   local text
   IFS= read -r -d '' text <<EOF || true
-usage: $PROG <create|run|copy|delete> --name NAME --zone ZONE [options] [-- CMD ...]
+usage: $PROG <create|status|setup|train|copy|run|delete> --name NAME --zone ZONE [options] [-- ARGS ...]
 
 subcommands:
-  create   create the TPU VM (gcloud compute tpus tpu-vm create)
+  create   create the TPU VM (gcloud compute tpus tpu-vm create); with --queued, a queued resource
+           (gcloud compute tpus queued-resources create NAME --node-id=NAME) that waits for capacity
+  status   describe the TPU VM; with --queued the queued resource (WAITING_FOR_RESOURCES ... ACTIVE)
+  setup    copy this repo to every worker, then on every worker:
+           PY -m pip install -r requirements.txt -e ".[tpu]"
+  train    on every worker: GLM5_DISTRIBUTED=auto PY -m experiments.run --config=NAME [--mesh=SPEC]
+           [--set=K=V ...] [ARGS after --]   (jax.distributed finds its peers from the TPU metadata)
   copy     copy this repo to every worker (tar + scp --worker=all + untar into --remote_dir)
   run      run CMD on all workers: ssh --worker=all --command='cd REMOTE_DIR && CMD'
-  delete   delete the TPU VM (--quiet)
+  delete   delete the TPU VM (--quiet); with --queued the queued resource and its VM (--force)
 
 options:
-  --name NAME          TPU VM name (required)
+  --name NAME          TPU VM name (required; with --queued also the queued resource's id)
   --zone ZONE          e.g. us-east5-a (required)
   --project PROJECT    GCP project (default: gcloud's configured project)
   --accelerator TYPE   accelerator type, default v5p-8; allowed: $ACCEL_FAMILIES
   --version VERSION    TPU runtime version; default by family: v4 tpu-ubuntu2204-base,
                        v5p v2-alpha-tpuv5, v5litepod v2-alpha-tpuv5-lite, v6e v2-alpha-tpuv6e
-  --spot               create a Spot VM (create only)
-  --src DIR            local repo to copy (copy only; default: the repo containing this script)
+  --spot               Spot capacity (create only)
+  --queued             go through a queued resource (create, status, delete)
+  --src DIR            local repo to copy (copy, setup; default: the repo containing this script)
   --remote_dir DIR     directory on the workers, relative to \$HOME (default: glm5-jax)
+  --python PY          the workers' Python (setup, train; default python3, which TPU VM images have)
+  --config NAME        experiment to train (train only; python -m experiments.run --list names them)
+  --mesh SPEC          device mesh AXIS:N,... over data, fsdp, expert, tensor; -1 fills (train only)
+  --set K=V            config override, repeatable (train only), e.g. --set train.batch_size=256
   --dry_run            print the exact commands, run nothing (gcloud not needed)
   --help               this text
 EOF
@@ -74,14 +88,15 @@ run_cmd() {
 }
 
 SUB=""
-NAME="" ZONE="" PROJECT="" ACCEL="v5p-8" VERSION="" SPOT=0 DRY_RUN=0
-SRC="" REMOTE_DIR="glm5-jax"
+NAME="" ZONE="" PROJECT="" ACCEL="v5p-8" VERSION="" SPOT=0 QUEUED=0 DRY_RUN=0
+SRC="" REMOTE_DIR="glm5-jax" PY="" CONFIG="" MESH=""
+SETS=()
 CMD=()
 
 [[ $# -gt 0 ]] || die "missing subcommand; allowed: $SUBCOMMANDS"
 case "$1" in
   -h|--help) usage; exit 0 ;;
-  create|run|copy|delete) SUB=$1; shift ;;
+  create|status|setup|train|copy|run|delete) SUB=$1; shift ;;
   *) die "unknown subcommand '$1'; allowed: $SUBCOMMANDS" ;;
 esac
 
@@ -105,7 +120,12 @@ while [[ $# -gt 0 ]]; do
     --version) need_value "$arg" $#; VERSION=$2; shift 2 ;;
     --src) need_value "$arg" $#; SRC=$2; shift 2 ;;
     --remote_dir) need_value "$arg" $#; REMOTE_DIR=$2; shift 2 ;;
+    --python) need_value "$arg" $#; PY=$2; shift 2 ;;
+    --config) need_value "$arg" $#; CONFIG=$2; shift 2 ;;
+    --mesh) need_value "$arg" $#; MESH=$2; shift 2 ;;
+    --set) need_value "$arg" $#; SETS+=("$2"); shift 2 ;;
     --spot) SPOT=1; shift ;;
+    --queued) QUEUED=1; shift ;;
     --dry_run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; CMD=("$@"); break ;;
@@ -113,28 +133,50 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+only_for() {  # flag, is-set (0/1), allowed subcommands...
+  local flag=$1 given=$2 s names=""
+  shift 2
+  [[ $given -eq 1 ]] || return 0
+  for s in "$@"; do
+    [[ $SUB != "$s" ]] || return 0
+    names+="${names:+, }'$s'"
+  done
+  die "flag '$flag' is only valid for $names"
+}
+
 [[ -n $NAME ]] || die "flag '--name' is required"
 [[ $NAME =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "bad --name '$NAME': lowercase letters, digits and '-', starting with a letter"
 [[ -n $ZONE ]] || die "flag '--zone' is required (e.g. us-east5-a)"
 [[ $ZONE =~ ^[a-z]+-[a-z]+[0-9]+-[a-z]$ ]] || die "bad --zone '$ZONE': expected REGION-ZONE like us-east5-a"
-
 [[ $ACCEL =~ ^(v4|v5p|v5litepod|v6e)-([0-9]+)$ ]] || die "bad --accelerator '$ACCEL'; allowed: $ACCEL_FAMILIES"
-if [[ $SUB == create ]]; then
-  [[ $ACCEL =~ ^(v4|v5p|v5litepod|v6e)-([0-9]+)$ ]] || die "bad --accelerator '$ACCEL'; allowed: $ACCEL_FAMILIES"
-  if [[ -z $VERSION ]]; then
-    case "${BASH_REMATCH[1]}" in
-      v4) VERSION=tpu-ubuntu2204-base ;;
-      v5p) VERSION=v2-alpha-tpuv5 ;;
-      v5litepod) VERSION=v2-alpha-tpuv5-lite ;;
-      v6e) VERSION=v2-alpha-tpuv6e ;;
-    esac
-  fi
-else
-  [[ $SPOT -eq 0 ]] || die "flag '--spot' is only valid for 'create'"
+if [[ -z $VERSION ]]; then
+  case "${BASH_REMATCH[1]}" in
+    v4) VERSION=tpu-ubuntu2204-base ;;
+    v5p) VERSION=v2-alpha-tpuv5 ;;
+    v5litepod) VERSION=v2-alpha-tpuv5-lite ;;
+    v6e) VERSION=v2-alpha-tpuv6e ;;
+  esac
 fi
-[[ $SUB == run || ${#CMD[@]} -eq 0 ]] || die "'$SUB' takes no command after '--' (only 'run' does)"
-[[ $SUB == copy || -z $SRC ]] || die "flag '--src' is only valid for 'copy'"
+only_for --spot "$SPOT" create
+only_for --queued "$QUEUED" create status delete
+only_for --src "$([[ -n $SRC ]] && echo 1 || echo 0)" copy setup
+only_for --python "$([[ -n $PY ]] && echo 1 || echo 0)" setup train
+only_for --config "$([[ -n $CONFIG ]] && echo 1 || echo 0)" train
+only_for --mesh "$([[ -n $MESH ]] && echo 1 || echo 0)" train
+only_for --set "$([[ ${#SETS[@]} -gt 0 ]] && echo 1 || echo 0)" train
+[[ $SUB == run || $SUB == train || ${#CMD[@]} -eq 0 ]] || die "'$SUB' takes no arguments after '--' (only 'run' and 'train' do)"
 [[ $REMOTE_DIR =~ ^[A-Za-z0-9_./-]+$ ]] || die "bad --remote_dir '$REMOTE_DIR': letters, digits, '_', '.', '/', '-' only"
+PY=${PY:-python3}
+[[ $PY =~ ^[A-Za-z0-9_./~-]+$ ]] || die "bad --python '$PY': a command name or path"
+if [[ $SUB == train ]]; then
+  [[ -n $CONFIG ]] || die "flag '--config' is required for 'train' (python -m experiments.run --list names the experiments)"
+  [[ $CONFIG =~ ^[A-Za-z0-9_]+$ ]] || die "bad --config '$CONFIG': an experiment name (letters, digits, '_')"
+  [[ -z $MESH || $MESH =~ ^[a-z]+:-?[0-9]+(,[a-z]+:-?[0-9]+)*$ ]] ||
+    die "bad --mesh '$MESH': AXIS:N,... over data, fsdp, expert, tensor (e.g. fsdp:-1,expert:4)"
+  for kv in "${SETS[@]}"; do
+    [[ $kv =~ ^[A-Za-z0-9_.]+=.+$ ]] || die "bad --set '$kv': expected section.field=value"
+  done
+fi
 
 if [[ $DRY_RUN -eq 0 ]] && ! command -v gcloud >/dev/null 2>&1; then
   echo "$PROG: error: gcloud not found on PATH (install the Google Cloud SDK, or use --dry_run)" >&2
@@ -144,33 +186,69 @@ fi
 COMMON=(--zone="$ZONE")
 [[ -z $PROJECT ]] || COMMON+=(--project="$PROJECT")
 TPU=(gcloud compute tpus tpu-vm)
+QR=(gcloud compute tpus queued-resources)
 TARBALL="/tmp/glm5-jax-src.tar.gz"
+
+copy_repo() {
+  if [[ -z $SRC ]]; then
+    local here=${BASH_SOURCE[0]%/*}
+    [[ $here != "${BASH_SOURCE[0]}" ]] || here=.
+    SRC="$(cd "$here/.." && pwd)"
+  fi
+  [[ -d $SRC ]] || die "bad --src '$SRC': not a directory"
+  run_cmd tar --exclude=.git --exclude=__pycache__ --exclude=.venv -czf "$TARBALL" -C "$SRC" .
+  run_cmd "${TPU[@]}" scp "$TARBALL" "$NAME:$TARBALL" "${COMMON[@]}" --worker=all
+  run_cmd "${TPU[@]}" ssh "$NAME" "${COMMON[@]}" --worker=all \
+    --command="mkdir -p ~/$REMOTE_DIR && tar -xzf $TARBALL -C ~/$REMOTE_DIR"
+}
+
+on_all_workers() {  # remote command (already shell-quoted), run from REMOTE_DIR on every worker
+  run_cmd "${TPU[@]}" ssh "$NAME" "${COMMON[@]}" --worker=all --command="cd ~/$REMOTE_DIR && $1"
+}
 
 case "$SUB" in
   create)
     extra=()
     [[ $SPOT -eq 0 ]] || extra+=(--spot)
-    run_cmd "${TPU[@]}" create "$NAME" "${COMMON[@]}" --accelerator-type="$ACCEL" --version="$VERSION" "${extra[@]}"
+    if [[ $QUEUED -eq 1 ]]; then
+      run_cmd "${QR[@]}" create "$NAME" --node-id="$NAME" "${COMMON[@]}" --accelerator-type="$ACCEL" \
+        --runtime-version="$VERSION" "${extra[@]}"
+    else
+      run_cmd "${TPU[@]}" create "$NAME" "${COMMON[@]}" --accelerator-type="$ACCEL" --version="$VERSION" "${extra[@]}"
+    fi
+    ;;
+  status)
+    if [[ $QUEUED -eq 1 ]]; then
+      run_cmd "${QR[@]}" describe "$NAME" "${COMMON[@]}"
+    else
+      run_cmd "${TPU[@]}" describe "$NAME" "${COMMON[@]}"
+    fi
     ;;
   copy)
-    if [[ -z $SRC ]]; then
-      here=${BASH_SOURCE[0]%/*}
-      [[ $here != "${BASH_SOURCE[0]}" ]] || here=.
-      SRC="$(cd "$here/.." && pwd)"
-    fi
-    [[ -d $SRC ]] || die "bad --src '$SRC': not a directory"
-    run_cmd tar --exclude=.git --exclude=__pycache__ --exclude=.venv -czf "$TARBALL" -C "$SRC" .
-    run_cmd "${TPU[@]}" scp "$TARBALL" "$NAME:$TARBALL" "${COMMON[@]}" --worker=all
-    run_cmd "${TPU[@]}" ssh "$NAME" "${COMMON[@]}" --worker=all \
-      --command="mkdir -p ~/$REMOTE_DIR && tar -xzf $TARBALL -C ~/$REMOTE_DIR"
+    copy_repo
+    ;;
+  setup)
+    copy_repo
+    on_all_workers "$PY -m pip install -r requirements.txt -e \".[tpu]\""
+    ;;
+  train)
+    remote="GLM5_DISTRIBUTED=auto $(quote "$PY") -m experiments.run --config=$CONFIG"
+    [[ -z $MESH ]] || remote+=" --mesh=$MESH"
+    for kv in "${SETS[@]}"; do remote+=" $(quote "--set=$kv")"; done
+    for a in "${CMD[@]}"; do remote+=" $(quote "$a")"; done
+    on_all_workers "$remote"
     ;;
   run)
-    [[ ${#CMD[@]} -gt 0 ]] || die "'run' needs a command after '--', e.g. $PROG run --name N --zone Z -- python -m glm5_jax.train"
+    [[ ${#CMD[@]} -gt 0 ]] || die "'run' needs a command after '--', e.g. $PROG run --name N --zone Z -- python3 -m experiments.run --list"
     remote=""
     for a in "${CMD[@]}"; do remote+="${remote:+ }$(quote "$a")"; done
-    run_cmd "${TPU[@]}" ssh "$NAME" "${COMMON[@]}" --worker=all --command="cd ~/$REMOTE_DIR && $remote"
+    on_all_workers "$remote"
     ;;
   delete)
-    run_cmd "${TPU[@]}" delete "$NAME" "${COMMON[@]}" --quiet
+    if [[ $QUEUED -eq 1 ]]; then
+      run_cmd "${QR[@]}" delete "$NAME" "${COMMON[@]}" --force --quiet
+    else
+      run_cmd "${TPU[@]}" delete "$NAME" "${COMMON[@]}" --quiet
+    fi
     ;;
 esac
