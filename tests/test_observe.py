@@ -43,6 +43,8 @@ def read_events(logdir):
             assert struct.unpack("<I", buf[i + 12 + n:i + 16 + n])[0] == masked(data)
             i += 16 + n
             ev = Event.FromString(data)
+            if ev.HasField("session_log"):
+                out.append(("session_log", ev.step, ev.session_log.status))
             for v in ev.summary.value:
                 out.append((v.tag, ev.step, v.simple_value))
     return out
@@ -51,8 +53,8 @@ def read_events(logdir):
 def test_event_files_hold_every_scalar(tmp_path):
     obs = RunObserver(str(tmp_path), model_cfg=CFG, tcfg=TCFG)     # one process: primary by default
     for step, loss in ((1, 5.0), (2, 4.5), (3, 4.25)):
-        perf = obs.record(step, {"loss": jnp.float32(loss), "grad_norm": np.float32(step), "hist": np.ones(3),
-                                 "name": "x"}, step_seconds=0.5 * step)
+        perf = obs.record(step, {"step": step, "loss": jnp.float32(loss), "grad_norm": np.float32(step),
+                                 "hist": np.ones(3), "name": "x"}, step_seconds=0.5 * step)
         assert perf["tokens_per_s"] == pytest.approx(4 * 32 / (0.5 * step))
         assert perf["mfu"] is None                        # CPU: no known peak
     obs.close()
@@ -64,7 +66,17 @@ def test_event_files_hold_every_scalar(tmp_path):
     assert by_tag["grad_norm"] == {1: 1.0, 2: 2.0, 3: 3.0}
     assert by_tag["step_time_s"] == {1: 0.5, 2: 1.0, 3: 1.5}
     assert by_tag["tokens_per_s"][2] == pytest.approx(128.0)
-    assert set(by_tag) == {"loss", "grad_norm", "step_time_s", "tokens_per_s"}   # no mfu, no arrays/strings
+    assert set(by_tag) == {"loss", "grad_norm", "step_time_s", "tokens_per_s", "session_log"}  # no mfu/arrays/str
+
+
+def test_resumed_run_purges_events_past_its_first_step(tmp_path):
+    """A restart at step 3 writes SessionLog(START) at step 3: TensorBoard then hides the older run's
+    events at steps >= 3 (what it logged after the restored checkpoint)."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+    obs = RunObserver(str(tmp_path), model_cfg=CFG, tcfg=TCFG, primary=True)
+    obs.record(3, {"loss": 1.0}, step_seconds=1.0)
+    obs.close()
+    assert ("session_log", 3, SessionLog.START) in read_events(tmp_path / "tensorboard")
 
 
 def test_mfu_closed_form_for_a_fake_device_kind(tmp_path, monkeypatch):

@@ -155,7 +155,7 @@ class RunObserver:
                 # purge_step: after a resume TensorBoard hides the events a crashed run logged past it.
                 self._writer = SummaryWriter(self.tensorboard_dir, purge_step=step, flush_secs=30)
             for key, value in {**metrics, **perf}.items():
-                v = _scalar(value)
+                v = None if key == "step" else _scalar(value)      # a metrics row may carry its step
                 if v is not None:
                     self._writer.add_scalar(key, v, global_step=step)
         return perf
