@@ -2,4 +2,5 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # libtpu (the TPU AOT tests) in parallel workers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -222,7 +222,7 @@ def test_cli_bad_key_exits_2_naming_it_and_valid_keys(tmp_path):
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr
     assert "rl.learning_rate = 0.001" in r.stdout and "rl.steps = 5" in r.stdout
-    assert 'rl.frozen_patterns = ["indexer", "embed", "dense_layers/.*/attn"]' in r.stdout
+    assert 'rl.frozen_patterns = ["indexer", "embed", "layer_0/attn"]' in r.stdout
 
 
 def test_mtp_targets_shift_and_mask_documents():
