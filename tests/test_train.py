@@ -203,3 +203,83 @@ def test_experiment_cli_errors_list_valid_choices():
     assert r.returncode == 2 and "allowed: tiny, small" in r.stderr
     r = run("--list")
     assert r.returncode == 0 and "dsa_vs_mla" in r.stdout
+
+
+def _accum_runs(cfg, tc_kw, batch, ks, loss_fn=None, params=None):
+    from glm5_jax.train.state import abstract_param_shapes, init_train_state
+    mesh = single_device_mesh()
+    out = {}
+    for k in ks:
+        tc = TrainConfig(grad_accum=k, **tc_kw)
+        tx, _ = build_optimizer(cfg, tc, abstract_param_shapes(cfg) if params is None else params)
+        if params is None:
+            state, _ = init_train_state(cfg, tc, mesh, tx=tx)
+        else:
+            state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                     "rng": jax.random.PRNGKey(0)}
+        state, m = make_train_step(cfg, tc, tx, mesh, loss_fn=loss_fn)(state, batch)
+        out[k] = ({n: float(v) for n, v in m.items()}, traverse_util.flatten_dict(jax.device_get(state["params"])))
+    return out
+
+
+@pytest.mark.slow   # two compiles of the LM step: 111 s on 2 busy cores (the regression test below is the fast check)
+def test_grad_accum_gives_the_full_batch_update():
+    """K=4 micro-batches (a scan, token-weighted by an uneven loss_mask) vs the whole batch at once, on
+    the LM loss: the same loss, gradient norm, update norm and router-bias update (expert loads are
+    summed over micro-batches). Elementwise params after AdamW's first step (g / (|g| + eps)) are not a
+    fair comparison here (a ~1e-9 gradient entry with float32 rounding moves its weight by ~lr); the
+    regression below checks params elementwise."""
+    cfg = ModelConfig(index_topk=4, mtp_depth=0, num_layers=2)
+    b, t = 8, 16
+    batch = _batch(cfg, b, t)
+    batch["loss_mask"] = (jax.random.uniform(jax.random.PRNGKey(1), (b, t)) > 0.3).astype(jnp.int32)
+    out = _accum_runs(cfg, dict(steps=3, batch_size=b, seq_len=t, warmup_steps=0, learning_rate=1e-2), batch, (1, 4))
+    (m1, p1), (m4, p4) = out[1], out[4]
+    assert m1.keys() == m4.keys() and {"loss", "grad_norm", "update_norm", "expert_load_max_over_mean"} <= set(m1)
+    for n in m1:
+        assert m1[n] == pytest.approx(m4[n], rel=1e-5), n
+    bias = [p for p in p1 if p[-1] == "e_score_correction_bias"]
+    assert bias and all(np.array_equal(p1[p], p4[p]) for p in bias) and any(np.any(p1[p] != 0) for p in bias)
+
+
+def test_grad_accum_matches_full_batch_params_elementwise():
+    """The step's accumulation (accumulated_value_and_grad) on a token-weighted regression loss with an
+    uneven loss_mask: for K = 2, 4 the loss, the gradient and the params after one AdamW update agree with
+    the whole batch elementwise (rtol 1e-5), and the reported loads (token counts) are summed."""
+    import optax
+    from glm5_jax.train.step import accumulated_value_and_grad
+    rng = np.random.default_rng(0)
+    b, t, d = 8, 6, 5
+    params = {"w": jnp.asarray(rng.normal(size=(d, 3)), jnp.float32), "v": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32), "y": jnp.asarray(rng.normal(size=(b, t, 3)), jnp.float32),
+             "loss_mask": jnp.asarray(rng.random((b, t)) > 0.4, jnp.int32)}
+
+    def loss_fn(p, bt):
+        err = jnp.sum((jnp.tanh(bt["x"] @ p["w"]) * p["v"] - bt["y"]) ** 2, -1)
+        m = bt["loss_mask"].astype(jnp.float32)
+        loss = jnp.sum(err * m) / jnp.maximum(jnp.sum(m), 1.0)
+        return loss, ({"loss": loss}, {("layer",): jnp.sum(bt["loss_mask"], 1)[:2]})
+
+    tx = optax.adamw(1e-1, weight_decay=0.0)
+    out = {}
+    for k in (1, 2, 4):
+        (loss, (_, loads)), g = jax.jit(accumulated_value_and_grad(loss_fn, k, single_device_mesh()))(params, batch)
+        upd, _ = tx.update(g, tx.init(params), params)
+        out[k] = (float(loss), g, optax.apply_updates(params, upd), loads[("layer",)])
+    for k in (2, 4):
+        assert out[k][0] == pytest.approx(out[1][0], rel=1e-5)
+        for n in params:
+            np.testing.assert_allclose(out[k][1][n], out[1][1][n], rtol=1e-5, err_msg=n)
+            np.testing.assert_allclose(out[k][2][n], out[1][2][n], rtol=1e-5, err_msg=n)
+        # each micro-batch reports the token counts of its first two rows; summed over the K micro-batches
+        want = np.asarray(batch["loss_mask"]).reshape(b // k, k, t).swapaxes(0, 1)[:, :2].sum((0, 2))
+        np.testing.assert_array_equal(out[k][3], want)
+    assert not np.allclose(out[1][2]["w"], np.asarray(params["w"]))
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(batch_size=8, grad_accum=3), "batch_size=8 is not divisible by TrainConfig.grad_accum=3"),
+                                    (dict(grad_accum=0), "grad_accum=0"),
+                                    (dict(profile_steps=(4, 2)), "profile_steps")])
+def test_bad_grad_accum_and_profile_steps(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        TrainConfig(**kw)

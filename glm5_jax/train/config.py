@@ -13,7 +13,8 @@ OPTIMIZERS = ("adamw", "muon", "muon_split")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
-    batch_size: int = 8
+    batch_size: int = 8                  # the global batch (all processes) of one optimizer step
+    grad_accum: int = 1                  # micro-batches per step (batch_size / grad_accum rows each)
     seq_len: int = 256
     learning_rate: float = 3e-3
     warmup_steps: int = 10
@@ -35,13 +36,22 @@ class TrainConfig:
     keep_checkpoints: int = 2
     async_checkpoints: bool = True
     seed: int = 0
+    profile_steps: tuple[int, int] | None = None  # (first, last) steps to trace with jax.profiler
 
     def __post_init__(self):
-        for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every",
+        for f in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every",
                   "keep_checkpoints"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"TrainConfig.{f}={v!r} is invalid: must be an integer >= 1")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(f"TrainConfig.batch_size={self.batch_size} is not divisible by "
+                              f"TrainConfig.grad_accum={self.grad_accum}: each micro-batch has batch_size / grad_accum rows")
+        if self.profile_steps is not None:
+            ps = self.profile_steps
+            if not (isinstance(ps, tuple) and len(ps) == 2 and all(isinstance(s, int) for s in ps) and 1 <= ps[0] <= ps[1]):
+                raise ConfigError(f"TrainConfig.profile_steps={ps!r} is invalid: (first, last) steps with "
+                                  "1 <= first <= last, or None")
         if not isinstance(self.monitor_every, int) or self.monitor_every < 0:
             raise ConfigError(f"TrainConfig.monitor_every={self.monitor_every!r} is invalid: must be an integer >= 0 (0 = off)")
         if not self.learning_rate > 0:

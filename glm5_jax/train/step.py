@@ -19,10 +19,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.losses import cross_entropy, mtp_loss
 from glm5_jax.model import GLM5, per_layer
+from glm5_jax.config import ConfigError
+from glm5_jax.parallel.ep import BATCH_AXES
 from glm5_jax.sharding import batch_sharding, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.state import build_optimizer, state_shardings
@@ -101,6 +104,55 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
 LossFn = Callable[[object, dict], tuple]
 
 
+def _micro_batches(batch: dict, k: int, mesh) -> dict:
+    """[B, ...] leaves -> [k, B/k, ...]: micro-batch j holds rows j, j+k, j+2k, ... Taking strided rows
+    (not contiguous blocks) keeps every micro-batch spread over all the devices that hold the batch,
+    so each scan iteration works on every device without moving rows between them."""
+    def split(x):
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES)))
+    return jax.tree_util.tree_map(split, batch)
+
+
+def accumulated_value_and_grad(loss_fn: LossFn, k: int, mesh):
+    """(params, batch) -> ((loss, (metrics, loads)), grads) over k micro-batches, one at a time
+    (lax.scan: activations of one micro-batch live at once).
+
+    Gradients and metrics are float32 averages weighted by each micro-batch's loss_mask token count
+    (equal weights without a loss_mask), so a token-mean loss gets exactly the full batch's gradient;
+    expert loads (token counts) are summed. k == 1 is the plain value_and_grad."""
+    vg = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        return vg
+
+    def run(params, batch):
+        micro = _micro_batches(batch, k, mesh)
+        if "loss_mask" in micro:
+            w = jnp.sum(micro["loss_mask"].astype(jnp.float32).reshape(k, -1), axis=1)
+            total = jnp.sum(w)
+            w = jnp.where(total > 0, w / jnp.maximum(total, 1e-9), 1.0 / k)
+        else:
+            w = jnp.full((k,), 1.0 / k, jnp.float32)
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        (_, (m_shape, l_shape)), g_shape = jax.eval_shape(vg, params, first)
+        f32_zeros = lambda t: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
+        zeros = (f32_zeros(g_shape), f32_zeros(m_shape), jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), l_shape))
+
+        def body(carry, xs):
+            mb, wj = xs
+            (_, (metrics, loads)), grads = vg(params, mb)
+            g_acc, m_acc, l_acc = carry
+            add_w = lambda a, b: a + wj * b.astype(jnp.float32)
+            return (jax.tree_util.tree_map(add_w, g_acc, grads), jax.tree_util.tree_map(add_w, m_acc, metrics),
+                    jax.tree_util.tree_map(jnp.add, l_acc, loads)), None
+
+        (grads, metrics, loads), _ = jax.lax.scan(body, zeros, (micro, w))
+        grads = jax.tree_util.tree_map(lambda g, s: g.astype(s.dtype), grads, g_shape)
+        return (metrics["loss"], (metrics, loads)), grads
+
+    return run
+
+
 def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.GradientTransformation, mesh=None, *,
                     loss_fn: LossFn | None = None):
     """step(state, batch) -> (state, metrics), jitted on `mesh` (default: the trivial 1-device mesh).
@@ -113,14 +165,25 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
     After the optimizer update the MoE correction biases move aux-loss-free (tcfg.bias_update_rate)
     from the reported loads (a frozen router, per tcfg.trainable_pattern, keeps its bias).
     metrics: the loss's metrics + grad_norm, update_norm (+ expert_load_max_over_mean with MoE).
+    tcfg.grad_accum > 1 splits the batch into that many micro-batches (accumulated_value_and_grad): one
+    optimizer update from their token-weighted mean gradient, the same update as the whole batch at once.
     The returned callable has .jitted, .lower(state, batch), .shardings, .batch_sharding, .mesh.
     """
     mesh = single_device_mesh() if mesh is None else mesh
     loss_fn = make_loss_fn(model_cfg, tcfg) if loss_fn is None else loss_fn
     pat = re.compile(tcfg.trainable_pattern) if tcfg.trainable_pattern else None
+    shards = 1
+    for a in BATCH_AXES:
+        shards *= mesh.shape.get(a, 1)
+    if tcfg.grad_accum > 1 and (tcfg.batch_size // tcfg.grad_accum) % shards:
+        raise ConfigError(
+            f"TrainConfig.batch_size={tcfg.batch_size} / grad_accum={tcfg.grad_accum} = "
+            f"{tcfg.batch_size // tcfg.grad_accum} rows per micro-batch is not divisible by data*fsdp*expert = "
+            f"{shards} (mesh {dict(mesh.shape)}): every micro-batch is split over all batch devices")
+    value_and_grad = accumulated_value_and_grad(loss_fn, tcfg.grad_accum, mesh)
 
     def train_step(state, batch):
-        (_, (metrics, loads)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        (_, (metrics, loads)), grads = value_and_grad(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(metrics)
