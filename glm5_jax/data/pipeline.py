@@ -9,9 +9,14 @@
 
 Train pipeline (grain.MapDataset, everything index-based, so the state is one integer):
   range(N_corpus_windows + N_retrieval) -> shuffle(seed)  (grain reshuffles every epoch with
-  seed + epoch) -> repeat(None) -> map_with_index(build example) -> batch(B)
-  -> to_iter_dataset(ReadOptions(num_threads=0)) (in-process: no worker processes, no absl
-  flags needed; pass num_threads > 0 for threaded reads, still deterministic).
+  seed + epoch) -> repeat(None) -> map_with_index(build example): element g of the global stream;
+  global batch k = elements k*B .. k*B+B-1 -> to_iter_dataset(ReadOptions(num_threads=0))
+  (in-process: no worker processes, no absl flags needed; pass num_threads > 0 for threaded
+  reads, still deterministic).
+Multi-process: `select_rows(rows)` makes the iterator read only those rows of every global batch
+(the training loop passes the rows its process's devices hold), so each process builds only its part
+and the global stream is the same for any number of processes. The state counts global batches, so
+it does not depend on the rows: a checkpoint written by 2 processes resumes on 1 or 4.
   Item i < N_corpus is packed window i (see packing.py); item i >= N_corpus is a retrieval
   example generated from (seed, global element index), so it differs across epochs.
   N_retrieval = round(N_corpus * f / (1 - f)) for retrieval_fraction f (>= 1 when f > 0).
@@ -83,21 +88,45 @@ class TrainIterator:
                 return stream.window(i, T)
             return task.example(seed_, TRAIN_TAG, int(k), mode="train")[0]
 
-        ds = (grain.MapDataset.range(n_items)
-              .shuffle(seed=self.seed)
-              .repeat(None)
-              .map_with_index(make)
-              .batch(self.batch_size, drop_remainder=True))
-        self._iter_ds = ds.to_iter_dataset(
-            grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=0 if num_threads == 0
-                              else max(1, 2 * self.batch_size)))
-        self._it = iter(self._iter_ds)
+        # element g of the global stream (random access: any process reads any element directly)
+        self._elements = grain.MapDataset.range(n_items).shuffle(seed=self.seed).repeat(None).map_with_index(make)
+        self._num_threads = num_threads
+        self.rows: tuple[int, ...] = tuple(range(self.batch_size))
+        self._it = self._make_iter()
         self.fingerprint = settings_key({
             "tokens": os.path.basename(data.token_cache_dir), "B": self.batch_size, "T": T,
             "seed": self.seed, "retrieval": [f, cfg.retrieval_pairs, cfg.retrieval_key_digits,
                                              cfg.retrieval_value_digits, cfg.min_distance(T)],
         })
         self._served = 0
+
+    def _make_iter(self):
+        """An iterator over batches of this iterator's rows of each global batch (one batch per global
+        batch, so grain's position counts global batches whatever the rows)."""
+        B, rows, L = self.batch_size, self.rows, len(self.rows)
+        elements = self._elements
+        if L == B:                            # every row: element j of the global stream
+            local = elements
+        else:                                 # row j % L of global batch j // L
+            local = grain.MapDataset.range(len(elements) // B * L).map(lambda j: elements[j // L * B + rows[j % L]])
+        ds = local.batch(L, drop_remainder=True)
+        nt = self._num_threads
+        return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=nt, prefetch_buffer_size=0 if nt == 0
+                                                         else max(1, 2 * L))))
+
+    def select_rows(self, rows) -> None:
+        """Read only `rows` (sorted, distinct, in [0, batch_size)) of every global batch from now on,
+        keeping the position: batches then have len(rows) rows, global rows in the order given."""
+        rows = tuple(int(r) for r in rows)
+        if not rows or list(rows) != sorted(set(rows)) or rows[0] < 0 or rows[-1] >= self.batch_size:
+            raise ValueError(f"rows={rows!r} is invalid; allowed: sorted distinct row indices in "
+                             f"[0, batch_size={self.batch_size})")
+        if rows == self.rows:
+            return
+        position = self._it.get_state()
+        self.rows = rows
+        self._it = self._make_iter()
+        self._it.set_state(position)
 
     def __iter__(self) -> "TrainIterator":
         return self
