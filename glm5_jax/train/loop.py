@@ -1,18 +1,24 @@
-"""The training loop: periodic eval, progress with rate and ETA, metrics.jsonl, orbax checkpoints,
-exact resume (state + data iterator + PRNG), and a clean stop on a non-finite loss.
+"""The training loop: periodic eval, progress (step time, tokens/s, MFU, ETA), metrics.jsonl and
+TensorBoard scalars, orbax checkpoints, exact resume (state + data iterator + PRNG), and a clean stop on
+a non-finite loss. The same loop runs in one process or in many (one per host).
 
 The state is created on the mesh (glm5_jax.train.state.init_train_state) and stepped by the one step
 (glm5_jax.train.step.make_train_step). The host reads step k's metrics only after step k+1 has been
 dispatched, so it does not wait on the device every step; steps that checkpoint, evaluate, monitor
 or end the run read their metrics at once. A checkpoint is saved only after its step's loss is known
 to be finite, so the last checkpoint is always a good one even though a NaN may be seen a step late.
+
+Multi-process: every process runs this loop with the same arguments. Each reads only the rows of every
+global batch that its devices hold (`local_rows`; the iterator's select_rows) and the loop assembles the
+global batch with jax.make_array_from_process_local_data. Each process checkpoints its own shards and
+its own iterator state; only process 0 writes metrics.jsonl and TensorBoard events. The workdir is an
+etils.epath path, so it may be a URL (gs://...) as well as a local folder.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from typing import Callable, Iterable
@@ -20,12 +26,15 @@ from typing import Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
+from jax.sharding import NamedSharding
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.optim import optimizer_table
-from glm5_jax.sharding import single_device_mesh
+from glm5_jax.sharding import batch_sharding, single_device_mesh
 from glm5_jax.train.checkpoint import Checkpointer
 from glm5_jax.train.config import TrainConfig
+from glm5_jax.train.observe import RunObserver
 from glm5_jax.train.state import abstract_param_shapes, abstract_state, build_optimizer, init_train_state
 from glm5_jax.train.step import make_eval_step, make_monitor_fn, make_train_step
 
@@ -34,35 +43,96 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN/inf; the last good checkpoint is kept."""
 
 
+def local_rows(sharding, batch_size: int) -> list[int]:
+    """The rows of a [batch_size, ...] global batch that this process's devices hold under `sharding`,
+    in the order jax.make_array_from_process_local_data expects its local data (ascending)."""
+    rows = set()
+    for idx in sharding.addressable_devices_indices_map((batch_size,)).values():
+        rows.update(range(*idx[0].indices(batch_size)))
+    return sorted(rows)
+
+
+def global_batch(sharding, local: dict, batch_size: int) -> dict:
+    """The global [batch_size, ...] arrays from this process's rows (local_rows) of each leaf."""
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (batch_size,) + np.shape(v)[1:])
+            for k, v in local.items()}
+
+
+def _params_mesh(params):
+    sh = getattr(jax.tree_util.tree_leaves(params)[0], "sharding", None)
+    return sh.mesh if isinstance(sh, NamedSharding) else None
+
+
 def evaluate(model_cfg: ModelConfig, params, batches: Iterable[dict], eval_step=None) -> dict:
-    """Token-mean eval loss over `batches` and top-1 accuracy on masked positions."""
+    """Token-mean eval loss over `batches` (full host batches, the same on every process) and top-1
+    accuracy on masked positions. Params on a mesh get each batch split over its batch axes, which also
+    makes this work when the params span several processes."""
     eval_step = eval_step or make_eval_step(model_cfg)
+    mesh = _params_mesh(params)
     tot, n, correct = 0.0, 0.0, 0.0
     for batch in batches:
-        s, c, pred = eval_step(params, {k: jnp.asarray(v) for k, v in batch.items()})
-        tot, n = tot + float(s), n + float(c)
-        correct += float(np.sum((np.asarray(pred) == batch["targets"]) * batch["loss_mask"]))
+        if mesh is None:
+            b = {k: jnp.asarray(v) for k, v in batch.items()}
+        else:
+            bsh = batch_sharding(mesh)
+            size = len(batch["tokens"])
+            rows = local_rows(bsh, size)
+            b = global_batch(bsh, {k: np.asarray(v)[rows] for k, v in batch.items()}, size)
+        s, c, pred = eval_step(params, b)
+        # on device: pred may be split over processes, the scalar sum is not
+        hit = jnp.sum((pred == b["targets"]).astype(jnp.float32) * b["loss_mask"].astype(jnp.float32))
+        tot, n, correct = tot + float(s), n + float(c), correct + float(hit)
     return {"eval_loss": tot / max(n, 1.0), "eval_accuracy": correct / max(n, 1.0)}
 
 
-def _read_metrics(path: str, upto: int | None) -> list[dict]:
-    if not os.path.exists(path):
+def _read_metrics(path: epath.Path, upto: int | None) -> list[dict]:
+    if not path.exists():
         return []
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if upto is None or r["step"] <= upto]
 
 
-def _fmt_eta(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+class _MetricsFile:
+    """metrics.jsonl, written by the primary process only. A local file is appended to row by row; an
+    object store (gs://) has no append, so there the whole file is rewritten at each flush (log,
+    checkpoint and final steps), which is what survives a crash."""
+
+    def __init__(self, path: epath.Path, rows: list[dict], enabled: bool):
+        self.path, self.enabled = path, enabled
+        self.local = "://" not in str(path)
+        self.rows, self._f = list(rows), None
+        if enabled:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))   # drops rows past a resume
+            if self.local:
+                self._f = self.path.open("a")
+
+    def write(self, row: dict, flush: bool) -> None:
+        self.rows.append(row)
+        if not self.enabled:
+            return
+        if self._f is not None:
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+        elif flush:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+
+    def close(self) -> None:
+        if self.enabled and self._f is None:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
-def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *,
+def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
           init_params=None, eval_fn: Callable[[object], dict] | None = None, log=None,
           name: str = "train", stop_after: int | None = None, mesh=None, loss_fn=None) -> dict:
-    """Train for tcfg.steps steps in `workdir`, resuming from its latest checkpoint if any.
+    """Train for tcfg.steps steps in `workdir` (a path or URL), resuming from its latest checkpoint if any.
 
-    train_iter: an iterator of numpy batch dicts with get_state()/set_state() (glm5_jax.data).
+    train_iter: an iterator of numpy batch dicts of the global batch (tcfg.batch_size rows) with
+    get_state()/set_state() (glm5_jax.data). With select_rows(rows) (glm5_jax.data.TrainIterator) it is
+    told the rows this process holds and yields only those; without it, a multi-process run reads full
+    batches and keeps its rows.
     eval_fn(params) -> dict of eval metrics, run every eval_every steps and at the end.
     mesh: where the state lives and the step runs (default: one device); a checkpoint written on any
     mesh is resharded onto it. loss_fn: plugged into the step (default: the LM loss, make_loss_fn).
@@ -70,86 +140,109 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir: str, *
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     mesh = single_device_mesh() if mesh is None else mesh
-    os.makedirs(workdir, exist_ok=True)
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tcfg.keep_checkpoints,
-                        async_save=tcfg.async_checkpoints)
+    primary = jax.process_index() == 0
+    workdir = epath.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(workdir / "checkpoints", keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints)
     shapes = abstract_param_shapes(model_cfg)
     tx, labels = build_optimizer(model_cfg, tcfg, shapes)
-    log(f"[{name}] optimizer {tcfg.optimizer}:\n" + optimizer_table(
-        shapes, labels, model_cfg if tcfg.optimizer == "muon_split" else None))
+    if primary:
+        log(f"[{name}] optimizer {tcfg.optimizer}:\n" + optimizer_table(
+            shapes, labels, model_cfg if tcfg.optimizer == "muon_split" else None))
+    step_fn = make_train_step(model_cfg, tcfg, tx, mesh, loss_fn=loss_fn)
+    bsh = step_fn.batch_sharding
+    batch_size = tcfg.batch_size
+    rows = local_rows(bsh, batch_size)
+    select = getattr(train_iter, "select_rows", None)
+    if select is not None:
+        select(rows)                                   # this process reads only its rows
+        take = None
+    else:
+        take = None if len(rows) == batch_size else rows
     start = 0
     latest = ckpt.latest_step()
     if latest is not None:
         state, data_state = ckpt.restore(latest, abstract_state(model_cfg, tcfg, mesh, tx)[0])
         train_iter.set_state(data_state)
         start = int(state["step"])
-        log(f"[{name}] resumed from step {start} ({ckpt.directory})")
+        if primary:
+            log(f"[{name}] resumed from step {start} ({ckpt.directory})")
     else:
         state, _ = init_train_state(model_cfg, tcfg, mesh, tx=tx, params=init_params)
-    history = _read_metrics(metrics_path, start if latest is not None else 0)
-    with open(metrics_path, "w") as f:                 # drop rows logged after the restored step
-        f.writelines(json.dumps(r) + "\n" for r in history)
+    # only the primary reads the file back (it rewrites it at once); the others' history starts here
+    done = _read_metrics(workdir / "metrics.jsonl", start if latest is not None else 0) if primary else []
+    metrics_file = _MetricsFile(workdir / "metrics.jsonl", done, primary)
+    history = metrics_file.rows
+    obs = RunObserver(str(workdir), model_cfg=model_cfg, tcfg=tcfg, mesh=mesh, profile_steps=tcfg.profile_steps)
 
-    step_fn = make_train_step(model_cfg, tcfg, tx, mesh, loss_fn=loss_fn)
     monitor_fn = make_monitor_fn(model_cfg) if tcfg.monitor_every else None
-    tokens_per_step = tcfg.batch_size * tcfg.seq_len
-    clock = {"t0": time.time(), "last_t": time.time(), "last_step": start}
+    clock = {"last": time.perf_counter()}
     last_good = latest
     final = None
     end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
 
-    def record(mf, step, metrics, extra=None) -> None:
-        """Read `step`'s metrics (waits for that step), stop on a non-finite loss, write and log the row."""
+    def stop(msg):
+        obs.close()
+        metrics_file.close()
+        ckpt.close()
+        raise TrainingDiverged(msg)
+
+    def record(step, metrics, extra=None) -> None:
+        """Read `step`'s metrics (waits for that step), stop on a non-finite loss, write and log the row.
+        The step's time is the wall time since the previous step's metrics were read (the loop keeps one
+        step in flight, so this is the device time per step once it runs steadily)."""
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        seconds = max(now - clock["last"], 1e-9)
         if not math.isfinite(metrics["loss"]):
-            ckpt.close()
-            raise TrainingDiverged(
-                f"[{name}] loss is {metrics['loss']} at step {step}; stopped. The last good checkpoint is "
-                f"step {last_good} in {ckpt.directory} (lower learning_rate or enable grad_clip)")
+            stop(f"[{name}] loss is {metrics['loss']} at step {step}; stopped. The last good checkpoint is "
+                 f"step {last_good} in {ckpt.directory} (lower learning_rate or enable grad_clip)")
         row = {"step": step, **metrics, **(extra() if extra else {})}
-        history.append(row)
-        mf.write(json.dumps(row) + "\n")
-        mf.flush()
-        if step % tcfg.log_every == 0 or step == end or "eval_loss" in row:
-            now = time.time()
-            rate = (step - clock["last_step"]) * tokens_per_step / max(now - clock["last_t"], 1e-9)
-            eta = (tcfg.steps - step) * (now - clock["t0"]) / max(step - start, 1)
-            ev = f" eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-            ev += f" max_attn_logit {row['max_attn_logit']:.2f}" if "max_attn_logit" in row else ""
-            log(f"[{name}] step {step}/{tcfg.steps} loss {metrics['loss']:.4f}{ev} "
-                f"{rate:,.0f} tok/s ETA {_fmt_eta(eta)}")
-            clock["last_t"], clock["last_step"] = now, step
+        obs.record(step, row, step_seconds=seconds)
+        show = step % tcfg.log_every == 0 or step == end or "eval_loss" in row
+        metrics_file.write(row, flush=show or step % tcfg.ckpt_every == 0)
+        if show and primary:
+            log(f"[{name}] " + obs.progress(step, tcfg.steps, row))
+
+    def next_batch():
+        local = next(train_iter)
+        if take is not None:
+            local = {k: np.asarray(v)[take] for k, v in local.items()}
+        return global_batch(bsh, local, batch_size)
 
     pending = None                                     # (step, its metrics still on device)
-    with open(metrics_path, "a") as mf:
-        for step in range(start + 1, end + 1):
-            batch = jax.device_put(next(train_iter), step_fn.batch_sharding)
-            state, metrics = step_fn(state, batch)
-            if pending is not None:                    # the previous step's metrics, while this one runs
-                record(mf, *pending)
-                pending = None
-            do_ckpt = step % tcfg.ckpt_every == 0 or step == tcfg.steps
-            do_eval = eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps)
-            do_mon = monitor_fn is not None and (step % tcfg.monitor_every == 0 or step == tcfg.steps)
-            if not (do_ckpt or do_eval or do_mon or step == end):
-                pending = (step, metrics)
-                continue
+    for step in range(start + 1, end + 1):
+        obs.step_started(step)
+        batch = next_batch()
+        state, metrics = step_fn(state, batch)
+        if pending is not None:                        # the previous step's metrics, while this one runs
+            record(*pending)
+            clock["last"] = time.perf_counter()
+            pending = None
+        do_ckpt = step % tcfg.ckpt_every == 0 or step == tcfg.steps
+        do_eval = eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps)
+        do_mon = monitor_fn is not None and (step % tcfg.monitor_every == 0 or step == tcfg.steps)
+        if not (do_ckpt or do_eval or do_mon or step == end):
+            pending = (step, metrics)
+            continue
 
-            def extra(step=step, batch=batch, do_eval=do_eval, do_mon=do_mon):
-                nonlocal final
-                out = {}
-                if do_mon:     # after the update, on this step's batch: a separate forward, no gradients
-                    out.update({k: float(v) for k, v in jax.device_get(monitor_fn(state["params"], batch)).items()})
-                if do_eval:
-                    final = {"step": step, **eval_fn(state["params"])}
-                    out.update(final)
-                return out
+        def extra(step=step, batch=batch, do_eval=do_eval, do_mon=do_mon):
+            nonlocal final
+            out = {}
+            if do_mon:         # after the update, on this step's batch: a separate forward, no gradients
+                out.update({k: float(v) for k, v in jax.device_get(monitor_fn(state["params"], batch)).items()})
+            if do_eval:
+                final = {"step": step, **eval_fn(state["params"])}
+                out.update(final)
+            return out
 
-            record(mf, step, metrics, extra)           # before the save: only a finite step is checkpointed
-            if do_ckpt:
-                ckpt.save(step, state, train_iter.get_state())
-                last_good = step
+        record(step, metrics, extra)                   # before the save: only a finite step is checkpointed
+        if do_ckpt:
+            ckpt.save(step, state, train_iter.get_state())
+            last_good = step
+        clock["last"] = time.perf_counter()            # eval / monitor / save time is not step time
+    obs.close()
+    metrics_file.close()
     ckpt.close()
     if final is None and eval_fn is not None:
         final = {"step": int(state["step"]), **eval_fn(state["params"])}
