@@ -1,14 +1,23 @@
-"""Run evidence: report.json, report.md and PNG plots in the run's workdir."""
+"""Run evidence: report.json, report.md and PNG plots in the run's workdir.
+
+Paths go through etils.epath, so a workdir may be a URL (gs://bucket/run). In a multi-process run only
+process 0 writes (every process computes the same report)."""
 
 from __future__ import annotations
 
+import io
 import json
-import os
 
+import jax
 import matplotlib
+from etils import epath
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _primary() -> bool:
+    return jax.process_index() == 0
 
 
 def plot_curves(path: str, series: dict[str, tuple[list, list]], *, title: str, xlabel: str = "step",
@@ -25,16 +34,20 @@ def plot_curves(path: str, series: dict[str, tuple[list, list]], *, title: str, 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    if _primary():
+        buf = io.BytesIO()               # rendered in memory, written through epath (local or gs://)
+        fig.savefig(buf, format="png")
+        epath.Path(path).write_bytes(buf.getvalue())
     plt.close(fig)
     return path
 
 
 def write_report(workdir: str, report: dict, markdown: str) -> None:
-    with open(os.path.join(workdir, "report.json"), "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
-    with open(os.path.join(workdir, "report.md"), "w") as f:
-        f.write(markdown.rstrip() + "\n")
+    if not _primary():
+        return
+    root = epath.Path(workdir)
+    (root / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    (root / "report.md").write_text(markdown.rstrip() + "\n")
 
 
 def md_table(header: list[str], rows: list[list]) -> str:

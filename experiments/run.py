@@ -6,6 +6,15 @@
     python -m experiments.run --list
     python -m experiments.run --config=dsa_vs_mla --show        # print every settable key and its value
 
+Many processes (one per host, or several on one machine): start the same command in each with
+`--num_processes=N --process_id=I --coordinator_address=HOST:PORT` (or GLM5_NUM_PROCESSES /
+GLM5_PROCESS_ID / GLM5_COORDINATOR_ADDRESS; GLM5_DISTRIBUTED=auto on a TPU pod). `jax.distributed` is
+initialised before anything touches a device, the mesh spans every process's devices, each process
+reads only its rows of every global batch, checkpoints hold every process's shards and iterator state,
+and only process 0 writes settings, metrics and reports. `--workdir` may be a URL (gs://bucket/run).
+`--profile_steps=FIRST,LAST` traces those steps (jax.profiler, WORKDIR/.../profile); it is the
+override train.profile_steps.
+
 `--set` takes a dotted key into the experiment's typed config (model.*, train.*, data.* and the
 experiment's own knobs); the value is parsed by the field's type (none for Optional, comma lists or
 JSON for tuples). A bad key, value or combination exits with status 2 before anything compiles.
@@ -24,6 +33,7 @@ import sys
 import time
 
 from absl import app, flags, logging
+from etils import epath
 
 from experiments import registry
 from experiments.overrides import OverrideError, as_dict, flat_items
@@ -41,12 +51,31 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", None, "Override the experiment's main step count.")
     flags.DEFINE_multi_string("set", [], "Override a config field: --set section.field=value (repeatable).")
     flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... over data, fsdp, expert, tensor (-1 fills).")
+    flags.DEFINE_string("profile_steps", None, "FIRST,LAST: trace these steps with jax.profiler "
+                        "(= --set train.profile_steps=FIRST,LAST).")
+    flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-process; or $GLM5_COORDINATOR_ADDRESS).")
+    flags.DEFINE_integer("num_processes", None, "Processes in the run (or $GLM5_NUM_PROCESSES; 1 = no jax.distributed).")
+    flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes) (or $GLM5_PROCESS_ID).")
     flags.DEFINE_bool("list", False, "List the registered experiments and exit.")
     flags.DEFINE_bool("show", False, "Print the resolved config (every settable key) and exit.")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def start_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                      process_id: int | None = None) -> bool:
+    """jax.distributed start-up from the flags, else the GLM5_* environment (nothing for one process).
+    Must run before anything touches a device. Returns whether several processes were joined."""
+    from glm5_jax.parallel.distributed import maybe_initialize
+    return maybe_initialize(coordinator, num_processes, process_id)
+
+
+def is_primary() -> bool:
+    """Process 0 writes the run's files (settings, reports); every process trains."""
+    import jax
+    return jax.process_index() == 0
 
 
 def make_mesh(spec: str | None, cfg):
@@ -69,19 +98,23 @@ def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), s
     if isinstance(mesh, str):
         mesh = make_mesh(mesh, cfg)
     resolved = as_dict(cfg)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "settings.json"), "w") as f:
-        json.dump({"experiment": name, "scale": scale, "mesh": mesh_spec, "config": resolved}, f, indent=2)
+    primary = is_primary()
+    root = epath.Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    if primary:
+        (root / "settings.json").write_text(json.dumps(
+            {"experiment": name, "scale": scale, "mesh": mesh_spec, "config": resolved}, indent=2))
     t0 = time.time()
-    log(f"== {name} ({scale}) -> {workdir}" + (f" on mesh {mesh_spec}" if mesh is not None else ""))
-    report = exp.run(cfg, workdir, log, mesh=mesh)
+    say = log if primary else (lambda msg: None)      # one process tells the story
+    say(f"== {name} ({scale}) -> {workdir}" + (f" on mesh {mesh_spec}" if mesh is not None else ""))
+    report = exp.run(cfg, workdir, say, mesh=mesh)
     report["config"] = resolved
-    path = os.path.join(workdir, "report.json")
-    on_disk = json.load(open(path)) if os.path.exists(path) else dict(report)
-    on_disk["config"] = resolved
-    with open(path, "w") as f:
-        json.dump(on_disk, f, indent=2, sort_keys=True)
-    log(f"== {name} finished in {time.time() - t0:.0f} s; report: {os.path.join(workdir, 'report.md')}")
+    if primary:
+        path = root / "report.json"
+        on_disk = json.loads(path.read_text()) if path.exists() else dict(report)
+        on_disk["config"] = resolved
+        path.write_text(json.dumps(on_disk, indent=2, sort_keys=True))
+    say(f"== {name} finished in {time.time() - t0:.0f} s; report: {root / 'report.md'}")
     return report
 
 
@@ -89,6 +122,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)        # orbax logs every save at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from glm5_jax.parallel.distributed import DistributedConfigError
+    try:                                           # before anything touches a device
+        start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    except DistributedConfigError as e:
+        log(f"error: {e}")
+        sys.exit(2)
     if FLAGS.list:
         for name, exp in sorted(registry.load_all().items()):
             print(f"{name:14s} {exp.description}  (scales: {', '.join(exp.scales)})")
@@ -96,14 +135,17 @@ def main(argv):
     if not FLAGS.config:
         raise app.UsageError("--config is required; registered: " + ", ".join(sorted(registry.load_all())))
     from glm5_jax.sharding import MeshError
+    overrides = list(FLAGS.set)
+    if FLAGS.profile_steps:
+        overrides.append(f"train.profile_steps={FLAGS.profile_steps}")
     try:
         if FLAGS.show:
-            cfg = registry.resolve_config(registry.get(FLAGS.config), FLAGS.preset, FLAGS.set, FLAGS.steps)
+            cfg = registry.resolve_config(registry.get(FLAGS.config), FLAGS.preset, overrides, FLAGS.steps)
             for key, value in flat_items(cfg):
                 print(f"{key} = {json.dumps(value, default=str)}")
             return
         run_experiment(FLAGS.config, FLAGS.workdir or os.path.join("runs", FLAGS.config), FLAGS.preset,
-                       FLAGS.set, FLAGS.steps, FLAGS.mesh)
+                       overrides, FLAGS.steps, FLAGS.mesh)
     except USAGE_ERRORS + (MeshError,) as e:
         log(f"error: {e}")
         sys.exit(2)

@@ -78,13 +78,22 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
     if jax.distributed.is_initialized():
         return False
     kwargs = resolve(coordinator, num_processes, process_id, env)
-    if kwargs is None:
-        if auto if auto is not None else env.get(ENV_AUTO, "").lower() == "auto":
-            initialize()                  # TPU pods: peers from the metadata server
-            return True
+    if kwargs is None and not (auto if auto is not None else env.get(ENV_AUTO, "").lower() == "auto"):
         return False
-    initialize(**kwargs)
+    _cpu_collectives()
+    if kwargs is None:
+        initialize()                      # TPU pods: peers from the metadata server
+    else:
+        initialize(**kwargs)
     return True
+
+
+def _cpu_collectives() -> None:
+    """CPU devices of several processes need a cross-process collectives library (gloo) for their
+    all-reduces; without one the first collective fails. It only concerns the CPU backend, so it is
+    harmless on TPU/GPU hosts; an explicit choice (e.g. mpi) is kept."""
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
 def build_mesh(spec: str | Mapping[str, int] | None = None, *, scope: str = "global",
