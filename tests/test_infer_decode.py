@@ -182,14 +182,13 @@ def test_absorbed_mla_decode_equals_expanded_attention(kind):
         np.testing.assert_array_equal(np.sort(np.asarray(idx[..., :k]), -1), np.sort(np.asarray(want_idx[..., :k]), -1))
 
 
-@pytest.mark.parametrize("cfg", [
-    ModelConfig(num_layers=4, indexer_types=("full", "shared", "full", "shared"), index_topk=4),
-    ModelConfig(num_layers=3, index_topk=4, scan_layers=False),
-    ModelConfig(attention="gqa", num_kv_heads=2, num_layers=3),
-], ids=["dsa-shared-period2-tail", "dsa-unrolled", "gqa"])
-def test_cached_prefill_then_decode_equals_full_forward(cfg):
-    """The model's own modules over a cache (prefill 7 tokens, then 5 single-token steps, scanned
-    stacks with a carried top-k for shared-indexer layers) give the trunk of one full forward."""
+def test_cached_prefill_then_decode_equals_full_forward():
+    """The model's own modules over a cache (prefill 7 tokens, then 5 single-token steps) give the
+    trunk of one full forward, with a MoE stack made of a repeating (shared, full) block plus a
+    (shared) tail stack: the top-k of the last full layer is carried through the scans."""
+    cfg = ModelConfig(num_layers=4, indexer_types=("full", "shared", "full", "shared"), index_topk=4)
+    assert [(s.name, s.period, s.repeats) for s in cfg.layer_stacks] == [
+        ("dense_layers", 1, 1), ("moe_layers", 2, 1), ("moe_layers_tail", 1, 1)]
     from glm5_jax.infer.decode import model_step
     params = model.init_params(cfg, jax.random.PRNGKey(3))
     toks = jax.random.randint(jax.random.PRNGKey(4), (2, 12), 0, cfg.vocab_size)
