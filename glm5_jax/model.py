@@ -148,15 +148,24 @@ class GLM5(nn.Module):
         self.stacks = [stack_module(c, s)(c, s, name=s.name) for s in c.layer_stacks]
         self.final_norm = RMSNorm(c.rms_norm_eps, pdt)
         if not c.tie_embeddings:
-            self.lm_head = Dense(c.vocab_size, ("embed", "vocab"), c.initializer_range, jnp.float32, pdt)
+            # operands in the wider of the param / compute dtypes (bf16 for glm5), float32
+            # accumulation and logits: both operands hold bf16 values anyway, so the products are
+            # those of the former float32 dot (bf16 x bf16 is exact in float32), but neither
+            # the gathered [D, V] kernel nor its gradient exists in float32 (2 x 3.8 GB per chip for
+            # glm5, measured with tools.aot; docs/scaleout.md)
+            self.lm_head = Dense(c.vocab_size, ("embed", "vocab"), c.initializer_range,
+                                 jnp.promote_types(pdt, dtype_of(c.dtype)), pdt, out_dtype=jnp.float32)
         n_mtp = (1 if c.mtp_share else c.mtp_depth) if c.mtp_depth else 0
-        self.mtp = [MTPBlock(c, name=f"mtp_{k}") for k in range(n_mtp)]
+        # the MTP blocks run outside the scanned stacks: they take the same remat policy, or their
+        # attention and MoE residuals (3 depths) dominate the step's peak memory (tools.aot, glm5)
+        mtp_cls = MTPBlock if c.remat == "none" else nn.remat(MTPBlock, policy=REMAT[c.remat])
+        self.mtp = [mtp_cls(c, name=f"mtp_{k}") for k in range(n_mtp)]
 
     def head(self, h):
         """Final-normed hidden [.., D] -> float32 logits [.., V]."""
         if self.cfg.tie_embeddings:
             return self.embed.attend(h.astype(jnp.float32)).astype(jnp.float32)
-        return self.lm_head(h.astype(jnp.float32))
+        return self.lm_head(h)
 
     def rope(self, positions):
         c = self.cfg

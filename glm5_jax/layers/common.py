@@ -58,15 +58,20 @@ class LayerNorm(nn.Module):
 
 
 class Dense(nn.Module):
-    """Bias-free linear layer, kernel [in, out] with logical axes (in_axis, out_axis)."""
+    """Bias-free linear layer, kernel [in, out] with logical axes (in_axis, out_axis).
+
+    out_dtype (default: dtype) is the dot's accumulation and result dtype: the LM head multiplies
+    bf16 operands into float32 logits without materialising a float32 copy of its kernel."""
     features: int
     axes: tuple[str | None, str | None]
     stddev: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    out_dtype: jnp.dtype | None = None
 
     @nn.compact
     def __call__(self, x):
         kernel = self.param("kernel", init_normal(self.stddev, self.axes), (x.shape[-1], self.features),
                             self.param_dtype)
-        return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+        out = jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype), preferred_element_type=self.out_dtype)
+        return out if self.out_dtype is None else out.astype(self.out_dtype)
