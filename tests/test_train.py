@@ -169,10 +169,18 @@ def test_nan_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path, c
     """ckpt_every=2, NaN at step 5: step 5's metrics are read one step late (after step 6 is dispatched
     on the NaN state), yet the run stops at 5 and the last checkpoint (4) holds finite parameters."""
     cfg = ModelConfig(index_topk=4, mtp_depth=0, num_layers=2)
-    tc = TrainConfig(steps=8, batch_size=2, seq_len=24, ckpt_every=ckpt_every, async_checkpoints=False)
+    tc = TrainConfig(steps=8, batch_size=2, seq_len=24, ckpt_every=ckpt_every, async_checkpoints=False, log_every=1,
+                     profile_steps=(2, 3))
+    lines = []
     with pytest.raises(TrainingDiverged, match=rf"loss is nan at step {bad}.*last good checkpoint is step {good}"):
-        train(cfg, tc, _NaNAt(_Random(cfg), bad), str(tmp_path), log=lambda m: None)
+        train(cfg, tc, _NaNAt(_Random(cfg), bad), str(tmp_path), log=lines.append)
     assert [r["step"] for r in _rows(tmp_path)] == list(range(1, bad))
+    # the observer: a progress line per step with step time, tok/s, MFU (n/a on CPU) and ETA; TensorBoard
+    # events beside metrics.jsonl; the requested steps' profiler trace (closed on the way out)
+    progress = [l for l in lines if " s/step " in l]
+    assert len(progress) == bad - 1 and all("tok/s MFU n/a ETA" in l for l in progress)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())[-1] == good
     state, _ = Checkpointer(str(tmp_path / "checkpoints")).restore(good, abstract_state(cfg, tc, single_device_mesh())[0])
     assert int(state["step"]) == good
@@ -283,3 +291,24 @@ def test_grad_accum_matches_full_batch_params_elementwise():
 def test_bad_grad_accum_and_profile_steps(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         TrainConfig(**kw)
+
+
+def test_metrics_file_without_append_rewrites_whole_file(tmp_path):
+    """The object-store branch (gs:// has no append): rows are kept and the file rewritten at flushes;
+    a resume's truncation and the final close leave exactly the rows recorded."""
+    from etils import epath
+    from glm5_jax.train.loop import _MetricsFile
+    path = epath.Path(tmp_path) / "metrics.jsonl"
+    mf = _MetricsFile(path, [{"step": 1}], enabled=True)
+    mf.local, mf._f = False, mf._f.close()             # as for a URL
+    mf.write({"step": 2}, flush=False)
+    assert _rows(tmp_path) == [{"step": 1}]
+    mf.write({"step": 3}, flush=True)
+    mf.write({"step": 4}, flush=False)
+    assert _rows(tmp_path) == [{"step": s} for s in (1, 2, 3)]
+    mf.close()
+    assert _rows(tmp_path) == [{"step": s} for s in (1, 2, 3, 4)]
+    off = _MetricsFile(epath.Path(tmp_path) / "other.jsonl", [], enabled=False)   # a non-primary process
+    off.write({"step": 1}, flush=True)
+    off.close()
+    assert not (tmp_path / "other.jsonl").exists() and off.rows == [{"step": 1}]
