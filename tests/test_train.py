@@ -204,13 +204,19 @@ def test_experiment_cli_errors_list_valid_choices():
     r = run("--config=nope")
     assert r.returncode == 2 and "unknown experiment 'nope'" in r.stderr and "dsa_vs_mla" in r.stderr
     r = run("--config=dsa_vs_mla", "--set", "colour=red")
-    assert r.returncode == 2 and "no setting 'colour'" in r.stderr and "index_topk" in r.stderr
-    r = run("--config=dsa_vs_mla", "--set", "index_topk=many")
-    assert r.returncode == 2 and "expected a int" in r.stderr
+    assert r.returncode == 2 and "no field 'colour'" in r.stderr and "model.*" in r.stderr
+    r = run("--config=dsa_vs_mla", "--set", "model.index_topk=many")
+    assert r.returncode == 2 and "model.index_topk='many': expected int" in r.stderr
     r = run("--config=dsa_vs_mla", "--preset=huge")
     assert r.returncode == 2 and "allowed: tiny, small" in r.stderr
     r = run("--list")
     assert r.returncode == 0 and "dsa_vs_mla" in r.stdout
+    r = run("--config=dsa_vs_mla", "--num_processes=2", "--process_id=0")
+    assert r.returncode == 2 and "needs a coordinator address host:port" in r.stderr
+    r = run("--config=dsa_vs_mla", "--profile_steps=3,1", "--show")
+    assert r.returncode == 2 and "TrainConfig.profile_steps=(3, 1) is invalid" in r.stderr
+    r = run("--config=dsa_vs_mla", "--profile_steps=2,3", "--set", "train.grad_accum=2", "--show")
+    assert r.returncode == 0 and "train.profile_steps = [2, 3]" in r.stdout and "train.grad_accum = 2" in r.stdout
 
 
 def _accum_runs(cfg, tc_kw, batch, ks, loss_fn=None, params=None):
