@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.optim import optimizer_table
@@ -74,8 +74,10 @@ def evaluate(model_cfg: ModelConfig, params, batches: Iterable[dict], eval_step=
         if mesh is None:
             b = {k: jnp.asarray(v) for k, v in batch.items()}
         else:
-            bsh = batch_sharding(mesh)
             size = len(batch["tokens"])
+            bsh = batch_sharding(mesh)
+            if size % math.prod(mesh.shape[a] for a in bsh.spec[0]):
+                bsh = NamedSharding(mesh, P())          # rows do not split evenly: every device gets all
             rows = local_rows(bsh, size)
             b = global_batch(bsh, {k: np.asarray(v)[rows] for k, v in batch.items()}, size)
         s, c, pred = eval_step(params, b)
