@@ -64,6 +64,14 @@ def test_bad_topology_mesh_and_preset_fail_before_compiling():
         resolve("tiny", "v5p:2x2x1", remat="some")
     with pytest.raises(AotError, match="moe_impl"):
         resolve("tiny", "v5p:2x2x1", overrides=("model.moe_impl=magic",))
+    with pytest.raises(AotError, match="grad_accum"):
+        resolve("tiny", "v5p:2x2x1", batch_size=8, grad_accum=3)
+    from glm5_jax.sharding import MeshError
+    with pytest.raises(MeshError, match="batch size 2 is not divisible by data\\*fsdp\\*expert = 4"):
+        resolve("tiny", "v5p:2x2x1", batch_size=8, grad_accum=4)      # micro-batches of 2 rows on 4 shards
+    assert resolve("tiny", "v5p:2x2x1", batch_size=8, grad_accum=2)["train"].grad_accum == 2
+    d = resolve("glm5", "v5p:4x4x8")                 # the measured pod defaults (docs/scaleout.md)
+    assert d["model"].num_layers == 78 and d["train"].batch_size * d["train"].seq_len >= 128 * 4096
     r = resolve("tiny", "v5p:2x2x1", mesh="fsdp:-1", overrides=("model.num_layers=2", "train.optimizer=muon"))
     assert r["mesh"]["fsdp"] == 4 and r["model"].num_layers == 2 and r["train"].optimizer == "muon"
     assert r["train"].batch_size == 4 and r["hbm_bytes"] == 95 * 2**30

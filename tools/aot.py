@@ -1,8 +1,8 @@
 """Compile the train step for a TPU topology without the TPU, and report its per-device memory.
 
     python -m tools.aot --preset=glm5 --topology=v5p:4x4x8 [--mesh=fsdp:32,expert:4] [--batch_size=N]
-        [--seq_len=T] [--remat=none|full|dots|dots_no_batch] [--optimizer=adamw|muon|muon_split]
-        [--set model.FIELD=V ...] [--set train.FIELD=V ...] [--dump_dir=DIR] [--json]
+        [--seq_len=T] [--remat=none|full|dots|dots_no_batch] [--grad_accum=K]
+        [--optimizer=adamw|muon|muon_split] [--set model.FIELD=V ...] [--set train.FIELD=V ...] [--dump_dir=DIR] [--json]
 
 It builds the SAME step experiments train with (glm5_jax.train.step.make_train_step on a Mesh of
 the topology's devices, state shapes from glm5_jax.train.state.abstract_state, batch shapes from
@@ -19,8 +19,9 @@ in *buffer-assignment.txt / *memory-usage-report.txt).
 
 Defaults: DEFAULTS below holds the configuration measured to fit for (preset, topology) pairs
 (docs/scaleout.md, "Compiled memory (tools.aot)"); otherwise the mesh is fsdp over every device,
-one sequence per batch shard, seq_len 4096. Gradient accumulation: TrainConfig has no grad_accum
-(yet), so there is no --grad_accum; the step compiled is one full-batch step.
+one sequence per batch shard, seq_len 4096, no gradient accumulation. `--grad_accum=K` compiles
+the step that splits the batch into K micro-batches (TrainConfig.grad_accum): batch_size is the
+tokens per optimizer step, batch_size / K rows per micro-batch must divide over data*fsdp*expert.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")
 
 # (preset, topology) -> flag defaults that were compiled and fit (see docs/scaleout.md). Flags given
 # on the command line win; `set` entries come before the command line's --set.
-DEFAULTS: dict[tuple[str, str], dict] = {}
+DEFAULTS: dict[tuple[str, str], dict] = {
+    # all 78 layers, 128 x 4096 tokens per step; why each choice: docs/scaleout.md
+    ("glm5", "v5p:4x4x8"): {"mesh": "fsdp:4,expert:32", "batch_size": 128, "seq_len": 4096, "remat": "full",
+                            "set": ("model.moe_impl=a2a",)},
+}
 
 
 class AotError(ValueError):
@@ -101,7 +106,7 @@ class AotConfig:
 
 def resolve(preset_name: str, topology: str, mesh: str | None = None, batch_size: int | None = None,
             seq_len: int | None = None, remat: str | None = None, optimizer: str | None = None,
-            overrides: tuple[str, ...] = ()) -> dict:
+            grad_accum: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
     """The configuration to compile: flags > DEFAULTS[(preset, topology)] > generic defaults.
     Checks everything that can be checked without the compiler (AotError / ConfigError / MeshError)."""
     from experiments.overrides import OverrideError, apply_overrides
@@ -128,13 +133,15 @@ def resolve(preset_name: str, topology: str, mesh: str | None = None, batch_size
     cfg = preset(preset_name)
     if remat is not None:
         cfg = cfg.replace(remat=remat)
-    train = TrainConfig(batch_size=batch_size, seq_len=seq_len, steps=1000,
-                        optimizer=optimizer or d.get("optimizer", "adamw"))
     try:
+        train = TrainConfig(batch_size=batch_size, seq_len=seq_len, steps=1000,
+                            optimizer=optimizer or d.get("optimizer", "adamw"),
+                            grad_accum=grad_accum or d.get("grad_accum", 1))
         conf = apply_overrides(AotConfig(cfg, train), tuple(d.get("set", ())) + tuple(overrides))
     except (OverrideError, ConfigError) as e:
         raise AotError(str(e)) from e
-    check_model_fits_mesh(conf.model, sizes, conf.train.batch_size)
+    micro = conf.train.batch_size // conf.train.grad_accum
+    check_model_fits_mesh(conf.model, sizes, micro)     # the micro-batch is split over the batch axes
     return {"preset": preset_name, "topology": topology, "chip": kind, "devices": n_dev, "mesh": sizes,
             "model": conf.model, "train": conf.train, "hbm_bytes": CHIPS[kind][0]}
 
@@ -203,6 +210,7 @@ def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, **
     hbm = r["hbm_bytes"]
     report = {"preset": preset_name, "topology": topology, "chip": r["chip"], "devices": r["devices"],
               "mesh": r["mesh"], "batch_size": r["train"].batch_size, "seq_len": r["train"].seq_len,
+              "grad_accum": r["train"].grad_accum,
               "tokens_per_step": r["train"].batch_size * r["train"].seq_len,
               **out, "hbm_bytes": hbm, "fits": out["per_device_bytes"]["total"] <= hbm,
               "config": {"model": as_dict(r["model"]), "train": as_dict(r["train"])}}
@@ -220,7 +228,8 @@ def format_report(p: dict) -> str:
     mesh = ",".join(f"{a}:{n}" for a, n in p["mesh"].items() if n > 1) or "1 device"
     m = p["config"]["model"]
     lines = [f"preset {p['preset']} on {p['topology']} ({p['devices']} chips), mesh {mesh}, batch "
-             f"{p['batch_size']} x {p['seq_len']} ({p['tokens_per_step']:,} tokens/step), "
+             f"{p['batch_size']} x {p['seq_len']} ({p['tokens_per_step']:,} tokens/step, "
+             f"{p['grad_accum']} micro-batch{'es' if p['grad_accum'] > 1 else ''}), "
              f"optimizer {p['config']['train']['optimizer']}, layers {m['num_layers']}, remat {m['remat']}, "
              f"moe_impl {m['moe_impl']}",
              f"compiled in {p['compile_seconds']:.1f}s (lowered in {p['lower_seconds']:.1f}s)",
@@ -245,6 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch_size", type=int, default=None)
     ap.add_argument("--seq_len", type=int, default=None)
     ap.add_argument("--remat", default=None, help="ModelConfig.remat: " + " | ".join(REMAT_CHOICES))
+    ap.add_argument("--grad_accum", type=int, default=None, help="TrainConfig.grad_accum: micro-batches per step")
     ap.add_argument("--optimizer", default=None, help="TrainConfig.optimizer: adamw | muon | muon_split")
     ap.add_argument("--set", action="append", default=[], metavar="model.FIELD=V",
                     help="dotted override of model.* (ModelConfig) or train.* (TrainConfig); repeatable")
@@ -260,12 +270,11 @@ def main(argv=None) -> int:
     from glm5_jax.config import ConfigError
     from glm5_jax.sharding import MeshError
     try:
-        resolve(a.preset, a.topology, mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len, remat=a.remat,
-                optimizer=a.optimizer, overrides=tuple(a.set))     # every flag checked before the compiler
+        kw = dict(mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len, remat=a.remat, optimizer=a.optimizer,
+                  grad_accum=a.grad_accum, overrides=tuple(a.set))
+        resolve(a.preset, a.topology, **kw)     # every flag checked before the compiler
         log(f"config resolved; building the {a.topology} devices")
-        report = run(a.preset, a.topology, mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len,
-                     remat=a.remat, optimizer=a.optimizer, overrides=tuple(a.set), with_plan=not a.no_plan,
-                     log=log)
+        report = run(a.preset, a.topology, with_plan=not a.no_plan, log=log, **kw)
     except (AotError, ConfigError, MeshError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
