@@ -73,7 +73,7 @@ def _close(a: dict, b: dict, rel=1e-5):
     return a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=rel, abs=1e-6) for k in a)
 
 
-@pytest.mark.slow   # 4 launches, each compiling the step on 2 busy cores: ~8 min here
+@pytest.mark.slow   # 4 launches, each compiling the step: 240-404 s on 2 busy cores
 def test_multiprocess_two_processes_match_one_and_resume_exactly(tmp_path):
     cache, one, two = tmp_path / "data_cache", tmp_path / "one", tmp_path / "two"
     # 1 process x 4 devices (also builds the data cache the later processes share)
