@@ -72,6 +72,17 @@ def start_distributed(coordinator: str | None = None, num_processes: int | None 
     return maybe_initialize(coordinator, num_processes, process_id)
 
 
+def start_from_flags() -> None:
+    """start_distributed from --coordinator_address/--num_processes/--process_id (else GLM5_*), before
+    anything touches a device; a bad setting exits with status 2."""
+    from glm5_jax.parallel.distributed import DistributedConfigError
+    try:
+        start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    except DistributedConfigError as e:
+        log(f"error: {e}")
+        sys.exit(2)
+
+
 def is_primary() -> bool:
     """Process 0 writes the run's files (settings, reports); every process trains."""
     import jax
@@ -122,12 +133,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)        # orbax logs every save at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from glm5_jax.parallel.distributed import DistributedConfigError
-    try:                                           # before anything touches a device
-        start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    except DistributedConfigError as e:
-        log(f"error: {e}")
-        sys.exit(2)
+    start_from_flags()
     if FLAGS.list:
         for name, exp in sorted(registry.load_all().items()):
             print(f"{name:14s} {exp.description}  (scales: {', '.join(exp.scales)})")

@@ -16,11 +16,12 @@ import os
 import sys
 
 from absl import app, flags, logging
+from etils import epath
 
 from experiments import registry
 from experiments.report import md_table
 from experiments.run import define_flags as run_flags
-from experiments.run import USAGE_ERRORS, make_mesh, run_experiment
+from experiments.run import USAGE_ERRORS, is_primary, make_mesh, run_experiment, start_from_flags
 
 FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh come from experiments.run
 
@@ -62,11 +63,11 @@ def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=
         results[v] = flatten_report(report)
     cols = sorted({c for r in results.values() for c in r})
     table = md_table([key] + cols, [[v] + [results[v].get(c, "") for c in cols] for v in values])
-    with open(os.path.join(workdir, "sweep.json"), "w") as f:
-        json.dump({"experiment": name, "key": key, "results": results}, f, indent=2)
-    with open(os.path.join(workdir, "sweep.md"), "w") as f:
-        f.write(f"# Sweep of {name} over {key}\n\n{table}\n")
-    print(table)
+    if is_primary():                                     # every process runs the arms; process 0 writes
+        out = epath.Path(workdir)
+        (out / "sweep.json").write_text(json.dumps({"experiment": name, "key": key, "results": results}, indent=2))
+        (out / "sweep.md").write_text(f"# Sweep of {name} over {key}\n\n{table}\n")
+        print(table)
     return results
 
 
@@ -76,6 +77,7 @@ def main(argv):
     if not FLAGS.config or not FLAGS.sweep:
         raise app.UsageError("--config and --sweep are required")
     key = FLAGS.sweep.split("=", 1)[0]
+    start_from_flags()
     from glm5_jax.sharding import MeshError
     try:
         sweep(FLAGS.config, FLAGS.sweep, FLAGS.workdir or os.path.join("runs", f"sweep_{FLAGS.config}_{key}"),
