@@ -27,15 +27,21 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_seq", None),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
-    # parameters
+    # parameters. flax takes the rules in order and skips one whose mesh axes a dim of the same
+    # parameter already uses, so a name may list fallbacks: `experts` claims `expert` first, then
+    # `embed` spreads every non-expert weight over fsdp x expert (all chips of an fsdp x expert
+    # mesh) and an expert kernel's embed dim falls back to fsdp alone (tools.aot, docs/scaleout.md)
     ("vocab", "tensor"),
+    ("experts", "expert"),
+    ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
-    ("q_lora", "fsdp"),      # the up-projections [latent, heads*dim] shard their latent dim; [embed, latent]
-    ("kv_lora", "fsdp"),     # kernels already use fsdp for embed, so flax leaves the latent dim replicated
+    ("q_lora", ("fsdp", "expert")),   # the up-projections [latent, heads*dim] shard their latent dim;
+    ("q_lora", "fsdp"),               # [embed, latent] kernels already use those axes for embed
+    ("kv_lora", ("fsdp", "expert")),
+    ("kv_lora", "fsdp"),
     ("mlp", "tensor"),
-    ("experts", "expert"),
     ("expert_mlp", "tensor"),
     ("experts_router", None),
     ("index_heads", None),

@@ -60,6 +60,11 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
       n * (sum over L layers + mtp_depth MTP layers of per-layer bytes) + n * logits.
     remat="layer" (checkpoint each decoder layer): only layer inputs are kept, one layer is recomputed:
       n * c * D * (L + mtp_depth) + 2 * n * max per-layer bytes [its values and their gradients] + n * logits.
+    Both add 4 x one MoE layer's routed-expert weights as a device holds them inside the a2a dispatch
+    (E/expert experts, all-gathered over fsdp: 3 * E/expert * D * ceil(F_moe/tensor) * c): the gathered
+    copy, the copy the backward recomputes with, its gradient before the reduce-scatter and the
+    gradient's accumulation. The compiled glm5 step shows exactly these four per layer (tools.aot,
+    docs/scaleout.md); they are per-token-independent, so they dominate at small batch per device.
     """
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     tp = sizes["tensor"]
@@ -87,14 +92,16 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     per_layer += [attn + idx + (moe if cfg.num_experts else dense) + norms + 3 * c * d] * cfg.mtp_depth
     vl = math.ceil(cfg.vocab_size / tp)
     logits = f * vl * (1 + cfg.mtp_depth) + 2 * f * vl
+    gathered = (4 * 3 * math.ceil(cfg.num_experts / sizes["expert"]) * d * math.ceil(cfg.moe_ffn_dim / tp) * c
+                if cfg.num_experts else 0)
     if remat == "none":
-        total = n * sum(per_layer) + n * logits
+        total = n * sum(per_layer) + n * logits + gathered
     elif remat == "layer":
-        total = n * c * d * len(per_layer) + 2 * n * max(per_layer) + n * logits
+        total = n * c * d * len(per_layer) + 2 * n * max(per_layer) + n * logits + gathered
     else:
         raise ValueError(f"remat={remat!r}: allowed none, layer")
     return {"bytes": int(total), "tokens_per_device": n, "per_token_layer_bytes_max": int(max(per_layer)),
-            "logits_bytes_per_token": int(logits), "remat": remat}
+            "logits_bytes_per_token": int(logits), "gathered_expert_weight_bytes": int(gathered), "remat": remat}
 
 
 def _fits(total: int) -> dict:
