@@ -9,9 +9,10 @@ itemsize, summed.
 Activations: measured when the mesh's devices exist here (small presets; on CPU tools/plan.py forces
 that many host devices): the train step is lowered with ShapeDtypeStructs carrying the shardings and
 compiled; `compiled.memory_analysis().temp_size_in_bytes` is the per-device scratch (activations kept
-for the backward pass plus workspace). Otherwise (glm5 on a pod mesh: compiling the 744B step on
-CPU is not feasible) they are estimated analytically, see `estimate_activation_bytes`, plus one
-param-sized gradient tree. The estimate is a lower bound: on the tiny preset (data:2,expert:2, batch
+for the backward pass plus workspace). Otherwise (glm5 on a pod mesh) they are estimated
+analytically, see `estimate_activation_bytes`, plus one param-sized gradient tree. The compiled
+figure for a TPU topology comes from `python -m tools.aot` (the TPU compiler, no TPU, ~26 min for
+glm5 on 2 CPU cores); for glm5 on v5p:4x4x8 the estimate is within x1.1 of it (docs/scaleout.md). The estimate is a lower bound: on the tiny preset (data:2,expert:2, batch
 8 x 64) XLA's measured scratch is 17.2 MB against 3.8 MB estimated (small dims: workspace, fusion
 temporaries and optimizer-update buffers dominate); at glm5 scale the per-token terms dominate.
 """
