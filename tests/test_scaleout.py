@@ -237,25 +237,35 @@ def test_bad_meshes_and_distributed_settings_fail_clearly():
 # ------------------------------------------------------------------------------------------ tools.plan
 def _hand_count_tiny(sizes):
     """Per-device bytes of the tiny preset's params and AdamW state, by hand: each parameter dim is
-    divided by the mesh axis its logical name is sharded over (embed, q_lora, kv_lora -> fsdp; vocab,
-    heads, kv_heads, mlp, expert_mlp -> tensor; experts -> expert; everything else whole), float32."""
+    divided by the mesh axes its logical name is sharded over (experts -> expert; embed, q_lora,
+    kv_lora -> fsdp x expert, or fsdp alone in a leaf that has an experts dim; vocab, heads,
+    kv_heads, mlp, expert_mlp -> tensor; everything else whole; a mesh axis at most once per leaf), float32."""
     import flax.linen as nn
     import jax
     from glm5_jax.config import preset
     from glm5_jax.model import abstract_params
-    divisor = {"embed": sizes["fsdp"], "q_lora": sizes["fsdp"], "kv_lora": sizes["fsdp"],
-               "vocab": sizes["tensor"], "heads": sizes["tensor"], "kv_heads": sizes["tensor"],
-               "mlp": sizes["tensor"], "expert_mlp": sizes["tensor"], "experts": sizes["expert"]}
+    tensor_names = ("vocab", "heads", "kv_heads", "mlp", "expert_mlp")
     params, opt = 0, 0
     boxed = abstract_params(preset("tiny"))
     for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]:
         shape, names = leaf.value.shape, leaf.names
         used, n = set(), 1
+        if "experts" in names:
+            used.add("expert")
         for dim, name in zip(shape, names):
-            div = divisor.get(name, 1)
-            mesh_axis = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "experts": "expert"}.get(name, "tensor")
-            if name in divisor and mesh_axis not in used:     # one mesh axis per parameter at most once
-                used.add(mesh_axis)
+            if name == "experts":
+                axes = ("expert",)
+            elif name in ("embed", "q_lora", "kv_lora"):
+                axes = ("fsdp",) if "expert" in used else ("fsdp", "expert")
+            elif name in tensor_names:
+                axes = ("tensor",)
+            else:
+                axes = ()
+            if axes and not (set(axes) & (used - ({"expert"} if name == "experts" else set()))):
+                used.update(axes)
+                div = 1
+                for a in axes:
+                    div *= sizes[a]
                 assert dim % div == 0
                 n *= dim // div
             else:
