@@ -101,17 +101,23 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh
 
 def check_model_fits_mesh(config: ModelConfig, sizes: Mapping[str, int], batch_size: int | None = None) -> None:
     """Raise MeshError naming the first model dimension the mesh does not divide."""
-    checks = [("num_heads", config.num_heads, "tensor"), ("d_model", config.d_model, "fsdp")]
+    # non-expert weights spread embed / q_lora / kv_lora over fsdp x expert (LOGICAL_RULES); expert
+    # kernels over fsdp alone, which divides fsdp x expert's product whenever that divides
+    checks = [("num_heads", config.num_heads, "tensor"), ("d_model", config.d_model, ("fsdp", "expert"))]
     if config.num_experts:
         checks += [("num_experts", config.num_experts, "expert"), ("moe_ffn_dim", config.moe_ffn_dim, "tensor")]
     checks += [("ffn_dim", config.ffn_dim, "tensor"), ("vocab_size", config.vocab_size, "tensor")]
     if not config.is_mla:
         checks.append(("num_kv_heads", config.num_kv_heads, "tensor"))
     else:
-        checks += [("q_lora_rank", config.q_lora_rank, "fsdp"), ("kv_lora_rank", config.kv_lora_rank, "fsdp")]
-    for field, value, axis in checks:
-        if value % sizes[axis]:
-            raise MeshError(f"ModelConfig.{field}={value} is not divisible by mesh axis {axis}={sizes[axis]}")
+        checks += [("q_lora_rank", config.q_lora_rank, ("fsdp", "expert")),
+                   ("kv_lora_rank", config.kv_lora_rank, ("fsdp", "expert"))]
+    for field, value, axes in checks:
+        axes = (axes,) if isinstance(axes, str) else axes
+        n = math.prod(sizes[a] for a in axes)
+        if value % n:
+            raise MeshError(f"ModelConfig.{field}={value} is not divisible by mesh axes {'*'.join(axes)}={n} "
+                            f"(mesh {dict(sizes)})")
     if batch_size is not None:
         shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
         if batch_size % shards:
