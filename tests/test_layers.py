@@ -167,11 +167,12 @@ def test_mtp_shared_depths_reuse_one_block():
     indep = cfg.replace(mtp_share=False)
     assert [k for k in model.init_params(indep, jax.random.PRNGKey(10)) if k.startswith("mtp_")] == ["mtp_0", "mtp_1", "mtp_2"]
     tok = jax.random.randint(jax.random.PRNGKey(11), (2, 12), 0, cfg.vocab_size)
-    out = model.GLM5(cfg).apply({"params": params}, tok, mtp=True)
+    apply = jax.jit(lambda p, t: model.GLM5(cfg).apply({"params": p}, t, mtp=True))
+    out = apply(params, tok)
     assert out["mtp_logits"].shape == (3, 2, 12, cfg.vocab_size)
     # depth-1 MTP logits at position i depend on token i+1 but never on tokens past i+1
     tok2 = tok.at[:, 8].set((tok[:, 8] + 1) % cfg.vocab_size)
-    out2 = model.GLM5(cfg).apply({"params": params}, tok2, mtp=True)
+    out2 = apply(params, tok2)
     np.testing.assert_allclose(out["mtp_logits"][0, :, :7], out2["mtp_logits"][0, :, :7], atol=1e-6)
     assert float(jnp.abs(out["mtp_logits"][0, :, 7] - out2["mtp_logits"][0, :, 7]).max()) > 1e-5
 

@@ -24,8 +24,11 @@ def test_layer_slice_paths_name_every_global_layer():
 
 
 def _step(tx, params, grads):
-    updates, _ = tx.update(grads, tx.init(params), params)
-    return optax.apply_updates(params, updates)
+    @jax.jit
+    def step(params, grads):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates)
+    return step(params, grads)
 
 
 @pytest.mark.parametrize("builder", ["adamw", "muon", "rl_sgd"])
