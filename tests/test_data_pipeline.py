@@ -98,7 +98,7 @@ def test_cache_is_reused_without_tokenizing(monkeypatch, tmp_path):
     cache = str(tmp_path / "cache")
     cfg = small_cfg(cache_dir=cache, max_files=8)
     calls = {"encode": 0, "train": 0}
-    real_encode = tokenizer_mod.Tokenizer.encode_batch
+    real_encode = tokenizer_mod.SentencePieceTokenizer.encode_batch
     real_train = tokenizer_mod._train_spm
 
     def counting_encode(self, texts):
@@ -109,7 +109,7 @@ def test_cache_is_reused_without_tokenizing(monkeypatch, tmp_path):
         calls["train"] += 1
         return real_train(*a, **k)
 
-    monkeypatch.setattr(tokenizer_mod.Tokenizer, "encode_batch", counting_encode)
+    monkeypatch.setattr(tokenizer_mod.SentencePieceTokenizer, "encode_batch", counting_encode)
     monkeypatch.setattr(tokenizer_mod, "_train_spm", counting_train)
     first = build_lm_data(cfg)
     assert calls["train"] == 1 and calls["encode"] >= 1

@@ -28,13 +28,22 @@ def test_special_ids_and_layout():
     assert tok.vocab_size == 512
     assert tok.pad_id == 0 and tok.eos_id == 2
     assert tok.special_id(EOS_PIECE) == tok.eos_id
+    assert GLM_SPECIAL_TOKENS[0] == EOS_PIECE and len(GLM_SPECIAL_TOKENS) == 22
     ids = [tok.special_id(n) for n in GLM_SPECIAL_TOKENS]
-    assert ids == list(range(3, 3 + len(GLM_SPECIAL_TOKENS)))
-    # User-defined GLM specials are parsed from text as single tokens.
-    enc = tok.encode("<|user|>hi<|assistant|>")
-    assert enc[0] == tok.special_id("<|user|>") and enc[-1] == tok.special_id("<|assistant|>")
+    assert ids == [2] + list(range(3, 3 + len(GLM_SPECIAL_TOKENS) - 1))
+    # Special-token text is NOT parsed (templates insert ids explicitly) and still round trips.
+    text = "<|user|>hi<|assistant|>"
+    enc = tok.encode(text)
+    assert not set(enc) & set(ids) and tok.decode(enc) == text
+    # decode renders special ids by name
+    assert tok.decode([tok.special_id("<|user|>")] + tok.encode("hi") + [tok.eos_id]) == "<|user|>hi<|endoftext|>"
     # Digits are always single tokens (retrieval relies on it).
     digits = tok.digit_ids()
     assert tok.encode("9081726354") == [digits[int(c)] for c in "9081726354"]
     # Indentation runs are learned pieces rather than one token per space.
     assert len(tok.encode("        ")) < 8
+    try:
+        tok.special_id("<nope>")
+        raise AssertionError("expected KeyError")
+    except KeyError as e:
+        assert "<nope>" in str(e) and "<|user|>" in str(e)

@@ -11,11 +11,19 @@ from glm5_jax.data.retrieval import (
     retrieval_accuracy,
     retrieval_eval_batches,
 )
-from glm5_jax.data.tokenizer import GLM_SPECIAL_TOKENS, Tokenizer, load_or_train_tokenizer
+from glm5_jax.data.tokenizer import (
+    GLM_SPECIAL_TOKENS,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_or_train_tokenizer,
+    load_tokenizer,
+    train_hf_tokenizer,
+)
 
 __all__ = [
-    "BATCH_KEYS", "Corpus", "CorpusFile", "DataConfig", "GLM_SPECIAL_TOKENS", "LMData",
-    "PackedStream", "RetrievalInfo", "RetrievalTask", "Tokenizer", "TrainIterator",
-    "build_lm_data", "default_cache_dir", "load_corpus", "load_or_train_tokenizer",
-    "make_train_iterator", "retrieval_accuracy", "retrieval_eval_batches",
+    "BATCH_KEYS", "Corpus", "CorpusFile", "DataConfig", "GLM_SPECIAL_TOKENS", "HFTokenizer", "LMData",
+    "PackedStream", "RetrievalInfo", "RetrievalTask", "SentencePieceTokenizer", "Tokenizer", "TrainIterator",
+    "build_lm_data", "default_cache_dir", "load_corpus", "load_or_train_tokenizer", "load_tokenizer",
+    "make_train_iterator", "retrieval_accuracy", "retrieval_eval_batches", "train_hf_tokenizer",
 ]

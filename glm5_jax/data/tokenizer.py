@@ -1,15 +1,19 @@
-"""SentencePiece BPE tokenizer trained on the training split of the stdlib corpus.
+"""Tokenizers: `load_tokenizer(path)` for a sentencepiece `.model` or a Hugging Face `tokenizer.json`,
+`train_hf_tokenizer` (byte-level BPE tokenizer.json, in hf_tokenizer.py), and the default sentencepiece
+BPE tokenizer trained here on the training split of the stdlib corpus (`load_or_train_tokenizer`).
 
-Id layout (fixed, independent of vocab_size):
+Both back ends implement `Tokenizer` (tokenizer_base.py): `vocab_size`, `encode(text)` (special-token
+strings inside text are NOT parsed as specials: templates insert special ids explicitly), `decode(ids)`
+(specials rendered as their names), `special_id(name)`, `eos_id`, `pad_id`.
+
+Id layout of the sentencepiece model trained here (fixed, independent of vocab_size):
   0  `<pad>`          pad_id (padding in packed batches; also the filler for `targets`)
   1  `<unk>`          unk_id (never produced in practice: byte_fallback is on)
-  2  `<|endoftext|>`  eos_id (control symbol: appended after every document; `encode`
-                      does NOT parse the literal text "<|endoftext|>", use `eos_id`)
-  3..10  GLM chat specials, user-defined (so `encode` does parse them from text):
-         `[gMASK]`, `<sop>`, `<|system|>`, `<|user|>`, `<|assistant|>`, `<|observation|>`,
-         `<think>`, `</think>`
-  11..266  byte-fallback pieces `<0x00>`..`<0xFF>`
-  267..    learned characters and BPE merges
+  2  `<|endoftext|>`  eos_id (appended after every document)
+  3..23  the other GLM specials of `GLM_SPECIAL_TOKENS` in order (`[MASK]`, `[gMASK]`, ..., `</arg_value>`),
+         as control symbols: sentencepiece never produces them from text, exactly like the contract says
+  24..279  byte-fallback pieces `<0x00>`..`<0xFF>`
+  280..    learned characters and BPE merges
 There is no BOS id.
 
 Trainer options chosen so that `decode(encode(x)) == x` for any text: identity normalisation
@@ -30,29 +34,25 @@ import io
 import json
 import os
 import time
-from typing import Dict, Iterator, List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import sentencepiece as spm
 
 from glm5_jax.data._cache import build_dir_atomically, settings_key
 from glm5_jax.data.config import DataConfig
 from glm5_jax.data.corpus import Corpus
+from glm5_jax.data.hf_tokenizer import HFTokenizer, train_hf_tokenizer
+from glm5_jax.data.specials import EOS_TOKEN, GLM_SPECIAL_TOKENS
+from glm5_jax.data.tokenizer_base import Tokenizer
+
+__all__ = ["EOS_PIECE", "GLM_SPECIAL_TOKENS", "HFTokenizer", "PAD_PIECE", "SentencePieceTokenizer",
+           "Tokenizer", "UNK_PIECE", "load_or_train_tokenizer", "load_tokenizer", "train_hf_tokenizer"]
 
 PAD_PIECE = "<pad>"
 UNK_PIECE = "<unk>"
-EOS_PIECE = "<|endoftext|>"
-GLM_SPECIAL_TOKENS = (
-    "[gMASK]",
-    "<sop>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|observation|>",
-    "<think>",
-    "</think>",
-)
+EOS_PIECE = EOS_TOKEN
 _SENTENCE_CHARS = 4000
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: all GLM specials as control symbols (1 had 8 user-defined ones)
 
 TRAINER_OPTIONS = dict(
     model_type="bpe",
@@ -64,7 +64,7 @@ TRAINER_OPTIONS = dict(
     bos_id=-1,
     eos_id=2,
     eos_piece=EOS_PIECE,
-    user_defined_symbols=list(GLM_SPECIAL_TOKENS),
+    control_symbols=[t for t in GLM_SPECIAL_TOKENS if t != EOS_PIECE],
     remove_extra_whitespaces=False,
     add_dummy_prefix=False,
     normalization_rule_name="identity",
@@ -77,17 +77,30 @@ TRAINER_OPTIONS = dict(
 )
 
 
-class Tokenizer:
-    """Thin wrapper over a SentencePieceProcessor with GLM special-token accessors."""
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece `.model` (trained here or brought by the user), with the shared interface."""
+
+    kind = "sentencepiece"
 
     def __init__(self, model_path: str):
-        self.model_path = model_path
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
-        self.pad_id = self._sp.pad_id()
-        self.eos_id = self._sp.eos_id()
+        super().__init__(model_path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"tokenizer file {model_path!r} is not a readable sentencepiece model ({e})") from e
         self.unk_id = self._sp.unk_id()
-        names = (PAD_PIECE, UNK_PIECE, EOS_PIECE) + GLM_SPECIAL_TOKENS
-        self.special_ids: Dict[str, int] = {n: self._sp.piece_to_id(n) for n in names}
+        eos = self._sp.eos_id()
+        if eos < 0:
+            eos = self._lookup(EOS_PIECE)
+        if eos is None:
+            raise ValueError(f"sentencepiece model {model_path!r} has no eos id and no {EOS_PIECE!r} piece; "
+                             "one is required as the end-of-document id")
+        self.eos_id = int(eos)
+        pad = self._sp.pad_id()
+        self.pad_id = int(pad) if pad >= 0 else self.eos_id
+        # sentencepiece's own decode drops control pieces; the contract renders them by name
+        n = self._sp.get_piece_size()
+        self._control = frozenset(i for i in range(n) if self._sp.is_control(i))
 
     @property
     def vocab_size(self) -> int:
@@ -100,12 +113,25 @@ class Tokenizer:
         return self._sp.encode(list(texts))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        out: List[str] = []
+        run: List[int] = []
+        for i in ids:
+            i = int(i)
+            if i in self._control:
+                if run:
+                    out.append(self._sp.decode(run))
+                    run = []
+                out.append(self._sp.id_to_piece(i))
+            else:
+                run.append(i)
+        if run:
+            out.append(self._sp.decode(run))
+        return "".join(out)
 
-    def special_id(self, name: str) -> int:
-        if name not in self.special_ids:
-            raise KeyError(f"unknown special token {name!r}; known: {sorted(self.special_ids)}")
-        return self.special_ids[name]
+    def _lookup(self, name: str) -> Optional[int]:
+        i = self._sp.piece_to_id(name)
+        # piece_to_id answers unk_id for unknown pieces
+        return int(i) if self._sp.id_to_piece(i) == name else None
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
@@ -113,12 +139,28 @@ class Tokenizer:
     def piece_to_id(self, piece: str) -> int:
         return self._sp.piece_to_id(piece)
 
-    def digit_ids(self) -> List[int]:
-        """Ids of the single-character pieces '0'..'9' (each digit is always one token)."""
-        ids = [self._sp.piece_to_id(str(d)) for d in range(10)]
-        if any(i == self.unk_id for i in ids):
-            raise ValueError(f"tokenizer {self.model_path} lacks a piece for some digit: {ids}")
-        return ids
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A sentencepiece `.model` or a Hugging Face `tokenizer.json` (the file, or a directory holding
+    `tokenizer.json` or exactly one `*.model`); the format comes from the file name."""
+    p = os.path.expanduser(os.fspath(path))
+    allowed = "a sentencepiece .model file, a Hugging Face tokenizer .json file, or a directory holding one"
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist; expected {allowed}")
+    if os.path.isdir(p):
+        if os.path.isfile(os.path.join(p, "tokenizer.json")):
+            p = os.path.join(p, "tokenizer.json")
+        else:
+            models_ = sorted(f for f in os.listdir(p) if f.endswith(".model"))
+            if len(models_) != 1:
+                raise FileNotFoundError(f"tokenizer directory {path!r} holds no tokenizer.json and "
+                                        f"{len(models_)} *.model files ({models_}); expected {allowed}")
+            p = os.path.join(p, models_[0])
+    if p.endswith(".json"):
+        return HFTokenizer(p)
+    if p.endswith(".model"):
+        return SentencePieceTokenizer(p)
+    raise ValueError(f"tokenizer path {path!r} has an unknown format; expected {allowed}")
 
 
 def _training_sentences(corpus: Corpus, max_bytes: int) -> Iterator[str]:
@@ -190,8 +232,8 @@ def _train_spm(cfg: DataConfig, corpus: Corpus, out_dir: str) -> None:
         json.dump(meta, fh, indent=1, sort_keys=True)
 
 
-def load_or_train_tokenizer(cfg: DataConfig, corpus: Corpus) -> Tokenizer:
+def load_or_train_tokenizer(cfg: DataConfig, corpus: Corpus) -> SentencePieceTokenizer:
     """Load the cached tokenizer for (cfg, corpus) or train and cache it."""
     d = tokenizer_dir(cfg, corpus)
     build_dir_atomically(d, "meta.json", lambda tmp: _train_spm(cfg, corpus, tmp))
-    return Tokenizer(os.path.join(d, "spm.model"))
+    return SentencePieceTokenizer(os.path.join(d, "spm.model"))
