@@ -111,8 +111,8 @@ def _dot_t(a, b):
 # indexer: block bound kernel
 # ----------------------------------------------------------------------------------------------
 
-def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, ub_ref, *, n_heads, bq, bk, t_total, s_total,
-                  causal):
+def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, segq_ref, smin_ref, smax_ref, ub_ref, *,
+                  n_heads, bq, bk, t_total, s_total, causal):
     i = pl.program_id(1)
     kmax = kmax_ref[0].astype(_F32)  # [nk, Di]
     kmin = kmin_ref[0].astype(_F32)
@@ -132,11 +132,16 @@ def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, ub_ref, *, n_heads, bq, bk, 
     vis = t < t_total
     if causal:
         vis = vis & (kb0 <= t + (s_total - t_total))
+    # a key block can hold a key of the query's document only if the query's segment id lies in
+    # the block's [min, max] segment range (exact for contiguous packed documents)
+    seg = segq_ref[0]  # [bq, 1]
+    vis = vis & (seg >= smin_ref[0]) & (seg <= smax_ref[0])
     acc = jnp.where(vis, acc, NEG_INF)
     ub_ref[0, 0] = jnp.max(acc, axis=0, keepdims=True)
 
 
-def _block_bounds(qp, wp, kmax, kmin, *, bq, bk, t_total, s_total, causal, interpret):
+def _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, *, bq, bk, t_total, s_total, causal,
+                  interpret):
     b, tp, hi, di = qp.shape
     nq, nk = tp // bq, kmax.shape[1]
     kern = functools.partial(_bound_kernel, n_heads=hi, bq=bq, bk=bk, t_total=t_total,
@@ -150,10 +155,13 @@ def _block_bounds(qp, wp, kmax, kmin, *, bq, bk, t_total, s_total, causal, inter
             pl.BlockSpec((1, bq, hi), lambda bi, i: (bi, i, 0)),
             pl.BlockSpec((1, nk, di), lambda bi, i: (bi, 0, 0)),
             pl.BlockSpec((1, nk, di), lambda bi, i: (bi, 0, 0)),
+            pl.BlockSpec((1, bq, 1), lambda bi, i: (bi, i, 0)),
+            pl.BlockSpec((1, 1, nk), lambda bi, i: (bi, 0, 0)),
+            pl.BlockSpec((1, 1, nk), lambda bi, i: (bi, 0, 0)),
         ],
         out_specs=pl.BlockSpec((1, 1, 1, nk), lambda bi, i: (bi, i, 0, 0)),
         interpret=interpret,
-    )(qp, wp, kmax, kmin)
+    )(qp, wp, kmax, kmin, segq, smin, smax)
     return ub[:, :, 0, :]  # [B, nq, nk]
 
 
@@ -161,8 +169,8 @@ def _block_bounds(qp, wp, kmax, kmin, *, bq, bk, t_total, s_total, causal, inter
 # indexer: token scoring kernel over a scalar-prefetched block table
 # ----------------------------------------------------------------------------------------------
 
-def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, o_ref, *, n_heads, bq, bk,
-                  t_total, s_total, causal):
+def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, segq_ref, segk_ref, o_ref, *,
+                  n_heads, bq, bk, t_total, s_total, causal):
     bi, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos = off_ref[0] + c
     kb = tbl_ref[bi, i, pos]
@@ -178,7 +186,7 @@ def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, o_ref, *, n_he
             acc = acc + w[:, j:j + 1] * jnp.maximum(d, 0.0)
         t = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
         s = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-        vis = s < s_total
+        vis = (s < s_total) & (segq_ref[0] == segk_ref[0])  # [bq, 1] == [1, bk]: same document
         if causal:
             vis = vis & (s <= t + (s_total - t_total))
         o_ref[0] = jnp.where(vis, acc, NEG_INF)
@@ -188,8 +196,8 @@ def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, o_ref, *, n_he
         o_ref[0] = jnp.full((bq, bk), NEG_INF, _F32)
 
 
-def _score_round(tbl, act, off, qp, wp, kp, n_blocks, *, bq, bk, t_total, s_total, causal,
-                 interpret):
+def _score_round(tbl, act, off, qp, wp, kp, segq, segk, n_blocks, *, bq, bk, t_total, s_total,
+                 causal, interpret):
     """Scores of the n_blocks table entries starting at `off` -> ([B, Tp, n*bk], key idx)."""
     b, tp, hi, di = qp.shape
     nq = tp // bq
@@ -203,6 +211,8 @@ def _score_round(tbl, act, off, qp, wp, kp, n_blocks, *, bq, bk, t_total, s_tota
             pl.BlockSpec((1, bq, hi), lambda bi, i, c, t_, a_, o_: (bi, i, 0)),
             # inactive entries repeat the previous block id, so no new DMA is issued for them
             pl.BlockSpec((1, bk, di), lambda bi, i, c, t_, a_, o_: (bi, t_[bi, i, o_[0] + c], 0)),
+            pl.BlockSpec((1, bq, 1), lambda bi, i, c, t_, a_, o_: (bi, i, 0)),
+            pl.BlockSpec((1, 1, bk), lambda bi, i, c, t_, a_, o_: (bi, 0, t_[bi, i, o_[0] + c])),
         ],
         out_specs=pl.BlockSpec((1, bq, bk), lambda bi, i, c, t_, a_, o_: (bi, i, c)),
     )
@@ -212,7 +222,7 @@ def _score_round(tbl, act, off, qp, wp, kp, n_blocks, *, bq, bk, t_total, s_tota
         out_shape=jax.ShapeDtypeStruct((b, tp, n_blocks * bk), _F32),
         grid_spec=grid_spec,
         interpret=interpret,
-    )(tbl, act, off_arr, qp, wp, kp)
+    )(tbl, act, off_arr, qp, wp, kp, segq, segk)
     blk = jax.lax.dynamic_slice_in_dim(tbl, off, n_blocks, axis=2)  # [B, nq, n]
     idx = (blk[..., None] * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(b, nq, n_blocks * bk)
     idx = jnp.repeat(idx, bq, axis=1)  # [B, Tp, n*bk]
@@ -240,13 +250,36 @@ def _table(order_key, sel, width):
     return tbl, act.astype(jnp.int32), n_sel
 
 
+def _segments(segment_ids, b, t, s, tp, sp, bk):
+    """Segment ids for the kernels: queries [B, Tp, 1], keys [B, 1, Sp] and the per key block
+    [min, max] range [B, 1, nk]. None -> one document (all zeros). Padded keys get an id no query
+    has and are excluded from the block ranges."""
+    if segment_ids is None:
+        seg_q, seg_k = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
+    elif segment_ids.shape != (b, t) or s != t:
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B={b}, T={t}] with S == T "
+                         f"(got S={s})")
+    else:
+        seg_q = seg_k = segment_ids.astype(jnp.int32)
+    segq = jnp.pad(seg_q, ((0, 0), (0, tp - t)))[:, :, None]
+    big = jnp.iinfo(jnp.int32).max
+    segk = jnp.pad(seg_k, ((0, 0), (0, sp - s)), constant_values=-big)  # never a query's id
+    kvalid = jnp.arange(sp) < s
+    blocks = lambda x, fill: jnp.where(kvalid, x, fill).reshape(b, 1, sp // bk, bk)  # noqa: E731
+    smin = blocks(segk, big).min(axis=-1)
+    smax = blocks(segk, -big).max(axis=-1)
+    return segq, segk[:, None, :], smin, smax
+
+
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block_size: int = 128,
                  query_block: int | None = None, round_blocks: int | None = None,
-                 interpret=None, mode: str = "exact", approx_blocks: int | None = None):
+                 interpret=None, mode: str = "exact", approx_blocks: int | None = None,
+                 segment_ids=None):
     """Top-k keys per query by the lightning-indexer score (see module docstring).
 
     q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk], -1 in slots
-    past the number of visible keys. mode="exact" returns exactly `reference.indexer_topk`'s result
+    past the number of visible keys. `segment_ids` [B, T] (packed documents, needs S == T): a key
+    is visible only to queries of its own document, as in the reference. mode="exact" returns exactly `reference.indexer_topk`'s result
     (same set, same order, same tie-break) up to float rounding of the scores; mode="approx" keeps
     the `approx_blocks` best key blocks per query block by the block bound (default
     2 * ceil(topk / block_size)) and the exact top-k inside them.
@@ -272,8 +305,11 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
     kmin = jnp.where(kvalid, kf, -NEG_INF).reshape(b, nk, bk, di).min(axis=2)
     common = dict(bq=bq, bk=bk, t_total=t, s_total=s, causal=causal, interpret=interpret)
 
+    segq, segk, smin, smax = _segments(segment_ids, b, t, s, tp, sp, bk)
+    segs = (segq, segk)
+
     # pass 1: per (query block, key block) upper bound of the score
-    ub = _block_bounds(qp, wp, kmax, kmin, **common)  # [B, nq, nk]
+    ub = _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, **common)  # [B, nq, nk]
     vis_blk = ub > NEG_INF
     blk_ids = jnp.arange(nk, dtype=jnp.int32)
 
@@ -283,7 +319,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
         sel = jnp.zeros(ub.shape, bool).at[
             jnp.arange(b)[:, None, None], jnp.arange(nq)[None, :, None], best].set(True) & vis_blk
         tbl, act, _ = _table(jnp.where(sel, blk_ids, nk + blk_ids), sel, n)
-        vals, idx = _score_round(tbl, act, jnp.int32(0), qp, wp, kp, n, **common)
+        vals, idx = _score_round(tbl, act, jnp.int32(0), qp, wp, kp, *segs, n, **common)
         if vals.shape[-1] < topk:
             pad = topk - vals.shape[-1]
             vals = jnp.pad(vals, ((0, 0), (0, 0), (0, pad)), constant_values=NEG_INF)
@@ -297,7 +333,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
     if n_probe <= nk:
         best = jnp.argsort(-ub, axis=-1, stable=True)[..., :n_probe].astype(jnp.int32)
         pact = jnp.take_along_axis(vis_blk, best, axis=-1).astype(jnp.int32)
-        pv, _ = _score_round(best, pact, jnp.int32(0), qp, wp, kp, n_probe, **common)
+        pv, _ = _score_round(best, pact, jnp.int32(0), qp, wp, kp, *segs, n_probe, **common)
         tau_t = jax.lax.top_k(pv, topk)[0][..., -1]  # [B, Tp]; -inf if < topk visible
         tau_t = jnp.where(jnp.arange(tp) < t, tau_t, -NEG_INF)
         tau = tau_t.reshape(b, nq, bq).min(axis=-1)  # [B, nq]
@@ -317,7 +353,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
 
     def body(carry):
         r, run_v, run_i = carry
-        vals, idx = _score_round(tbl, act, r * rb, qp, wp, kp, rb, **common)
+        vals, idx = _score_round(tbl, act, r * rb, qp, wp, kp, *segs, rb, **common)
         run_v, run_i = _merge_topk(run_v, run_i, vals, idx, topk)
         return r + 1, run_v, run_i
 
@@ -341,8 +377,9 @@ def indexer_block_stats(q_idx, k_idx, weights, topk, *, causal=True, block_size=
     kvalid = (jnp.arange(sp) < s)[None, :, None]
     kmax = jnp.where(kvalid, kf, NEG_INF).reshape(b, nk, bk, di).max(axis=2)
     kmin = jnp.where(kvalid, kf, -NEG_INF).reshape(b, nk, bk, di).min(axis=2)
-    ub = _block_bounds(qp, wp, kmax, kmin, bq=bq, bk=bk, t_total=t, s_total=s, causal=causal,
-                       interpret=_interpret(interpret))
+    segq, _, smin, smax = _segments(None, b, t, s, tp, sp, bk)
+    ub = _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, bq=bq, bk=bk, t_total=t, s_total=s,
+                       causal=causal, interpret=_interpret(interpret))
     return ub
 
 

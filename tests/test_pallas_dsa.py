@@ -105,6 +105,36 @@ def test_indexer_topk_ties_and_pruning():
     np.testing.assert_array_equal(out2, ref.indexer_topk(q2, k2, w2, 4))
 
 
+def _packed_segments(rng, b, t, n_docs):
+    """[B, T] int32 segment ids of n_docs contiguous documents per row (random lengths >= 1)."""
+    segs = np.zeros((b, t), np.int32)
+    for bi in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), size=n_docs - 1, replace=False))
+        segs[bi] = np.searchsorted(cuts, np.arange(t), side="right")
+    return segs
+
+
+@pytest.mark.parametrize("blk,topk", [(8, 5), (8, 20), (16, 3)])
+def test_indexer_topk_segments(blk, topk):
+    """Packed documents: the kernel equals the reference with segment_ids (same order, -1
+    padding where a document prefix has fewer than topk keys), and never selects a key of another
+    document or of the future (NumPy brute force)."""
+    b, t, hi, di = 2, 45, 2, 8
+    q, k, w = _rand_idx_inputs(11 + blk + topk, b, t, t, hi, di)
+    segs = _packed_segments(np.random.default_rng(topk), b, t, 4)
+    out = np.asarray(dsa.indexer_topk(q, k, w, topk, block_size=blk, round_blocks=1,
+                                      segment_ids=jnp.asarray(segs)))
+    want = ref.indexer_topk(q, k, w, topk, segment_ids=jnp.asarray(segs))
+    np.testing.assert_array_equal(out, want)
+    sc = _np_scores(q, k, w)
+    for bi in range(b):
+        for ti in range(t):
+            vis = np.nonzero((np.arange(t) <= ti) & (segs[bi] == segs[bi, ti]))[0]
+            order = vis[np.lexsort((vis, -sc[bi, ti, vis]))][:topk]
+            np.testing.assert_array_equal(out[bi, ti, :order.size], order)
+            assert (out[bi, ti, order.size:] == -1).all()
+
+
 def test_indexer_topk_approx():
     b, t, s, hi, di, topk, blk = 1, 33, 33, 2, 8, 6, 8
     q, k, w = _rand_idx_inputs(5, b, t, s, hi, di)

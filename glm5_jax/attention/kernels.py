@@ -11,9 +11,9 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: st
     """Exact top-k key indices per query, int32 [B, T, topk], -1 where fewer keys are visible."""
     if impl == "pallas":
         from pallas_kernels import dsa
-        if segment_ids is not None:
-            raise ValueError("attention_impl='pallas' does not take packed segment_ids; use 'xla' for packed batches")
-        return dsa.indexer_topk(q_idx, k_idx, weights, topk)
+        return dsa.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids)
+    if impl != "xla":
+        raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {impl!r}")
     return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk)
 
 
@@ -22,4 +22,6 @@ def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int =
     if impl == "pallas":
         from pallas_kernels import dsa
         return dsa.sparse_attention(q, k, v, indices, scale=scale)
+    if impl != "xla":
+        raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {impl!r}")
     return ref.sparse_attention(q, k, v, indices, scale=scale, chunk=chunk)
