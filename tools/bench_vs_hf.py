@@ -1,0 +1,302 @@
+"""Side by side with Hugging Face: the same tiny GLM-5, same weights, timed in glm5_jax and in the
+transformers reference (`GlmMoeDsaForCausalLM`, eager attention, float32) on the same threads.
+
+Usage::
+
+    python -m tools.bench_vs_hf [--threads=1,2] [--seq=1024,2048,4096] [--reps=3] [--json]
+
+Needs the `.[fixtures]` extra (torch, transformers). One run:
+
+* builds the model config below (vocab 8192, d 256, 4 layers: 1 dense + 3 MoE with 8 routed experts
+  top-2 and 1 shared expert, DSA top-128, no MTP), initialises glm5_jax parameters, writes them as
+  an HF checkpoint (glm5_jax.hf.save_checkpoint) and loads that one folder on both sides
+  (glm5_jax.hf.load_checkpoint / `from_pretrained`), so both run the same weights;
+* per thread count n starts two worker processes, one per side, each pinned to the first n cores
+  (sched_setaffinity) and limited to n compute threads (torch.set_num_threads; XLA's CPU client
+  sizes its pools from the affinity mask, and n=1 also turns Eigen's intra-op pool off). Each
+  timing reports cpu_util = process CPU seconds / wall seconds, which shows whether the pin holds;
+* checks the two sides compute the same thing: logits on a fixed [1, 256] batch (DSA selects
+  128 of up to 256 keys there, so the sparse path is exercised) and the first train step's loss;
+* times forward (B=1, T in --seq) and one AdamW train step (B=4, T=1024; loss + backward +
+  update), alternating the two sides rep by rep so that both see the same machine load, and keeps
+  the best of --reps (after one warm-up call that also compiles the JAX side).
+
+Prints one line per measurement and the ratios HF time / glm5_jax time; --json makes the last line
+{"results": [{"threads", "what", "seq_len", "batch", "hf_s", "jax_s", "speedup", ...}], "check": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODEL = dict(vocab_size=8192, d_model=256, num_layers=4, ffn_dim=512, attention="dsa", num_heads=4,
+             q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+             index_topk=128, index_n_heads=8, index_head_dim=32, num_experts=8, num_shared_experts=1,
+             experts_per_tok=2, moe_ffn_dim=128, first_k_dense=1, mtp_depth=0)
+TRAIN_B, TRAIN_T = 4, 1024
+CHECK_T = 256
+LR, B1, B2, WD, EPS = 1e-3, 0.9, 0.95, 0.1, 1e-8
+
+
+def _tokens(b, t, vocab, seed):
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, vocab, (b, t), dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------- workers
+class _JaxSide:
+    def __init__(self, ckpt):
+        import jax
+        import jax.numpy as jnp
+
+        from glm5_jax.hf import load_checkpoint
+        from glm5_jax.model import forward
+        from glm5_jax.optim import make_optimizer
+        from glm5_jax.train.config import TrainConfig
+        from glm5_jax.train.state import init_train_state
+        from glm5_jax.train.step import make_train_step
+
+        self.jax, self.jnp = jax, jnp
+        self.cfg, params = load_checkpoint(ckpt)
+        self.params = jax.device_put(params)
+        self.fwd = jax.jit(lambda p, t: forward(self.cfg, p, t))
+        # AdamW as HF users run it (torch.optim.AdamW): constant lr, no clipping, the same betas
+        tcfg = TrainConfig(batch_size=TRAIN_B, seq_len=TRAIN_T, optimizer="adamw", learning_rate=LR,
+                           weight_decay=WD, grad_clip=0.0, mtp_weight=0.0, indexer_loss=None)
+        tx, _ = make_optimizer("adamw", params, learning_rate=LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS,
+                               grad_clip=None)
+        self.state, _ = init_train_state(self.cfg, tcfg, None, tx, params=params)
+        self.step = make_train_step(self.cfg, tcfg, tx)
+        tok = _tokens(TRAIN_B, TRAIN_T + 1, self.cfg.vocab_size, 7)
+        mask = jnp.ones((TRAIN_B, TRAIN_T), jnp.float32)
+        self.batch = {"tokens": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:]), "loss_mask": mask,
+                      "positions": jnp.broadcast_to(jnp.arange(TRAIN_T, dtype=jnp.int32), (TRAIN_B, TRAIN_T)),
+                      "segment_ids": jnp.ones((TRAIN_B, TRAIN_T), jnp.int32)}
+
+    def logits(self, t):
+        import numpy as np
+        return np.asarray(self.fwd(self.params, self.jnp.asarray(_tokens(1, t, self.cfg.vocab_size, 3))))
+
+    def forward(self, t):
+        x = self.jnp.asarray(_tokens(1, t, self.cfg.vocab_size, 5))
+        return lambda: self.jax.block_until_ready(self.fwd(self.params, x))
+
+    def train(self):
+        def run():
+            self.state, metrics = self.step(self.state, self.batch)
+            return float(metrics["loss"])
+        return run
+
+
+class _HFSide:
+    def __init__(self, ckpt):
+        import torch
+        from transformers import GlmMoeDsaForCausalLM
+
+        self.torch = torch
+        self.model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32)
+        self.vocab = self.model.config.vocab_size
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+        tok = torch.from_numpy(_tokens(TRAIN_B, TRAIN_T + 1, self.vocab, 7)).long()
+        self.x, self.y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+
+    def _run(self, tokens):
+        self.model.eval()
+        with self.torch.no_grad():
+            return self.model(input_ids=self.torch.from_numpy(tokens).long(), use_cache=False).logits
+
+    def logits(self, t):
+        return self._run(_tokens(1, t, self.vocab, 3)).float().numpy()
+
+    def forward(self, t):
+        x = _tokens(1, t, self.vocab, 5)
+        return lambda: self._run(x)
+
+    def train(self):
+        torch = self.torch
+
+        def run():
+            self.model.train()
+            logits = self.model(input_ids=self.x, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, self.vocab), self.y.reshape(-1))
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+        return run
+
+
+def _timed(fn):
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    wall = time.perf_counter() - t0
+    return wall, (time.process_time() - c0) / max(wall, 1e-9), out
+
+
+def worker(side: str, ckpt: str, threads: int) -> None:
+    """Line protocol on stdin/stdout: {"op": "logits"|"forward"|"train", ...} -> one JSON reply.
+    Pins itself to the first `threads` cores before torch / jax start their thread pools."""
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+    if side == "hf":
+        import torch
+        torch.set_num_threads(threads)
+        impl = _HFSide(ckpt)
+    else:
+        impl = _JaxSide(ckpt)
+    out = sys.stdout
+    sys.stdout = sys.stderr   # library prints must not break the protocol
+    fns = {}
+    out.write(json.dumps({"ready": True, "affinity": sorted(os.sched_getaffinity(0))}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "logits":
+            import numpy as np
+            path = os.path.join(req["dir"], f"{side}_logits.npy")
+            np.save(path, impl.logits(req["seq"]))
+            reply = {"path": path}
+        else:
+            key = (req["op"], req.get("seq"))
+            if key not in fns:
+                fns[key] = impl.forward(req["seq"]) if req["op"] == "forward" else impl.train()
+            wall, util, val = _timed(fns[key])
+            reply = {"s": wall, "cpu_util": util, "value": val if isinstance(val, float) else None}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+# ----------------------------------------------------------------------------- orchestration
+class _Proc:
+    def __init__(self, side, ckpt, threads):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   JAX_PLATFORMS="cpu")
+        if threads == 1:   # XLA CPU: no Eigen intra-op pool at all on one thread
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                                "intra_op_parallelism_threads=1").strip()
+        self.p = subprocess.Popen([sys.executable, "-m", "tools.bench_vs_hf", "--worker", side, "--ckpt", ckpt,
+                                   "--threads", str(threads), "--train", f"{TRAIN_B},{TRAIN_T}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=env, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+        self.hello = self._read()
+
+    def _read(self):
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited with code {self.p.wait()}")
+        return json.loads(line)
+
+    def ask(self, **req):
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait()
+
+
+def make_checkpoint(path: str):
+    import jax
+
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.hf import save_checkpoint
+    from glm5_jax.model import init_params
+
+    cfg = ModelConfig(**MODEL)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    save_checkpoint(cfg, params, path)
+    return cfg
+
+
+def _best(results, key):
+    return min(results, key=lambda r: r["s"])
+
+
+def run(threads_list, seqs, reps, log):
+    import numpy as np
+
+    results, check = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        make_checkpoint(ckpt)
+        for n in threads_list:
+            hf, jx = _Proc("hf", ckpt, n), _Proc("jax", ckpt, n)
+            try:
+                if not check:
+                    lj = np.load(jx.ask(op="logits", seq=CHECK_T, dir=tmp)["path"])
+                    lh = np.load(hf.ask(op="logits", seq=CHECK_T, dir=tmp)["path"])
+                    check["logits_max_abs_diff"] = float(np.max(np.abs(lj - lh)))
+                    check["logits_std"] = float(np.std(lh))
+                    check["argmax_agree"] = float(np.mean(lj.argmax(-1) == lh.argmax(-1)))
+                    # a discrete choice (indexer / router top-k) on a near-tie may flip between the
+                    # two float32 implementations: that moves a few positions, not all of them
+                    check["positions_within_1e-4"] = float(np.mean(np.max(np.abs(lj - lh), -1) < 1e-4))
+                    log(f"check T={CHECK_T}: logits max |jax - hf| = {check['logits_max_abs_diff']:.2e} "
+                        f"(logit std {check['logits_std']:.3f}), positions within 1e-4 {check['positions_within_1e-4']:.3f}, "
+                        f"argmax agreement {check['argmax_agree']:.3f}")
+                jobs = [dict(op="forward", seq=t) for t in seqs] + [dict(op="train")]
+                for job in jobs:
+                    runs = {"hf": [], "jax": []}
+                    for r in range(reps + 1):          # rep 0 warms up (and compiles the JAX side)
+                        for name, proc in (("hf", hf), ("jax", jx)) if r % 2 else (("jax", jx), ("hf", hf)):
+                            ans = proc.ask(**job)
+                            if r:
+                                runs[name].append(ans)
+                            elif job["op"] == "train":  # the first step starts from the shared weights
+                                check.setdefault("first_loss", {})[name] = ans["value"]
+                    bh, bj = _best(runs["hf"], "s"), _best(runs["jax"], "s")
+                    row = dict(threads=n, what=job["op"], seq_len=job.get("seq", TRAIN_T),
+                               batch=1 if job["op"] == "forward" else TRAIN_B, hf_s=bh["s"], jax_s=bj["s"],
+                               speedup=bh["s"] / bj["s"], hf_cpu_util=bh["cpu_util"], jax_cpu_util=bj["cpu_util"],
+                               hf_all_s=[a["s"] for a in runs["hf"]], jax_all_s=[a["s"] for a in runs["jax"]])
+                    results.append(row)
+                    log(f"threads={n} {row['what']:7s} B={row['batch']} T={row['seq_len']:5d}: hf {bh['s']:.3f}s "
+                        f"(cpu {bh['cpu_util']:.2f}) jax {bj['s']:.3f}s (cpu {bj['cpu_util']:.2f}) -> "
+                        f"{row['speedup']:.2f}x")
+                    if job["op"] == "train" and "first_loss" in check and "loss_abs_diff" not in check:
+                        fl = check["first_loss"]
+                        check["loss_abs_diff"] = abs(fl["hf"] - fl["jax"])
+                        log(f"check: first train-step loss hf {fl['hf']:.6f} jax {fl['jax']:.6f}")
+            finally:
+                hf.close()
+                jx.close()
+    return results, check
+
+
+def main(argv=None):
+    global TRAIN_B, TRAIN_T  # noqa: PLW0603 (module constants the workers read)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (each pinned to that many cores)")
+    ap.add_argument("--seq", default="1024,2048,4096", help="forward sequence lengths")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side (best kept)")
+    ap.add_argument("--train", default=f"{TRAIN_B},{TRAIN_T}", help="train step batch,seq_len")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", choices=("hf", "jax"), help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    TRAIN_B, TRAIN_T = (int(x) for x in args.train.split(","))
+    if args.worker:
+        worker(args.worker, args.ckpt, int(args.threads))
+        return 0
+    threads = [int(x) for x in args.threads.split(",") if x]
+    avail = len(os.sched_getaffinity(0))
+    if any(n < 1 or n > avail for n in threads):
+        ap.error(f"--threads={args.threads}: each count must be in 1..{avail} (cores available)")
+    seqs = [int(x) for x in args.seq.split(",") if x]
+    results, check = run(threads, seqs, args.reps, lambda s: print(s, flush=True))
+    if check.get("positions_within_1e-4", 1.0) < 0.9 or check.get("loss_abs_diff", 0.0) > 1e-3:
+        print("WARNING: the two sides disagree beyond float32 round-off at most positions: not the same "
+              "computation", flush=True)
+    if args.json:
+        print(json.dumps({"results": results, "check": check, "model": MODEL}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
