@@ -12,6 +12,11 @@ newline (the tasks' terminator) is the stop token for generation.
 ``loss_mask`` is 1 exactly where the *target* is a solution (answer) token, so the prompt is
 conditioned on, never trained on. Batch ``i`` is a pure function of ``(seed, i)``: ``get_state`` /
 ``set_state`` is just the batch counter, which makes the SFT phase resumable.
+
+The same packing serves chat SFT (glm5_jax.data.chat): an example may also be a rendered conversation
+(anything with ``ids`` and a per-token ``loss_mask``, e.g. ``chat.Rendered``), whose mask says which
+tokens are trained (assistant tokens, erroneous segments excluded); ``SFTIterator(encode=...)`` turns
+each drawn item into such examples.
 """
 
 from __future__ import annotations
@@ -64,9 +69,23 @@ class CharVocab:
         return "".join(out)
 
 
-def pack_examples(examples: Sequence[tuple[List[int], List[int]]], batch_size: int, seq_len: int) -> dict:
-    """(prompt_ids, answer_ids) pairs -> one packed batch dict (numpy, [batch_size, seq_len]).
+def _as_tokens_and_mask(ex) -> tuple:
+    """An example -> (ids, per-token mask: 1 = predicting this token is trained)."""
+    if hasattr(ex, "ids") and hasattr(ex, "loss_mask"):
+        ids, m = list(ex.ids), list(ex.loss_mask)
+        if len(ids) != len(m):
+            raise ValueError(f"example has {len(ids)} ids but {len(m)} loss_mask entries")
+        return ids, m
+    prompt, answer = ex
+    return list(prompt) + list(answer), [0] * len(prompt) + [1] * len(answer)
 
+
+def pack_examples(examples: Sequence, batch_size: int, seq_len: int) -> dict:
+    """Examples -> one packed batch dict (numpy, [batch_size, seq_len]).
+
+    An example is a (prompt_ids, answer_ids) pair (the answer is trained) or an object with ``ids`` and
+    a per-token ``loss_mask`` (chat.Rendered: the tokens whose mask is 1 are trained). ``loss_mask`` of
+    the batch is indexed by target: position j (predicting token j+1) is trained iff token j+1 is.
     Examples are placed in order; one that does not fit in the current row starts the next row; the
     examples that do not fit in the batch are dropped (the caller supplies enough).
     """
@@ -76,8 +95,8 @@ def pack_examples(examples: Sequence[tuple[List[int], List[int]]], batch_size: i
     seg = np.zeros((batch_size, seq_len), np.int32)
     pos = np.zeros((batch_size, seq_len), np.int32)
     row, col, sid = 0, 0, 1
-    for prompt, answer in examples:
-        ex = list(prompt) + list(answer)
+    for example in examples:
+        ex, tm = _as_tokens_and_mask(example)
         n = len(ex)
         if n > seq_len:
             raise ValueError(f"example of {n} tokens does not fit seq_len={seq_len}")
@@ -88,8 +107,7 @@ def pack_examples(examples: Sequence[tuple[List[int], List[int]]], batch_size: i
         sl = slice(col, col + n)
         tokens[row, sl] = ex
         targets[row, col:col + n - 1] = ex[1:]
-        # target index j (predicting ex[j+1]) is an answer token iff j + 1 >= len(prompt)
-        mask[row, col + len(prompt) - 1:col + n - 1] = 1.0
+        mask[row, col:col + n - 1] = tm[1:]
         seg[row, sl] = sid
         pos[row, sl] = np.arange(n)
         col, sid = col + n, sid + 1
@@ -99,12 +117,15 @@ def pack_examples(examples: Sequence[tuple[List[int], List[int]]], batch_size: i
 class SFTIterator:
     """Infinite iterator of packed SFT batches from ``make_task(rng) -> Task`` (seeded per batch).
 
-    ``exclude``: prompts never used (the held-out set).
+    ``exclude``: prompts never used (the held-out set). ``encode(item) -> list of examples`` (see
+    pack_examples); default: ``<bos> prompt`` / ``solution`` of a Task with ``vocab``.
     """
 
-    def __init__(self, make_task: Callable[[random.Random], object], vocab: CharVocab, batch_size: int,
-                 seq_len: int, seed: int = 0, exclude: Sequence[str] = ()):
+    def __init__(self, make_task: Callable[[random.Random], object], vocab: CharVocab | None, batch_size: int,
+                 seq_len: int, seed: int = 0, exclude: Sequence[str] = (), *,
+                 encode: Callable[[object], list] | None = None):
         self.make_task, self.vocab = make_task, vocab
+        self.encode = encode or (lambda t: [(vocab.encode(t.prompt, bos=True), vocab.encode(t.solution))])
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.exclude = set(exclude)
         self.index = 0
@@ -118,11 +139,11 @@ class SFTIterator:
         budget = self.batch_size * self.seq_len
         while used < budget:
             t = self.make_task(rng)
-            if t.prompt in self.exclude:
+            if getattr(t, "prompt", None) in self.exclude:
                 continue
-            ex = (self.vocab.encode(t.prompt, bos=True), self.vocab.encode(t.solution))
-            exs.append(ex)
-            used += len(ex[0]) + len(ex[1])
+            for ex in self.encode(t):
+                exs.append(ex)
+                used += len(_as_tokens_and_mask(ex)[0])
         return pack_examples(exs, self.batch_size, self.seq_len)
 
     def __next__(self) -> dict:
