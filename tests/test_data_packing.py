@@ -11,7 +11,7 @@ def _split(lengths, seed=0):
     rng = np.random.default_rng(seed)
     docs = [rng.integers(11, 500, size=n).astype(np.uint16) for n in lengths]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return TokenizedSplit(np.concatenate(docs), offsets, tuple(f"d{i}" for i in range(len(docs))))
+    return TokenizedSplit(np.concatenate(docs), offsets)
 
 
 @pytest.mark.parametrize("seq_len", [4, 7, 16])

@@ -130,18 +130,24 @@ def test_cache_is_reused_without_tokenizing(monkeypatch, tmp_path):
 def test_corpus_split_and_caps():
     data = small_data()
     c = data.corpus
-    rel = [f.relpath for f in c.train + c.eval]
-    assert len(rel) == 30 and len(set(rel)) == 30
+    rel = [f.relpath for f in c.files]
+    assert len(rel) == 30 and len(set(rel)) == 30 and c.num_docs == (1,) * 30   # one document per .py file
     from glm5_jax.data import load_corpus
+    from glm5_jax.data.corpus import key_hash_fraction
     again = load_corpus(small_cfg())
     assert again == c  # deterministic
     assert all(not any(p in ("test", "tests", "idle_test", "site-packages")
                        for p in r.split("/")[:-1]) for r in rel)
-    assert [f.relpath for f in c.train] == sorted(f.relpath for f in c.train)
-    assert len(c.eval) >= 1
+    assert rel == sorted(rel)
+    # the held-out documents are those whose key hash is below eval_fraction (or the smallest one)
+    fr = {r: key_hash_fraction(r) for r in rel}
+    ev = [f.relpath for f, e in zip(c.files, c.eval_docs) if e]
+    expect = [r for r in rel if fr[r] < small_cfg().eval_fraction] or [min(rel, key=fr.get)]
+    assert ev == expect and c.num_documents("eval") == len(ev) == data.splits["eval"].num_docs
+    assert [d.key for _, d in c.documents("eval")] == ev
     capped = load_corpus(small_cfg(max_files=None, max_bytes=100_000))
-    assert sum(f.size for f in capped.train + capped.eval) < 100_000 + max(
-        f.size for f in capped.train + capped.eval)
+    sizes = [f.size for f in capped.files]
+    assert sum(sizes) < 100_000 + max(sizes)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -1,10 +1,12 @@
-"""Data pipeline: stdlib-source corpus, sentencepiece BPE tokenizer, token cache, packed
-grain pipelines with checkpointable iterators, and synthetic long-range retrieval data."""
+"""Data pipeline: documents from text / jsonl(.gz) / parquet / ArrayRecord files (default: the stdlib
+sources), sentencepiece or Hugging Face tokenizers, a token cache, packed grain pipelines with
+checkpointable iterators, and synthetic long-range retrieval data."""
 
 from glm5_jax.data.config import DataConfig, default_cache_dir
-from glm5_jax.data.corpus import Corpus, CorpusFile, load_corpus
+from glm5_jax.data.corpus import Corpus, load_corpus
 from glm5_jax.data.packing import BATCH_KEYS, PackedStream
 from glm5_jax.data.pipeline import LMData, TrainIterator, build_lm_data, make_train_iterator
+from glm5_jax.data.sources import DataError, Document, SourceFile
 from glm5_jax.data.retrieval import (
     RetrievalInfo,
     RetrievalTask,
@@ -22,8 +24,8 @@ from glm5_jax.data.tokenizer import (
 )
 
 __all__ = [
-    "BATCH_KEYS", "Corpus", "CorpusFile", "DataConfig", "GLM_SPECIAL_TOKENS", "HFTokenizer", "LMData",
-    "PackedStream", "RetrievalInfo", "RetrievalTask", "SentencePieceTokenizer", "Tokenizer", "TrainIterator",
+    "BATCH_KEYS", "Corpus", "DataConfig", "DataError", "Document", "GLM_SPECIAL_TOKENS", "HFTokenizer", "LMData",
+    "PackedStream", "RetrievalInfo", "RetrievalTask", "SentencePieceTokenizer", "SourceFile", "Tokenizer", "TrainIterator",
     "build_lm_data", "default_cache_dir", "load_corpus", "load_or_train_tokenizer", "load_tokenizer",
     "make_train_iterator", "retrieval_accuracy", "retrieval_eval_batches", "train_hf_tokenizer",
 ]

@@ -1,9 +1,15 @@
 """`DataConfig`: every knob of the LM data pipeline, validated at construction.
 
+Data: `path` (None = the *.py sources of the running Python's standard library) is a glob, a file, a
+directory or a comma-separated list of them; each file's format comes from its extension (see
+glm5_jax.data.sources). `tokenizer` is None / "spm" (a sentencepiece BPE trained here on the train
+split), "hf" (a byte-level BPE tokenizer.json trained here) or the path of a sentencepiece `.model` or a
+Hugging Face `tokenizer.json`.
+
 All sizes are validated eagerly so that a bad value fails with a ConfigError naming the field,
 the value and what is allowed, instead of failing deep inside sentencepiece or grain. Every field
 can be set from the command line of an experiment (`--set data.max_files=50`, `data.cache_dir=none`,
-`data.exclude_dirs=test,tests`).
+`data.exclude_dirs=test,tests`, `data.path=corpus/*.jsonl.gz`, `data.tokenizer=glm5/tokenizer.json`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ DEFAULT_EXCLUDE_DIRS: Tuple[str, ...] = (
 )
 
 CACHE_ENV_VAR = "GLM5_JAX_DATA_CACHE"
+# token ids are stored uint32 above 2**16, so any vocabulary up to this trains and packs
+MAX_VOCAB = 1 << 24
+TRAINED_TOKENIZERS = ("spm", "hf")
 
 
 def default_cache_dir() -> str:
@@ -53,8 +62,15 @@ class DataConfig:
     """Configuration of corpus, tokenizer, packing and retrieval mixing.
 
     Fields:
-      vocab_size: sentencepiece BPE vocabulary size (includes 3 control ids, 8 GLM
-        specials and 256 byte-fallback pieces).
+      vocab_size: the model's vocabulary: the size of a tokenizer trained here (sentencepiece: 3
+        control ids + 21 GLM specials + 256 byte pieces + merges; "hf": 22 specials + 256 bytes +
+        merges); a loaded tokenizer must have vocab_size <= this (the rest pads the embedding).
+      path: the data (None -> stdlib *.py sources); glob / file / directory / prepared directory,
+        comma-separated for several.
+      tokenizer: None or "spm" (train sentencepiece here), "hf" (train a tokenizer.json here), or a
+        tokenizer path (sentencepiece .model, tokenizer.json, or a directory holding one).
+      text_field / messages_field: the jsonl / parquet / ArrayRecord-JSON field holding a document's
+        text, or (if text_field is absent) its chat messages.
       seq_len: default packed sequence length T (batches are [B, T]).
       cache_dir: root of the on-disk caches (None -> `default_cache_dir()`).
       max_files: keep only the first N corpus files (sorted by relative path); None = all.
@@ -73,6 +89,10 @@ class DataConfig:
 
     vocab_size: int = 2048
     seq_len: int = 256
+    path: Optional[str] = None
+    tokenizer: Optional[str] = None
+    text_field: str = "text"
+    messages_field: str = "messages"
     cache_dir: Optional[str] = None
     max_files: Optional[int] = None
     max_bytes: Optional[int] = None
@@ -88,8 +108,16 @@ class DataConfig:
     exclude_dirs: Tuple[str, ...] = DEFAULT_EXCLUDE_DIRS
 
     def __post_init__(self):
-        if not _is_int(self.vocab_size) or not (320 <= self.vocab_size <= 65535):
-            raise _bad("vocab_size", self.vocab_size, "int in [320, 65535]")
+        if not _is_int(self.vocab_size) or not (320 <= self.vocab_size <= MAX_VOCAB):
+            raise _bad("vocab_size", self.vocab_size, f"int in [320, {MAX_VOCAB}]")
+        for f in ("path", "tokenizer"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, str) and v.strip()):
+                raise _bad(f, v, "None or a non-empty string")
+        for f in ("text_field", "messages_field"):
+            v = getattr(self, f)
+            if not (isinstance(v, str) and v):
+                raise _bad(f, v, "a non-empty field name")
         if not _is_int(self.seq_len) or not (2 <= self.seq_len <= 1 << 20):
             raise _bad("seq_len", self.seq_len, "int in [2, 2**20]")
         if self.cache_dir is not None and not (isinstance(self.cache_dir, str) and self.cache_dir):
@@ -130,6 +158,13 @@ class DataConfig:
             isinstance(d, str) and d for d in self.exclude_dirs
         ):
             raise _bad("exclude_dirs", self.exclude_dirs, "tuple of non-empty directory names")
+
+    @property
+    def tokenizer_kind(self) -> str:
+        """"spm" / "hf" (trained here) or "path" (loaded from `tokenizer`)."""
+        if self.tokenizer is None:
+            return "spm"
+        return self.tokenizer if self.tokenizer in TRAINED_TOKENIZERS else "path"
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir()

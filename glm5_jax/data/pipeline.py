@@ -1,6 +1,6 @@
-"""grain pipelines over the packed, tokenized stdlib corpus.
+"""grain pipelines over a packed, tokenized corpus (DataConfig.path, default the stdlib sources).
 
-    data = build_lm_data(DataConfig(vocab_size=2048, seq_len=256))
+    data = build_lm_data(DataConfig(vocab_size=2048, seq_len=256))   # or path="data/*.jsonl.gz", tokenizer=...
     it = data.train_iter(batch_size=8)          # infinite, shuffled, checkpointable
     batch = next(it)                            # dict of int32 [8, 256]
     state = it.get_state()                      # JSON-serialisable dict
@@ -13,7 +13,11 @@ Train pipeline (grain.MapDataset, everything index-based, so the state is one in
   global batch k = elements k*B .. k*B+B-1 -> to_iter_dataset(ReadOptions(num_threads=0))
   (in-process: no worker processes, no absl flags needed; pass num_threads > 0 for threaded
   reads, still deterministic).
-Multi-process: `select_rows(rows)` makes the iterator read only those rows of every global batch
+Data: `DataConfig.path` is raw files (corpus -> tokenizer -> token cache, each cached) or a directory
+written by `python -m tools.prepare_data` (memory-mapped as is; its tokenizer is the copy stored there
+unless `data.tokenizer` names the same file). A tokenizer whose vocab_size exceeds `data.vocab_size` (the
+model's vocabulary) is refused before anything is tokenized.
+Multi-process (the stream is sharded by process): `select_rows(rows)` makes the iterator read only those rows of every global batch
 (the training loop passes the rows its process's devices hold), so each process builds only its part
 and the global stream is the same for any number of processes. The state counts global batches, so
 it does not depend on the rows: a checkpoint written by 2 processes resumes on 1 or 4.
@@ -37,13 +41,15 @@ from typing import Any, Dict, Iterator, List, Optional
 import grain
 import numpy as np
 
+from glm5_jax.config import ConfigError
 from glm5_jax.data._cache import settings_key
 from glm5_jax.data.config import DataConfig
 from glm5_jax.data.corpus import Corpus, load_corpus
 from glm5_jax.data.packing import BATCH_KEYS, PackedStream, padding_example
 from glm5_jax.data.retrieval import TRAIN_TAG, RetrievalTask, retrieval_eval_batches
-from glm5_jax.data.token_cache import TokenizedSplit, load_or_build_token_cache
-from glm5_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from glm5_jax.data.sources import DataError
+from glm5_jax.data.token_cache import INDEX, TokenizedSplit, load_or_build_token_cache, load_tokens
+from glm5_jax.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 
 _STATE_VERSION = 1
 
@@ -94,7 +100,7 @@ class TrainIterator:
         self.rows: tuple[int, ...] = tuple(range(self.batch_size))
         self._it = self._make_iter()
         self.fingerprint = settings_key({
-            "tokens": os.path.basename(data.token_cache_dir), "B": self.batch_size, "T": T,
+            "tokens": data.data_key, "B": self.batch_size, "T": T,
             "seed": self.seed, "retrieval": [f, cfg.retrieval_pairs, cfg.retrieval_key_digits,
                                              cfg.retrieval_value_digits, cfg.min_distance(T)],
         })
@@ -162,11 +168,12 @@ class TrainIterator:
 @dataclasses.dataclass
 class LMData:
     cfg: DataConfig
-    corpus: Corpus
+    corpus: Optional[Corpus]          # None for a prepared directory (tools.prepare_data)
     tokenizer: Tokenizer
     splits: Dict[str, TokenizedSplit]
     token_cache_dir: str
     timings: Dict[str, float]
+    data_key: str = ""                # hash of (tokenizer file, corpus): the iterator state checks it
     _streams: Dict[str, PackedStream] = dataclasses.field(default_factory=dict, repr=False)
 
     def stream(self, split: str) -> PackedStream:
@@ -221,31 +228,63 @@ class LMData:
                                       num_batches, self.cfg.seed if seed is None else seed)
 
     def summary(self) -> Dict[str, Any]:
-        return {
-            "train_files": len(self.corpus.train), "eval_files": len(self.corpus.eval),
-            "train_tokens": self.splits["train"].num_tokens,
-            "eval_tokens": self.splits["eval"].num_tokens,
-            "vocab_size": self.tokenizer.vocab_size, "tokenizer": self.tokenizer.model_path,
-            "token_cache": self.token_cache_dir, **self.timings,
-        }
+        out = {"train_documents": self.splits["train"].num_docs, "eval_documents": self.splits["eval"].num_docs,
+               "train_tokens": self.splits["train"].num_tokens, "eval_tokens": self.splits["eval"].num_tokens,
+               "vocab_size": self.tokenizer.vocab_size, "tokenizer": self.tokenizer.model_path,
+               "token_cache": self.token_cache_dir, **self.timings}
+        if self.corpus is not None:
+            out["files"] = len(self.corpus.files)
+        return out
 
 
-def build_lm_data(cfg: DataConfig) -> LMData:
-    """Corpus -> (cached) tokenizer -> (cached) token arrays. Cheap on a warm cache."""
+def is_prepared_dir(path: Optional[str]) -> bool:
+    """Whether `path` is one directory written by tools.prepare_data (it holds index.json)."""
+    return (path is not None and "," not in path and os.path.isdir(os.path.expanduser(path))
+            and os.path.isfile(os.path.join(os.path.expanduser(path), INDEX)))
+
+
+def check_vocab(tok: Tokenizer, cfg: DataConfig) -> None:
+    if tok.vocab_size > cfg.vocab_size:
+        raise ConfigError(
+            f"tokenizer {tok.model_path!r} has vocab_size {tok.vocab_size} > DataConfig.vocab_size={cfg.vocab_size} "
+            f"(the model's vocabulary); set --set data.vocab_size={tok.vocab_size} (or larger)")
+
+
+def _prepared(cfg: DataConfig, log) -> LMData:
+    d = os.path.expanduser(cfg.path)
+    t0 = time.perf_counter()
+    splits, index = load_tokens(d)
+    stored = os.path.join(d, index["tokenizer_file"])
+    if cfg.tokenizer_kind != "path" and cfg.tokenizer is not None:
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r} (train one here) does not apply to the prepared "
+                        f"directory {d!r}; leave it unset to use its tokenizer {stored!r}")
+    tok = load_tokenizer(cfg.tokenizer if cfg.tokenizer_kind == "path" else stored)
+    if tok.fingerprint != index["tokenizer_fingerprint"]:
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r} is not the tokenizer {d!r} was prepared with "
+                        f"({index['tokenizer']!r}); leave data.tokenizer unset to use the copy in {stored!r}")
+    check_vocab(tok, cfg)
+    key = settings_key({"tokenizer": index["tokenizer_fingerprint"], "corpus": index["corpus"]})
+    return LMData(cfg, None, tok, splits, d, {"tokens_s": round(time.perf_counter() - t0, 3)}, key)
+
+
+def build_lm_data(cfg: DataConfig, log=None) -> LMData:
+    """Corpus -> (cached) tokenizer -> (cached) token arrays, or a prepared directory. Cheap on a warm
+    cache. `log`: where the tokenization summary goes (progress goes to stderr)."""
     if not isinstance(cfg, DataConfig):
         raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
+    if is_prepared_dir(cfg.path):
+        return _prepared(cfg, log)
     t0 = time.perf_counter()
     corpus = load_corpus(cfg)
     t1 = time.perf_counter()
-    tok = load_or_train_tokenizer(cfg, corpus)
+    tok = resolve_tokenizer(cfg, corpus)
+    check_vocab(tok, cfg)                   # before the (long) tokenization
     t2 = time.perf_counter()
-    splits, tdir = load_or_build_token_cache(cfg.resolved_cache_dir(), tok, corpus)
+    splits, tdir = load_or_build_token_cache(cfg.resolved_cache_dir(), tok, corpus, log=log)
     t3 = time.perf_counter()
     timings = {"corpus_s": round(t1 - t0, 3), "tokenizer_s": round(t2 - t1, 3),
                "tokens_s": round(t3 - t2, 3)}
-    return LMData(cfg, corpus, tok, splits, tdir, timings)
-
-
+    return LMData(cfg, corpus, tok, splits, tdir, timings, os.path.basename(tdir))
 def make_train_iterator(data: LMData | DataConfig, batch_size: int,
                         seq_len: Optional[int] = None, seed: Optional[int] = None,
                         num_threads: int = 0) -> TrainIterator:

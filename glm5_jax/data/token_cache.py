@@ -1,11 +1,18 @@
-"""On-disk cache of the tokenized corpus.
+"""Tokenized corpora on disk: the cache under `<cache_dir>/tokens/<key>/`, and the directories
+`python -m tools.prepare_data` writes (same layout, plus a copy of the tokenizer).
 
-Layout: `<cache_dir>/tokens/<key>/` with key = hash(tokenizer dir name, corpus fingerprint,
-format version), containing for each split in (train, eval):
-  `<split>.tokens.npy`  1-D uint16 (vocab <= 65536) or int32: documents concatenated, NO eos
-  `<split>.offsets.npy` 1-D int64 [n_docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
-and `index.json` (files per split, token counts, dtype, timing). A second build with the same
-settings memory-maps these arrays and never calls the tokenizer.
+Layout, for each split in (train, eval):
+  `<split>.tokens.bin`   raw little-endian token ids, documents back to back, NO eos; uint16 when
+                         the tokenizer's vocab_size <= 65536 (every id fits), else uint32
+  `<split>.offsets.npy`  1-D int64 [n_docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
+and `index.json` (dtype, tokenizer path and fingerprint, corpus fingerprint, per split documents /
+tokens / text bytes / bytes per token, timing). The key hashes the tokenizer file's content and the
+corpus fingerprint, so a second build with the same data and tokenizer memory-maps these arrays and
+never calls the tokenizer. Tokens are written as they are produced (one pass, host memory bounded
+by one batch of documents and the offsets).
+
+Chat documents (`messages`) are rendered to ids by the GLM chat template (glm5_jax.data.chat,
+interleaved thinking); every token of them is an LM target in pre-training.
 """
 
 from __future__ import annotations
@@ -13,25 +20,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from glm5_jax.data._cache import build_dir_atomically, settings_key
-from glm5_jax.data.corpus import Corpus
-from glm5_jax.data.tokenizer import Tokenizer
+from glm5_jax.data.corpus import SPLITS, Corpus
+from glm5_jax.data.sources import DataError, Document
+from glm5_jax.data.tokenizer_base import Tokenizer
 
-_FORMAT_VERSION = 1
-SPLITS = ("train", "eval")
-_ENCODE_CHUNK = 64  # files per encode_batch call
+_FORMAT_VERSION = 2          # 2: raw .bin tokens (uint16 / uint32), document-level split
+_ENCODE_CHUNK = 64           # documents per encode_batch call
+INDEX = "index.json"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 only when every id (< vocab_size <= 2**16) fits; uint32 otherwise (GLM-5: 154,880)."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSplit:
-    tokens: np.ndarray  # [n_tokens] uint16/int32, documents back to back
+    tokens: np.ndarray   # [n_tokens] uint16/uint32, documents back to back
     offsets: np.ndarray  # [n_docs + 1] int64
-    relpaths: Tuple[str, ...]
 
     @property
     def num_docs(self) -> int:
@@ -45,52 +58,166 @@ class TokenizedSplit:
         return self.tokens[self.offsets[d]:self.offsets[d + 1]]
 
 
+class Progress:
+    """A progress line on stderr (documents, tokens, rate, ETA), at most every `every` seconds."""
+
+    def __init__(self, total: int, label: str, every: float = 2.0, stream=None, quiet: bool = False):
+        self.total, self.label, self.every = max(int(total), 1), label, every
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.t0 = self.last = time.perf_counter()
+        self.printed = False
+
+    def update(self, done: int, tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if self.quiet or not (final and self.printed or now - self.last >= self.every):
+            return
+        self.last, self.printed = now, True
+        el = now - self.t0
+        eta = el / done * (self.total - done) if done else float("nan")
+        bar = "#" * int(20 * done / self.total)
+        print(f"\r{self.label} [{bar:<20s}] {done}/{self.total} docs {100 * done / self.total:5.1f}% "
+              f"{tokens:,} tokens {done / max(el, 1e-9):.0f} docs/s ETA {_fmt(eta)}   ",
+              end="\n" if final else "", file=self.stream, flush=True)
+
+
+def _fmt(seconds: float) -> str:
+    if not np.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class _Encoder:
+    """Documents -> ids: text through encode_batch, chat messages through the chat template."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._template = None
+
+    def template(self):
+        if self._template is None:
+            from glm5_jax.data.chat import ChatTemplate     # only chat data needs it
+            self._template = ChatTemplate(self.tok)
+        return self._template
+
+    def __call__(self, docs: List[Document]) -> List[List[int]]:
+        texts = [d.text for d in docs if d.text is not None]
+        enc = iter(self.tok.encode_batch(texts) if texts else [])
+        out = []
+        for d in docs:
+            if d.text is not None:
+                out.append(next(enc))
+                continue
+            try:
+                out.append(self.template().render(d.messages).ids)
+            except ValueError as e:   # ChatFormatError: bad roles / fields, or a tokenizer without the specials
+                raise DataError(f"document {d.key!r}: chat messages cannot be rendered ({e})") from None
+        return out
+
+
+def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[Callable[[str], None]] = None,
+                 quiet: bool = False, extra: Optional[dict] = None) -> dict:
+    """Tokenize every document of `corpus` once into `out_dir` (layout above); returns the index."""
+    dtype = token_dtype(tok.vocab_size)
+    bins = {s: open(os.path.join(out_dir, f"{s}.tokens.bin"), "wb") for s in SPLITS}
+    lengths: Dict[str, List[int]] = {s: [] for s in SPLITS}
+    nbytes = {s: 0 for s in SPLITS}
+    encode = _Encoder(tok)
+    progress = Progress(corpus.num_documents(), "tokenizing", quiet=quiet)
+    t0 = time.perf_counter()
+    done = tokens = 0
+    pending: List[Tuple[str, Document]] = []
+
+    def flush():
+        nonlocal done, tokens
+        for (s, d), ids in zip(pending, encode([d for _, d in pending])):
+            arr = np.asarray(ids, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+                raise DataError(f"tokenizer {tok.model_path!r} produced id {int(arr.max())} outside its "
+                                f"vocab_size {tok.vocab_size} for document {d.key!r}")
+            bins[s].write(arr.astype(dtype.newbyteorder("<")).tobytes())
+            lengths[s].append(arr.size)
+            nbytes[s] += len(d.plain_text().encode("utf-8"))
+            tokens += arr.size
+        done += len(pending)
+        pending.clear()
+        progress.update(done, tokens)
+
+    try:
+        for item in corpus.documents():
+            pending.append(item)
+            if len(pending) >= _ENCODE_CHUNK:
+                flush()
+        flush()
+    finally:
+        for fh in bins.values():
+            fh.close()
+    progress.update(done, tokens, final=True)
+    index = {"format": _FORMAT_VERSION, "dtype": dtype.name, "tokenizer": tok.model_path,
+             "tokenizer_kind": tok.kind, "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+             "root": corpus.root, "corpus": corpus.fingerprint(), "num_files": len(corpus.files),
+             **(extra or {})}
+    for s in SPLITS:
+        offsets = np.zeros([len(lengths[s]) + 1], np.int64)
+        np.cumsum(lengths[s], out=offsets[1:])
+        np.save(os.path.join(out_dir, f"{s}.offsets.npy"), offsets)
+        n = int(offsets[-1])
+        index[s] = {"documents": len(lengths[s]), "tokens": n, "text_bytes": nbytes[s],
+                    "bytes_per_token": round(nbytes[s] / n, 4) if n else None}
+    index["tokenize_seconds"] = round(time.perf_counter() - t0, 3)
+    with open(os.path.join(out_dir, INDEX), "w") as fh:
+        json.dump(index, fh, indent=1)
+    if log is not None:
+        log(summary_line(index))
+    return index
+
+
+def summary_line(index: dict) -> str:
+    parts = []
+    for s in SPLITS:
+        x = index[s]
+        parts.append(f"{s}: {x['documents']:,} documents, {x['tokens']:,} tokens, "
+                     f"{x['bytes_per_token'] or float('nan'):.3f} bytes/token")
+    return "; ".join(parts) + f" ({index['tokenize_seconds']:.1f} s)"
+
+
+def read_index(d: str) -> dict:
+    p = os.path.join(d, INDEX)
+    try:
+        with open(p) as fh:
+            index = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{d!r} is not a tokenized data directory: cannot read {INDEX} ({e})") from None
+    if index.get("format") != _FORMAT_VERSION:
+        raise DataError(f"tokenized data {d!r} has format {index.get('format')!r}; this version reads "
+                        f"{_FORMAT_VERSION} (prepare it again with python -m tools.prepare_data)")
+    return index
+
+
+def load_tokens(d: str) -> Tuple[Dict[str, TokenizedSplit], dict]:
+    """({split: TokenizedSplit} with memory-mapped tokens, index) of a tokenized directory."""
+    index = read_index(d)
+    out = {}
+    for s in SPLITS:
+        path = os.path.join(d, f"{s}.tokens.bin")
+        offsets = np.load(os.path.join(d, f"{s}.offsets.npy"))
+        n = int(offsets[-1])
+        dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros([0], dtype)
+        out[s] = TokenizedSplit(tokens=tokens, offsets=offsets)
+    return out, index
+
+
 def token_cache_dir(cache_root: str, tok: Tokenizer, corpus: Corpus) -> str:
-    tok_name = os.path.basename(os.path.dirname(tok.model_path))
-    key = settings_key({"format": _FORMAT_VERSION, "tokenizer": tok_name,
-                        "corpus": corpus.fingerprint()})
+    key = settings_key({"format": _FORMAT_VERSION, "tokenizer": tok.fingerprint, "corpus": corpus.fingerprint()})
     return os.path.join(cache_root, "tokens", key)
 
 
-def _build(tok: Tokenizer, corpus: Corpus, out_dir: str) -> None:
-    dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
-    index: Dict[str, object] = {"format": _FORMAT_VERSION, "dtype": np.dtype(dtype).name,
-                                "tokenizer": tok.model_path, "root": corpus.root}
-    t0 = time.perf_counter()
-    for split in SPLITS:
-        files = corpus.split(split)
-        pieces: List[np.ndarray] = []
-        lengths: List[int] = []
-        for i in range(0, len(files), _ENCODE_CHUNK):
-            chunk = files[i:i + _ENCODE_CHUNK]
-            for ids in tok.encode_batch([corpus.read(f) for f in chunk]):
-                pieces.append(np.asarray(ids, dtype=dtype))
-                lengths.append(len(ids))
-        tokens = np.concatenate(pieces) if pieces else np.zeros([0], dtype)
-        offsets = np.zeros([len(lengths) + 1], np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        np.save(os.path.join(out_dir, f"{split}.tokens.npy"), tokens)
-        np.save(os.path.join(out_dir, f"{split}.offsets.npy"), offsets)
-        index[split] = {"files": [f.relpath for f in files], "num_tokens": int(offsets[-1]),
-                        "num_bytes": int(sum(f.size for f in files))}
-    index["tokenize_seconds"] = round(time.perf_counter() - t0, 3)
-    with open(os.path.join(out_dir, "index.json"), "w") as fh:
-        json.dump(index, fh, indent=1)
-
-
-def load_or_build_token_cache(
-    cache_root: str, tok: Tokenizer, corpus: Corpus
-) -> Tuple[Dict[str, TokenizedSplit], str]:
+def load_or_build_token_cache(cache_root: str, tok: Tokenizer, corpus: Corpus,
+                              log: Optional[Callable[[str], None]] = None
+                              ) -> Tuple[Dict[str, TokenizedSplit], str]:
     """Returns ({split: TokenizedSplit}, cache directory)."""
     d = token_cache_dir(cache_root, tok, corpus)
-    build_dir_atomically(d, "index.json", lambda tmp: _build(tok, corpus, tmp))
-    with open(os.path.join(d, "index.json")) as fh:
-        index = json.load(fh)
-    out = {}
-    for split in SPLITS:
-        out[split] = TokenizedSplit(
-            tokens=np.load(os.path.join(d, f"{split}.tokens.npy"), mmap_mode="r"),
-            offsets=np.load(os.path.join(d, f"{split}.offsets.npy")),
-            relpaths=tuple(index[split]["files"]),
-        )
-    return out, d
+    build_dir_atomically(d, INDEX, lambda tmp: write_tokens(tok, corpus, tmp, log=log))
+    return load_tokens(d)[0], d

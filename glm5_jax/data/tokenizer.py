@@ -46,7 +46,8 @@ from glm5_jax.data.specials import EOS_TOKEN, GLM_SPECIAL_TOKENS
 from glm5_jax.data.tokenizer_base import Tokenizer
 
 __all__ = ["EOS_PIECE", "GLM_SPECIAL_TOKENS", "HFTokenizer", "PAD_PIECE", "SentencePieceTokenizer",
-           "Tokenizer", "UNK_PIECE", "load_or_train_tokenizer", "load_tokenizer", "train_hf_tokenizer"]
+           "Tokenizer", "UNK_PIECE", "load_or_train_hf_tokenizer", "load_or_train_tokenizer", "load_tokenizer",
+           "resolve_tokenizer", "train_hf_tokenizer"]
 
 PAD_PIECE = "<pad>"
 UNK_PIECE = "<unk>"
@@ -164,12 +165,11 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def _training_sentences(corpus: Corpus, max_bytes: int) -> Iterator[str]:
-    """Chunks of whole lines (<= _SENTENCE_CHARS chars) from train files, up to max_bytes."""
+    """Chunks of whole lines (<= _SENTENCE_CHARS chars) of train documents, up to max_bytes."""
     used = 0
-    for f in corpus.train:
+    for text in corpus.texts("train"):
         if used >= max_bytes:
             return
-        text = corpus.read(f)
         used += len(text.encode("utf-8"))
         buf: List[str] = []
         n = 0
@@ -196,7 +196,7 @@ def tokenizer_settings(cfg: DataConfig, corpus: Corpus) -> dict:
         "vocab_size": cfg.vocab_size,
         "train_bytes": cfg.tokenizer_train_bytes,
         "trainer": TRAINER_OPTIONS,
-        "train_split": corpus.fingerprint("train"),
+        "corpus": corpus.fingerprint(),
     }
 
 
@@ -233,7 +233,42 @@ def _train_spm(cfg: DataConfig, corpus: Corpus, out_dir: str) -> None:
 
 
 def load_or_train_tokenizer(cfg: DataConfig, corpus: Corpus) -> SentencePieceTokenizer:
-    """Load the cached tokenizer for (cfg, corpus) or train and cache it."""
+    """Load the cached sentencepiece tokenizer for (cfg, corpus) or train and cache it."""
     d = tokenizer_dir(cfg, corpus)
     build_dir_atomically(d, "meta.json", lambda tmp: _train_spm(cfg, corpus, tmp))
     return SentencePieceTokenizer(os.path.join(d, "spm.model"))
+
+
+def _train_hf(cfg: DataConfig, corpus: Corpus, out_dir: str) -> None:
+    t0 = time.perf_counter()
+    sentences = list(_training_sentences(corpus, cfg.tokenizer_train_bytes))
+    train_hf_tokenizer(sentences, cfg.vocab_size, os.path.join(out_dir, "tokenizer.json"))
+    meta = dict(tokenizer_settings(cfg, corpus), kind="hf", tokenizers=_tokenizers_version(),
+                train_seconds=round(time.perf_counter() - t0, 3), train_sentences=len(sentences))
+    with open(os.path.join(out_dir, "meta.json"), "w") as fh:
+        json.dump(meta, fh, indent=1, sort_keys=True)
+
+
+def _tokenizers_version() -> str:
+    import tokenizers
+    return tokenizers.__version__
+
+
+def load_or_train_hf_tokenizer(cfg: DataConfig, corpus: Corpus) -> HFTokenizer:
+    """Load the cached byte-level BPE tokenizer.json for (cfg, corpus) or train and cache it."""
+    settings = dict(tokenizer_settings(cfg, corpus), kind="hf", tokenizers=_tokenizers_version())
+    settings.pop("trainer"), settings.pop("sentencepiece")
+    d = os.path.join(cfg.resolved_cache_dir(), "tokenizer", f"hf-v{cfg.vocab_size}-{settings_key(settings)}")
+    build_dir_atomically(d, "meta.json", lambda tmp: _train_hf(cfg, corpus, tmp))
+    return HFTokenizer(os.path.join(d, "tokenizer.json"))
+
+
+def resolve_tokenizer(cfg: DataConfig, corpus: Corpus) -> Tokenizer:
+    """`DataConfig.tokenizer`: None / "spm" -> sentencepiece trained here, "hf" -> tokenizer.json trained
+    here (both on the corpus's train split, cached), else load_tokenizer(path)."""
+    kind = cfg.tokenizer_kind
+    if kind == "spm":
+        return load_or_train_tokenizer(cfg, corpus)
+    if kind == "hf":
+        return load_or_train_hf_tokenizer(cfg, corpus)
+    return load_tokenizer(cfg.tokenizer)
