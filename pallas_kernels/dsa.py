@@ -507,7 +507,27 @@ def _bwd_gpu(q2, k2, v2, idx2, do2, lse2, delta2, scale, kc):
     return dq[:, :, :h, :dq_dim], p[:, :, :h, :kk], ds[:, :, :h, :kk]
 
 
-def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret):
+def _bwd_chunk_rows(bq_kernel, h, kk, dq, dv, tp, rows=None):
+    """Queries per backward chunk: a multiple of the kernel's query block, sized so that one
+    chunk's float32 P and dS ([rows, H, K] each) and dK/dV row contributions ([rows, K, Dq + Dv])
+    stay under ~256 MiB (GLM-5 shapes: 24 queries). `rows` overrides (tests use tiny chunks)."""
+    if rows is None:
+        per_query = 4 * (2 * h * kk + kk * (dq + dv))
+        rows = max(1, (256 << 20) // per_query)
+    rows = max(bq_kernel, (int(rows) // bq_kernel) * bq_kernel)
+    return min(rows, _round_up(tp, bq_kernel))
+
+
+def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret, bwd_rows=None):
+    """dq from the Pallas kernel, dk / dv by an XLA scatter-add, chunk by chunk over queries.
+
+    The kernel returns, besides dq, the chunk's P and scale*dS [B, rows, H, K]; the dK rows
+    (dS^T Q) and dV rows (P^T dO) are summed over heads and scatter-added into float32 dK/dV
+    carried through a fori_loop. Only one chunk's P / dS exist at a time: the backward holds no
+    [T, H, K] array (docs/kernels.md: compiled temp memory at GLM-5 shapes). Why not a dK/dV kernel:
+    a key row's gradient sums over the queries that selected it, i.e. the transposed (key ->
+    queries) index lists, and Pallas TPU has no atomic add to scatter into HBM from parallel
+    grid steps; the per-chunk scatter keeps the same O(chunk) memory without that sort."""
     b, t, h, _ = q.shape
     s, hk = k.shape[1], k.shape[2]
     indices = indices.astype(jnp.int32)
@@ -516,58 +536,64 @@ def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret):
     do2 = _fold_heads(do, k, v, indices)[0]
     fold = lambda x: _fold_heads(x[..., None], k, v, indices)[0][..., 0]  # noqa: E731
     lse2, delta2 = fold(lse), fold(delta)
-    args = (q2, k2, v2, idx2, do2, lse2, delta2)
-    if interpret:
-        dq2, p2, ds2 = _bwd_tpu(*args, scale, bq, kc, True)
-    else:
+    bp, _, h2, dqd = q2.shape
+    kk, dvd = idx2.shape[-1], v2.shape[-1]
+    bq_k = _tpu_blocks(h2, kk, bq, kc, interpret)[0]
+    rows = _bwd_chunk_rows(bq_k, h2, kk, dqd, dvd, t, bwd_rows)
+    tp = _round_up(t, rows)
+    padt = lambda x, val=0: _pad_to(x, (bp, tp) + x.shape[2:], val)  # noqa: E731
+    q2, do2, delta2, lse2 = padt(q2), padt(do2), padt(delta2), padt(lse2, NEG_INF)
+    idx2 = padt(idx2, -1)
+
+    def kernel(qc, ic, doc, lc, dc):
+        args = (qc, k2, v2, ic, doc, lc, dc)
+        if interpret:
+            return _bwd_tpu(*args, scale, bq, kc, True)
         tpu_fn = lambda *a: _bwd_tpu(*a, scale, bq, kc, False)  # noqa: E731
         gpu_fn = lambda *a: _bwd_gpu(*a, scale, kc)  # noqa: E731
-        dq2, p2, ds2 = jax.lax.platform_dependent(*args, tpu=tpu_fn, cuda=gpu_fn, rocm=gpu_fn,
-                                                  default=tpu_fn)
-    dq = _unfold_heads(dq2, b, h, hk)
-    p, ds = _unfold_heads(p2, b, h, hk), _unfold_heads(ds2, b, h, hk)  # [B, T, H, K]
+        return jax.lax.platform_dependent(*args, tpu=tpu_fn, cuda=gpu_fn, rocm=gpu_fn,
+                                          default=tpu_fn)
 
-    # dk / dv: atomic-free scatter-add of per-query contributions, chunk by chunk over queries
-    tc = max(1, min(bq, t))
-    tp = _round_up(t, tc)
-    padt = lambda x: _pad_to(x, (b, tp) + x.shape[2:])  # noqa: E731
-    safe_idx = padt(jnp.where(indices >= 0, indices, s))  # out of range -> dropped
-    p, ds, qp, dop = padt(p), padt(ds), padt(q), padt(do)
+    bidx = jnp.arange(bp)[:, None, None]
 
     def chunk(c, carry):
-        dk, dvv = carry
-        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, c * tc, tc, axis=1)  # noqa: E731
-        ii, pc, dsc = sl(safe_idx), sl(p), sl(ds)
-        qc, doc = sl(qp).astype(_F32), sl(dop).astype(_F32)
-        if hk == 1:
-            cv = jnp.einsum("bthk,bthd->btkd", pc, doc)[:, :, :, None]
-            ck = jnp.einsum("bthk,bthd->btkd", dsc, qc)[:, :, :, None]
-        else:
-            cv = jnp.einsum("bthk,bthd->btkhd", pc, doc)
-            ck = jnp.einsum("bthk,bthd->btkhd", dsc, qc)
-        bidx = jnp.arange(b)[:, None, None]
-        dvv = dvv.at[bidx, ii].add(cv, mode="drop")
-        dk = dk.at[bidx, ii].add(ck, mode="drop")
-        return dk, dvv
+        dq_all, dk, dvv = carry
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, c * rows, rows, axis=1)  # noqa: E731
+        qc, ic, doc = sl(q2), sl(idx2), sl(do2)
+        dqc, pc, dsc = kernel(qc, ic, doc, sl(lse2), sl(delta2))  # P, dS [B', rows, H', K] f32
+        cv = jnp.einsum("bthk,bthd->btkd", pc, doc.astype(_F32))
+        ck = jnp.einsum("bthk,bthd->btkd", dsc, qc.astype(_F32))
+        safe = jnp.where(ic >= 0, ic, s)  # out of range -> dropped
+        dvv = dvv.at[bidx, safe].add(cv, mode="drop")
+        dk = dk.at[bidx, safe].add(ck, mode="drop")
+        dq_all = jax.lax.dynamic_update_slice_in_dim(dq_all, dqc.astype(q.dtype), c * rows, axis=1)
+        return dq_all, dk, dvv
 
-    dk, dvv = jax.lax.fori_loop(
-        0, tp // tc, chunk, (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)))
+    init = (jnp.zeros(q2.shape, q.dtype), jnp.zeros(k2.shape, _F32), jnp.zeros(v2.shape, _F32))
+    dq2, dk2, dv2 = jax.lax.fori_loop(0, tp // rows, chunk, init)
+    dq = _unfold_heads(dq2[:, :t], b, h, hk)
+    if hk == 1:
+        dk, dvv = dk2[:, :, None], dv2[:, :, None]
+    else:  # [B*H, S, D] -> [B, S, H, D]
+        dk = jnp.swapaxes(dk2.reshape(b, h, s, -1), 1, 2)
+        dvv = jnp.swapaxes(dv2.reshape(b, h, s, -1), 1, 2)
     return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _sparse_attention(q, k, v, indices, scale, bq, kc, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _sparse_attention(q, k, v, indices, scale, bq, kc, interpret, bwd_rows):
     return _attn_fwd(q, k, v, indices, scale, bq, kc, interpret)[0]
 
 
-def _sa_fwd(q, k, v, indices, scale, bq, kc, interpret):
+def _sa_fwd(q, k, v, indices, scale, bq, kc, interpret, bwd_rows):
     o, lse = _attn_fwd(q, k, v, indices, scale, bq, kc, interpret)
     return o, (q, k, v, indices, o, lse)
 
 
-def _sa_bwd(scale, bq, kc, interpret, res, do):
+def _sa_bwd(scale, bq, kc, interpret, bwd_rows, res, do):
     q, k, v, indices, o, lse = res
-    dq, dk, dv = _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret)
+    dq, dk, dv = _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret,
+                                  bwd_rows)
     return dq, dk, dv, None
 
 
@@ -575,13 +601,14 @@ _sparse_attention.defvjp(_sa_fwd, _sa_bwd)
 
 
 def sparse_attention(q, k, v, indices, *, scale: float, interpret=None, block_q: int = 64,
-                     block_k: int = 128):
+                     block_k: int = 128, bwd_rows: int | None = None):
     """Attention of each query over its selected keys (Pallas; differentiable in q, k, v).
 
     q [B, T, H, Dq], k [B, S, Hk, Dq], v [B, S, Hk, Dv], Hk in {1, H}, indices int32 [B, T, K]
     (-1 = none) -> [B, T, H, Dv] in q's dtype. block_q queries per grid step, block_k selected
     keys per online-softmax chunk (interpret mode uses them as given; the TPU and GPU lowerings
-    adjust them to their block-shape rules, see `_tpu_blocks` / `_gpu_dims`).
+    adjust them to their block-shape rules, see `_tpu_blocks` / `_gpu_dims`). `bwd_rows`: queries
+    per backward chunk (default: sized by `_bwd_chunk_rows`).
     Without interpret the kernel is chosen per platform (`lax.platform_dependent`): TPU ->
     Mosaic DMA-gather kernels (`sparse_attn_tpu`), CUDA/ROCm -> Pallas Triton
     (`sparse_attn_triton`).
@@ -589,8 +616,11 @@ def sparse_attention(q, k, v, indices, *, scale: float, interpret=None, block_q:
     h, hk = q.shape[2], k.shape[2]
     if hk not in (1, h):
         raise ValueError(f"k has {hk} heads; sparse_attention allows 1 or H={h}")
+    if indices.shape[:2] != q.shape[:2]:
+        raise ValueError(f"indices {indices.shape} must be [B, T, K] with [B, T] = {q.shape[:2]}")
     return _sparse_attention(q, k, v, indices.astype(jnp.int32), float(scale), int(block_q),
-                             int(block_k), _interpret(interpret))
+                             int(block_k), _interpret(interpret),
+                             None if bwd_rows is None else int(bwd_rows))
 
 
 def sparse_attention_with_lse(q, k, v, indices, *, scale: float, interpret=None,

@@ -37,7 +37,7 @@ def _gather(idx_smem, hbm, buf, sem, b, bq, kc):
     def row(t, carry):
         def slot(j, carry):
             s = jnp.maximum(idx_smem[0, t, 0, j], 0)  # -1 -> row 0 (masked later)
-            pltpu.make_async_copy(hbm.at[b, pl.ds(s, 1)], buf.at[t, pl.ds(j, 1)], sem).start()
+            pltpu.make_async_copy(hbm.at[b, s], buf.at[t, j], sem).start()
             return carry
         return jax.lax.fori_loop(0, kc, slot, carry)
 
@@ -48,7 +48,7 @@ def _wait(hbm, buf, sem, n):
     """Wait for n row copies issued by `_gather` on `sem` (each wait consumes one row)."""
 
     def body(_, carry):
-        pltpu.make_async_copy(hbm.at[0, pl.ds(0, 1)], buf.at[0, pl.ds(0, 1)], sem).wait()
+        pltpu.make_async_copy(hbm.at[0, 0], buf.at[0, 0], sem).wait()
         return carry
 
     jax.lax.fori_loop(0, n, body, 0)
@@ -71,7 +71,7 @@ def _fwd_kernel(idx_smem, idx_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref,
 
     q = q_ref[0]  # [bq, H, D]
     valid = idx_ref[0] >= 0  # [bq, 1, kc]
-    s = jnp.einsum("qhd,qkd->qhk", q, kbuf[...], preferred_element_type=_F32) * scale
+    s = jnp.einsum("qhd,qkd->qhk", q, kbuf[:, :, 0, :], preferred_element_type=_F32) * scale
     s = jnp.where(valid, s, NEG_INF)
     m = m_sc[...]  # [bq, H, 1]
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
@@ -82,7 +82,7 @@ def _fwd_kernel(idx_smem, idx_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref,
     m_sc[...] = m_new
 
     _wait(v_hbm, vbuf, sems.at[1], bq * kc)
-    vg = vbuf[...]
+    vg = vbuf[:, :, 0, :]
     acc_sc[...] = alpha * acc_sc[...] + jnp.einsum(
         "qhk,qkd->qhd", p.astype(vg.dtype), vg, preferred_element_type=_F32)
 
@@ -125,15 +125,15 @@ def attn_fwd(q, k, v, idx, *, scale, bq, kc, interpret):
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[pl.BlockSpec((1, bq, h, dv), lambda bi, i, c: (bi, i, 0, 0)),
                    pl.BlockSpec((1, bq, h, 1), lambda bi, i, c: (bi, i, 0, 0))],
-        scratch_shapes=[pltpu.VMEM((bq, kc, dq), k.dtype),
-                        pltpu.VMEM((bq, kc, dv), v.dtype),
+        scratch_shapes=[pltpu.VMEM((bq, kc, 1, dq), k.dtype),
+                        pltpu.VMEM((bq, kc, 1, dv), v.dtype),
                         pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((bq, h, 1), _F32),
                         pltpu.VMEM((bq, h, 1), _F32),
                         pltpu.VMEM((bq, h, dv), _F32)],
         compiler_params=_params(),
         interpret=interpret,
-    )(idx4, idx4, q, k, v)
+    )(idx4, idx4, q, k[:, :, None], v[:, :, None])
 
 
 def _bwd_kernel(idx_smem, idx_ref, q_ref, k_hbm, v_hbm, do_ref, lse_ref, delta_ref,
@@ -157,9 +157,9 @@ def _bwd_kernel(idx_smem, idx_ref, q_ref, k_hbm, v_hbm, do_ref, lse_ref, delta_r
     lse_safe = jnp.where(row_ok, lse, 0.0)
 
     _wait(v_hbm, vbuf, sems.at[1], bq * kc)
-    dp = jnp.einsum("qhd,qkd->qhk", do, vbuf[...].astype(_F32), preferred_element_type=_F32)
+    dp = jnp.einsum("qhd,qkd->qhk", do, vbuf[:, :, 0, :].astype(_F32), preferred_element_type=_F32)
     _wait(k_hbm, kbuf, sems.at[0], bq * kc)
-    kg = kbuf[...]
+    kg = kbuf[:, :, 0, :]
     s = jnp.einsum("qhd,qkd->qhk", q, kg, preferred_element_type=_F32) * scale
     ok = valid & row_ok
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_safe), 0.0)
@@ -198,10 +198,10 @@ def attn_bwd_dq(q, k, v, idx, do, lse, delta, *, scale, bq, kc, interpret):
         out_specs=[pl.BlockSpec((1, bq, h, dq), row4),
                    pl.BlockSpec((1, bq, h, kc), lambda bi, i, c: (bi, i, 0, c)),
                    pl.BlockSpec((1, bq, h, kc), lambda bi, i, c: (bi, i, 0, c))],
-        scratch_shapes=[pltpu.VMEM((bq, kc, dq), k.dtype),
-                        pltpu.VMEM((bq, kc, dv), v.dtype),
+        scratch_shapes=[pltpu.VMEM((bq, kc, 1, dq), k.dtype),
+                        pltpu.VMEM((bq, kc, 1, dv), v.dtype),
                         pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((bq, h, dq), _F32)],
         compiler_params=_params(),
         interpret=interpret,
-    )(idx4, idx4, q, k, v, do, lse, delta)
+    )(idx4, idx4, q, k[:, :, None], v[:, :, None], do, lse, delta)

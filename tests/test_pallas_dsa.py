@@ -169,6 +169,7 @@ def _attn_inputs(seed, b, t, s, h, hk, d, dv, kk, empty_rows=True):
 ATTN_CASES = [
     (0, 2, 19, 23, 4, 1, 8, 8, 10, 8, 4),   # MQA, T and K not multiples of the blocks
     (1, 1, 16, 20, 2, 2, 8, 4, 7, 8, 8),    # Hk == H, Dv != Dq
+    (3, 1, 21, 21, 3, 1, 12, 8, 6, 4, 4),   # MLA's MQA form: one key row, Dv != Dq (latent + rope)
 ]
 
 
@@ -188,7 +189,7 @@ def test_sparse_attention_fwd_bwd(case):
         return lambda q_, k_, v_: jnp.sum(fn(q_, k_, v_) * cot)
 
     g = jax.grad(loss(lambda a, b_, c: dsa.sparse_attention(
-        a, b_, c, idx, scale=scale, block_q=bq, block_k=bkc)), (0, 1, 2))(q, k, v)
+        a, b_, c, idx, scale=scale, block_q=bq, block_k=bkc, bwd_rows=bq)), (0, 1, 2))(q, k, v)
     g_ref = jax.grad(loss(lambda a, b_, c: ref.sparse_attention(a, b_, c, idx, scale=scale)),
                      (0, 1, 2))(q, k, v)
     for name, x, y in zip("qkv", g, g_ref):
@@ -205,3 +206,29 @@ def test_sparse_attention_all_empty():
                                                                 block_q=8, block_k=4)),
                  (0, 1, 2))(q, k, v)
     assert all(np.all(np.asarray(x) == 0) for x in g)
+
+
+def _all_shapes(jaxpr):
+    """Shapes of every value produced anywhere in a (closed) jaxpr, nested jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out += [tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _all_shapes(inner)
+    return out
+
+
+def test_sparse_attention_backward_holds_no_thk_array():
+    """The backward works in query chunks: no value of the gradient program spans all T queries
+    with the H x K probability layout (P / dS exist one chunk at a time)."""
+    b, t, h, d, dv, kk = 1, 32, 4, 8, 6, 5
+    q, k, v, idx = _attn_inputs(4, b, t, t, h, 1, d, dv, kk)
+    f = lambda a, b_, c: jnp.sum(dsa.sparse_attention(a, b_, c, idx, scale=0.3, block_q=8,  # noqa: E731
+                                                      block_k=8, bwd_rows=8))
+    shapes = _all_shapes(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(q, k, v).jaxpr)
+    assert any(s[-2:] == (h, kk) for s in shapes)  # the chunk's P / dS exist ...
+    assert not [s for s in shapes if len(s) >= 3 and s[-2:] == (h, kk) and t in s[:-2]], \
+        "a [T, H, K] array in the backward"

@@ -1,0 +1,114 @@
+"""Compile the DSA kernels with the real TPU compiler (libtpu, no TPU needed) and report memory.
+
+    python -m tools.compile_kernels [--seq=32768] [--heads=64] [--topk=2048] [--dtype=bfloat16]
+                                    [--which=sparse,sparse_grad,indexer] [--topology=v5p:1x1x1] [--json]
+
+Defaults are GLM-5's shapes: sparse attention in MLA's MQA form, q [1, T, 64, 576] (512 latent +
+64 rope), one shared key row k [1, T, 1, 576], values v [1, T, 1, 512], indices [1, T, 2048];
+the lightning indexer q [1, T, 32, 128], k [1, T, 128], weights [1, T, 32], top-2048.
+Each function is called as the model calls it (`dsa.sparse_attention(..., interpret=False)`,
+`dsa.indexer_topk(..., interpret=False)`), lowered for one chip of `--topology` and compiled;
+`compiled.memory_analysis()` gives argument / output / temp bytes. Progress goes to stderr; with
+--json the last stdout line is {"results": [{"name", "compile_seconds", "argument_bytes",
+"output_bytes", "temp_bytes"}]}. Needs libtpu (the '.[tpu]' extra); a second process that loads
+libtpu needs ALLOW_MULTIPLE_LIBTPU_LOAD=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _one_chip(topology: str):
+    import jax
+    from tools.aot import topology_devices
+    dev = topology_devices(topology)[0]
+    return jax.sharding.Mesh(np.array([dev]), ("x",))
+
+
+def cases(seq: int, heads: int, topk: int, dtype: str, idx_heads: int = 32, idx_dim: int = 128,
+          latent: int = 512, rope: int = 64):
+    """name -> (function, argument shapes/dtypes) at the given shapes."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import dsa
+
+    dt = jnp.dtype(dtype)
+    dq = latent + rope
+    scale = float(dq) ** -0.5  # GLM-5 scales by the per-head qk dim; any constant compiles the same
+    sd = jax.ShapeDtypeStruct
+    q, k, v = sd((1, seq, heads, dq), dt), sd((1, seq, 1, dq), dt), sd((1, seq, 1, latent), dt)
+    idx = sd((1, seq, topk), jnp.int32)
+
+    def sparse(q, k, v, idx):
+        return dsa.sparse_attention(q, k, v, idx, scale=scale, interpret=False)
+
+    def sparse_grad(q, k, v, idx, do):
+        out, vjp = jax.vjp(lambda a, b, c: sparse(a, b, c, idx), q, k, v)
+        return vjp(do)
+
+    def indexer(qi, ki, wi):
+        return dsa.indexer_topk(qi, ki, wi, topk, interpret=False)
+
+    iq, ik, iw = sd((1, seq, idx_heads, idx_dim), dt), sd((1, seq, idx_dim), dt), sd((1, seq, idx_heads), dt)
+    return {
+        "sparse": (sparse, (q, k, v, idx)),
+        "sparse_grad": (sparse_grad, (q, k, v, idx, sd((1, seq, heads, latent), dt))),
+        "indexer": (indexer, (iq, ik, iw)),
+    }
+
+
+def compile_one(fn, args, mesh):
+    """-> dict of compile seconds and memory_analysis bytes for one chip."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    rep = NamedSharding(mesh, P())
+    shaped = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in args]
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*shaped).compile()
+    secs = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    return {"compile_seconds": round(secs, 2),
+            "argument_bytes": int(ma.argument_size_in_bytes),
+            "output_bytes": int(ma.output_size_in_bytes),
+            "temp_bytes": int(ma.temp_size_in_bytes)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--which", default="sparse,sparse_grad,indexer")
+    ap.add_argument("--topology", default="v5p:1x1x1")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    table = cases(a.seq, a.heads, a.topk, a.dtype)
+    names = [n for n in a.which.split(",") if n]
+    bad = [n for n in names if n not in table]
+    if bad:
+        ap.error(f"--which: unknown {bad}; allowed: {', '.join(table)}")
+    print(f"compiling with the TPU compiler for one chip of {a.topology}", file=sys.stderr)
+    mesh = _one_chip(a.topology)
+    results = []
+    for n in names:
+        fn, args = table[n]
+        r = {"name": n, "seq_len": a.seq, "dtype": a.dtype, **compile_one(fn, args, mesh)}
+        r["input_bytes"] = int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in args))
+        print(f"{n:12s} compile {r['compile_seconds']:7.1f} s  args {r['argument_bytes'] / 2**20:9.1f} MiB  "
+              f"out {r['output_bytes'] / 2**20:9.1f} MiB  temp {r['temp_bytes'] / 2**20:9.1f} MiB",
+              file=sys.stderr)
+        results.append(r)
+    if a.json:
+        print(json.dumps({"results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
