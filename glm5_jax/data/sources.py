@@ -30,6 +30,8 @@ import json
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from glm5_jax.config import ConfigError
+
 DOC_CHUNK_BYTES = 1 << 20
 _FORMATS = (
     (".jsonl.gz", "jsonl"), (".ndjson.gz", "jsonl"), (".jsonl", "jsonl"), (".ndjson", "jsonl"),
@@ -40,8 +42,10 @@ EXTENSIONS = tuple(e for e, _ in _FORMATS)
 _GLOB_CHARS = set("*?[")
 
 
-class DataError(ValueError):
-    """A data file that cannot be read as documents (the message names the file and what is wrong)."""
+class DataError(ConfigError):
+    """A data file that cannot be read as documents (the message names the file and what is wrong). A
+    ConfigError (a ValueError): the data settings point at bad data, and experiments.run reports it as
+    one line with exit status 2, like any other bad setting."""
 
 
 @dataclasses.dataclass(frozen=True)

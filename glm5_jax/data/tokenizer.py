@@ -42,6 +42,7 @@ from glm5_jax.data._cache import build_dir_atomically, settings_key
 from glm5_jax.data.config import DataConfig
 from glm5_jax.data.corpus import Corpus
 from glm5_jax.data.hf_tokenizer import HFTokenizer, train_hf_tokenizer
+from glm5_jax.data.sources import DataError
 from glm5_jax.data.specials import EOS_TOKEN, GLM_SPECIAL_TOKENS
 from glm5_jax.data.tokenizer_base import Tokenizer
 
@@ -271,4 +272,7 @@ def resolve_tokenizer(cfg: DataConfig, corpus: Corpus) -> Tokenizer:
         return load_or_train_tokenizer(cfg, corpus)
     if kind == "hf":
         return load_or_train_hf_tokenizer(cfg, corpus)
-    return load_tokenizer(cfg.tokenizer)
+    try:
+        return load_tokenizer(cfg.tokenizer)
+    except (OSError, ValueError) as e:   # one error naming the setting (experiments.run prints it, exit 2)
+        raise DataError(f"DataConfig.tokenizer={cfg.tokenizer!r}: {e}") from None
