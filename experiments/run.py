@@ -19,6 +19,10 @@ override train.profile_steps.
 experiment's own knobs); the value is parsed by the field's type (none for Optional, comma lists or
 JSON for tuples). A bad key, value or combination exits with status 2 before anything compiles.
 `--mesh` builds a device mesh (glm5_jax.parallel.distributed.build_mesh) that every training call uses.
+`--init_from=PATH` starts the experiment from the weights at PATH: a Hugging Face folder (config.json +
+safetensors, e.g. GLM-5, bf16 or FP8) or a params checkpoint (tools.convert_hf). Every fresh train state
+the experiment creates (glm5_jax.train.state.init_from) is read from it onto the mesh, shard by shard;
+the experiment's model must be the checkpoint's (else exit 2 naming the `--set model.*` to add).
 
 Every run writes settings.json (the full resolved config), metrics.jsonl (per phase), report.json
 (with the resolved config under "config"), report.md and PNG plots into its workdir (default
@@ -43,6 +47,12 @@ FLAGS = flags.FLAGS
 USAGE_ERRORS = (registry.ExperimentError, OverrideError, ConfigError)
 
 
+def _init_from_errors():
+    from glm5_jax.hf import CheckpointError
+    from glm5_jax.train.checkpoint import InitFromError
+    return InitFromError, CheckpointError
+
+
 def define_flags() -> None:
     """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
     flags.DEFINE_string("config", None, "Experiment name (see --list).")
@@ -56,6 +66,8 @@ def define_flags() -> None:
     flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-process; or $GLM5_COORDINATOR_ADDRESS).")
     flags.DEFINE_integer("num_processes", None, "Processes in the run (or $GLM5_NUM_PROCESSES; 1 = no jax.distributed).")
     flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes) (or $GLM5_PROCESS_ID).")
+    flags.DEFINE_string("init_from", None, "Start from these weights: a Hugging Face folder (config.json + "
+                        "safetensors) or a tools.convert_hf params checkpoint.")
     flags.DEFINE_bool("list", False, "List the registered experiments and exit.")
     flags.DEFINE_bool("show", False, "Print the resolved config (every settable key) and exit.")
 
@@ -100,11 +112,27 @@ def make_mesh(spec: str | None, cfg):
     return build_mesh(spec, model_cfg=model, batch_size=getattr(train, "batch_size", None))
 
 
-def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), steps=None, mesh=None) -> dict:
+def check_init_from(path: str, cfg) -> None:
+    """Fail before anything compiles when `path` is not a checkpoint or (for a config with a `model`)
+    holds another model (glm5_jax.train.checkpoint.InitFromError)."""
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.train.checkpoint import check_compatible, checkpoint_config
+    ckpt_cfg = checkpoint_config(path)
+    model = getattr(cfg, "model", None)
+    if isinstance(model, ModelConfig):
+        check_compatible(model, ckpt_cfg, path)
+
+
+def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), steps=None, mesh=None,
+                   init_from: str | None = None) -> dict:
     """Resolve (and validate) the config, write settings.json, run, and add the config to report.json.
-    `mesh`: None, a spec string ("data:2,fsdp:2,expert:2") or a jax Mesh."""
+    `mesh`: None, a spec string ("data:2,fsdp:2,expert:2") or a jax Mesh. `init_from`: a checkpoint
+    every fresh train state of the run starts from (glm5_jax.train.state.init_from)."""
+    from glm5_jax.train.state import init_from as init_from_ctx
     exp = registry.get(name)
     cfg = registry.resolve_config(exp, scale, overrides, steps)
+    if init_from:
+        check_init_from(init_from, cfg)
     mesh_spec = mesh if isinstance(mesh, str) or mesh is None else dict(mesh.shape)
     if isinstance(mesh, str):
         mesh = make_mesh(mesh, cfg)
@@ -114,16 +142,27 @@ def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), s
     root.mkdir(parents=True, exist_ok=True)
     if primary:
         (root / "settings.json").write_text(json.dumps(
-            {"experiment": name, "scale": scale, "mesh": mesh_spec, "config": resolved}, indent=2))
+            {"experiment": name, "scale": scale, "mesh": mesh_spec, "init_from": init_from, "config": resolved},
+            indent=2))
     t0 = time.time()
     say = log if primary else (lambda msg: None)      # one process tells the story
     say(f"== {name} ({scale}) -> {workdir}" + (f" on mesh {mesh_spec}" if mesh is not None else ""))
-    report = exp.run(cfg, workdir, say, mesh=mesh)
+    if init_from:
+        say(f"== starting from the weights at {init_from}")
+    with init_from_ctx(init_from) as source:
+        report = exp.run(cfg, workdir, say, mesh=mesh)
+    if source is not None and not source.used:
+        say(f"warning: {name} created no fresh train state, so --init_from {init_from} was not used "
+            f"(resumed from its workdir's checkpoints, or it builds its params itself)")
     report["config"] = resolved
+    if init_from:
+        report["init_from"] = init_from
     if primary:
         path = root / "report.json"
         on_disk = json.loads(path.read_text()) if path.exists() else dict(report)
         on_disk["config"] = resolved
+        if init_from:
+            on_disk["init_from"] = init_from
         path.write_text(json.dumps(on_disk, indent=2, sort_keys=True))
     say(f"== {name} finished in {time.time() - t0:.0f} s; report: {root / 'report.md'}")
     return report
@@ -151,8 +190,8 @@ def main(argv):
                 print(f"{key} = {json.dumps(value, default=str)}")
             return
         run_experiment(FLAGS.config, FLAGS.workdir or os.path.join("runs", FLAGS.config), FLAGS.preset,
-                       overrides, FLAGS.steps, FLAGS.mesh)
-    except USAGE_ERRORS + (MeshError,) as e:
+                       overrides, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
+    except USAGE_ERRORS + (MeshError,) + _init_from_errors() as e:
         log(f"error: {e}")
         sys.exit(2)
 

@@ -2,6 +2,7 @@
 
     python -m experiments.sweep --config=NAME --sweep section.field=v1,v2,... [--workdir DIR]
                                 [--preset tiny] [--steps N] [--set section.field=value ...] [--mesh ...]
+                                [--init_from PATH]
 
 e.g. --sweep model.index_topk=32,64. The key is any dotted key `--set` accepts (values are split on
 commas, so a tuple-valued field cannot be swept). Every value is validated before the first run.
@@ -21,9 +22,9 @@ from etils import epath
 from experiments import registry
 from experiments.report import md_table
 from experiments.run import define_flags as run_flags
-from experiments.run import USAGE_ERRORS, is_primary, make_mesh, run_experiment, start_from_flags
+from experiments.run import USAGE_ERRORS, _init_from_errors, is_primary, make_mesh, run_experiment, start_from_flags
 
-FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh come from experiments.run
+FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh, --init_from come from experiments.run
 
 
 def define_flags() -> None:
@@ -43,7 +44,9 @@ def flatten_report(report: dict) -> dict[str, float]:
     return out
 
 
-def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=None, mesh=None) -> dict:
+def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=None, mesh=None,
+          init_from: str | None = None) -> dict:
+    """Every arm runs like experiments.run (init_from: each arm starts from those weights)."""
     exp = registry.get(name)
     if "=" not in sweep_spec:
         raise registry.ExperimentError(f"--sweep expects key=v1,v2,..., got {sweep_spec!r}")
@@ -53,13 +56,16 @@ def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=
     if not values:
         raise registry.ExperimentError(f"--sweep {key}= has no values")
     for v in values:                                     # validate every arm before the first compile
-        registry.resolve_config(exp, scale, [*fixed, f"{key}={v}"], steps)
+        arm = registry.resolve_config(exp, scale, [*fixed, f"{key}={v}"], steps)
+        if init_from:
+            from experiments.run import check_init_from
+            check_init_from(init_from, arm)
     if isinstance(mesh, str):
         mesh = make_mesh(mesh, registry.resolve_config(exp, scale, fixed, steps))
     results = {}
     for v in values:
         report = run_experiment(name, os.path.join(workdir, f"{key}={v}"), scale, [*fixed, f"{key}={v}"], steps,
-                                mesh)
+                                mesh, init_from)
         results[v] = flatten_report(report)
     cols = sorted({c for r in results.values() for c in r})
     table = md_table([key] + cols, [[v] + [results[v].get(c, "") for c in cols] for v in values])
@@ -81,8 +87,8 @@ def main(argv):
     from glm5_jax.sharding import MeshError
     try:
         sweep(FLAGS.config, FLAGS.sweep, FLAGS.workdir or os.path.join("runs", f"sweep_{FLAGS.config}_{key}"),
-              FLAGS.preset, FLAGS.set, FLAGS.steps, FLAGS.mesh)
-    except USAGE_ERRORS + (MeshError,) as e:
+              FLAGS.preset, FLAGS.set, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
+    except USAGE_ERRORS + (MeshError,) + _init_from_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -1,15 +1,15 @@
-"""Convert a Hugging Face GLM-5 checkpoint (config.json + safetensors) to an orbax checkpoint.
+"""Convert a Hugging Face GLM-5 checkpoint (config.json + safetensors) to an orbax params checkpoint.
 
-    python -m tools.convert_hf --hf_dir=PATH --out=DIR [--dtype=bfloat16]
+    python -m tools.convert_hf --hf_dir=PATH --out=DIR [--dtype=bfloat16] [--mesh=fsdp:8]
 
-DIR gets `params/` (an orbax StandardCheckpointer tree) and `config.json` (ModelConfig.to_hf()).
-`restore(DIR)` reads it back as (ModelConfig, params).
+The safetensors are streamed onto the mesh (default: one device) shard by shard (glm5_jax.hf.
+read_params; FP8 tensors are dequantised) and written by orbax, each device its own shards.
+DIR gets `params/` (an orbax StandardCheckpointer tree) and `config.json` (ModelConfig.to_hf(), its
+torch_dtype the params' dtype). `restore(DIR)` reads it back as (ModelConfig, params);
+`python -m tools.export_hf` writes it back to safetensors; `experiments.run --init_from=DIR` trains from it.
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 from absl import app, flags, logging
 
@@ -20,40 +20,26 @@ def define_flags() -> None:
     """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
     flags.DEFINE_string("hf_dir", None, "Folder with config.json and model.safetensors (or an index).")
     flags.DEFINE_string("out", None, "Output folder for the orbax checkpoint.")
-    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Cast parameters (default: keep).")
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter dtype (default: the checkpoint's torch_dtype).")
+    flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... to read onto (default: one device).")
 
 
-def convert(hf_dir: str, out: str, dtype: str | None = None) -> str:
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-
+def convert(hf_dir: str, out: str, dtype: str | None = None, mesh=None) -> str:
     from glm5_jax import hf
+    from glm5_jax.sharding import make_mesh, single_device_mesh
+    from glm5_jax.train.checkpoint import save_params
 
-    config, params = hf.load_checkpoint(hf_dir)
-    if dtype:
-        params = jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)) if x.ndim > 1 else x, params)
-        config = config.replace(param_dtype=dtype)
-    out = os.path.abspath(out)
-    if os.path.exists(os.path.join(out, "params")):
-        raise FileExistsError(f"{out}/params already exists; choose another --out (nothing was overwritten)")
-    os.makedirs(out, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(out, "params"), jax.tree_util.tree_map(jnp.asarray, params))
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config.to_hf(), f, indent=2)
-    return out
+    mesh = make_mesh(mesh) if isinstance(mesh, str) else (mesh or single_device_mesh())
+    config, params = hf.load_checkpoint(hf_dir, mesh=mesh, dtype=dtype)
+    return save_params(out, config, params)
 
 
-def restore(path: str):
-    import orbax.checkpoint as ocp
+def restore(path: str, mesh=None):
+    """(ModelConfig, params) of a params checkpoint, on `mesh` (default one device)."""
+    from glm5_jax.train.checkpoint import checkpoint_config, load_params
 
-    from glm5_jax.config import ModelConfig
-
-    config = ModelConfig.from_hf(os.path.join(path, "config.json"))
-    with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(os.path.join(os.path.abspath(path), "params"))
-    return config, params
+    config = checkpoint_config(path)
+    return config, load_params(path, config, mesh)
 
 
 def main(argv):
@@ -61,7 +47,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.hf_dir or not FLAGS.out:
         raise app.UsageError("--hf_dir and --out are required")
-    out = convert(FLAGS.hf_dir, FLAGS.out, FLAGS.dtype)
+    out = convert(FLAGS.hf_dir, FLAGS.out, FLAGS.dtype, FLAGS.mesh)
     print(f"wrote {out}")
 
 

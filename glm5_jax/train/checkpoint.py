@@ -9,12 +9,18 @@ layout of grain's orbax handler). `restore` reads onto the shardings of its targ
 (fsdp 2, expert 4) resumes on (fsdp 4, expert 2) or on one device with identical values: orbax reads
 exactly the slices each new device needs. The directory may be a local path or a URL etils.epath
 knows (gs://...).
+
+Starting weights (`--init_from`, glm5_jax.train.state.init_from) come from `load_params`: a Hugging
+Face folder (config.json + safetensors, streamed by glm5_jax.hf.read_params) or a params checkpoint
+(config.json + an orbax `params/` tree, as tools.convert_hf writes with `save_params`), read straight
+onto the model's parameter shardings on the mesh.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import jax
@@ -107,3 +113,93 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+# ----------------------------------------------------------------------------- starting weights
+# fields that change how the model runs, not what its weights mean: they may differ from the checkpoint's
+_RUNTIME_FIELDS = ("param_dtype", "dtype", "attention_impl", "attn_chunk", "remat", "scan_layers", "moe_impl",
+                   "moe_capacity_factor", "initializer_range", "mtp_depth")
+
+
+class InitFromError(ValueError):
+    """A starting checkpoint is not one, or holds a different model than the run's."""
+
+
+def checkpoint_kind(path) -> str:
+    """"hf" (config.json + safetensors) or "params" (config.json + orbax params/); InitFromError otherwise."""
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise InitFromError(f"{path} is not a checkpoint: it has no config.json (expected a Hugging Face folder "
+                            f"with config.json + *.safetensors, or tools.convert_hf's config.json + params/)")
+    if os.path.isdir(os.path.join(path, "params")):
+        return "params"
+    if os.path.exists(os.path.join(path, "model.safetensors")) or \
+            os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        return "hf"
+    raise InitFromError(f"{path} has config.json but neither model.safetensors / model.safetensors.index.json "
+                        f"(Hugging Face) nor params/ (orbax, tools.convert_hf)")
+
+
+def checkpoint_config(path):
+    """The ModelConfig of the checkpoint at `path` (either kind)."""
+    from glm5_jax import hf
+    from glm5_jax.config import ModelConfig
+    if checkpoint_kind(path) == "hf":
+        return hf.checkpoint_config(path)
+    raw = hf.read_hf_config(path)
+    return ModelConfig.from_hf(raw, param_dtype=hf.checkpoint_dtype(raw))
+
+
+def check_compatible(model_cfg, ckpt_cfg, path) -> None:
+    """Raise InitFromError unless the run's model is the checkpoint's (same parameters, same function;
+    _RUNTIME_FIELDS such as dtypes, remat or scan_layers may differ), naming each differing field."""
+    from glm5_jax.train.state import abstract_param_shapes
+    diff = {f.name: (getattr(model_cfg, f.name), getattr(ckpt_cfg, f.name)) for f in dataclasses.fields(model_cfg)
+            if f.name not in _RUNTIME_FIELDS and getattr(model_cfg, f.name) != getattr(ckpt_cfg, f.name)}
+    mine = jax.tree_util.tree_map(lambda a: a.shape, abstract_param_shapes(model_cfg))
+    theirs = jax.tree_util.tree_map(lambda a: a.shape, abstract_param_shapes(ckpt_cfg))
+    if diff or mine != theirs:
+        sets = " ".join(f"--set model.{k}={_cli(v[1])}" for k, v in diff.items())
+        raise InitFromError(f"the run's model differs from the checkpoint at {path}: "
+                            + (", ".join(f"{k}={v[0]!r} (checkpoint: {v[1]!r})" for k, v in diff.items())
+                               or "parameter shapes differ (mtp_depth / mtp_share?)")
+                            + (f"; run with {sets}" if sets else ""))
+
+
+def _cli(v) -> str:
+    if isinstance(v, tuple):
+        return ",".join(str(x) for x in v)
+    return "none" if v is None else str(v)
+
+
+def load_params(path, model_cfg, mesh=None):
+    """The params of `model_cfg` (its dtypes) read from the checkpoint at `path`, laid out on `mesh`'s
+    parameter shardings (default one device); each device reads only its shard. Raises InitFromError
+    when the checkpoint holds another model (check_compatible)."""
+    from glm5_jax import hf
+    from glm5_jax.sharding import param_shardings, single_device_mesh
+    path = os.fspath(path)
+    check_compatible(model_cfg, checkpoint_config(path), path)
+    mesh = single_device_mesh() if mesh is None else mesh
+    if checkpoint_kind(path) == "hf":
+        return hf.read_params(path, model_cfg, mesh)
+    from glm5_jax.train.state import abstract_param_shapes
+    target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                    abstract_param_shapes(model_cfg), param_shardings(model_cfg, mesh))
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
+
+
+def save_params(path, model_cfg, params) -> str:
+    """Write a params checkpoint: `path`/params (orbax, each process its own shards) and
+    `path`/config.json (model_cfg.to_hf()). Refuses to overwrite an existing one."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(os.path.join(path, "params")):
+        raise FileExistsError(f"{path}/params already exists; choose another folder (nothing was overwritten)")
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(path, "params"), params)
+    if jax.process_index() == 0:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(model_cfg.to_hf(), f, indent=2)
+    return path
