@@ -34,6 +34,7 @@ class ConversationResult:
     attempted_calls: int           # <tool_call> openings generated (parsed or not)
     malformed_messages: int        # messages that did not parse
     messages: list                 # the conversation as played
+    last_text: str = ""            # the last generated message, as decoded (shows how a failure looked)
 
 
 def _valid_call(call: dict, tool_args: dict) -> bool:
@@ -54,7 +55,7 @@ def run_conversations(model_cfg, params, template: ChatTemplate, conversations: 
     """
     n = len(conversations)
     msgs = [[{"role": "user", "content": c.user_turns[0]}] for c in conversations]
-    state = [dict(status=None, answers=[], turn=0, steps=0, calls=0, valid=0, attempted=0, malformed=0)
+    state = [dict(status=None, answers=[], turn=0, steps=0, calls=0, valid=0, attempted=0, malformed=0, text="")
              for _ in conversations]
     filler = [template.special["[gMASK]"]]
     round_ = 0
@@ -83,6 +84,7 @@ def run_conversations(model_cfg, params, template: ChatTemplate, conversations: 
             text = template.decode(gen)
             p = template.parse(gen)
             s["steps"] += 1
+            s["text"] = text
             s["attempted"] += text.count("<tool_call>")
             if res.finish_reasons[i] != "stop":
                 s["status"] = "truncated"
@@ -118,7 +120,7 @@ def run_conversations(model_cfg, params, template: ChatTemplate, conversations: 
         out.append(ConversationResult(
             status=s["status"], answers=s["answers"], success=s["status"] == "done" and s["answers"] == list(c.answers),
             tool_calls=s["calls"], valid_calls=s["valid"], attempted_calls=s["attempted"],
-            malformed_messages=s["malformed"], messages=msgs[i]))
+            malformed_messages=s["malformed"], messages=msgs[i], last_text=s["text"]))
     return out
 
 

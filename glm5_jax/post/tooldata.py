@@ -10,8 +10,8 @@ Kinds (``KINDS``):
   kv       "What is the value of owl?" -> kv_get(key)            -> "731" -> "731"
   kv_calc  "What is owl plus 12?"      -> kv_get(key) -> calculator("731+12") -> "743"
 A conversation gets a follow-up user turn with probability ``p_followup`` ("Now multiply it by 3."
--> calculator -> answer), and its first tool call is wrong with probability ``p_error`` (a truncated
-expression or a misspelt key; the tool answers with an error, the next message retries correctly).
+-> calculator -> answer), and its first tool call is wrong with probability ``p_error`` (a dangling
+operator or a misspelt key; the tool answers with an error, the next message retries correctly).
 
 Split: ``heldout(n, seed)`` draws n conversations with distinct first questions from a seed stream
 that training never uses; training draws (``make_conversation`` from SFTIterator's per-batch rngs)
@@ -94,15 +94,18 @@ def _tool_round(msgs: List[dict], reasoning: str, call: List[dict], store) -> st
     return result
 
 
-def _wrong(call: List[dict], rng: random.Random) -> List[dict]:
-    """An erroneous version of a call: the expression loses its last character, or the key a letter."""
+def _wrong(call: List[dict], rng: random.Random, store) -> List[dict]:
+    """An erroneous version of a call, one the tool rejects: the expression gets a dangling operator
+    (as if cut short), or the key loses a letter."""
     c = dict(call[0], arguments=dict(call[0]["arguments"]))
     if "expression" in c["arguments"]:
-        c["arguments"]["expression"] = c["arguments"]["expression"][:-1]
+        c["arguments"]["expression"] += rng.choice("+-*")
     else:
         k = c["arguments"]["key"]
         i = rng.randrange(len(k))
         c["arguments"]["key"] = k[:i] + k[i + 1:]
+        if c["arguments"]["key"] in store:
+            c["arguments"]["key"] += "x"
     return [c]
 
 
@@ -119,7 +122,7 @@ def make_conversation(rng: random.Random, kind: Optional[str] = None, p_followup
 
     def first_call(reasoning, call):
         if err:      # kept in context, masked from the loss; the retry is trained
-            bad = _wrong(call, rng)
+            bad = _wrong(call, rng, store)
             msgs.append({"role": "assistant", "reasoning": reasoning, "content": "", "tool_calls": bad,
                          "error": True})
             msgs.append({"role": "tool", "content": execute_tool(bad[0], store)})
