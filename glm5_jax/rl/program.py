@@ -191,11 +191,17 @@ def _mean_metrics(rows: list) -> dict:
 
 def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random], object], vocab, *,
              log: Callable[[str], None] = print, eval_fn: Optional[Callable[[object], dict]] = None,
-             eval_every: int = 0, metrics_path: Optional[str] = None, name: str = "grpo", mesh=None) -> dict:
+             eval_every: int = 0, metrics_path: Optional[str] = None, name: str = "grpo", mesh=None,
+             advantage_fn: Optional[Callable[[list, dict], np.ndarray]] = None,
+             stop_fn: Optional[Callable[[dict], bool]] = None) -> dict:
     """GRPO for ``rl.steps`` steps from ``params``. ``sample_task(rng) -> Task`` draws training prompts.
 
-    Returns {"params", "history": per-step rows, "evals": [{"step", ...eval_fn(params)}]}.
+    Returns {"params", "history": per-step rows, "evals": [{"step", ...eval_fn(params)}], "stopped_at"}.
     mesh: where the training state lives and the update runs (default: one device).
+    advantage_fn(row_tasks, batch) -> [B, S] per-token advantages replacing the group advantages (the
+    batch already holds old_logp; row_tasks[b] is row b's task). On-policy distillation plugs in here
+    (glm5_jax.rl.distill): the same loss, the same update, only the advantage differs.
+    stop_fn(eval row) -> True ends the run after that evaluation (e.g. "until skill A degrades").
     Seeds: step s draws its prompts from ``Random(seed, s)`` and samples with PRNG seed
     ``seed * 100_003 + s``, so arms started from the same checkpoint with the same seed see the same
     prompts at every step.
@@ -208,6 +214,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     t0 = time.time()
     B = rl.prompts_per_step * rl.group_size
     mb = B // rl.minibatches
+    stopped_at = None
     for step in range(1, rl.steps + 1):
         rng = random.Random(rl.seed * 1_000_003 + step)
         tasks = [sample_task(rng) for _ in range(rl.prompts_per_step)]
@@ -226,6 +233,12 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
         batch = build_batch(ro, adv_train, rl.max_prompt_len)
         batch["old_logp"] = np.asarray(token_logprobs(config, params, jnp.asarray(batch["inputs"]),
                                                       jnp.asarray(batch["targets"])))
+        if advantage_fn is not None:
+            row_tasks = [tasks[i // rl.group_size] for i in range(B)]
+            batch["advantages"] = np.asarray(advantage_fn(row_tasks, batch), np.float32)
+            if batch["advantages"].shape != batch["mask"].shape:
+                raise ValueError(f"advantage_fn returned shape {batch['advantages'].shape}; expected the "
+                                 f"batch's [B, S] = {batch['mask'].shape}")
         t_upd = time.time()
         perm = np.random.default_rng(rl.seed * 7919 + step).permutation(B)
         rows = []
@@ -253,6 +266,10 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             ev = f" eval_acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
             log(f"[{name}] step {step}/{rl.steps} reward {row['reward_mean']:.3f} pop {row['pop_frac']:.4f} "
                 f"clip {row['clip_frac']:.4f} mismatch_kl {row['mismatch_kl']:.2e}{ev} ({time.time() - t0:.0f} s)")
+        if stop_fn is not None and evals and evals[-1]["step"] == step and stop_fn(evals[-1]):
+            stopped_at = step
+            log(f"[{name}] stop condition met at step {step}")
+            break
     if mf:
         mf.close()
-    return {"params": state["params"], "history": history, "evals": evals}
+    return {"params": state["params"], "history": history, "evals": evals, "stopped_at": stopped_at}
