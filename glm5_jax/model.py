@@ -111,9 +111,10 @@ class MTPBlock(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, h_prev, emb, cos, sin, segment_ids=None, *, positions=None, cache=None,
+    def __call__(self, h_prev, emb, cos, sin, segment_ids=None, indexer_loss=None, *, positions=None, cache=None,
                  write_positions=None):
-        """-> (h [B, T, D], final-normed h, new cache or None)."""
+        """-> (h [B, T, D], final-normed h, new cache or None). indexer_loss as GLM5: the MTP layer's DSA
+        indexer learns from the same KL as the trunk's (sown at mtp_<k>/layer/attn/indexer_kl)."""
         c = self.cfg
         pdt, dt = dtype_of(c.param_dtype), dtype_of(c.dtype)
         e = RMSNorm(c.rms_norm_eps, pdt, name="enorm")(emb)
@@ -122,7 +123,8 @@ class MTPBlock(nn.Module):
             jnp.concatenate([e, hp], axis=-1))
         idx_type = "full" if c.attention == "dsa" else None
         h, _, cache = DecoderLayer(c, c.num_experts > 0, idx_type, name="layer")(
-            h, cos, sin, segment_ids, positions=positions, cache=cache, write_positions=write_positions)
+            h, cos, sin, segment_ids, None, indexer_loss, positions=positions, cache=cache,
+            write_positions=write_positions)
         return h, RMSNorm(c.rms_norm_eps, pdt, name="final_norm")(h), cache
 
 
@@ -158,7 +160,8 @@ class GLM5(nn.Module):
         n_mtp = (1 if c.mtp_share else c.mtp_depth) if c.mtp_depth else 0
         # the MTP blocks run outside the scanned stacks: they take the same remat policy, or their
         # attention and MoE residuals (3 depths) dominate the step's peak memory (tools.aot, glm5)
-        mtp_cls = MTPBlock if c.remat == "none" else nn.remat(MTPBlock, policy=REMAT[c.remat])
+        # argnums count `self`: 6 = indexer_loss (a Python value, not traced)
+        mtp_cls = MTPBlock if c.remat == "none" else nn.remat(MTPBlock, policy=REMAT[c.remat], static_argnums=(6,))
         self.mtp = [mtp_cls(c, name=f"mtp_{k}") for k in range(n_mtp)]
 
     def head(self, h):
@@ -173,13 +176,13 @@ class GLM5(nn.Module):
                            c.rope_scaling_dict or None)
 
     def mtp_depth(self, k: int, h_prev, next_tokens, positions, segment_ids=None, *, cache=None,
-                  write_positions=None):
+                  write_positions=None, indexer_loss=None):
         """MTP depth k (1-based): h_prev [B, T, D] (depth k-1's h; the trunk's pre-norm output at k=1),
         next_tokens [B, T] (the token k steps ahead of each position) -> (h, final-normed h, cache)."""
         cos, sin = self.rope(positions)
         block = self.mtp[0] if self.cfg.mtp_share else self.mtp[k - 1]
-        return block(h_prev, self.embed(next_tokens), cos, sin, segment_ids, positions=positions, cache=cache,
-                     write_positions=write_positions)
+        return block(h_prev, self.embed(next_tokens), cos, sin, segment_ids, indexer_loss, positions=positions,
+                     cache=cache, write_positions=write_positions)
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, indexer_loss=None, mtp: bool = False,
                  return_hidden: bool = False, monitor_logits: bool = False, cache=None, write_positions=None,
@@ -220,7 +223,8 @@ class GLM5(nn.Module):
         if mtp and c.mtp_depth:
             h, mtp_logits = x, []
             for k in range(1, c.mtp_depth + 1):
-                h, hn, _ = self.mtp_depth(k, h, shift_left(tokens, k), positions, segment_ids)
+                h, hn, _ = self.mtp_depth(k, h, shift_left(tokens, k), positions, segment_ids,
+                                          indexer_loss=indexer_loss)
                 mtp_logits.append(self.head(hn))
             out["mtp_logits"] = jnp.stack(mtp_logits)
         return out

@@ -1,25 +1,38 @@
-"""DSA benchmark (not a test): dense causal flash attention vs DSA (XLA reference path) vs DSA
-(Pallas kernels; interpret mode on CPU), forward and forward+backward, time and peak temp memory.
+"""DSA benchmark (not a test): ONE DSA attention block as the model runs it against the best dense
+attention for the same layer, forward and forward+backward, time and compiled temp memory.
 
-    python -m tools.bench_dsa [--seq 4096,8192,16384,32768] [--topk 512]
+    python -m tools.bench_dsa [--seq=4096,8192,16384,32768] [--scale=8] [--json] [--device]
 
-Widths keep GLM-5's proportion: indexer multiply-adds per (query, key) pair = Hi*Di = 1/8 of
-attention's H*(Dq+Dv). Default: the issue's example, attention H=16 heads x 128 (MQA, Hk=1, as
-DSA's absorbed MLA) and indexer Hi=4 x 128, batch 1 (`--heads 4 --head_dim 64 --idx_heads 1
---idx_dim 64` is the narrow variant, where per-pair overheads -- selection, gathers -- weigh more;
-BUILD_NOTES reports both).
+Shapes: GLM-5's attention layer (64 heads; latent 512 + rope 64; per head q/k 192 + 64, v 256;
+indexer 32 heads x 128; top-2048) with every width -- head counts and per-head / latent dims --
+divided by ONE factor `--scale` (default 8, so it fits 2 CPU cores; the top-k and T are not
+widths). Dividing all widths by one factor leaves every FLOP ratio below unchanged.
 
-"DSA fwd" = indexer top-k + sparse attention forward; "DSA fwd+bwd" = indexer top-k (no grad, as the
-indexer is trained by its own loss) + sparse attention forward and backward (grads of q, k, v).
-Memory = compiled.memory_analysis().temp_size_in_bytes of the jitted function (XLA's temp buffer
-for that program; arguments and outputs excluded). FLOP limit = dense FLOPs / DSA FLOPs with
-the causal halves counted (dense fwd T^2/2 pairs, bwd 2.5x fwd; indexer T^2/2 pairs at 1/8 width;
-sparse T*K pairs), i.e. the best possible speed-up.
+DSA block = what `glm5_jax.attention.mla.MLAttention` runs in DSA's sparse stage: the lightning
+indexer's exact top-k (`kernels.indexer_topk`, no gradient: the top-k is not differentiable, the
+indexer trains on its own KL) and `mla.dsa_attention` -- W_UK absorbed into the queries, every head
+attending the same gathered [latent | k_rope] rows (MQA, Hk = 1, 576/scale wide, value = the
+latent), W_UV applied after attention. Gradients w.r.t. q_nope, q_rope, latent, k_rope and kv_b's
+kernel. Dense = the expanded form the model runs for plain MLA / the dense warm-up (H heads of
+256/scale q/k and 256/scale v; the cheaper dense form per pair), with the W_UK/W_UV expansion
+(kv_b) included, by the fastest dense implementation here: `pallas_kernels.dense.flash_attention`
+(custom VJP, linear memory) and `core.causal_attention` (the model's), `--dense` picks; a dense
+program whose compiled temp memory exceeds --mem_cap GiB is skipped, not run.
+
+FLOP limit = dense FLOPs / DSA FLOPs (multiply-adds), causal halves counted: dense T^2/2 pairs at
+H*(dn+dr+dv) per pair; DSA: the indexer's T^2/2 pairs at Hi*Di plus T*K pairs at
+H*((r+dr) + r) (MQA: 2.1x the dense per-pair cost at GLM-5 widths); backward = 2.5x forward
+(both backwards recompute the scores: 5 matmuls against 2) for attention, none for the indexer.
+About 3.3x fwd+bwd at T=32K. The linear-in-T projections (absorption, kv_b) are not counted.
+Memory = compiled.memory_analysis().temp_size_in_bytes (XLA's temp buffer; inputs and outputs
+excluded). `--json`: the last line is {"config": {...}, "results": [{"seq_len", "speedup_fwd",
+"speedup_fwd_bwd", "flop_limit_fwd", "flop_limit", "dsa_temp_bytes", "dense_temp_bytes", ...}]}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
@@ -27,131 +40,194 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dsa
-from pallas_kernels import reference as ref
+from glm5_jax.attention import kernels
+from glm5_jax.attention.core import causal_attention
+from glm5_jax.attention.mla import dsa_attention
 from pallas_kernels.dense import flash_attention
 
+# GLM-5's attention layer (config glm5): heads, indexer heads, latent, rope, nope, v, indexer dim
+GLM5 = dict(h=64, hi=32, r=512, dr=64, dn=192, dv=256, di=128)
 
-def _timeit(fn, args, reps):
-    lowered = jax.jit(fn).lower(*args)
+
+def widths(scale: int) -> dict:
+    bad = {k: v for k, v in GLM5.items() if v % scale}
+    if scale < 1 or bad:
+        raise ValueError(f"--scale={scale} must divide every GLM-5 width {GLM5}; allowed: 1, 2, 4, 8, 16, 32")
+    return {k: v // scale for k, v in GLM5.items()}
+
+
+def flop_limits(t: int, k: int, w: dict) -> tuple[float, float]:
+    """(fwd, fwd+bwd) upper bound on the DSA speed-up from multiply-add counts (see module doc)."""
+    h, hi, r, dr, dn, dv, di = (w[n] for n in ("h", "hi", "r", "dr", "dn", "dv", "di"))
+    dense = 0.5 * t * t * h * (dn + dr + dv)
+    indexer = 0.5 * t * t * hi * di
+    sparse = t * min(k, t) * h * ((r + dr) + r)
+    return dense / (indexer + sparse), 3.5 * dense / (indexer + 3.5 * sparse)
+
+
+def _compile(fn, args):
     t0 = time.perf_counter()
-    compiled = lowered.compile()
-    t_compile = time.perf_counter() - t0
+    compiled = jax.jit(fn).lower(*args).compile()
     mem = compiled.memory_analysis()
-    temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem is not None else float("nan")
-    jax.block_until_ready(compiled(*args))  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    temp = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+    return compiled, temp, time.perf_counter() - t0
+
+
+def _time(compiled, args, reps, warmup):
+    """-> (best wall seconds, CPU seconds of that run): on a shared, loaded machine the process CPU
+    time (all threads) is the steadier measure of work; the wall time is what a user waits."""
+    for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best, temp, t_compile
+    best = (float("inf"), float("nan"))
+    for _ in range(reps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        jax.block_until_ready(compiled(*args))
+        best = min(best, (time.perf_counter() - t0, time.process_time() - c0))
+    return best
+
+
+def make_inputs(t: int, w: dict, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    h, hi, r, dr, dn, dv, di = (w[n] for n in ("h", "hi", "r", "dr", "dn", "dv", "di"))
+    a = lambda *shape, s=1.0: jnp.asarray(rng.normal(size=shape) * s, jnp.float32)  # noqa: E731
+    attn = (a(1, t, h, dn), a(1, t, h, dr), a(1, t, r), a(1, t, dr), a(r, h, dn + dv, s=r ** -0.5))
+    index = (a(1, t, hi, di, s=di ** -0.5), a(1, t, di), a(1, t, hi, s=hi ** -0.5))
+    return attn, index
+
+
+def dsa_block(w: dict, topk: int, impl: str):
+    dn, scale = w["dn"], (w["dn"] + w["dr"]) ** -0.5
+
+    def fwd(q_nope, q_rope, latent, k_rope, kv_b, q_idx, k_idx, wts):
+        idx = kernels.indexer_topk(q_idx, k_idx, wts, topk, impl=impl)
+        return dsa_attention(q_nope, q_rope, latent, k_rope, kv_b[..., :dn], kv_b[..., dn:], idx, scale=scale,
+                             impl=impl)
+    return fwd
+
+
+def dense_block(w: dict, which: str):
+    h, dn, dr, dv = w["h"], w["dn"], w["dr"], w["dv"]
+    scale = (dn + dr) ** -0.5
+
+    def fwd(q_nope, q_rope, latent, k_rope, kv_b, q_idx, k_idx, wts):
+        b, t = latent.shape[:2]
+        kvb = jnp.einsum("btr,rhd->bthd", latent, kv_b)
+        q = jnp.concatenate([q_nope, q_rope], -1)
+        k = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, dr))], -1)
+        v = kvb[..., dn:]
+        if which == "flash":
+            return flash_attention(q, k, v, scale=scale)
+        return causal_attention(q, k, v, scale=scale)
+    return fwd
+
+
+def fwd_bwd(fn):
+    def loss(*args):
+        return jnp.sum(fn(*args))
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+
+
+def run(args, w, seqs, impl, dense_impls):
+    """Time and measure every program at every T -> one result row per T."""
+    cap = args.mem_cap * 2 ** 30
+    passes = args.passes.split(",")
+    results = []
+    for t in seqs:
+        attn, index = make_inputs(t, w, seed=t)
+        inputs = attn + index
+        lim_f, lim_fb = flop_limits(t, args.topk, w)
+        row = dict(seq_len=t, flop_limit_fwd=round(lim_f, 3), flop_limit=round(lim_fb, 3))
+        progs = [("dsa", dsa_block(w, args.topk, impl))] + [(f"dense_{d}", dense_block(w, d)) for d in dense_impls]
+        for name, fn in progs:
+            for kind, f in (("fwd", fn), ("fwd_bwd", fwd_bwd(fn))):
+                if kind not in passes:
+                    continue
+                try:
+                    compiled, temp, t_c = _compile(f, inputs)
+                except Exception as e:  # noqa: BLE001 -- report and go on with the other programs
+                    print(f"T={t} {name} {kind}: compile FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                row[f"{name}_{kind}_temp_bytes"] = temp
+                if temp > cap:
+                    print(f"T={t:6d} {name:11s} {kind:7s} skipped: temp {temp / 2**30:.1f} GiB > --mem_cap",
+                          flush=True)
+                    continue
+                sec, cpu = _time(compiled, inputs, args.reps, args.warmup)
+                row[f"{name}_{kind}_s"] = round(sec, 4)
+                row[f"{name}_{kind}_cpu_s"] = round(cpu, 4)
+                print(f"T={t:6d} {name:11s} {kind:7s} {sec:9.3f} s (cpu {cpu:8.2f} s)  temp {temp / 2**20:9.1f} MiB"
+                      f"  (compile {t_c:.1f} s)", flush=True)
+        for kind, lim in (("fwd", lim_f), ("fwd_bwd", lim_fb)):
+            if kind not in passes:
+                continue
+            timed = {d: row[f"dense_{d}_{kind}_s"] for d in dense_impls if f"dense_{d}_{kind}_s" in row}
+            if timed and f"dsa_{kind}_s" in row:
+                best = min(timed, key=timed.get)
+                row[f"dense_impl_{kind}"] = best
+                row[f"speedup_{kind}"] = round(timed[best] / row[f"dsa_{kind}_s"], 3)
+                row[f"speedup_{kind}_cpu"] = round(row[f"dense_{best}_{kind}_cpu_s"] / row[f"dsa_{kind}_cpu_s"], 3)
+                if kind == "fwd_bwd":
+                    row["dsa_temp_bytes"] = row["dsa_fwd_bwd_temp_bytes"]
+                    row["dense_temp_bytes"] = row[f"dense_{best}_fwd_bwd_temp_bytes"]
+                print(f"T={t:6d} {kind:7s} speed-up {row[f'speedup_{kind}']:.2f}x wall, "
+                      f"{row[f'speedup_{kind}_cpu']:.2f}x cpu (dense: {best})  "
+                      f"FLOP limit {lim:.2f}x", flush=True)
+        results.append(row)
+    return results
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", default="4096,8192,16384,32768")
-    ap.add_argument("--topk", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head_dim", type=int, default=128)
-    ap.add_argument("--idx_heads", type=int, default=4)
-    ap.add_argument("--idx_dim", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--skip", default=None,
-                    help="comma list of: dense,xla,pallas (default: pallas on CPU, where the "
-                         "kernels run in interpret mode and their time means nothing; none elsewhere)")
-    ap.add_argument("--recall", action="store_true", help="also measure approx-mode recall")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", default="4096,8192,16384,32768", help="comma list of sequence lengths T")
+    ap.add_argument("--scale", type=int, default=8, help="divide every GLM-5 width by this factor")
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=1, help="timed runs (the best is kept)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (programs are compiled ahead)")
+    ap.add_argument("--passes", default="fwd,fwd_bwd", help="comma list of fwd, fwd_bwd")
+    ap.add_argument("--dense", default="flash,core", help="dense implementations to try: flash, core")
+    ap.add_argument("--mem_cap", type=float, default=12.0, help="GiB; skip a program whose temp exceeds it")
+    ap.add_argument("--device", action="store_true",
+                    help="run on the default accelerator backend (DSA kernels: attention_impl='pallas')")
+    ap.add_argument("--impl", default=None, help="DSA kernels: xla or pallas (default: xla on CPU, "
+                    "pallas with --device)")
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object with every result")
     args = ap.parse_args(argv)
+    backend = jax.default_backend() if args.device else "cpu"
+    if args.device and backend == "cpu":
+        ap.error("--device: no accelerator backend here (jax.default_backend() == 'cpu')")
+    impl = args.impl or ("pallas" if args.device else "xla")
+    if impl not in ("xla", "pallas"):
+        ap.error(f"--impl={impl!r}; allowed: xla, pallas")
+    dense_impls = [d for d in args.dense.split(",") if d]
+    if not dense_impls or set(dense_impls) - {"flash", "core"}:
+        ap.error(f"--dense={args.dense!r}; allowed: a comma list of flash, core")
+    try:
+        w = widths(args.scale)
+    except ValueError as e:
+        ap.error(str(e))
     seqs = [int(s) for s in args.seq.split(",")]
-    h, d, hi, di, kk = args.heads, args.head_dim, args.idx_heads, args.idx_dim, args.topk
-    if args.skip is None:
-        args.skip = "pallas" if jax.default_backend() == "cpu" else ""
-    skip = set(filter(None, args.skip.split(",")))
-    bad = skip - {"dense", "xla", "pallas"}
-    if bad:
-        ap.error(f"--skip: unknown {sorted(bad)}; allowed: dense, xla, pallas")
-    print(f"backend={jax.default_backend()} devices={jax.device_count()} B=1 H={h} Hk=1 "
-          f"Dq=Dv={d} Hi={hi} Di={di} K={kk}; indexer/attention MAC ratio = "
-          f"{hi * di}/{h * 2 * d} = {hi * di / (h * 2 * d):.4f}", flush=True)
-    scale = d ** -0.5
-    rows = []
-    for t in seqs:
-        rng = np.random.default_rng(t)
-        q = jnp.asarray(rng.normal(size=(1, t, h, d)), jnp.float32)
-        k = jnp.asarray(rng.normal(size=(1, t, 1, d)), jnp.float32)
-        v = jnp.asarray(rng.normal(size=(1, t, 1, d)), jnp.float32)
-        qi = jnp.asarray(rng.normal(size=(1, t, hi, di)) * di ** -0.5, jnp.float32)
-        ki = jnp.asarray(rng.normal(size=(1, t, di)), jnp.float32)
-        wi = jnp.asarray(rng.normal(size=(1, t, hi)) * hi ** -0.5, jnp.float32)
-        args_all = (q, k, v, qi, ki, wi)
+    if not set(args.passes.split(",")) <= {"fwd", "fwd_bwd"}:
+        ap.error(f"--passes={args.passes!r}; allowed: a comma list of fwd, fwd_bwd")
+    cfg = dict(backend=backend, devices=jax.device_count(), scale=args.scale, topk=args.topk, impl=impl,
+               dtype="float32", batch=1, **w)
+    print(f"# DSA block vs dense, GLM-5 widths / {args.scale}: {cfg}", flush=True)
+    with jax.default_device(jax.devices(backend)[0]):
+        results = run(args, w, seqs, impl, dense_impls)
 
-        def dense_f(q, k, v, qi, ki, wi):
-            return flash_attention(q, k, v, scale=scale)
-
-        def make_dsa(topk_fn, attn_fn):
-            def fwd(q, k, v, qi, ki, wi):
-                idx = topk_fn(qi, ki, wi)
-                return attn_fn(q, k, v, idx)
-            return fwd
-
-        xla = make_dsa(lambda a, b_, c: ref.indexer_topk(a, b_, c, kk),
-                       lambda q, k, v, i: ref.sparse_attention(q, k, v, i, scale=scale))
-        pal = make_dsa(lambda a, b_, c: dsa.indexer_topk(a, b_, c, kk),
-                       lambda q, k, v, i: dsa.sparse_attention(q, k, v, i, scale=scale))
-
-        def fb(fn):
-            def loss(q, k, v, qi, ki, wi):
-                return jnp.sum(fn(q, k, v, qi, ki, wi))
-            return jax.grad(loss, argnums=(0, 1, 2))
-
-        # FLOP model (multiply-adds x 2), causal halves counted
-        a_pair = 2 * h * 2 * d
-        dense_fwd = 0.5 * t * t * a_pair
-        idx_cost = 0.5 * t * t * 2 * hi * di
-        sparse_fwd = t * min(kk, t) * a_pair
-        lim_f = dense_fwd / (idx_cost + sparse_fwd)
-        lim_fb = 3.5 * dense_fwd / (idx_cost + 3.5 * sparse_fwd)
-        res = {}
-        for name, fn in (("dense", dense_f), ("xla", xla), ("pallas", pal)):
-            if name in skip:
-                continue
-            for kind, f in (("fwd", fn), ("fwd+bwd", fb(fn))):
-                try:
-                    sec, temp, tc = _timeit(f, args_all, args.reps)
-                except Exception as e:  # noqa: BLE001
-                    print(f"T={t} {name} {kind}: FAILED {type(e).__name__}: {e}", flush=True)
-                    continue
-                res[(name, kind)] = (sec, temp)
-                print(f"T={t:6d} {name:6s} {kind:8s} {sec:9.3f} s  temp {temp / 2**20:9.1f} MiB"
-                      f"  (compile {tc:.1f} s)", flush=True)
-        for kind, lim in (("fwd", lim_f), ("fwd+bwd", lim_fb)):
-            dn = res.get(("dense", kind))
-            for name in ("xla", "pallas"):
-                r = res.get((name, kind))
-                if dn and r:
-                    rows.append((t, kind, name, dn[0], r[0], dn[0] / r[0], lim, dn[1], r[1]))
-        if args.recall:
-            exact = np.asarray(jax.jit(lambda a, b_, c: dsa.indexer_topk(a, b_, c, kk))(qi, ki, wi))
-            for nb in (2 * -(-kk // 128), 4 * -(-kk // 128)):
-                appr = np.asarray(jax.jit(lambda a, b_, c: dsa.indexer_topk(
-                    a, b_, c, kk, mode="approx", approx_blocks=nb))(qi, ki, wi))
-                hit = tot = 0
-                for ti in range(0, t, max(1, t // 512)):
-                    e = set(exact[0, ti][exact[0, ti] >= 0].tolist())
-                    hit += len(e & set(appr[0, ti].tolist()))
-                    tot += len(e)
-                print(f"T={t} approx recall (blocks={nb}, bk=128): {hit / max(tot, 1):.4f}",
-                      flush=True)
-        ub = np.asarray(jax.jit(lambda a, b_, c: dsa.indexer_block_stats(a, b_, c, kk))(qi, ki, wi))
-        print(f"T={t} visible key blocks (per query block) = {np.isfinite(ub).mean():.3f} of all",
-              flush=True)
-
-    print("\n| T | pass | DSA path | dense s | DSA s | speed-up | FLOP limit | dense temp MiB "
+    print("\n| T | pass | dense (impl) s | DSA s | speed-up (wall / cpu) | FLOP limit | dense temp MiB "
           "| DSA temp MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for t, kind, name, dn, ds, ratio, lim, dm, dsm in rows:
-        print(f"| {t} | {kind} | {name} | {dn:.2f} | {ds:.2f} | {ratio:.2f}x | {lim:.1f}x "
-              f"| {dm / 2**20:.0f} | {dsm / 2**20:.0f} |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for kind, lim in (("fwd", "flop_limit_fwd"), ("fwd_bwd", "flop_limit")):
+            if f"speedup_{kind}" not in r:
+                continue
+            best = r[f"dense_impl_{kind}"]
+            print(f"| {r['seq_len']} | {kind.replace('_', '+')} | {r[f'dense_{best}_{kind}_s']:.2f} ({best}) "
+                  f"| {r[f'dsa_{kind}_s']:.2f} | {r[f'speedup_{kind}']:.2f}x / {r[f'speedup_{kind}_cpu']:.2f}x "
+                  f"| {r[lim]:.2f}x "
+                  f"| {r[f'dense_{best}_{kind}_temp_bytes'] / 2**20:.0f} | {r[f'dsa_{kind}_temp_bytes'] / 2**20:.0f} |")
+    if args.json:
+        print(json.dumps({"config": cfg, "results": results}))
 
 
 if __name__ == "__main__":

@@ -93,10 +93,18 @@ def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_i
 
 
 def indexer_kl_sparse(q, k, scale, q_idx, k_idx, weights, indices, *, chunk: int = 256):
-    """Sparse-stage loss: the same KL restricted to each query's selected keys `indices` [B, T, K]."""
-    b, t = q.shape[:2]
+    """Sparse-stage loss: the same KL restricted to each query's selected keys `indices` [B, T, K].
+
+    q [B, T, H, Dq], k [B, S, Hk, Dq] with Hk = H (expanded heads) or Hk = 1 (MLA's MQA form, as
+    DSA's sparse attention runs it: one gathered row per selected key serves every head)."""
+    b, t, h = q.shape[:3]
+    hk = k.shape[2]
+    if hk not in (1, h):
+        raise ValueError(f"k has {hk} heads; indexer_kl_sparse allows 1 or H={h}")
     tc = ref.pick_chunk(t, chunk)
     gather = jax.vmap(lambda xb, ib: xb[ib])
+    if hk == 1:
+        k = k[:, :, 0]
 
     def one_chunk(i):
         t0 = i * tc
@@ -104,8 +112,9 @@ def indexer_kl_sparse(q, k, scale, q_idx, k_idx, weights, indices, *, chunk: int
         idx = sl(indices)
         valid = idx >= 0
         safe = jnp.where(valid, idx, 0)
-        kc = gather(k, safe)                                                    # [B, tc, K, H, D]
-        logits = jnp.einsum("bthd,btkhd->bhtk", sl(q), kc).astype(jnp.float32) * scale
+        kc = gather(k, safe)                                            # [B, tc, K, (H,) D]
+        spec = "bthd,btkd->bhtk" if hk == 1 else "bthd,btkhd->bhtk"
+        logits = jnp.einsum(spec, sl(q), kc).astype(jnp.float32) * scale
         probs = jax.nn.softmax(jnp.where(valid[:, None], logits, NEG_INF), axis=-1)
         p = jnp.sum(probs, axis=1)
         p = jax.lax.stop_gradient(p / jnp.sum(p, axis=-1, keepdims=True))

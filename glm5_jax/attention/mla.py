@@ -2,6 +2,15 @@
 
 q = q_b(RMSNorm(q_a(x))) -> per head [nope ; rope]; [latent ; k_rope] = kv_a(x);
 [k_nope ; v] = kv_b(RMSNorm(latent)) per head; the rope key is shared by all heads.
+
+Two forms of the same attention (docs/model.md "MLA forms"):
+  * expanded: k_nope / v per head from kv_b, H heads of (dn + dr) / dv -- plain MLA and DSA's dense
+    warm-up stage (dense attention is cheapest per (query, key) pair this way);
+  * MQA (absorbed): with kv_b = [W_UK | W_UV], q_nope . k_nope = (q_nope W_UK^T) . latent and
+    sum_s p_s v_s = (sum_s p_s latent_s) W_UV, so every head attends one shared
+    [latent | k_rope] row per token (Hk = 1, kv_lora + dr wide) with the latent as value -- DSA's
+    sparse stage in training, prefill and decode (`dsa_attention`): top-k gathers one row per
+    selected token for all heads.
 """
 
 from __future__ import annotations
@@ -52,41 +61,61 @@ class MLAttention(nn.Module):
             return self._cached(x, q, q_latent, latent, k_rope, kv_b, o_proj, cos, sin, prev_indices, positions,
                                 positions if write_positions is None else write_positions, cache, scale)
 
-        kvb = kv_b(latent).reshape(b, t, h, dn + dv)
-        k = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, dr))], axis=-1)
-        v = kvb[..., dn:]
-        k = constrain(k, ("activation_batch", "activation_seq", "activation_heads", None))
+        sparse = self.indexer_type is not None and indexer_loss != "dense"
+        if sparse:   # DSA's sparse stage: MQA form, K/V never expanded per head
+            if self.is_initializing():   # create kv_b's kernel (its parameter path) without using it
+                kv_b(latent[:, :1])
+            w_uk, w_uv = self._kv_b_weights(kv_b)
+            q_att, k_att, v_att = mqa_operands(q[..., :dn], q[..., dn:], latent, k_rope, w_uk)
+            q_att = constrain(q_att, ("activation_batch", "activation_seq", "activation_heads", None))
+        else:        # plain MLA, and DSA's dense warm-up stage: expanded per head
+            kvb = kv_b(latent).reshape(b, t, h, dn + dv)
+            k_att = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, dr))], axis=-1)
+            v_att = kvb[..., dn:]
+            k_att = constrain(k_att, ("activation_batch", "activation_seq", "activation_heads", None))
+            q_att = q
         if monitor_logits:   # dense max |q.k| * scale over visible keys (also for DSA: not only the top-k)
             self.sow("intermediates", "max_attn_logit",
-                     max_attention_logit(q, k, scale, causal=True, q_segment_ids=segment_ids,
+                     max_attention_logit(q_att, k_att, scale, causal=True, q_segment_ids=segment_ids,
                                          kv_segment_ids=segment_ids, q_chunk=c.attn_chunk))
 
         indices = None
         if self.indexer_type == "full":
-            # The indexer never trains through the LM loss: its input is detached.
+            # The indexer never trains through the LM loss: its input is detached; it learns from
+            # its KL to the main attention (a fixed target: q/k detached).
             idx_in = (jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent))
             q_idx, k_idx, w = Indexer(c, name="indexer")(*idx_in, cos, sin)
             indices = indexer_topk(jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(k_idx),
                                    jax.lax.stop_gradient(w), c.index_topk, segment_ids=segment_ids,
                                    impl=c.attention_impl, chunk=c.attn_chunk)
+            q_t, k_t = jax.lax.stop_gradient(q_att), jax.lax.stop_gradient(k_att)
             if indexer_loss == "dense":
-                kl, recall = indexer_kl_dense(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), scale,
-                                              q_idx, k_idx, w, topk=c.index_topk, segment_ids=segment_ids,
-                                              chunk=c.attn_chunk)
+                kl, recall = indexer_kl_dense(q_t, k_t, scale, q_idx, k_idx, w, topk=c.index_topk,
+                                              segment_ids=segment_ids, chunk=c.attn_chunk)
                 self.sow("intermediates", "indexer_kl", kl)
                 self.sow("intermediates", "indexer_recall", recall)
             elif indexer_loss == "sparse":
-                kl = indexer_kl_sparse(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), scale,
-                                       q_idx, k_idx, w, indices, chunk=c.attn_chunk)
+                kl = indexer_kl_sparse(q_t, k_t, scale, q_idx, k_idx, w, indices, chunk=c.attn_chunk)
                 self.sow("intermediates", "indexer_kl", kl)
+            elif indexer_loss is not None:
+                raise ValueError(f"indexer_loss={indexer_loss!r}; allowed: None, 'dense', 'sparse'")
         elif self.indexer_type == "shared":
             indices = self._shared(prev_indices)
 
-        if indices is None or indexer_loss == "dense":
-            out = causal_attention(q, k, v, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk)
+        if not sparse:
+            out = causal_attention(q_att, k_att, v_att, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk)
         else:
-            out = sparse_attention(q, k, v, indices, scale=scale, impl=c.attention_impl, chunk=min(c.attn_chunk, 16))
+            out = sparse_attention(q_att, k_att, v_att, indices, scale=scale, impl=c.attention_impl,
+                                   chunk=min(c.attn_chunk, 16))
+            out = jnp.einsum("bthr,rhd->bthd", out, w_uv.astype(out.dtype))
         return o_proj(out.reshape(b, t, h * dv)), indices, None
+
+    def _kv_b_weights(self, kv_b):
+        """kv_b's kernel split per head: (W_UK [kv_lora, H, dn], W_UV [kv_lora, H, dv])."""
+        c = self.cfg
+        dn = c.qk_nope_head_dim
+        w = nn.unbox(kv_b.variables["params"]["kernel"]).reshape(c.kv_lora_rank, c.num_heads, dn + c.v_head_dim)
+        return w[..., :dn], w[..., dn:]
 
     @staticmethod
     def _shared(prev_indices):
@@ -113,33 +142,53 @@ class MLAttention(nn.Module):
             indices = select_topk_cached(q_idx, cache["k_idx"], w, c.index_topk, positions)
         elif self.indexer_type == "shared":
             indices = self._shared(prev_indices)
-        w = nn.unbox(kv_b.variables["params"]["kernel"]).reshape(c.kv_lora_rank, c.num_heads, dn + c.v_head_dim)
-        out = absorbed_attention(q[..., :dn], q[..., dn:], cache["latent"], cache["k_rope"], w[..., :dn],
-                                 w[..., dn:], scale, positions=positions, indices=indices)
+        if self.is_initializing():
+            kv_b(latent[:, :1])
+        w_uk, w_uv = self._kv_b_weights(kv_b)
+        out = absorbed_attention(q[..., :dn], q[..., dn:], cache["latent"], cache["k_rope"], w_uk, w_uv, scale,
+                                 positions=positions, indices=indices, impl=c.attention_impl,
+                                 chunk=min(c.attn_chunk, 16))
         return o_proj(out.reshape(b, t, -1)), indices, cache
 
 
-def absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, positions=None, indices=None):
+def mqa_operands(q_nope, q_rope, latent, k_rope, w_uk):
+    """MLA's MQA form: q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr],
+    w_uk [r,H,dn] -> q [B,T,H,r+dr] = [q_nope W_UK^T | q_rope], k [B,S,1,r+dr] = [latent | k_rope],
+    v [B,S,1,r] = latent (one key/value row per token, shared by all heads), in latent's dtype."""
+    dt = latent.dtype
+    q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk.astype(q_nope.dtype)).astype(dt)
+    q = jnp.concatenate([q_lat, q_rope.astype(dt)], axis=-1)
+    k = jnp.concatenate([latent, k_rope.astype(dt)], axis=-1)[:, :, None]
+    return q, k, latent[:, :, None]
+
+
+def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale, impl: str = "xla",
+                  chunk: int = 16):
+    """DSA's sparse MLA in MQA form -- the one sparse call of training, prefill and decode.
+
+    q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], w_uk [r,H,dn], w_uv [r,H,dv],
+    indices [B,T,K] (key slots, -1 = none) -> [B,T,H,dv]: each head attends the selected
+    [latent | k_rope] rows (scale is MLA's (dn + dr)^-0.5), W_UV is applied after attention."""
+    q, k, v = mqa_operands(q_nope, q_rope, latent, k_rope, w_uk)
+    o_lat = sparse_attention(q, k, v, indices, scale=scale, impl=impl, chunk=chunk)
+    return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(o_lat.dtype))
+
+
+def absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, positions=None, indices=None,
+                       impl: str = "xla", chunk: int = 16):
     """Absorbed MLA attention over a latent cache.
 
     q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], w_uk [r,H,dn], w_uv [r,H,dv];
     either positions [B,T] (dense: the query at p sees slots 0..p) or indices [B,T,K] (-1 = none; DSA:
-    only the selected slots are gathered) -> [B,T,H,dv].
+    `dsa_attention`, the same sparse call as training) -> [B,T,H,dv].
     """
+    if indices is not None:
+        return dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, scale=scale, impl=impl,
+                             chunk=chunk)
     dt = latent.dtype
     q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk.astype(q_nope.dtype)).astype(dt)
-    if indices is None:
-        logits = (jnp.einsum("bthr,bsr->bths", q_lat, latent).astype(jnp.float32)
-                  + jnp.einsum("bthd,bsd->bths", q_rope.astype(dt), k_rope).astype(jnp.float32))
-        probs = masked_softmax(logits * scale, visible_slots(positions, latent.shape[1])[:, :, None, :]).astype(dt)
-        o_lat = jnp.einsum("bths,bsr->bthr", probs, latent)
-    else:
-        valid = indices >= 0
-        safe = jnp.where(valid, indices, 0)
-        gather = jax.vmap(lambda buf, i: buf[i])             # [S, d], [T, K] -> [T, K, d]
-        lat_g, kr_g = gather(latent, safe), gather(k_rope, safe)
-        logits = (jnp.einsum("bthr,btkr->bthk", q_lat, lat_g).astype(jnp.float32)
-                  + jnp.einsum("bthd,btkd->bthk", q_rope.astype(dt), kr_g).astype(jnp.float32))
-        probs = masked_softmax(logits * scale, valid[:, :, None, :]).astype(dt)
-        o_lat = jnp.einsum("bthk,btkr->bthr", probs, lat_g)
+    logits = (jnp.einsum("bthr,bsr->bths", q_lat, latent).astype(jnp.float32)
+              + jnp.einsum("bthd,bsd->bths", q_rope.astype(dt), k_rope).astype(jnp.float32))
+    probs = masked_softmax(logits * scale, visible_slots(positions, latent.shape[1])[:, :, None, :]).astype(dt)
+    o_lat = jnp.einsum("bths,bsr->bthr", probs, latent)
     return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(dt))
