@@ -79,3 +79,45 @@ def test_too_short_sequence_rejected():
     data = small_data()
     with pytest.raises(ValueError, match="too short"):
         data.retrieval_task("eval", 40)
+
+
+def test_train_mode_restates_records_far_from_their_block():
+    data = small_data()
+    task = data.retrieval_task("train", T)
+    assert 1 < task.train_queries <= task.n_pairs
+    for i in range(10):
+        ex, info = task.example(0, 1, i, mode="train")
+        window = np.concatenate([ex["tokens"], ex["targets"][-1:]])
+        # the queried record is still planted where info says, and the window ends with it restated
+        rec = window[info.pair_start:info.pair_end].tolist()
+        assert window[-task.query_len:].tolist() == rec[:task.query_len]
+        # every restated record (split on the record separator) is one of the planted ones, no repeats
+        n_sep = len(task.end_ids)
+        tail = window[len(window) - task.train_queries * (task.query_len + n_sep) + n_sep:]
+        pieces = [tail[j * (task.query_len + n_sep): j * (task.query_len + n_sep) + task.query_len].tolist()
+                  for j in range(task.train_queries)]
+        starts = [s for s in range(len(window) - task.query_len + 1)
+                  if window[s:s + len(task.key_ids)].tolist() == task.key_ids.tolist()]
+        recs = [window[s:s + task.query_len].tolist() for s in starts]
+        assert len({tuple(p) for p in pieces}) == task.train_queries
+        for p in pieces:
+            assert recs.count(p) == 2          # once in the block, once restated at the end
+            first, second = [s for s, r in zip(starts, recs) if r == p]
+            assert second - (first + task.record_len) > task.min_distance
+        assert (ex["loss_mask"] == 1).all()
+        # the value's first digit is where info says
+        assert window[info.value_start] == task.digits[int(info.value[0])]
+
+
+def test_probe_batches_carry_infos_and_test_tag_differs():
+    from glm5_jax.data.retrieval import TEST_TAG, retrieval_correct, retrieval_probe_batches
+    task = small_data().retrieval_task("eval", T)
+    (dev, dinfo), = retrieval_probe_batches(task, 3, 1, 0, EVAL_TAG)
+    (test, tinfo), = retrieval_probe_batches(task, 3, 1, 0, TEST_TAG)
+    assert len(dinfo) == len(tinfo) == 3 and not np.array_equal(dev["tokens"], test["tokens"])
+    assert all(i.distance > task.min_distance for i in dinfo + tinfo)
+    preds = test["targets"].copy()
+    preds[0, -1] += 1
+    assert retrieval_correct(preds, test).tolist() == [False, True, True]
+    with pytest.raises(ValueError, match="tag"):
+        next(retrieval_probe_batches(task, 1, 1, 0, 7))
