@@ -14,12 +14,15 @@ Output: eval-loss curves, max-attention-logit curves, final eval loss / accuracy
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import ClassVar
 
 from experiments.registry import register
-from experiments.report import eval_series, md_table, plot_curves, write_report
+import numpy as np
+
+from experiments.report import eval_series, fmt_interval, md_table, mean_interval, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.train import TrainConfig, evaluate, train
@@ -49,6 +52,15 @@ class MuonSplitConfig:
     gqa_head_dim: int = 24
     muon_learning_rate: float = 3e-3
     arms: tuple[str, ...] = ARM_NAMES
+    # The regime search: plain-Muon MLA is trained `sweep_steps` steps at each of these peak LRs and
+    # the LR whose final max attention logit is largest (among runs whose dev loss stays finite) sets
+    # muon_learning_rate for the headline arms. Empty: no sweep, muon_learning_rate as given.
+    muon_lr_sweep: tuple[float, ...] = ()
+    sweep_steps: int = 80
+    seeds: tuple[int, ...] = (0,)
+
+    PRIMARY: ClassVar[str] = ("max_attn_logit of mla_muon vs mla_muon_split at the end of training (secondary: test "
+                              "LM loss relative to gqa_muon)")
 
     STEPS_KEY: ClassVar[str] = "train.steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "data.vocab_size", "data.seq_len": "train.seq_len",
@@ -68,6 +80,11 @@ class MuonSplitConfig:
                               "are invalid: kv heads >= 1, head dim >= 0 (0 = qk_nope + qk_rope)")
         if not self.muon_learning_rate > 0:
             raise ConfigError(f"MuonSplitConfig.muon_learning_rate={self.muon_learning_rate!r} is invalid: must be > 0")
+        if any(not lr > 0 for lr in self.muon_lr_sweep) or self.sweep_steps < 1:
+            raise ConfigError(f"MuonSplitConfig.muon_lr_sweep={self.muon_lr_sweep!r} / sweep_steps={self.sweep_steps!r} "
+                              "are invalid: learning rates > 0, sweep_steps >= 1")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ConfigError(f"MuonSplitConfig.seeds={self.seeds!r} is invalid: a non-empty tuple of distinct ints >= 0")
         model_configs(self.model, self.gqa_kv_heads, self.gqa_head_dim)     # the gqa arm validates too
 
 
@@ -78,6 +95,7 @@ TINY = MuonSplitConfig(
     train=TrainConfig(steps=160, batch_size=8, seq_len=128, learning_rate=3e-3, warmup_steps=16, weight_decay=0.1,
                       eval_every=40, log_every=20, ckpt_every=40, monitor_every=10, eval_batches=4, seed=0),
     data=DataConfig(vocab_size=2048, seq_len=128, seed=0),
+    muon_lr_sweep=(3e-3, 1e-2, 3e-2), sweep_steps=80, seeds=(0, 1),
 )
 # One accelerator: the "small" preset trunk (MoE, MLA dims from the preset) with 16 heads, GQA-8 (8 KV heads).
 SMALL = dataclasses.replace(
@@ -87,62 +105,124 @@ SMALL = dataclasses.replace(
     data=dataclasses.replace(TINY.data, vocab_size=32768), gqa_kv_heads=8, gqa_head_dim=0, muon_learning_rate=1e-3)
 
 
+def _monitor_summary(history) -> dict:
+    mon = [row for row in history if "max_attn_logit" in row]
+    last = mon[-1] if mon else {}
+    return {"max_attn_logit": float(last.get("max_attn_logit", float("nan"))),
+            "max_attn_logit_peak": float(max((row["max_attn_logit"] for row in mon), default=float("nan"))),
+            "max_attn_logit_per_layer": {k.split("/", 1)[1]: float(v) for k, v in last.items()
+                                         if k.startswith("max_attn_logit/")}}
+
+
+def choose_regime(sweep: list[dict]) -> float | None:
+    """The swept LR with the largest final max attention logit among runs whose dev loss is finite."""
+    ok = [r for r in sweep if math.isfinite(r["dev_eval_loss"]) and math.isfinite(r["max_attn_logit"])]
+    return max(ok, key=lambda r: r["max_attn_logit"])["learning_rate"] if ok else None
+
+
 @register("muon_split", "MLA with AdamW / Muon / Muon Split vs GQA with Muon, from scratch at equal tokens; "
-          "eval loss and max attention logits", {"tiny": TINY, "small": SMALL})
+          "max attention logits in a regime where they grow, and eval loss", {"tiny": TINY, "small": SMALL})
 def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
     t_start = time.time()
     tc = cfg.train
     B, T = tc.batch_size, tc.seq_len
     data = build_lm_data(cfg.data)
     cfgs = model_configs(cfg.model, cfg.gqa_kv_heads, cfg.gqa_head_dim)
-    lm_eval = list(data.eval_batches(B, T, max_batches=tc.eval_batches))
-    runs, arms = {}, {}
-    for arm, att, opt in ARMS:
-        if arm not in cfg.arms:
-            continue
-        mcfg = cfgs[att]
-        eval_step = make_eval_step(mcfg)
-        lr = tc.learning_rate if opt == "adamw" else cfg.muon_learning_rate
-        t0 = time.time()
-        r = train(mcfg, tc.replace(optimizer=opt, learning_rate=lr), data.train_iter(B, T, seed=cfg.data.seed),
-                  os.path.join(workdir, arm), eval_fn=lambda p, c=mcfg, e=eval_step: evaluate(c, p, lm_eval, e),
-                  log=log, name=arm, mesh=mesh)
-        runs[arm] = r
-        mon = [row for row in r["history"] if "max_attn_logit" in row]
-        last = mon[-1] if mon else {}
-        arms[arm] = {"attention": att, "optimizer": opt, "learning_rate": lr,
-                     "final_eval_loss": float(r["final"]["eval_loss"]),
-                     "final_eval_accuracy": float(r["final"]["eval_accuracy"]),
-                     "max_attn_logit": float(last.get("max_attn_logit", float("nan"))),
-                     "max_attn_logit_peak": float(max((row["max_attn_logit"] for row in mon), default=float("nan"))),
-                     "max_attn_logit_per_layer": {k.split("/", 1)[1]: float(v) for k, v in last.items()
-                                                  if k.startswith("max_attn_logit/")},
-                     "wall_time_s": time.time() - t0}
+    log(f"primary metric (named before the run): {cfg.PRIMARY}")
+    # held-out LM batches: first half dev (the sweep's choice, curves), second half test (headline only)
+    lm_all = list(data.eval_batches(B, T, max_batches=2 * tc.eval_batches))
+    half = max(1, len(lm_all) // 2)
+    lm_dev, lm_test = lm_all[:half], lm_all[half:] or lm_all[:half]
+    steps_fns = {k: make_eval_step(c) for k, c in cfgs.items()}
+
+    sweep = []
+    for lr in cfg.muon_lr_sweep:
+        r = train(cfgs["mla"], tc.replace(optimizer="muon", learning_rate=lr, steps=cfg.sweep_steps,
+                                          eval_every=cfg.sweep_steps, monitor_every=max(1, min(tc.monitor_every or 10,
+                                                                                               cfg.sweep_steps))),
+                  data.train_iter(B, T, seed=cfg.data.seed), os.path.join(workdir, "sweep", f"mla_muon_lr{lr:g}"),
+                  eval_fn=lambda p: evaluate(cfgs["mla"], p, lm_dev, steps_fns["mla"]), log=log, name=f"sweep-lr{lr:g}",
+                  mesh=mesh)
+        sweep.append({"learning_rate": lr, "dev_eval_loss": float(r["final"]["eval_loss"]), **_monitor_summary(r["history"])})
+    chosen = choose_regime(sweep)
+    muon_lr = chosen if chosen is not None else cfg.muon_learning_rate
+
+    runs, per_seed = {}, {}
+    for s in cfg.seeds:
+        for arm, att, opt in ARMS:
+            if arm not in cfg.arms:
+                continue
+            mcfg = cfgs[att]
+            lr = tc.learning_rate if opt == "adamw" else muon_lr
+            t0 = time.time()
+            wd = os.path.join(workdir, arm) if s == cfg.seeds[0] else os.path.join(workdir, f"seed_{s}", arm)
+            r = train(mcfg, tc.replace(optimizer=opt, learning_rate=lr, seed=tc.seed + s),
+                      data.train_iter(B, T, seed=cfg.data.seed + s), wd,
+                      eval_fn=lambda p, c=mcfg, e=steps_fns[att]: evaluate(c, p, lm_dev, e),
+                      log=log, name=f"{arm}-s{s}", mesh=mesh)
+            test = evaluate(mcfg, r["params"], lm_test, steps_fns[att])
+            per_seed.setdefault(arm, {})[str(s)] = {
+                "attention": att, "optimizer": opt, "learning_rate": lr, "test_eval_loss": float(test["eval_loss"]),
+                "test_eval_accuracy": float(test["eval_accuracy"]), **_monitor_summary(r["history"]),
+                "wall_time_s": time.time() - t0}
+            if s == cfg.seeds[0]:
+                runs[arm] = r
+
+    arms = {}
+    for arm, by_seed in per_seed.items():
+        rows = list(by_seed.values())
+        loss = mean_interval([r["test_eval_loss"] for r in rows])
+        logit = mean_interval([r["max_attn_logit"] for r in rows])
+        arms[arm] = {"attention": rows[0]["attention"], "optimizer": rows[0]["optimizer"],
+                     "learning_rate": rows[0]["learning_rate"],
+                     "final_eval_loss": loss["mean"], "final_eval_loss_interval": loss,
+                     "final_eval_accuracy": float(np.mean([r["test_eval_accuracy"] for r in rows])),
+                     "max_attn_logit": logit["mean"], "max_attn_logit_interval": logit,
+                     "max_attn_logit_peak": float(max(r["max_attn_logit_peak"] for r in rows)),
+                     "max_attn_logit_per_layer": rows[0]["max_attn_logit_per_layer"]}
 
     plot_curves(os.path.join(workdir, "eval_loss.png"), {a: eval_series(r["history"]) for a, r in runs.items()},
-                title=f"muon_split: eval loss (B={B}, T={T}, {tc.steps} steps)")
+                title=f"muon_split: dev eval loss (B={B}, T={T}, {tc.steps} steps, seed {cfg.seeds[0]})")
     plot_curves(os.path.join(workdir, "max_attn_logit.png"),
                 {a: eval_series(r["history"], "max_attn_logit") for a, r in runs.items()},
                 title="muon_split: max |q.k|*scale over layers, heads, visible keys", ylabel="max attention logit")
     mla, gqa = cfgs["mla"], cfgs["gqa"]
-    report = {"arms": arms, "steps": tc.steps, "tokens_per_step": B * T, "tokens_total": B * T * tc.steps,
+    report = {"primary_metric": cfg.PRIMARY, "arms": arms, "per_seed": per_seed, "seeds": list(cfg.seeds),
+              "sweep": sweep, "chosen_muon_learning_rate": muon_lr, "regime_from_sweep": chosen is not None,
+              "steps": tc.steps, "tokens_per_step": B * T, "tokens_total": B * T * tc.steps,
               "gqa_kv_heads": gqa.num_kv_heads, "num_heads": mla.num_heads, "wall_time_s": time.time() - t_start}
     ref = arms.get("gqa_muon", {}).get("final_eval_loss")
-    rows = [[a, v["optimizer"], v["learning_rate"], v["final_eval_loss"],
+    rows = [[a, v["optimizer"], v["learning_rate"],
+             fmt_interval(v["final_eval_loss"], v["final_eval_loss_interval"]["lo"], v["final_eval_loss_interval"]["hi"], 4),
              f"{100.0 * (v['final_eval_loss'] - ref) / ref:+.2f}%" if ref else "-", v["final_eval_accuracy"],
-             v["max_attn_logit"], v["max_attn_logit_peak"]] for a, v in arms.items()]
+             fmt_interval(v["max_attn_logit"], v["max_attn_logit_interval"]["lo"], v["max_attn_logit_interval"]["hi"], 2),
+             v["max_attn_logit_peak"]] for a, v in arms.items()]
+    srows = [[r["learning_rate"], r["dev_eval_loss"], r["max_attn_logit"], r["max_attn_logit_peak"]] for r in sweep]
+    sweep_md = (f"""## Regime search (plain-Muon MLA, {cfg.sweep_steps} steps per LR, dev loss)
+
+{md_table(["muon peak lr", "dev eval loss", "final max logit", "peak max logit"], srows)}
+
+Chosen: muon_learning_rate = {muon_lr:g} (largest final max logit with a finite loss).
+""" if sweep else f"No regime search (muon_lr_sweep empty): muon_learning_rate = {muon_lr:g} as configured.\n")
+    iv = "95% t interval over seeds" if len(cfg.seeds) > 1 else "one seed, no interval"
     md = f"""# muon_split
 
-Four arms trained from scratch for {tc.steps} steps of {B}x{T} = {B * T} tokens (same data stream, same
-width/depth: d_model {mla.d_model}, {mla.num_layers} layers, {mla.num_heads} heads, dense SwiGLU {mla.ffn_dim}).
+**Primary metric (named before the run):** {cfg.PRIMARY}.
+
+Four arms trained from scratch for {tc.steps} steps of {B}x{T} = {B * T} tokens (same data stream per seed, same
+width/depth: d_model {mla.d_model}, {mla.num_layers} layers, {mla.num_heads} heads, dense SwiGLU {mla.ffn_dim}); seeds {list(cfg.seeds)}.
 MLA: q_lora {mla.q_lora_rank}, kv_lora {mla.kv_lora_rank}, qk {mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}, v {mla.v_head_dim}.
 GQA: {gqa.num_heads} query heads, {gqa.num_kv_heads} KV heads, head_dim {gqa.head_dim}.
 Schedule: {tc.warmup_steps} warm-up steps then cosine to 0.1x; weight decay {tc.weight_decay}; grad clip {tc.grad_clip}.
 Muon's update RMS is matched to AdamW's (0.2 sqrt(max(fan_in, fan_out))); non-matrix parameters use AdamW in
-every arm. Held-out Python standard-library files, {len(lm_eval)} eval batches.
+every arm. Held-out Python standard-library files: {len(lm_dev)} dev batches (curves, regime choice) and
+{len(lm_test)} test batches (the loss column; never used to choose anything).
 
-{md_table(["arm", "optimizer", "peak lr", "final eval loss", "vs gqa_muon", "eval token acc",
-           "final max logit", "peak max logit"], rows)}
+{sweep_md}
+## Arms (Muon arms at peak lr {muon_lr:g}; AdamW at {tc.learning_rate:g})
+
+{md_table(["arm", "optimizer", "peak lr", "test loss (" + iv + ")", "vs gqa_muon", "test token acc",
+           "final max logit (" + iv + ")", "peak max logit"], rows)}
 
 ![eval loss](eval_loss.png)
 

@@ -60,3 +60,57 @@ def md_table(header: list[str], rows: list[list]) -> str:
 def eval_series(history: list[dict], key: str = "eval_loss", offset: int = 0) -> tuple[list, list]:
     rows = [r for r in history if key in r]
     return [r["step"] + offset for r in rows], [r[key] for r in rows]
+
+
+# ---- intervals (shared by every experiment's report) -------------------------------------------
+
+# two-sided 95% Student-t quantiles for 1..30 degrees of freedom (scipy is not a dependency)
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sound at 0 and 1, unlike p +- z*se)."""
+    if n <= 0 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
+    p = successes / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def mean_interval(values) -> dict:
+    """Mean over seeds (or any repeats) with a 95% Student-t interval; one value gives no interval
+    (lo = hi = None), so a report says 'n=1' instead of inventing one."""
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ValueError("mean_interval: no values")
+    n = len(xs)
+    m = sum(xs) / n
+    if n == 1:
+        return {"mean": m, "lo": None, "hi": None, "n": 1}
+    sd = (sum((x - m) ** 2 for x in xs) / (n - 1)) ** 0.5
+    t = _T95[min(n - 1, len(_T95)) - 1] if n - 1 <= len(_T95) else 1.96
+    half = t * sd / n ** 0.5
+    return {"mean": m, "lo": m - half, "hi": m + half, "n": n}
+
+
+def paired_bootstrap_interval(a, b, *, reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """mean(a - b) over paired items (e.g. per-probe correctness of two arms on the same probes)
+    with a 95% percentile bootstrap interval over items -> (diff, lo, hi)."""
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"paired_bootstrap_interval: need two equal-length 1-d samples, got {a.shape} and {b.shape}")
+    d = a - b
+    idx = np.random.default_rng(seed).integers(0, d.size, size=(reps, d.size))
+    boots = d[idx].mean(1)
+    return float(d.mean()), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
+
+
+def fmt_interval(x: float, lo, hi, digits: int = 3) -> str:
+    """'0.812 [0.760, 0.856]' (or '0.812 (n=1)' when there is no interval)."""
+    if lo is None or hi is None:
+        return f"{x:.{digits}f} (n=1)"
+    return f"{x:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"

@@ -119,8 +119,21 @@ def test_monitor_every_validation():
 def test_muon_split_micro_run(tmp_path):
     from experiments.run import run_experiment
     from tests.test_experiments import MICRO
-    report = run_experiment("muon_split", str(tmp_path), "tiny", MICRO["muon_split"])
+    micro = {**MICRO["muon_split"], "muon_lr_sweep": "0.001,0.003", "sweep_steps": "2", "seeds": "0,1"}
+    report = run_experiment("muon_split", str(tmp_path), "tiny", micro)
     on_disk = json.load(open(tmp_path / "report.json"))
+    # the regime search ran both LRs and the headline Muon arms use the one with the largest final logit
+    sweep = on_disk["sweep"]
+    assert [r["learning_rate"] for r in sweep] == [0.001, 0.003]
+    best = max(sweep, key=lambda r: r["max_attn_logit"])["learning_rate"]
+    assert on_disk["chosen_muon_learning_rate"] == best == on_disk["arms"]["mla_muon"]["learning_rate"]
+    # two seeds: a t interval around the mean of the per-seed values
+    for arm, v in on_disk["arms"].items():
+        per = [on_disk["per_seed"][arm][s]["max_attn_logit"] for s in ("0", "1")]
+        assert v["max_attn_logit"] == pytest.approx(sum(per) / 2)
+        assert v["max_attn_logit_interval"]["lo"] <= v["max_attn_logit"] <= v["max_attn_logit_interval"]["hi"]
+    assert os.path.exists(tmp_path / "seed_1" / "gqa_muon" / "metrics.jsonl")
+    assert "Regime search" in open(tmp_path / "report.md").read()
     assert set(on_disk["arms"]) == {"mla_adamw", "mla_muon", "mla_muon_split", "gqa_muon"}
     for arm, v in on_disk["arms"].items():
         assert math.isfinite(v["final_eval_loss"]) and math.isfinite(v["max_attn_logit"]), arm
