@@ -86,8 +86,8 @@ def _model(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
 
 TINY = ChatSFTConfig(
     model=_model(128, 4, 2, 384),
-    train=TrainConfig(steps=500, batch_size=8, seq_len=256, learning_rate=2e-3, warmup_steps=30, min_lr_ratio=0.1,
-                      weight_decay=0.0, eval_every=100, log_every=50, ckpt_every=500, seed=0),
+    train=TrainConfig(steps=800, batch_size=8, seq_len=256, learning_rate=2e-3, warmup_steps=30, min_lr_ratio=0.1,
+                      weight_decay=0.0, eval_every=200, log_every=50, ckpt_every=800, seed=0),
 )
 SMALL = dataclasses.replace(
     TINY, model=_model(256, 8, 4, 768),
