@@ -181,7 +181,7 @@ class _Proc:
                                 "intra_op_parallelism_threads=1").strip()
         self.p = subprocess.Popen([sys.executable, "-m", "tools.bench_vs_hf", "--worker", side, "--ckpt", ckpt,
                                    "--threads", str(threads), "--train", f"{TRAIN_B},{TRAIN_T}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  env=env, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                                  env=env, text=True)
         self.hello = self._read()
 
     def _read(self):
