@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.registry import register  # noqa: E402
-from experiments.report import eval_series, md_table, plot_curves, write_report  # noqa: E402
+from experiments.report import eval_series, fmt_interval, md_table, mean_interval, plot_curves, write_report  # noqa: E402
 from glm5_jax.config import ConfigError, ModelConfig, preset  # noqa: E402
 from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
 from glm5_jax.infer import speculative_generate  # noqa: E402
@@ -70,6 +70,14 @@ class MtpSharingConfig:
     num_draft: int = 4
     draft_sweep: tuple[int, ...] = ()      # extra draft counts to measure (empty: only num_draft)
     arms: tuple[str, ...] = ARM_NAMES
+    # sampled (temperature 1) speculative acceptance: `sampled_contexts` held-out windows of prompt_len
+    # tokens, `sampled_draws` independent draft chains each
+    sampled_contexts: int = 32
+    sampled_draws: int = 8
+    repetitive_below: float = 0.5          # greedy continuation with distinct-token fraction below: "repetitive"
+
+    PRIMARY: ClassVar[str] = ("sampled_acceptance_length (temperature 1, speculative-sampling rejection "
+                              f"verification, 4 drafts, held-out code), shared3 vs depth1")
 
     STEPS_KEY: ClassVar[str] = "train.steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "data.vocab_size", "data.seq_len": "train.seq_len",
@@ -81,9 +89,11 @@ class MtpSharingConfig:
         bad = [a for a in self.arms if a not in ARMS]
         if bad or not self.arms:
             raise ConfigError(f"MtpSharingConfig.arms={self.arms!r} is invalid: a non-empty subset of {', '.join(ARMS)}")
-        for f in ("num_prompts", "prompt_len", "max_new_tokens", "num_draft"):
+        for f in ("num_prompts", "prompt_len", "max_new_tokens", "num_draft", "sampled_contexts", "sampled_draws"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"MtpSharingConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        if not 0.0 < self.repetitive_below <= 1.0:
+            raise ConfigError(f"MtpSharingConfig.repetitive_below={self.repetitive_below!r} is invalid: in (0, 1]")
         if any(n < 1 for n in self.draft_sweep):
             raise ConfigError(f"MtpSharingConfig.draft_sweep={self.draft_sweep!r} is invalid: draft counts >= 1")
 
@@ -159,16 +169,90 @@ def teacher_forced(cfg: ModelConfig, params, batches, num_draft: int) -> dict:
             masks.append(m.astype(jnp.float32))
         hits, masks = jnp.stack(hits), jnp.stack(masks)                    # [n, B, T]
         acc = jnp.sum(hits * masks, axis=(1, 2)), jnp.sum(masks, axis=(1, 2))
-        run = 1.0 + jnp.sum(jnp.cumprod(hits, axis=0), axis=0)              # [B, T]
+        chain = jnp.cumprod(hits, axis=0)                                     # [n, B, T]
+        run = 1.0 + jnp.sum(chain, axis=0)                                    # [B, T]
         full = masks[-1]                                                      # all depths in the document
-        return acc, (jnp.sum(run * full), jnp.sum(full))
+        return acc, (jnp.sum(run * full), jnp.sum(full)), jnp.sum(chain * full, axis=(1, 2))
 
-    hit, cnt, rs, rc = np.zeros(num_draft), np.zeros(num_draft), 0.0, 0.0
+    hit, cnt, rs, rc, ch = np.zeros(num_draft), np.zeros(num_draft), 0.0, 0.0, np.zeros(num_draft)
     for b in batches:
-        (h, c), (r, n) = f(ip, {k: jnp.asarray(v) for k, v in b.items()})
+        (h, c), (r, n), cd = f(ip, {k: jnp.asarray(v) for k, v in b.items()})
         hit, cnt, rs, rc = hit + np.asarray(h), cnt + np.asarray(c), rs + float(r), rc + float(n)
+        ch = ch + np.asarray(cd)
     return {"oracle_acceptance_length": rs / max(rc, 1.0),
-            "draft_accuracy_by_depth": [float(x) for x in hit / np.maximum(cnt, 1.0)]}
+            "draft_accuracy_by_depth": [float(x) for x in hit / np.maximum(cnt, 1.0)],
+            # teacher-forced acceptance per depth: P(drafts 1..k all equal the held-out tokens)
+            "oracle_acceptance_by_depth": [float(x) for x in ch / max(rc, 1.0)]}
+
+
+def held_out_contexts(data, num: int, length: int) -> np.ndarray:
+    """[num', length] windows of held-out files (each within one file, positions 0..length-1), taken at
+    offsets 0, length, 2*length, ... of the files at least that long, spread over the eval split."""
+    split = data.splits["eval"]
+    out = []
+    for d in range(split.num_docs):
+        doc = np.asarray(split.doc(d), np.int32)
+        out += [doc[o:o + length] for o in range(0, len(doc) - length + 1, length)]
+    if not out:
+        raise ValueError(f"no held-out file has >= {length} tokens; lower prompt_len")
+    pick = np.unique(np.linspace(0, len(out) - 1, num=min(num, len(out))).astype(int))
+    return np.stack([out[i] for i in pick])
+
+
+def sampled_acceptance(cfg: ModelConfig, params, contexts: np.ndarray, num_draft: int, draws: int,
+                       seed: int = 0) -> dict:
+    """Speculative SAMPLING acceptance at temperature 1 after each held-out context (as in Leviathan et
+    al. / DeepSeek-V3's MTP drafting): the main head samples the next token x1 ~ p; MTP depth k samples
+    draft d_k ~ q_k given the trunk state and the tokens so far; the main model then scores every
+    draft and d_k is accepted with probability min(1, p(d_k) / q_k(d_k)) while all before it were.
+    Acceptance length = 1 + accepted drafts, averaged over contexts x draws (each draw independent).
+    The committed context is real held-out text, so the figure is not inflated by the model's own
+    repetitive continuations."""
+    icfg, ip = inference_model(cfg, params, num_draft)
+    icfg = icfg.replace(mtp_depth=num_draft)
+    n, c = contexts.shape
+    K = num_draft
+    L = c + K + 1
+    fwd = jax.jit(lambda p, toks: GLM5(icfg).apply(
+        {"params": p}, toks, jnp.broadcast_to(jnp.arange(L), toks.shape), jnp.ones_like(toks), mtp=True))
+    toks = np.zeros((n * draws, L), np.int32)
+    toks[:, :c] = np.repeat(contexts, draws, axis=0)
+    key = jax.random.PRNGKey(seed)
+    t = c - 1
+    out = fwd(ip, jnp.asarray(toks))
+    key, k0 = jax.random.split(key)
+    toks[:, c] = np.asarray(jax.random.categorical(k0, out["logits"][:, t]))
+    q_of_draft = np.zeros((n * draws, K))
+    for k in range(K):               # depth k+1 at position t reads token t+k+1 and predicts t+k+2
+        out = fwd(ip, jnp.asarray(toks))
+        logq = jax.nn.log_softmax(out["mtp_logits"][k][:, t], -1)
+        key, kk = jax.random.split(key)
+        d = np.asarray(jax.random.categorical(kk, logq))
+        toks[:, c + 1 + k] = d
+        q_of_draft[:, k] = np.exp(np.take_along_axis(np.asarray(logq), d[:, None], -1)[:, 0])
+    logp = jax.nn.log_softmax(fwd(ip, jnp.asarray(toks))["logits"], -1)          # [N, L, V]
+    p_of_draft = np.stack([np.exp(np.asarray(logp[np.arange(n * draws), c + k, toks[:, c + 1 + k]]))
+                           for k in range(K)], axis=1)
+    key, ku = jax.random.split(key)
+    u = np.asarray(jax.random.uniform(ku, p_of_draft.shape))
+    accepted = np.cumprod(u < np.minimum(1.0, p_of_draft / np.maximum(q_of_draft, 1e-30)), axis=1)
+    lengths = 1.0 + accepted.sum(1)
+    per_context = lengths.reshape(n, draws).mean(1)
+    return {"sampled_acceptance_length": float(lengths.mean()),
+            "sampled_acceptance_by_depth": [float(x) for x in accepted.mean(0)],
+            "sampled_per_context": per_context}
+
+
+def greedy_by_prompt(cfg: ModelConfig, params, prompts, num_draft: int, max_new_tokens: int,
+                     repetitive_below: float) -> dict:
+    """Greedy self-speculative acceptance per prompt, split by whether the greedy continuation is
+    repetitive (distinct-token fraction < repetitive_below), so loop-following is shown apart."""
+    rows = [measure_acceptance(cfg, params, [p], num_draft, max_new_tokens) for p in prompts]
+    rep = [r for r in rows if r["distinct_token_fraction"] < repetitive_below]
+    non = [r for r in rows if r["distinct_token_fraction"] >= repetitive_below]
+    mean = lambda rs: float(np.mean([r["acceptance_length"] for r in rs])) if rs else None  # noqa: E731
+    return {"greedy_acceptance_repetitive": mean(rep), "greedy_acceptance_non_repetitive": mean(non),
+            "greedy_prompts_repetitive": len(rep), "greedy_prompts_non_repetitive": len(non)}
 
 
 def plot_acceptance(path: str, arms: dict, num_draft: int, sweep: list[int]) -> str:
@@ -221,8 +305,13 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
     B, T = tc.batch_size, tc.seq_len
     data = build_lm_data(cfg.data)
     cfgs = arm_configs(cfg.model)
-    lm_eval = list(data.eval_batches(B, T, max_batches=tc.eval_batches))
+    log(f"primary metric (named before the run): {cfg.PRIMARY}")
+    # held-out batches: first half dev (training curves), second half test (oracle acceptance)
+    lm_all = list(data.eval_batches(B, T, max_batches=2 * tc.eval_batches))
+    half = max(1, len(lm_all) // 2)
+    lm_eval, lm_test = lm_all[:half], lm_all[half:] or lm_all[:half]
     prompts = held_out_prompts(data, cfg.num_prompts, cfg.prompt_len)
+    contexts = held_out_contexts(data, cfg.sampled_contexts, cfg.prompt_len)
     nd = cfg.num_draft
     sweep = sorted(set(cfg.draft_sweep) | ({nd} if cfg.draft_sweep else set()))
     runs, arms = {}, {}
@@ -244,7 +333,10 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
         for n in sweep:
             if n != nd:
                 by_n[str(n)] = measure_acceptance(mcfg, r["params"], prompts, n, cfg.max_new_tokens)["acceptance_length"]
-        tf = teacher_forced(mcfg, r["params"], lm_eval, nd)
+        tf = teacher_forced(mcfg, r["params"], lm_test, nd)
+        sam = sampled_acceptance(mcfg, r["params"], contexts, nd, cfg.sampled_draws, seed=tc.seed)
+        gsplit = greedy_by_prompt(mcfg, r["params"], prompts, nd, cfg.max_new_tokens, cfg.repetitive_below)
+        sam_ci = mean_interval(sam["sampled_per_context"])       # over held-out contexts
         mtp_rows = [row for row in r["history"] if "mtp_loss" in row]
         arms[arm] = {"mtp_depth": mcfg.mtp_depth, "mtp_share": mcfg.mtp_share, "description": ARMS[arm][2],
                      "mtp_layers_trained": 1 if mcfg.mtp_share else mcfg.mtp_depth,
@@ -253,6 +345,10 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
                      "acceptance_by_num_draft": by_n,
                      "oracle_acceptance_length": tf["oracle_acceptance_length"],
                      "draft_accuracy_by_depth": tf["draft_accuracy_by_depth"],
+                     "oracle_acceptance_by_depth": tf["oracle_acceptance_by_depth"],
+                     "sampled_acceptance_length": sam["sampled_acceptance_length"],
+                     "sampled_acceptance_interval": sam_ci,
+                     "sampled_acceptance_by_depth": sam["sampled_acceptance_by_depth"], **gsplit,
                      "final_eval_loss": float(r["final"]["eval_loss"]),
                      "final_eval_accuracy": float(r["final"]["eval_accuracy"]),
                      "final_train_mtp_loss": float(mtp_rows[-1]["mtp_loss"]) if mtp_rows else None,
@@ -264,7 +360,8 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
                 title=f"mtp_sharing: main-head eval loss (B={B}, T={T}, mtp_weight={tc.mtp_weight})")
     plot_acceptance(os.path.join(workdir, "acceptance_length.png"), arms, nd, sweep)
     c0 = next(iter(cfgs.values()))
-    report = {"arms": arms, "paper_acceptance_length_4_steps": PAPER, "num_draft": nd,
+    report = {"primary_metric": cfg.PRIMARY, "arms": arms, "paper_acceptance_length_4_steps": PAPER, "num_draft": nd,
+              "sampled_contexts": int(len(contexts)), "sampled_draws": cfg.sampled_draws,
               "num_prompts": len(prompts), "prompt_len": cfg.prompt_len, "max_new_tokens": cfg.max_new_tokens,
               "steps": tc.steps, "tokens_per_step": B * T, "tokens_total": B * T * tc.steps,
               "mtp_weight": tc.mtp_weight, "wall_time_s": None}
@@ -275,6 +372,14 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
              v["acceptance_length"], v["distinct_token_fraction"], v["oracle_acceptance_length"]]
             for a, v in arms.items()]
     drows = [[a] + v["draft_accuracy_by_depth"] for a, v in arms.items()]
+    ci = lambda v: fmt_interval(v["sampled_acceptance_length"], v["sampled_acceptance_interval"]["lo"],  # noqa: E731
+                                v["sampled_acceptance_interval"]["hi"])
+    fmt_opt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    prows = [[a, ci(v), v["oracle_acceptance_length"], v["acceptance_length"],
+              f"{fmt_opt(v['greedy_acceptance_non_repetitive'])} ({v['greedy_prompts_non_repetitive']})",
+              f"{fmt_opt(v['greedy_acceptance_repetitive'])} ({v['greedy_prompts_repetitive']})"] for a, v in arms.items()]
+    orows = [[a] + v["oracle_acceptance_by_depth"] for a, v in arms.items()]
+    smrows = [[a] + v["sampled_acceptance_by_depth"] for a, v in arms.items()]
     sweep_md = ""
     if sweep:
         srows = [[a] + [v["acceptance_by_num_draft"].get(str(n), float("nan")) for n in sweep] for a, v in arms.items()]
@@ -282,6 +387,23 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
             ["arm"] + [f"{n} drafts" for n in sweep], srows) + "\n"
     comp = _comparison(arms, nd, len(prompts), tc.steps)
     md = f"""# mtp_sharing
+
+**Primary metric (named before the run):** {cfg.PRIMARY}.
+
+{md_table(["arm", f"sampled acceptance (T=1, 95% t interval over {len(contexts)} held-out contexts x {cfg.sampled_draws} draws)",
+           "oracle (teacher-forced, test batches)", "greedy self-spec. (all)", "greedy, non-repetitive (n)",
+           "greedy, repetitive (n)"], prows)}
+
+Sampled acceptance: after each held-out context the main head samples the next token, the MTP layer(s)
+sample {nd} drafts at temperature 1, and draft k is accepted with probability min(1, p/q) while every
+earlier one was (speculative-sampling verification). "Repetitive": greedy continuation with a
+distinct-token fraction below {cfg.repetitive_below}.
+
+Acceptance per depth (fraction of positions / draws whose drafts 1..k are all accepted):
+
+{md_table(["arm"] + [f"teacher-forced <= {k + 1}" for k in range(nd)], orows)}
+
+{md_table(["arm"] + [f"sampled <= {k + 1}" for k in range(nd)], smrows)}
 
 Three arms trained from scratch for {tc.steps} steps of {B}x{T} = {B * T} tokens on the same token stream,
 same trunk and same initial trunk weights ({c0.attention}, d_model {c0.d_model}, {c0.num_layers} layers,

@@ -36,7 +36,7 @@ MICRO = {
                     "train.eval_batches": "1", "model.num_layers": "1", "model.d_model": "32", "model.ffn_dim": "64",
                     "train.warmup_steps": "1", "num_prompts": "2", "prompt_len": "8", "max_new_tokens": "8",
                     "model.q_lora_rank": "16", "model.kv_lora_rank": "16", "model.qk_nope_head_dim": "8",
-                    "model.qk_rope_head_dim": "8", "model.v_head_dim": "8"},
+                    "model.qk_rope_head_dim": "8", "model.v_head_dim": "8", "sampled_contexts": "2", "sampled_draws": "2"},
     "grpo_icepop": {"model.d_model": "32", "model.num_heads": "2", "model.ffn_dim": "64", "model.q_lora_rank": "16",
                     "model.kv_lora_rank": "16", "model.qk_nope_head_dim": "16", "model.v_head_dim": "16",
                     "train.steps": "4", "train.batch_size": "4", "train.seq_len": "32", "rl.steps": "2",

@@ -66,11 +66,18 @@ def test_mtp_sharing_micro_run(tmp_path):
         assert math.isfinite(v["final_eval_loss"]), arm
         assert 1.0 <= v["oracle_acceptance_length"] <= 5.0, arm
         assert len(v["draft_accuracy_by_depth"]) == 4 and all(0.0 <= a <= 1.0 for a in v["draft_accuracy_by_depth"])
+        # sampled (T=1) acceptance: 1 + sum over depths of P(drafts 1..k accepted), non-increasing in k
+        by = v["sampled_acceptance_by_depth"]
+        assert v["sampled_acceptance_length"] == pytest.approx(1.0 + sum(by)) and 1.0 <= 1.0 + sum(by) <= 5.0
+        assert all(a >= b for a, b in zip(by, by[1:]))
+        ob = v["oracle_acceptance_by_depth"]
+        assert v["oracle_acceptance_length"] == pytest.approx(1.0 + sum(ob), rel=1e-5)
+        assert v["greedy_prompts_repetitive"] + v["greedy_prompts_non_repetitive"] == on_disk["num_prompts"]
     assert on_disk["arms"]["indep3"]["mtp_layers_trained"] == 3
     assert report["arms"].keys() == on_disk["arms"].keys()
     for f in ("report.md", "eval_loss.png", "acceptance_length.png"):
         assert os.path.exists(tmp_path / f)
     md = open(tmp_path / "report.md").read()
-    assert "2.76" in md and "2.55" in md
+    assert "2.76" in md and "2.55" in md and "Primary metric" in md and "sampled acceptance" in md
     rows = [json.loads(l) for l in open(tmp_path / "shared3" / "metrics.jsonl")]
     assert any("mtp_loss" in r for r in rows)
