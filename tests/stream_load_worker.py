@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 SIZES = {   # small: ~25 MB (default test run); large: >= 200 MB (slow test)
-    "small": dict(vocab_size=8192, d_model=384, num_layers=3, ffn_dim=1024, num_heads=4, q_lora_rank=128,
+    "small": dict(vocab_size=8192, d_model=384, num_layers=2, ffn_dim=1024, num_heads=4, q_lora_rank=128,
                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4,
                   index_head_dim=32, index_topk=8, num_experts=8, moe_ffn_dim=256, experts_per_tok=2,
                   first_k_dense=1, mtp_depth=1, param_dtype="bfloat16"),
@@ -116,14 +116,12 @@ def load(path: str, out: str) -> None:
     ckpt_bytes = sum(2 * int(np.prod(s)) for s in sizes)
 
     # logits of the loaded bf16 params on the 8-device mesh against float32 params (the same values) on one
-    # device, float32 compute in both: this checks every shard landed where it belongs. bf16 compute is
-    # reported too, not compared: DSA top-k and MoE routing are discrete, and with random weights bf16
-    # rounding flips some selections, so its error says nothing about the load
+    # device, float32 compute in both: this checks every shard landed where it belongs (bf16 compute is
+    # no parity check: DSA top-k and MoE routing are discrete, and bf16 rounding flips selections)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (8, 32)).astype(np.int32)
     with use_mesh(mesh):
         got = np.asarray(jax.jit(lambda p, t: model.forward(cfg.replace(dtype="float32"), p, t))(params, tokens))
-        got16 = np.asarray(jax.jit(lambda p, t: model.forward(cfg.replace(dtype="bfloat16"), p, t))(params, tokens))
     want_dtypes = {str(a.dtype) for a in jax.tree_util.tree_leaves(nn.unbox(model.abstract_params(cfg)))}
     del params
     ref_cfg, ref = hf.load_checkpoint(path, dtype="float32")
@@ -135,7 +133,6 @@ def load(path: str, out: str) -> None:
                   param_dtypes=sorted({str(x.dtype) for x in leaves}), model_dtypes=sorted(want_dtypes),
                   sharded_leaves=sum(not x.sharding.is_fully_replicated for x in leaves),
                   max_abs_logit=scale, max_abs_logit_err=float(np.abs(got - want).max()),
-                  max_abs_logit_err_bf16_compute=float(np.abs(got16 - want).max()),
                   tolerance=2 ** -6 * max(scale, 1.0))     # a few bf16 ulps of the logit scale
     with open(out, "w") as f:
         json.dump(result, f, indent=2)

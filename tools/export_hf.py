@@ -2,8 +2,9 @@
 
     python -m tools.export_hf --checkpoint=ORBAX_DIR --out=DIR [--max_shard_bytes=5000000000] [--mesh=fsdp:8]
 
-ORBAX_DIR is a params checkpoint (config.json + params/, as tools.convert_hf writes it). The params
-are restored onto the mesh (default one device) and written one HF tensor at a time
+ORBAX_DIR is a params checkpoint (config.json + params/, as tools.convert_hf writes it) or a training
+run (its workdir, WORKDIR/checkpoints or one step folder: the latest step's params, the model from
+WORKDIR/model_config.json; glm5_jax.train.checkpoint.load_params). The params are restored onto the mesh (default one device) and written one HF tensor at a time
 (glm5_jax.hf.save_checkpoint: layer stacks sliced back into `model.layers.<i>.*`, experts per expert,
 the MTP layer as `model.layers.<num_layers + k>.*`), so HF -> convert_hf -> export_hf -> HF is
 bit-exact. Weights keep the checkpoint's dtype (no FP8 re-quantisation).
@@ -20,7 +21,8 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
-    flags.DEFINE_string("checkpoint", None, "Params checkpoint folder (config.json + params/).")
+    flags.DEFINE_string("checkpoint", None, "Params checkpoint (config.json + params/) or a training run's "
+                        "workdir / checkpoints folder.")
     flags.DEFINE_string("out", None, "Output folder for config.json + safetensors.")
     flags.DEFINE_integer("max_shard_bytes", 5 * 10**9, "Split the safetensors into files of at most this many "
                          "bytes (+ model.safetensors.index.json); 0 = one model.safetensors.")

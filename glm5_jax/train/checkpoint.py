@@ -11,9 +11,11 @@ exactly the slices each new device needs. The directory may be a local path or a
 knows (gs://...).
 
 Starting weights (`--init_from`, glm5_jax.train.state.init_from) come from `load_params`: a Hugging
-Face folder (config.json + safetensors, streamed by glm5_jax.hf.read_params) or a params checkpoint
-(config.json + an orbax `params/` tree, as tools.convert_hf writes with `save_params`), read straight
-onto the model's parameter shardings on the mesh.
+Face folder (config.json + safetensors, streamed by glm5_jax.hf.read_params), a params checkpoint
+(config.json + an orbax `params/` tree, as tools.convert_hf writes with `save_params`) or a training
+run (its workdir, its checkpoints/ folder or one step of it: the params of the state, its model from
+the MODEL_CONFIG file the loop writes into the workdir), read straight onto the model's parameter
+shardings on the mesh.
 """
 
 from __future__ import annotations
@@ -121,16 +123,42 @@ _RUNTIME_FIELDS = ("param_dtype", "dtype", "attention_impl", "attn_chunk", "rema
                    "moe_capacity_factor", "initializer_range", "mtp_depth")
 
 
+MODEL_CONFIG = "model_config.json"      # in a run's workdir: its ModelConfig.to_hf(), written by the loop
+
+
 class InitFromError(ValueError):
     """A starting checkpoint is not one, or holds a different model than the run's."""
 
 
+def _run_step_dir(path: str) -> str | None:
+    """The step folder (holding state/) a run path names: a step folder itself, a Checkpointer folder
+    (its latest step) or a workdir with checkpoints/; None when `path` is none of these."""
+    if os.path.isdir(os.path.join(path, "state")):
+        return path
+    ckdir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    steps = [int(n) for n in os.listdir(ckdir) if n.isdigit() and os.path.isdir(os.path.join(ckdir, n, "state"))] \
+        if os.path.isdir(ckdir) else []
+    return os.path.join(ckdir, str(max(steps))) if steps else None
+
+
+def _run_config_file(step_dir: str) -> str:
+    file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(step_dir))), MODEL_CONFIG)
+    if not os.path.exists(file):
+        raise InitFromError(f"training checkpoint {step_dir} has no {file} (written by glm5_jax.train.loop.train "
+                            f"into the workdir), so its model is unknown")
+    return file
+
+
 def checkpoint_kind(path) -> str:
-    """"hf" (config.json + safetensors) or "params" (config.json + orbax params/); InitFromError otherwise."""
+    """"hf" (config.json + safetensors), "params" (config.json + orbax params/) or "run" (a training
+    run's workdir, checkpoints/ or step folder); InitFromError otherwise."""
     path = os.fspath(path)
     if not os.path.exists(os.path.join(path, "config.json")):
+        if os.path.isdir(path) and _run_step_dir(path) is not None:
+            return "run"
         raise InitFromError(f"{path} is not a checkpoint: it has no config.json (expected a Hugging Face folder "
-                            f"with config.json + *.safetensors, or tools.convert_hf's config.json + params/)")
+                            f"with config.json + *.safetensors, tools.convert_hf's config.json + params/, or a "
+                            f"training run's workdir / checkpoints folder)")
     if os.path.isdir(os.path.join(path, "params")):
         return "params"
     if os.path.exists(os.path.join(path, "model.safetensors")) or \
@@ -144,9 +172,10 @@ def checkpoint_config(path):
     """The ModelConfig of the checkpoint at `path` (either kind)."""
     from glm5_jax import hf
     from glm5_jax.config import ModelConfig
-    if checkpoint_kind(path) == "hf":
+    kind = checkpoint_kind(path)
+    if kind == "hf":
         return hf.checkpoint_config(path)
-    raw = hf.read_hf_config(path)
+    raw = hf.read_hf_config(_run_config_file(_run_step_dir(os.fspath(path))) if kind == "run" else path)
     return ModelConfig.from_hf(raw, param_dtype=hf.checkpoint_dtype(raw))
 
 
@@ -181,11 +210,17 @@ def load_params(path, model_cfg, mesh=None):
     path = os.fspath(path)
     check_compatible(model_cfg, checkpoint_config(path), path)
     mesh = single_device_mesh() if mesh is None else mesh
-    if checkpoint_kind(path) == "hf":
+    kind = checkpoint_kind(path)
+    if kind == "hf":
         return hf.read_params(path, model_cfg, mesh)
     from glm5_jax.train.state import abstract_param_shapes
     target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                     abstract_param_shapes(model_cfg), param_shardings(model_cfg, mesh))
+    if kind == "run":                      # only the params of the run's state (no optimizer state)
+        item = {"params": target}
+        with ocp.PyTreeCheckpointer() as ckptr:
+            return ckptr.restore(os.path.join(os.path.abspath(_run_step_dir(path)), "state"), args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))["params"]
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
 

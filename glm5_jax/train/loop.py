@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from glm5_jax.config import ModelConfig
 from glm5_jax.optim import optimizer_table
 from glm5_jax.sharding import batch_sharding, single_device_mesh
-from glm5_jax.train.checkpoint import Checkpointer
+from glm5_jax.train.checkpoint import MODEL_CONFIG, Checkpointer
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.observe import RunObserver
 from glm5_jax.train.state import abstract_param_shapes, abstract_state, build_optimizer, init_train_state
@@ -146,6 +146,8 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     workdir = epath.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(workdir / "checkpoints", keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints)
+    if primary:        # the checkpoints' model, so they can start other runs / be exported (--init_from, export_hf)
+        (workdir / MODEL_CONFIG).write_text(json.dumps(model_cfg.to_hf(), indent=2))
     shapes = abstract_param_shapes(model_cfg)
     tx, labels = build_optimizer(model_cfg, tcfg, shapes)
     if primary:
