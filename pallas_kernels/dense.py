@@ -1,21 +1,26 @@
-"""Dense causal flash attention in pure jnp (the baseline of tools/bench_dsa.py).
+"""Dense causal flash attention in pure jnp: THE dense attention on CPU (glm5_jax.attention.core
+dispatches here) and the baseline of tools/bench_dsa.py.
 
-Block-tiled online softmax with a hand-written single-pass backward (custom_vjp, log-sum-exp
-saved). Only the ~T^2/2 block pairs on or below the causal diagonal are visited (dynamic-length
-inner loops), and only the diagonal block is masked. Memory is O(T) plus one [block, block] tile
-per head. q [B, T, H, D], k [B, T, Hk, D], v [B, T, Hk, Dv], Hk in {1, H}, S == T (prefill).
+Block-tiled online softmax with a hand-written single-pass backward (custom_vjp, only O and the
+log-sum-exp saved; probabilities recomputed per block pair). Only the ~T^2/2 block pairs on or
+below the causal diagonal are visited (dynamic-length inner loops). Memory is O(T) plus one
+[block, block] tile per head, forward and backward. q [B, T, H, Dq], k [B, T, Hk, Dq],
+v [B, T, Hk, Dv] with H % Hk == 0 (MHA, GQA, MQA; Dv != Dq allowed), S == T (prefill/training),
+optional `segment_ids` [B, T] (packed documents: a query sees only keys of its own document).
 
-Layout (what makes it fast on XLA CPU): one KV head per program. Hk = 1 (MQA, as DSA's absorbed
-MLA) folds the H query heads into the matmul rows, M = block*H, so every product is a plain 2-D
-GEMM with a single contracting dimension ([M, D] x [D, blk]); Hk = H is run as B*H sequences of
-one head. (Contracting over two dimensions at once, or broadcasting K/V to H heads, costs XLA CPU
-~2x per product.)
+Layout (what makes it fast on XLA CPU): one KV head per program. The g = H / Hk query heads that
+share a KV head are folded into the matmul rows, M = block*g (row m = query m // g, head m % g),
+and the KV heads into the batch, so every product is a plain 2-D GEMM with a single contracting
+dimension ([M, D] x [D, blk]). (Contracting over two dimensions at once, or broadcasting K/V to
+H heads, costs XLA CPU ~2x per product.)
 
 Backward (FlashAttention-2 order): the outer loop walks key blocks j and carries dK_j, dV_j; the
 inner loop walks query blocks i >= j and adds dS_ij K_j into a carried dQ. The probabilities are
 built transposed ([blk(k), M]) so that dV = P^T dO and dK = dS^T Q are NN GEMMs. Per block pair:
 5 matmuls (S, dP, dV, dK, dQ) and one exp, against 7 and two when the probabilities are recomputed
-once for dQ and once for dK/dV.
+once for dQ and once for dK/dV. With segment ids every visited block pair is masked (a key block
+may hold other documents); a row whose keys in a block are all masked keeps its running state
+(masked logits are -inf, the running max is taken as 0 while it is still -inf, never NaN).
 """
 
 from __future__ import annotations
@@ -32,16 +37,24 @@ def _mm(spec, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=_F32)
 
 
-def _diag_mask(blk, h):
-    """Bool [blk*H (query rows m = q*H + head), blk (keys)]: key <= query."""
-    return jnp.arange(blk)[None, :] <= (jnp.arange(blk * h) // h)[:, None]
+def _diag_mask(blk, g):
+    """Bool [blk*g (query rows m = q*g + head), blk (keys)]: key <= query."""
+    return jnp.arange(blk)[None, :] <= (jnp.arange(blk * g) // g)[:, None]
 
 
-def _fwd(q, k, v, scale, blk):
-    """q [B, n, blk*H, D], k [B, n, blk, D], v [B, n, blk, Dv] -> o [B, n, M, Dv], lse [B, n, M]."""
+def _block_mask(i, j, tri, segq, segk):
+    """Bool [B, M, blk] (or [M, blk] without segments) for query block i and key block j."""
+    causal = jnp.logical_or(j != i, tri)
+    if segq is None:
+        return causal
+    return causal & (segq[:, i][:, :, None] == segk[:, j][:, None, :])
+
+
+def _fwd(q, k, v, segq, segk, scale, blk):
+    """q [B, n, blk*g, D], k [B, n, blk, D], v [B, n, blk, Dv], segq [B, n, M], segk [B, n, blk]
+    (or None) -> o [B, n, M, Dv], lse [B, n, M]."""
     b, n, m, _ = q.shape
-    h = m // blk
-    tri = _diag_mask(blk, h)
+    tri = _diag_mask(blk, m // blk)
 
     def per_q(i):
         qb = q[:, i]
@@ -49,37 +62,37 @@ def _fwd(q, k, v, scale, blk):
         def step(j, c):
             mx, l, acc = c
             s = _mm("bmd,bkd->bmk", qb, k[:, j]) * scale
-            s = jax.lax.cond(j == i, lambda s: jnp.where(tri, s, -jnp.inf), lambda s: s, s)
+            s = jnp.where(_block_mask(i, j, tri, segq, segk), s, -jnp.inf)
             m_new = jnp.maximum(mx, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            alpha = jnp.exp(mx - m_new)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(mx - m_safe)
             pv = _mm("bmk,bkd->bmd", p.astype(v.dtype), v[:, j])
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
         init = (jnp.full((b, m), -jnp.inf, _F32), jnp.zeros((b, m), _F32),
                 jnp.zeros((b, m, v.shape[-1]), _F32))
         mx, l, acc = jax.lax.fori_loop(0, i + 1, step, init)
-        return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)
+        return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)  # l > 0: a query sees itself
 
     o, lse = jax.lax.map(per_q, jnp.arange(n))
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(lse, 0, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q, k, v, scale, blk):
-    return _fwd(q, k, v, scale, blk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, segq, segk, scale, blk):
+    return _fwd(q, k, v, segq, segk, scale, blk)[0]
 
 
-def _flash_fwd(q, k, v, scale, blk):
-    o, lse = _fwd(q, k, v, scale, blk)
-    return o, (q, k, v, o, lse)
+def _flash_fwd(q, k, v, segq, segk, scale, blk):
+    o, lse = _fwd(q, k, v, segq, segk, scale, blk)
+    return o, (q, k, v, segq, segk, o, lse)
 
 
 def _flash_bwd(scale, blk, res, do):
-    q, k, v, o, lse = res
+    q, k, v, segq, segk, o, lse = res
     b, n, m, _ = q.shape
-    h = m // blk
-    tri_t = _diag_mask(blk, h).T  # [blk(k), M]
+    tri = _diag_mask(blk, m // blk)
     delta = jnp.sum(do.astype(_F32) * o.astype(_F32), -1)  # [B, n, M]
 
     def per_k(dq, j):
@@ -89,7 +102,8 @@ def _flash_bwd(scale, blk, res, do):
             dk, dv, dq = c
             qb, dob = q[:, i], do[:, i]
             s_t = _mm("bkd,bmd->bkm", kb, qb) * scale
-            s_t = jax.lax.cond(i == j, lambda s: jnp.where(tri_t, s, -jnp.inf), lambda s: s, s_t)
+            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk), -1, -2)
+            s_t = jnp.where(mask_t, s_t, -jnp.inf)
             p_t = jnp.exp(s_t - lse[:, i][:, None, :])  # [B, k, M]
             dp_t = _mm("bkd,bmd->bkm", vb, dob)
             ds_t = p_t * (dp_t - delta[:, i][:, None, :]) * scale
@@ -103,27 +117,39 @@ def _flash_bwd(scale, blk, res, do):
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     dq, (dk, dv) = jax.lax.scan(per_k, jnp.zeros(q.shape, _F32), jnp.arange(n))
-    return dq.astype(q.dtype), jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
+    return dq.astype(q.dtype), jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q, k, v, *, scale: float, block: int = 512):
-    """Causal dense attention (S == T), differentiable; T must be a multiple of `block`
-    (smaller T uses one block)."""
+def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512):
+    """Causal dense attention (S == T), differentiable in q, k, v -> [B, T, H, Dv] in q's dtype.
+
+    q [B, T, H, Dq], k [B, T, Hk, Dq], v [B, T, Hk, Dv] (H % Hk == 0), segment_ids [B, T] or None.
+    T is padded up to a multiple of the block (min(block, T)); padded keys lie after every real
+    query, so the causal mask already hides them."""
     b, t, h, d = q.shape
-    hk, dv = k.shape[2], v.shape[-1]
-    if hk not in (1, h):
-        raise ValueError(f"k has {hk} heads; flash_attention allows 1 or H={h}")
-    blk = min(block, t)
-    if t % blk:
-        raise ValueError(f"T={t} must be a multiple of block={blk}")
-    n = t // blk
-    if hk == h and h > 1:  # one sequence per head: [B*H, T, 1, D]
-        fold = lambda x: jnp.swapaxes(x, 1, 2).reshape(b * h, t, 1, x.shape[-1])  # noqa: E731
-        o = flash_attention(fold(q), fold(k), fold(v), scale=scale, block=block)
-        return jnp.swapaxes(o.reshape(b, h, t, dv), 1, 2)
-    o = _flash(q.reshape(b, n, blk * h, d), k.reshape(b, n, blk, d), v.reshape(b, n, blk, dv),
-               float(scale), blk)
-    return o.reshape(b, t, h, dv)
+    s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if s != t or v.shape[1] != t:
+        raise ValueError(f"flash_attention needs S == T, got q T={t}, k S={s}, v S={v.shape[1]}")
+    if h % hk or v.shape[2] != hk:
+        raise ValueError(f"query heads {h} must be a multiple of key heads {hk} (v has {v.shape[2]})")
+    if segment_ids is not None and segment_ids.shape != (b, t):
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B={b}, T={t}]")
+    g = h // hk
+    blk = min(int(block), t)
+    n = -(-t // blk)
+    tp = n * blk
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    # KV heads into the batch, the g query heads of a KV head into the rows: [B*Hk, n, blk*g, D]
+    qf = jnp.swapaxes(pad(q).reshape(b, tp, hk, g, d), 1, 2).reshape(b * hk, n, blk * g, d)
+    fold = lambda x: jnp.swapaxes(pad(x), 1, 2).reshape(b * hk, n, blk, x.shape[-1])  # noqa: E731
+    segq = segk = None
+    if segment_ids is not None:
+        seg = jnp.repeat(pad(segment_ids.astype(jnp.int32)), hk, axis=0)  # [B*Hk, Tp]
+        segk = seg.reshape(b * hk, n, blk)
+        segq = jnp.repeat(seg, g, axis=1).reshape(b * hk, n, blk * g)
+    o = _flash(qf, fold(k), fold(v), segq, segk, float(scale), blk)  # [B*Hk, n, blk*g, Dv]
+    o = jnp.swapaxes(o.reshape(b, hk, tp, g, dv), 1, 2).reshape(b, tp, h, dv)
+    return o[:, :t]

@@ -10,7 +10,9 @@ kc selected keys, the online-softmax state lives in VMEM scratch. K and V stay i
 (memory_space=ANY). The chunk's indices arrive twice: as an SMEM block (scalar reads give the DMA
 source rows) and as a VMEM block [bq, 1, kc] (vector mask of the -1 slots). Each grid step
 gathers its bq*kc K rows and bq*kc V rows with one `make_async_copy` per row into VMEM buffers
-[bq, kc, D] (all K copies are started, then all V copies, then the K copies are waited for, so
+[bq, kc, 1, D] (K/V are viewed as [B, S, 1, D]: the row and slot indices then address untiled
+leading dimensions; a single-row copy into the tiled second-minor dimension of a bfloat16 buffer
+is rejected by Mosaic, "Offsets along tiled dimensions must be aligned to tiles") (all K copies are started, then all V copies, then the K copies are waited for, so
 the V gather overlaps the Q.K^T / softmax part); -1 slots copy row 0 and are masked. The
 gathered tiles feed batched dense matmuls ("qhd,qkd->qhk", batch = query).
 
