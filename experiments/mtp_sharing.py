@@ -77,7 +77,7 @@ class MtpSharingConfig:
     repetitive_below: float = 0.5          # greedy continuation with distinct-token fraction below: "repetitive"
 
     PRIMARY: ClassVar[str] = ("sampled_acceptance_length (temperature 1, speculative-sampling rejection "
-                              f"verification, 4 drafts, held-out code), shared3 vs depth1")
+                              "verification, 4 drafts, held-out code), shared3 vs depth1")
 
     STEPS_KEY: ClassVar[str] = "train.steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "data.vocab_size", "data.seq_len": "train.seq_len",
