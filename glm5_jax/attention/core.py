@@ -1,5 +1,13 @@
-"""Dense causal attention, chunked over queries (never a [T, S] array for long T), with GQA and
-document (segment) masking. The dense baseline next to DSA's sparse attention."""
+"""Dense causal attention for training and prefill (S == T, GQA / MQA, Dv != Dq, packed documents),
+one kernel per platform, chosen at trace time from the default backend:
+  * CPU: `pallas_kernels.dense.flash_attention`: jnp flash attention with a custom VJP that saves
+    only O and the log-sum-exp; the backward recomputes probabilities block by block, so memory is
+    linear in T (docs/kernels.md: compiled temp memory at T = 1K..4K);
+  * TPU: splash attention (jax.experimental.pallas.ops.tpu.splash_attention), segment ids as
+    SegmentIds, causal mask as a lazy CausalMask;
+  * GPU: Pallas Triton flash attention (jax.experimental.pallas.ops.gpu.attention.mha, which takes
+    segment ids; cuDNN's fused attention has no packed-document mask short of a [T, S] array).
+Plus attention over a decode cache (`cached_attention`), which is not a training path."""
 
 from __future__ import annotations
 
@@ -7,36 +15,91 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.utils import NEG_INF
-from pallas_kernels.reference import pick_chunk, visible_mask
+from pallas_kernels.dense import flash_attention
+
+PLATFORMS = ("cpu", "tpu", "gpu")
 
 
-def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 256):
-    """q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv] (H % Hk == 0) -> [B, T, H, Dv].
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
-    Causal alignment is bottom-right (query t sees key s iff s <= t + S - T); `segment_ids` [B, T]
-    (S == T) keeps attention inside each packed document. Softmax in float32.
+
+def _pad_axis(x, axis: int, size: int):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def splash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 128, interpret: bool = False):
+    """TPU: splash attention over [B, T, H, D] inputs (H % Hk == 0; Hk == 1 runs the MQA kernel).
+    q is pre-scaled (splash does not scale); T is padded to a multiple of `block` (padded keys come
+    after every real query: the causal mask hides them); Dq / Dv are zero-padded to one common
+    multiple of 128 (zeros change no dot product; the padded output columns are dropped)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    b, t, h, dq = q.shape
+    hk, dv = k.shape[2], v.shape[-1]
+    tp, dp = _round_up(t, block), _round_up(max(dq, dv), 128)
+    prep = lambda x: jnp.swapaxes(_pad_axis(_pad_axis(x, 1, tp), 3, dp), 1, 2)  # noqa: E731  [B, H, Tp, Dp]
+    qs, ks, vs = prep(q * jnp.asarray(scale, q.dtype)), prep(k), prep(v)
+    mask = sm.MultiHeadMask([sm.CausalMask((tp, tp)) for _ in range(h)])
+    bs = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                       block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mqa = hk == 1
+    make = sk.make_splash_mqa if mqa else sk.make_splash_mha
+    kernel = make(mask, block_sizes=bs, head_shards=1, q_seq_shards=1, interpret=interpret)
+    if mqa:
+        ks, vs = ks[:, 0], vs[:, 0]
+    if segment_ids is None:
+        out = jax.vmap(kernel)(qs, ks, vs)
+    else:
+        seg = _pad_axis(segment_ids.astype(jnp.int32), 1, tp)
+        out = jax.vmap(lambda a, b_, c, s_: kernel(a, b_, c, segment_ids=sk.SegmentIds(q=s_, kv=s_)))(qs, ks, vs, seg)
+    return jnp.swapaxes(out, 1, 2)[:, :t, :, :dv].astype(q.dtype)
+
+
+def gpu_flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 64, interpret: bool = False):
+    """GPU: Pallas Triton flash attention (fwd + Triton bwd) over [B, T, H, D]. KV heads are
+    repeated to H (the kernel is MHA-only), T is padded to a multiple of `block`, Dq / Dv
+    zero-padded to one power of two >= 16 (Triton block shapes)."""
+    from jax.experimental.pallas.ops.gpu import attention as ga
+    b, t, h, dq = q.shape
+    hk, dv = k.shape[2], v.shape[-1]
+    tp = _round_up(t, block)
+    dp = max(16, 1 << (max(dq, dv) - 1).bit_length())
+    prep = lambda x: _pad_axis(_pad_axis(x, 1, tp), 3, dp)  # noqa: E731
+    k, v = jnp.repeat(k, h // hk, axis=2), jnp.repeat(v, h // hk, axis=2)
+    seg = None if segment_ids is None else _pad_axis(segment_ids.astype(jnp.int32), 1, tp)
+    bs = ga.BlockSizes(block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block,
+                       block_q_dq=block, block_kv_dq=block)
+    out = ga.mha(prep(q), prep(k), prep(v), seg, sm_scale=float(scale), causal=True, block_sizes=bs,
+                 interpret=interpret)
+    return out[:, :t, :, :dv]
+
+
+def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 256, platform: str | None = None):
+    """q [B, T, H, Dq], k [B, T, Hk, Dq], v [B, T, Hk, Dv] (H % Hk == 0) -> [B, T, H, Dv] in q's dtype.
+
+    Causal; `segment_ids` [B, T] keeps attention inside each packed document. Softmax in float32.
+    `platform` (default: jax.default_backend()) picks the kernel (module docstring); `chunk` is the
+    CPU kernel's block. No [T, S] array forward or backward on any platform.
     """
     b, t, h, _ = q.shape
     s, hk = k.shape[1], k.shape[2]
     if h % hk:
         raise ValueError(f"query heads {h} must be a multiple of key heads {hk}")
-    g = h // hk
-    tc = pick_chunk(t, chunk)
-
-    def one_chunk(i):
-        t0 = i * tc
-        qc = jax.lax.dynamic_slice_in_dim(q, t0, tc, axis=1).reshape(b, tc, hk, g, -1)
-        seg_q = None if segment_ids is None else jax.lax.dynamic_slice_in_dim(segment_ids, t0, tc, 1)
-        logits = jnp.einsum("btkgd,bskd->bkgts", qc, k).astype(jnp.float32) * scale
-        mask = visible_mask(t0, tc, s, t, True, seg_q, segment_ids)     # [B|1, tc, S]
-        logits = jnp.where(mask[:, None, None], logits, NEG_INF)
-        p = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, tc, h, -1)
-
-    if tc == t:
-        return one_chunk(0)
-    out = jax.lax.map(one_chunk, jnp.arange(t // tc))
-    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, v.shape[-1])
+    if s != t:
+        raise ValueError(f"causal_attention needs S == T (training / prefill), got T={t}, S={s}; "
+                         "attention over a cache is cached_attention")
+    platform = platform or jax.default_backend()
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform == "tpu":
+        return splash_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+    if platform == "gpu":
+        return gpu_flash_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+    if platform != "cpu":
+        raise ValueError(f"platform={platform!r}; allowed: {', '.join(PLATFORMS)} (cuda / rocm mean gpu)")
+    return flash_attention(q, k, v, scale=scale, segment_ids=segment_ids, block=chunk)
 
 
 # ----------------------------------------------------------------------------- attention over a cache
