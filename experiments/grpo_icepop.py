@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import md_table, plot_curves, write_report
+from experiments.report import fmt_interval, mean_interval, wilson_interval, md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
 from glm5_jax.rl.sft import CharVocab, SFTIterator
@@ -53,7 +53,9 @@ class GrpoIcepopConfig:
     train: TrainConfig
     rl: RLConfig
     task: str = "d2d1"
-    eval_tasks: int = 256                  # held-out prompts, never used in SFT or RL
+    eval_tasks: int = 256                  # held-out DEV prompts (curves; earlier settings were chosen on them)
+    test_tasks: int = 256                  # held-out TEST prompts: scored only before and after RL, never used to choose
+    seeds: tuple[int, ...] = (0,)          # RL seeds per arm (the SFT model is shared)
     eval_every: int = 50                   # RL steps between held-out evaluations
     sampled_eval_samples: int = 8
     primary: str = "sampled"               # the headline metric, fixed before the final run
@@ -67,7 +69,9 @@ class GrpoIcepopConfig:
             raise ConfigError(f"GrpoIcepopConfig.task={self.task!r} is invalid: allowed: {', '.join(TASKS)}")
         if self.primary not in PRIMARY:
             raise ConfigError(f"GrpoIcepopConfig.primary={self.primary!r} is invalid: allowed: {', '.join(PRIMARY)}")
-        for f in ("eval_tasks", "eval_every", "sampled_eval_samples"):
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ConfigError(f"GrpoIcepopConfig.seeds={self.seeds!r} is invalid: a non-empty tuple of distinct ints >= 0")
+        for f in ("eval_tasks", "test_tasks", "eval_every", "sampled_eval_samples"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"GrpoIcepopConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
 
@@ -107,15 +111,26 @@ def make_task(rng: random.Random, task: str) -> Task:
     return Task(kind="arithmetic", prompt=f"{a}{op}{b}=", answer=str(v), solution=f"{v}\n", level=-1)
 
 
-def held_out(cfg: GrpoIcepopConfig) -> list:
+def held_out(cfg: GrpoIcepopConfig, split: str = "dev") -> list:
+    """Distinct held-out prompts: "dev" (eval_tasks) or "test" (test_tasks, disjoint from dev)."""
+    if split not in ("dev", "test"):
+        raise ValueError(f"split={split!r} is invalid; allowed: 'dev', 'test'")
     rng = random.Random(10_000 + cfg.train.seed)
-    seen, out = set(), []
-    while len(out) < cfg.eval_tasks:
-        t = make_task(rng, cfg.task)
-        if t.prompt not in seen:
-            seen.add(t.prompt)
-            out.append(t)
-    return out
+    seen, out = set(), {"dev": [], "test": []}
+    for name, n in (("dev", cfg.eval_tasks), ("test", cfg.test_tasks)):
+        tries = 0
+        while len(out[name]) < n:
+            t = make_task(rng, cfg.task)
+            tries += 1
+            if tries > 200 * (cfg.eval_tasks + cfg.test_tasks):
+                raise ConfigError(f"GrpoIcepopConfig: task {cfg.task!r} has too few distinct prompts for "
+                                  f"eval_tasks={cfg.eval_tasks} + test_tasks={cfg.test_tasks}")
+            if t.prompt not in seen:
+                seen.add(t.prompt)
+                out[name].append(t)
+        if name == split:
+            return out[name]
+    return out[split]
 
 
 @register("grpo_icepop", "GRPO on arithmetic from an SFT'd tiny DSA model under int4 rollout mismatch: "
@@ -124,8 +139,10 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
     t_start = time.time()
     vocab = CharVocab()
     mcfg, tc, rl = cfg.model, cfg.train, cfg.rl
-    eval_tasks = held_out(cfg)
-    exclude = {t.prompt for t in eval_tasks}
+    eval_tasks = held_out(cfg, "dev")
+    test_tasks = held_out(cfg, "test")
+    exclude = {t.prompt for t in eval_tasks} | {t.prompt for t in test_tasks}
+    log(f"primary metric (named before the run): held-out TEST {cfg.primary} pass@1 before -> after RL per arm")
     level = cfg.task
 
     def sample_task(rng):
@@ -137,14 +154,15 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
     max_new = rl.max_new_tokens
     primary = cfg.primary
 
-    def eval_fn(params, sampled: bool = True):
+    def eval_fn(params, sampled: bool = True, tasks=None):
         """greedy_accuracy, sampled_accuracy (temperature 1, pass@1 over sampled_eval_samples per prompt) and
-        accuracy = the designated primary of the two."""
-        g = evaluate_accuracy(mcfg, params, eval_tasks, vocab, max_new_tokens=max_new, greedy=True)
+        accuracy = the designated primary of the two, on `tasks` (default: the dev prompts)."""
+        tasks = eval_tasks if tasks is None else tasks
+        g = evaluate_accuracy(mcfg, params, tasks, vocab, max_new_tokens=max_new, greedy=True)
         out = {"greedy_accuracy": g["accuracy"], "frac_truncated": g["statuses"]["frac_truncated"],
                "frac_malformed": g["statuses"]["frac_malformed"]}
         if sampled or primary == "sampled":
-            sm = evaluate_accuracy(mcfg, params, eval_tasks, vocab, max_new_tokens=max_new, greedy=False,
+            sm = evaluate_accuracy(mcfg, params, tasks, vocab, max_new_tokens=max_new, greedy=False,
                                    samples=cfg.sampled_eval_samples, seed=tc.seed + 99)
             out["sampled_accuracy"] = sm["accuracy"]
         out["accuracy"] = out[f"{primary}_accuracy"]
@@ -157,30 +175,48 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
                 log=log, name="sft", mesh=mesh)
     sft_params = sft["params"]
     initial = eval_fn(sft_params, sampled=True)
+    initial_test = eval_fn(sft_params, sampled=True, tasks=test_tasks)
     log(f"[sft] held-out greedy accuracy {initial['greedy_accuracy']:.3f}, sampled {initial['sampled_accuracy']:.3f}")
 
     # ---- GRPO arms
-    runs = {}
-    for arm in ARMS:
-        t_arm = time.time()
-        r = run_grpo(mcfg, sft_params, rl.replace(loss=arm), sample_task, vocab, log=log,
-                     eval_fn=eval_fn, eval_every=cfg.eval_every,
-                     metrics_path=os.path.join(workdir, f"rl_{arm}.jsonl"), name=arm, mesh=mesh)
-        r["final"] = eval_fn(r["params"], sampled=True)
-        r["wall_s"] = time.time() - t_arm
-        log(f"[{arm}] held-out {primary} (primary) accuracy {initial['accuracy']:.3f} -> {r['final']['accuracy']:.3f}; "
-            f"greedy {initial['greedy_accuracy']:.3f} -> {r['final']['greedy_accuracy']:.3f}, sampled "
-            f"{initial['sampled_accuracy']:.3f} -> {r['final']['sampled_accuracy']:.3f} ({r['wall_s']:.0f} s)")
-        runs[arm] = r
+    runs, test_by_seed = {}, {arm: {} for arm in ARMS}
+    for s in cfg.seeds:
+        for arm in ARMS:
+            t_arm = time.time()
+            suffix = "" if s == cfg.seeds[0] else f"_seed{s}"
+            r = run_grpo(mcfg, sft_params, rl.replace(loss=arm, seed=rl.seed + s), sample_task, vocab, log=log,
+                         eval_fn=eval_fn, eval_every=cfg.eval_every,
+                         metrics_path=os.path.join(workdir, f"rl_{arm}{suffix}.jsonl"), name=f"{arm}-s{s}", mesh=mesh)
+            test_by_seed[arm][str(s)] = eval_fn(r["params"], sampled=True, tasks=test_tasks)
+            if s != cfg.seeds[0]:
+                continue
+            r["final"] = eval_fn(r["params"], sampled=True)
+            r["wall_s"] = time.time() - t_arm
+            log(f"[{arm}] dev {primary} accuracy {initial['accuracy']:.3f} -> {r['final']['accuracy']:.3f}; "
+                f"greedy {initial['greedy_accuracy']:.3f} -> {r['final']['greedy_accuracy']:.3f}, sampled "
+                f"{initial['sampled_accuracy']:.3f} -> {r['final']['sampled_accuracy']:.3f} ({r['wall_s']:.0f} s)")
+            runs[arm] = r
 
     # ---- report
     def mean_of(h, k):
         return float(np.mean([row[k] for row in h]))
 
+    n_test = len(test_tasks) * {"greedy": 1, "sampled": cfg.sampled_eval_samples}[primary]
+
+    def test_summary(arm):
+        vals = [v["accuracy"] for v in test_by_seed[arm].values()]
+        iv = mean_interval(vals)
+        if iv["n"] == 1:      # one seed: Wilson over completions (treats them as independent: optimistic)
+            iv["lo"], iv["hi"] = wilson_interval(round(vals[0] * n_test), n_test)
+        return {"test_initial_accuracy": initial_test["accuracy"], "test_final_accuracy": iv["mean"],
+                "test_final_accuracy_interval": iv, "test_delta": iv["mean"] - initial_test["accuracy"],
+                "test_final_greedy_accuracy": float(np.mean([v["greedy_accuracy"] for v in test_by_seed[arm].values()])),
+                "test_per_seed": {k: v["accuracy"] for k, v in test_by_seed[arm].items()}}
+
     arms = {}
     for arm, r in runs.items():
         h = r["history"]
-        arms[arm] = {"initial_accuracy": initial["accuracy"], "final_accuracy": r["final"]["accuracy"],
+        arms[arm] = {**test_summary(arm),"initial_accuracy": initial["accuracy"], "final_accuracy": r["final"]["accuracy"],
                      "initial_greedy_accuracy": initial["greedy_accuracy"],
                      "final_greedy_accuracy": r["final"]["greedy_accuracy"],
                      "initial_sampled_accuracy": initial["sampled_accuracy"],
@@ -189,6 +225,8 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
                      "mean_pop_frac": mean_of(h, "pop_frac"), "mean_clip_frac": mean_of(h, "clip_frac"),
                      "mean_mismatch_kl": mean_of(h, "mismatch_kl"), "wall_s": r["wall_s"]}
     report = {"arms": arms, "task": level, "mismatch": rl.mismatch, "primary_metric": primary,
+              "primary_metric_definition": f"held-out TEST {primary} pass@1 after RL (and its change from the SFT model)",
+              "test_tasks": len(test_tasks), "seeds": list(cfg.seeds),
               "eval": f"primary = {primary}; greedy and sampled (temperature 1, {cfg.sampled_eval_samples} per prompt) "
                       f"pass@1 on {len(eval_tasks)} held-out prompts", "sft_steps": tc.steps,
               "rl_steps": rl.steps, "rollouts_per_step": rl.prompts_per_step * rl.group_size,
@@ -214,7 +252,21 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
              v["initial_sampled_accuracy"], v["final_sampled_accuracy"], v["first_reward"], v["last5_reward"],
              v["mean_pop_frac"], v["mean_clip_frac"], v["mean_mismatch_kl"], f"{v['wall_s']:.0f}"]
             for a, v in arms.items()]
+    trows = [[a, v["test_initial_accuracy"], fmt_interval(v["test_final_accuracy"], v["test_final_accuracy_interval"]["lo"],
+                                                          v["test_final_accuracy_interval"]["hi"]),
+              f"{v['test_delta']:+.3f}", v["test_final_greedy_accuracy"]] for a, v in arms.items()]
+    iv_kind = ("95% t interval over seeds" if len(cfg.seeds) > 1 else
+               f"95% Wilson interval over {n_test} completions, one seed")
     md = f"""# grpo_icepop
+
+**Primary metric (named before the run):** held-out TEST {primary} pass@1 after RL. The {len(test_tasks)} test
+prompts are disjoint from the {len(eval_tasks)} dev prompts (curves below; the optimiser settings were
+chosen on dev in earlier runs) and from every SFT/RL prompt; they are scored only before and after RL.
+Seeds {list(cfg.seeds)}.
+
+{md_table(["arm", f"test {primary} before", f"test {primary} after ({iv_kind})", "delta", "test greedy after"], trows)}
+
+## Dev prompts and training signals (seed {cfg.seeds[0]})
 
 Task: {level} (d2d1 = two-digit +/- one-digit, e.g. "47+8=" -> "55\\n"), character vocabulary
 ({vocab.size} symbols). Model: DSA, d_model {mcfg.d_model}, {mcfg.num_layers} layers, {report['params']:,} parameters,

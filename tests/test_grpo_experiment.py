@@ -25,7 +25,22 @@ def test_grpo_icepop_micro(tmp_path):
         # the primary metric is the designated one of the two
         assert arm["initial_accuracy"] == arm[f"initial_{on_disk['primary_metric']}_accuracy"]
     assert report["arms"]["icepop"]["initial_accuracy"] == report["arms"]["tis"]["initial_accuracy"]
+    for arm in on_disk["arms"].values():      # the headline: test prompts, with an interval
+        iv = arm["test_final_accuracy_interval"]
+        assert iv["lo"] <= arm["test_final_accuracy"] <= iv["hi"]
+        assert arm["test_delta"] == pytest.approx(arm["test_final_accuracy"] - arm["test_initial_accuracy"])
+    assert "Primary metric" in open(os.path.join(wd, "report.md")).read()
     for name in ("report.md", "reward.png", "pop_frac.png", "mismatch_kl.png", "rl_icepop.jsonl"):
         assert os.path.exists(os.path.join(wd, name)), name
     rows = [json.loads(l) for l in open(os.path.join(wd, "rl_tis.jsonl"))]
     assert len(rows) == 2 and {"reward_mean", "pop_frac", "clip_frac", "mismatch_kl"} <= set(rows[0])
+
+
+def test_dev_and_test_prompts_disjoint():
+    from experiments.grpo_icepop import TINY, held_out
+    cfg = TINY
+    dev, test = held_out(cfg, "dev"), held_out(cfg, "test")
+    assert len(dev) == cfg.eval_tasks and len(test) == cfg.test_tasks
+    assert not {t.prompt for t in dev} & {t.prompt for t in test}
+    assert len({t.prompt for t in test}) == len(test)
+    assert [t.prompt for t in held_out(cfg, "test")] == [t.prompt for t in test]   # deterministic
