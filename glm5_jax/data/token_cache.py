@@ -76,9 +76,11 @@ class Progress:
         el = now - self.t0
         eta = el / done * (self.total - done) if done else float("nan")
         bar = "#" * int(20 * done / self.total)
-        print(f"\r{self.label} [{bar:<20s}] {done}/{self.total} docs {100 * done / self.total:5.1f}% "
-              f"{tokens:,} tokens {done / max(el, 1e-9):.0f} docs/s ETA {_fmt(eta)}   ",
-              end="\n" if final else "", file=self.stream, flush=True)
+        tty = getattr(self.stream, "isatty", lambda: False)()    # a log file gets one line per update
+        lead = "\r" if tty else ""
+        print(f"{lead}{self.label} [{bar:<20s}] {done}/{self.total} docs "
+              f"{100 * done / self.total:5.1f}% {tokens:,} tokens {done / max(el, 1e-9):.0f} docs/s ETA {_fmt(eta)}   ",
+              end="\n" if final or not tty else "", file=self.stream, flush=True)
 
 
 def _fmt(seconds: float) -> str:
