@@ -49,7 +49,7 @@ class QatConfig:
     test_tasks: int = 256
     val_tasks: int = 256
     max_new_tokens: int = 6
-    sweep_group_sizes: tuple = (0, 32, 8)
+    sweep_group_sizes: tuple[int, ...] = (0, 32, 8)
 
     DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary"}
 
