@@ -352,10 +352,10 @@ def parse_assistant(text: str, *, strict: bool = False) -> ParsedMessage:
     """One assistant message's text (after ``<|assistant|>``, stop token optional) -> ParsedMessage.
     ``strict``: raise ChatFormatError on the first problem instead of listing it in ``errors``."""
     errors: List[str] = []
-    stop = None
+    stop, cut = None, len(text)
     for s in STOP_TOKENS:                       # the message ends at its first stop token
         j = text.find(s)
-        if j >= 0 and (stop is None or j < cut):
+        if 0 <= j < cut:
             stop, cut = s, j
     if stop is not None:
         text = text[:cut]

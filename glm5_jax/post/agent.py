@@ -53,7 +53,6 @@ def run_conversations(model_cfg, params, template: ChatTemplate, conversations: 
     "too_many_steps" (more than max_steps assistant messages) or "context" (prompt + max_new_tokens
     would pass max_len).
     """
-    n = len(conversations)
     msgs = [[{"role": "user", "content": c.user_turns[0]}] for c in conversations]
     state = [dict(status=None, answers=[], turn=0, steps=0, calls=0, valid=0, attempted=0, malformed=0, text="")
              for _ in conversations]
