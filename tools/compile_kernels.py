@@ -1,11 +1,13 @@
 """Compile the DSA kernels with the real TPU compiler (libtpu, no TPU needed) and report memory.
 
     python -m tools.compile_kernels [--seq=32768] [--heads=64] [--topk=2048] [--dtype=bfloat16]
-                                    [--which=sparse,sparse_grad,indexer] [--topology=v5p:1x1x1] [--json]
+                                    [--which=sparse,sparse_grad,indexer,dense_grad] [--topology=v5p:1x1x1] [--json]
 
 Defaults are GLM-5's shapes: sparse attention in MLA's MQA form, q [1, T, 64, 576] (512 latent +
 64 rope), one shared key row k [1, T, 1, 576], values v [1, T, 1, 512], indices [1, T, 2048];
-the lightning indexer q [1, T, 32, 128], k [1, T, 128], weights [1, T, 32], top-2048.
+the lightning indexer q [1, T, 32, 128], k [1, T, 128], weights [1, T, 32], top-2048; the dense
+attention of the warm-up stage (`core.causal_attention(..., platform="tpu")`: splash attention,
+packed segment ids) with per-head q/k 256 (192 + 64 rope) and v 256, forward + gradient.
 Each function is called as the model calls it (`dsa.sparse_attention(..., interpret=False)`,
 `dsa.indexer_topk(..., interpret=False)`), lowered for one chip of `--topology` and compiled;
 `compiled.memory_analysis()` gives argument / output / temp bytes. Progress goes to stderr; with
@@ -32,7 +34,7 @@ def _one_chip(topology: str):
 
 
 def cases(seq: int, heads: int, topk: int, dtype: str, idx_heads: int = 32, idx_dim: int = 128,
-          latent: int = 512, rope: int = 64):
+          latent: int = 512, rope: int = 64, qk_head: int = 256, v_head: int = 256):
     """name -> (function, argument shapes/dtypes) at the given shapes."""
     import jax
     import jax.numpy as jnp
@@ -55,8 +57,17 @@ def cases(seq: int, heads: int, topk: int, dtype: str, idx_heads: int = 32, idx_
     def indexer(qi, ki, wi):
         return dsa.indexer_topk(qi, ki, wi, topk, interpret=False)
 
+    def dense_grad(q, k, v, seg, do):
+        from glm5_jax.attention.core import causal_attention
+        f = lambda a, b, c: causal_attention(a, b, c, scale=scale, segment_ids=seg, platform="tpu")  # noqa: E731
+        return jax.vjp(f, q, k, v)[1](do)
+
     iq, ik, iw = sd((1, seq, idx_heads, idx_dim), dt), sd((1, seq, idx_dim), dt), sd((1, seq, idx_heads), dt)
+    # the dense warm-up stage / plain MLA: per-head keys (qk 192 + 64 rope, v 256 at GLM-5)
+    dh = sd((1, seq, heads, qk_head), dt)
     return {
+        "dense_grad": (dense_grad, (dh, dh, sd((1, seq, heads, v_head), dt), sd((1, seq), jnp.int32),
+                                    sd((1, seq, heads, v_head), dt))),
         "sparse": (sparse, (q, k, v, idx)),
         "sparse_grad": (sparse_grad, (q, k, v, idx, sd((1, seq, heads, latent), dt))),
         "indexer": (indexer, (iq, ik, iw)),
@@ -85,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--which", default="sparse,sparse_grad,indexer")
+    ap.add_argument("--which", default="sparse,sparse_grad,indexer,dense_grad")
     ap.add_argument("--topology", default="v5p:1x1x1")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
