@@ -118,6 +118,21 @@ def test_fp8_checkpoint_loads_as_its_dequantised_values(tmp_path):
         cfg_ref, want = hf.load_checkpoint(tmp_path / "ref", dtype=dtype)
         assert cfg == cfg_ref and cfg.param_dtype == dtype
         _tree_equal(got, want)
+    # a shard's read (what a device's callback asks for): rows and columns off the block grid, read in
+    # row chunks (a tiny chunk size forces several)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(hf, "_READ_CHUNK", 100)
+    reader = hf._Reader(str(tmp_path / "fp8"), (block, block))
+    try:
+        for key in ("model.layers.1.self_attn.q_b_proj.weight", "model.layers.2.mlp.experts.3.down_proj.weight"):
+            o, i = deq[key].shape
+            for idx in ((slice(5, o - 3), slice(3, i - 1)), (slice(o // 2, o), slice(0, i // 2)), (slice(0, o), slice(0, i))):
+                np.testing.assert_array_equal(reader.read(key, idx), deq[key][idx])
+        k = "model.embed_tokens.weight"
+        np.testing.assert_array_equal(reader.read(k, (slice(7, 50), slice(4, 20))), tensors[k][7:50, 4:20])
+    finally:
+        reader.close()
+        monkey.undo()
     # a weight stored FP8 without its scales is refused by name
     del fp8["model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"]
     torch_save(fp8, str(tmp_path / "fp8" / "model.safetensors"))
