@@ -105,6 +105,20 @@ def dsa_block(w: dict, topk: int, impl: str):
     return fwd
 
 
+def dsa_parts(w: dict, topk: int, impl: str):
+    """The DSA block's two parts alone (--parts): the indexer top-k, and the MQA sparse attention over
+    fixed indices (the top-k of the same inputs, computed once outside the timed program)."""
+    dn, scale = w["dn"], (w["dn"] + w["dr"]) ** -0.5
+
+    def topk_only(q_nope, q_rope, latent, k_rope, kv_b, q_idx, k_idx, wts):
+        return kernels.indexer_topk(q_idx, k_idx, wts, topk, impl=impl).astype(jnp.float32)
+
+    def attn_only(q_nope, q_rope, latent, k_rope, kv_b, q_idx, k_idx, wts, indices):
+        return dsa_attention(q_nope, q_rope, latent, k_rope, kv_b[..., :dn], kv_b[..., dn:], indices,
+                             scale=scale, impl=impl)
+    return topk_only, attn_only
+
+
 def dense_block(w: dict, which: str):
     h, dn, dr, dv = w["h"], w["dn"], w["dr"], w["dv"]
     scale = (dn + dr) ** -0.5
@@ -138,9 +152,15 @@ def run(args, w, seqs, impl, dense_impls):
         lim_f, lim_fb = flop_limits(t, args.topk, w)
         row = dict(seq_len=t, flop_limit_fwd=round(lim_f, 3), flop_limit=round(lim_fb, 3))
         progs = [("dsa", dsa_block(w, args.topk, impl))] + [(f"dense_{d}", dense_block(w, d)) for d in dense_impls]
+        if args.parts:
+            topk_only, attn_only = dsa_parts(w, args.topk, impl)
+            progs += [("dsa_topk", topk_only), ("dsa_attn", attn_only)]
+        progs = [(n, f) for n, f in progs if args.only is None or n in args.only.split(",")]
         for name, fn in progs:
+            if name == "dsa_attn":   # over the top-k of these inputs, computed once, untimed
+                inputs = inputs + (jax.jit(topk_only)(*inputs).astype(jnp.int32),)
             for kind, f in (("fwd", fn), ("fwd_bwd", fwd_bwd(fn))):
-                if kind not in passes:
+                if kind not in passes or (name == "dsa_topk" and kind == "fwd_bwd"):
                     continue
                 try:
                     compiled, temp, t_c = _compile(f, inputs)
@@ -190,6 +210,10 @@ def main(argv=None):
                     help="run on the default accelerator backend (DSA kernels: attention_impl='pallas')")
     ap.add_argument("--impl", default=None, help="DSA kernels: xla or pallas (default: xla on CPU, "
                     "pallas with --device)")
+    ap.add_argument("--parts", action="store_true", help="also time the indexer top-k and the sparse "
+                    "attention alone (dsa_topk fwd, dsa_attn fwd / fwd_bwd)")
+    ap.add_argument("--only", default=None, help="comma list of programs to run (dsa, dense_flash, "
+                    "dense_core, dsa_topk, dsa_attn; default: all)")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object with every result")
     args = ap.parse_args(argv)
     backend = jax.default_backend() if args.device else "cpu"
