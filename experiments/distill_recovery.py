@@ -63,8 +63,10 @@ class DistillRecoveryConfig:
     sft_b_share: float = 0.2               # fraction of SFT examples that are skill B
     degrade_margin: float = 0.1            # stop rl_b once val A success <= sft_a val A - margin
     eval_every: int = 10                   # rl_b steps between validation checks of skill A
-    test_tasks: int = 256                  # per skill
-    val_tasks: int = 128                   # per skill
+    test_tasks: int = 256                  # skill A (d2d1: 1,800 distinct prompts)
+    val_tasks: int = 128                   # skill A
+    test_tasks_b: int = 64                 # skill B (countdown level 0 has only 208 distinct prompts)
+    val_tasks_b: int = 32                  # skill B
 
     STEPS_KEY: ClassVar[str] = "rl_b.steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary"}
@@ -75,7 +77,7 @@ class DistillRecoveryConfig:
             raise ConfigError(f"DistillRecoveryConfig.sft_b_share={self.sft_b_share!r} is invalid: must be in [0, 1)")
         if not 0.0 < self.degrade_margin < 1.0:
             raise ConfigError(f"DistillRecoveryConfig.degrade_margin={self.degrade_margin!r} is invalid: must be in (0, 1)")
-        for f in ("eval_every", "test_tasks", "val_tasks"):
+        for f in ("eval_every", "test_tasks", "val_tasks", "test_tasks_b", "val_tasks_b"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"DistillRecoveryConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
         for f in ("rl_b", "distill"):
@@ -106,14 +108,20 @@ def splits(cfg: DistillRecoveryConfig):
     """{skill: (val tasks, test tasks)}: disjoint prompt sets per skill, never trained on."""
     out = {}
     for k, skill in enumerate(SKILLS):
+        n_val, n_test = (cfg.val_tasks, cfg.test_tasks) if skill == "a" else (cfg.val_tasks_b, cfg.test_tasks_b)
         rng = random.Random(30_000 + 17 * k + cfg.train.seed)
         seen, ts = set(), []
-        while len(ts) < cfg.val_tasks + cfg.test_tasks:
+        for _ in range(200 * (n_val + n_test)):
+            if len(ts) == n_val + n_test:
+                break
             t = skill_task(rng, skill)
             if t.prompt not in seen:
                 seen.add(t.prompt)
                 ts.append(t)
-        out[skill] = (ts[:cfg.val_tasks], ts[cfg.val_tasks:])
+        else:
+            raise ConfigError(f"skill {skill}: found only {len(ts)} distinct prompts for val + test = "
+                              f"{n_val + n_test}; lower the split sizes (most prompts must stay for training)")
+        out[skill] = (ts[:n_val], ts[n_val:])
     return out
 
 
@@ -192,7 +200,7 @@ def run(cfg: DistillRecoveryConfig, workdir: str, log, mesh=None) -> dict:
               "val_sft_a": val0, "rl_b_steps": n_rl, "rl_b_stopped_at": rl["stopped_at"],
               "degrade_threshold_val_a": threshold, "distill_steps": len(dist["history"]),
               "distill_reward_first_last": [dist["history"][0]["reward_mean"], dist["history"][-1]["reward_mean"]],
-              "stage_wall_s": walls, "test_prompts_per_skill": cfg.test_tasks,
+              "stage_wall_s": walls, "test_prompts": {"a": cfg.test_tasks, "b": cfg.test_tasks_b},
               "params": int(sum(x.size for x in jax.tree.leaves(teacher_a))), "wall_time_s": time.time() - t0}
     rows = [[st, stages[st]["skill_a"], stages[st]["skill_b"]] for st in STAGES]
     stop = (f"stopped at step {rl['stopped_at']} (val A <= {threshold:.3f})" if rl["stopped_at"]
@@ -209,7 +217,8 @@ Model: DSA, d_model {mcfg.d_model}, {mcfg.num_layers} layers, {report['params']:
    half A, half B prompts; advantage sg[log pi_teacher - log pi_student] per token through the IcePop loss;
    A-teacher = sft_a, B-teacher = rl_b; AdamW lr {cfg.distill.learning_rate}).
 
-Greedy success on {cfg.test_tasks} test prompts per skill (never trained on, never used for a decision):
+Greedy success on the test prompts ({cfg.test_tasks} A, {cfg.test_tasks_b} B; never trained on, never used for a
+decision; binomial standard error up to {0.5 / cfg.test_tasks ** 0.5:.3f} for A and {0.5 / cfg.test_tasks_b ** 0.5:.3f} for B):
 
 {md_table(["stage", "skill A", "skill B"], rows)}
 

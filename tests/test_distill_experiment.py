@@ -13,7 +13,8 @@ MICRO = {"model.d_model": "32", "model.num_heads": "2", "model.ffn_dim": "64", "
          "model.kv_lora_rank": "16", "model.qk_nope_head_dim": "16", "model.v_head_dim": "16",
          "train.steps": "2", "train.batch_size": "2", "train.seq_len": "32", "train.eval_every": "2",
          "train.ckpt_every": "2", "rl_b.steps": "2", "rl_b.prompts_per_step": "2", "rl_b.group_size": "2",
-         "distill.steps": "2", "distill.prompts_per_step": "4", "eval_every": "1", "test_tasks": "4", "val_tasks": "4"}
+         "distill.steps": "2", "distill.prompts_per_step": "4", "eval_every": "1", "test_tasks": "4", "val_tasks": "4",
+         "test_tasks_b": "4", "val_tasks_b": "4"}
 
 
 def test_skills_and_splits():
