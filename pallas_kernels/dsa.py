@@ -73,6 +73,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import indexer_triton as _idx_gpu
 from pallas_kernels import sparse_attn_tpu as _tpu
 from pallas_kernels import sparse_attn_triton as _triton
 
@@ -140,8 +141,37 @@ def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, segq_ref, smin_ref, smax_ref
     ub_ref[0, 0] = jnp.max(acc, axis=0, keepdims=True)
 
 
+def _pow2_pad(x, axis, value):
+    n = x.shape[axis]
+    return _pad_to(x, x.shape[:axis] + (_pow2(n, 1),) + x.shape[axis + 1:], value)
+
+
 def _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, *, bq, bk, t_total, s_total, causal,
-                  interpret):
+                  interpret, kernels="auto"):
+    """UB [B, nq, nk] by the Mosaic kernel (TPU, and interpret mode by default) or the Triton one
+    (GPU; kernels="gpu" runs it in interpret mode on CPU)."""
+    nk = kmax.shape[1]
+    kw = dict(bq=bq, bk=bk, t_total=t_total, s_total=s_total, causal=causal)
+    big = jnp.iinfo(jnp.int32).max
+
+    def gpu(qp, wp, kmax, kmin, segq, smin, smax):
+        # key-block count padded to a power of two; padded blocks have an empty segment range
+        ub = _idx_gpu.block_bounds(qp, wp, _pow2_pad(kmax, 1, 0), _pow2_pad(kmin, 1, 0), segq[..., 0],
+                                   _pow2_pad(smin[:, 0], 1, big), _pow2_pad(smax[:, 0], 1, -big),
+                                   interpret=interpret, **kw)
+        return ub[..., :nk]
+
+    tpu = lambda *a: _block_bounds_tpu(*a, interpret=interpret, **kw)  # noqa: E731
+    args = (qp, wp, kmax, kmin, segq, smin, smax)
+    if kernels == "gpu":
+        return gpu(*args)
+    if kernels == "tpu" or interpret:
+        return tpu(*args)
+    return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, rocm=gpu, default=tpu)
+
+
+def _block_bounds_tpu(qp, wp, kmax, kmin, segq, smin, smax, *, bq, bk, t_total, s_total, causal,
+                      interpret):
     b, tp, hi, di = qp.shape
     nq, nk = tp // bq, kmax.shape[1]
     kern = functools.partial(_bound_kernel, n_heads=hi, bq=bq, bk=bk, t_total=t_total,
@@ -197,8 +227,35 @@ def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, segq_ref, segk
 
 
 def _score_round(tbl, act, off, qp, wp, kp, segq, segk, n_blocks, *, bq, bk, t_total, s_total,
-                 causal, interpret):
-    """Scores of the n_blocks table entries starting at `off` -> ([B, Tp, n*bk], key idx)."""
+                 causal, interpret, kernels="auto"):
+    """Scores of the n_blocks table entries starting at `off` -> ([B, Tp, n*bk], key idx); the
+    kernel chosen as in `_block_bounds`."""
+    kw = dict(bq=bq, bk=bk, t_total=t_total, s_total=s_total, causal=causal)
+
+    def gpu(tbl, act, off, qp, wp, kp, segq, segk):
+        vals = _idx_gpu.score_round(tbl, act, off, qp, wp, kp, segq[..., 0], segk[:, 0], n_blocks,
+                                    interpret=interpret, **kw)
+        return vals, _round_ids(tbl, off, n_blocks, bq, bk, qp.shape[1])
+
+    tpu = lambda *a: _score_round_tpu(*a, n_blocks, interpret=interpret, **kw)  # noqa: E731
+    args = (tbl, act, off, qp, wp, kp, segq, segk)
+    if kernels == "gpu":
+        return gpu(*args)
+    if kernels == "tpu" or interpret:
+        return tpu(*args)
+    return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, rocm=gpu, default=tpu)
+
+
+def _round_ids(tbl, off, n_blocks, bq, bk, tp):
+    """Key index of every scored column: [B, Tp, n_blocks * bk]."""
+    b, nq = tbl.shape[:2]
+    blk = jax.lax.dynamic_slice_in_dim(tbl, off, n_blocks, axis=2)  # [B, nq, n]
+    idx = (blk[..., None] * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(b, nq, n_blocks * bk)
+    return jnp.repeat(idx, bq, axis=1)
+
+
+def _score_round_tpu(tbl, act, off, qp, wp, kp, segq, segk, n_blocks, *, bq, bk, t_total, s_total,
+                     causal, interpret):
     b, tp, hi, di = qp.shape
     nq = tp // bq
     kern = functools.partial(_score_kernel, n_heads=hi, bq=bq, bk=bk, t_total=t_total,
@@ -223,10 +280,7 @@ def _score_round(tbl, act, off, qp, wp, kp, segq, segk, n_blocks, *, bq, bk, t_t
         grid_spec=grid_spec,
         interpret=interpret,
     )(tbl, act, off_arr, qp, wp, kp, segq, segk)
-    blk = jax.lax.dynamic_slice_in_dim(tbl, off, n_blocks, axis=2)  # [B, nq, n]
-    idx = (blk[..., None] * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(b, nq, n_blocks * bk)
-    idx = jnp.repeat(idx, bq, axis=1)  # [B, Tp, n*bk]
-    return vals, idx
+    return vals, _round_ids(tbl, off, n_blocks, bq, bk, tp)
 
 
 def _merge_topk(run_v, run_i, new_v, new_i, topk):
@@ -274,12 +328,14 @@ def _segments(segment_ids, b, t, s, tp, sp, bk):
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block_size: int = 128,
                  query_block: int | None = None, round_blocks: int | None = None,
                  interpret=None, mode: str = "exact", approx_blocks: int | None = None,
-                 segment_ids=None):
+                 segment_ids=None, kernels: str = "auto"):
     """Top-k keys per query by the lightning-indexer score (see module docstring).
 
     q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk], -1 in slots
     past the number of visible keys. `segment_ids` [B, T] (packed documents, needs S == T): a key
-    is visible only to queries of its own document, as in the reference. mode="exact" returns exactly `reference.indexer_topk`'s result
+    is visible only to queries of its own document, as in the reference. `kernels`: "auto" picks
+    the Mosaic kernels on TPU (and in interpret mode), the Triton ones on GPU; "tpu" / "gpu" force
+    one family (kernels="gpu", interpret=True tests the GPU kernels on CPU). mode="exact" returns exactly `reference.indexer_topk`'s result
     (same set, same order, same tie-break) up to float rounding of the scores; mode="approx" keeps
     the `approx_blocks` best key blocks per query block by the block bound (default
     2 * ceil(topk / block_size)) and the exact top-k inside them.
@@ -303,7 +359,10 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
     kf = kp.astype(_F32)
     kmax = jnp.where(kvalid, kf, NEG_INF).reshape(b, nk, bk, di).max(axis=2)
     kmin = jnp.where(kvalid, kf, -NEG_INF).reshape(b, nk, bk, di).min(axis=2)
-    common = dict(bq=bq, bk=bk, t_total=t, s_total=s, causal=causal, interpret=interpret)
+    if kernels not in ("auto", "tpu", "gpu"):
+        raise ValueError(f"kernels must be 'auto', 'tpu' or 'gpu', got {kernels!r}")
+    common = dict(bq=bq, bk=bk, t_total=t, s_total=s, causal=causal, interpret=interpret,
+                  kernels=kernels)
 
     segq, segk, smin, smax = _segments(segment_ids, b, t, s, tp, sp, bk)
     segs = (segq, segk)

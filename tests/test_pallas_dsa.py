@@ -114,8 +114,9 @@ def _packed_segments(rng, b, t, n_docs):
     return segs
 
 
-@pytest.mark.parametrize("blk,topk", [(8, 5), (8, 20), (16, 3)])
-def test_indexer_topk_segments(blk, topk):
+@pytest.mark.parametrize("blk,topk,kernels", [(8, 5, "tpu"), (8, 20, "tpu"), (16, 3, "tpu"),
+                                               (8, 5, "gpu"), (16, 20, "gpu")])
+def test_indexer_topk_segments(blk, topk, kernels):
     """Packed documents: the kernel equals the reference with segment_ids (same order, -1
     padding where a document prefix has fewer than topk keys), and never selects a key of another
     document or of the future (NumPy brute force)."""
@@ -123,7 +124,7 @@ def test_indexer_topk_segments(blk, topk):
     q, k, w = _rand_idx_inputs(11 + blk + topk, b, t, t, hi, di)
     segs = _packed_segments(np.random.default_rng(topk), b, t, 4)
     out = np.asarray(dsa.indexer_topk(q, k, w, topk, block_size=blk, round_blocks=1,
-                                      segment_ids=jnp.asarray(segs)))
+                                      segment_ids=jnp.asarray(segs), kernels=kernels))
     want = ref.indexer_topk(q, k, w, topk, segment_ids=jnp.asarray(segs))
     np.testing.assert_array_equal(out, want)
     sc = _np_scores(q, k, w)
