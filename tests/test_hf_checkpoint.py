@@ -263,6 +263,7 @@ class _RandomBatches:
         self.i = s["i"]
 
 
+@pytest.mark.slow
 def test_training_run_is_a_source_for_init_from_and_export(tmp_path):
     """A run's workdir (its last checkpoint's params, its model from model_config.json) starts another
     run exactly and exports to HF with the MTP layer; run.py's --init_from reaches the experiment's train()."""
@@ -316,7 +317,7 @@ def test_training_run_is_a_source_for_init_from_and_export(tmp_path):
 def test_init_from_cli_errors_exit_2(tmp_path, bf16_mtp_checkpoint):
     _, src = bf16_mtp_checkpoint
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    for path, msg in ((tmp_path, "no config.json"), (src, r"--set model\.")):
+    for path, msg in ((src, r"differs from the checkpoint.*--set model\."),):   # before anything compiles
         proc = subprocess.run([sys.executable, "-m", "experiments.run", "--config=muon_split", f"--init_from={path}",
                                f"--workdir={tmp_path / 'w'}"], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=600)
