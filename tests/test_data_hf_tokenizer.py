@@ -5,7 +5,6 @@ import functools
 import glob
 import os
 import sysconfig
-import tempfile
 
 import pytest
 

@@ -9,7 +9,8 @@ def test_round_trip_real_stdlib_sources():
     data = small_data()
     tok = data.tokenizer
     # held-out documents and a few train ones
-    files_text = [d.text for _, d in data.corpus.documents("eval")] + [d.text for _, d in data.corpus.documents("train")][:3]
+    files_text = [d.text for _, d in data.corpus.documents("eval")]
+    files_text += [d.text for _, d in data.corpus.documents("train")][:3]
     # Include a file outside the (capped) corpus too: unseen text must still round trip.
     with open(os.path.join(data.corpus.root, "textwrap.py"), encoding="utf-8") as fh:
         files_text.append(fh.read())

@@ -34,7 +34,8 @@ def docs(tmp_path_factory):
 
 def _run(tmp_path, overrides):
     from experiments.run import run_experiment
-    report = run_experiment("pretrain", str(tmp_path), "tiny", {**MICRO, "data.cache_dir": small_cache_dir(), **overrides})
+    overrides = {**MICRO, "data.cache_dir": small_cache_dir(), **overrides}
+    report = run_experiment("pretrain", str(tmp_path), "tiny", overrides)
     with open(tmp_path / "report.json") as fh:
         saved = json.load(fh)
     assert saved["final_eval_loss"] == report["final_eval_loss"]

@@ -25,7 +25,8 @@ from glm5_jax.data.tokenizer import (
 
 __all__ = [
     "BATCH_KEYS", "Corpus", "DataConfig", "DataError", "Document", "GLM_SPECIAL_TOKENS", "HFTokenizer", "LMData",
-    "PackedStream", "RetrievalInfo", "RetrievalTask", "SentencePieceTokenizer", "SourceFile", "Tokenizer", "TrainIterator",
+    "PackedStream", "RetrievalInfo", "RetrievalTask", "SentencePieceTokenizer", "SourceFile", "Tokenizer",
+    "TrainIterator",
     "build_lm_data", "default_cache_dir", "load_corpus", "load_or_train_tokenizer", "load_tokenizer",
     "make_train_iterator", "retrieval_accuracy", "retrieval_eval_batches", "train_hf_tokenizer",
 ]

@@ -17,8 +17,9 @@ Data: `DataConfig.path` is raw files (corpus -> tokenizer -> token cache, each c
 written by `python -m tools.prepare_data` (memory-mapped as is; its tokenizer is the copy stored there
 unless `data.tokenizer` names the same file). A tokenizer whose vocab_size exceeds `data.vocab_size` (the
 model's vocabulary) is refused before anything is tokenized.
-Multi-process (the stream is sharded by process): `select_rows(rows)` makes the iterator read only those rows of every global batch
-(the training loop passes the rows its process's devices hold), so each process builds only its part
+Multi-process (the stream is sharded by process): `select_rows(rows)` makes the iterator read only
+those rows of every global batch (the training loop passes the rows its process's devices hold, from
+the batch sharding), so each process builds only its part
 and the global stream is the same for any number of processes. The state counts global batches, so
 it does not depend on the rows: a checkpoint written by 2 processes resumes on 1 or 4.
   Item i < N_corpus is packed window i (see packing.py); item i >= N_corpus is a retrieval
@@ -49,7 +50,7 @@ from glm5_jax.data.packing import BATCH_KEYS, PackedStream, padding_example
 from glm5_jax.data.retrieval import TRAIN_TAG, RetrievalTask, retrieval_eval_batches
 from glm5_jax.data.sources import DataError
 from glm5_jax.data.token_cache import INDEX, TokenizedSplit, load_or_build_token_cache, load_tokens
-from glm5_jax.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
+from glm5_jax.data.tokenizer import Tokenizer, load_tokenizer_setting, resolve_tokenizer
 
 _STATE_VERSION = 1
 
@@ -250,7 +251,7 @@ def check_vocab(tok: Tokenizer, cfg: DataConfig) -> None:
             f"(the model's vocabulary); set --set data.vocab_size={tok.vocab_size} (or larger)")
 
 
-def _prepared(cfg: DataConfig, log) -> LMData:
+def _prepared(cfg: DataConfig) -> LMData:
     d = os.path.expanduser(cfg.path)
     t0 = time.perf_counter()
     splits, index = load_tokens(d)
@@ -258,7 +259,7 @@ def _prepared(cfg: DataConfig, log) -> LMData:
     if cfg.tokenizer_kind != "path" and cfg.tokenizer is not None:
         raise DataError(f"data.tokenizer={cfg.tokenizer!r} (train one here) does not apply to the prepared "
                         f"directory {d!r}; leave it unset to use its tokenizer {stored!r}")
-    tok = load_tokenizer(cfg.tokenizer if cfg.tokenizer_kind == "path" else stored)
+    tok = load_tokenizer_setting(cfg.tokenizer if cfg.tokenizer_kind == "path" else stored)
     if tok.fingerprint != index["tokenizer_fingerprint"]:
         raise DataError(f"data.tokenizer={cfg.tokenizer!r} is not the tokenizer {d!r} was prepared with "
                         f"({index['tokenizer']!r}); leave data.tokenizer unset to use the copy in {stored!r}")
@@ -273,7 +274,7 @@ def build_lm_data(cfg: DataConfig, log=None) -> LMData:
     if not isinstance(cfg, DataConfig):
         raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
     if is_prepared_dir(cfg.path):
-        return _prepared(cfg, log)
+        return _prepared(cfg)
     t0 = time.perf_counter()
     corpus = load_corpus(cfg)
     t1 = time.perf_counter()
@@ -285,6 +286,8 @@ def build_lm_data(cfg: DataConfig, log=None) -> LMData:
     timings = {"corpus_s": round(t1 - t0, 3), "tokenizer_s": round(t2 - t1, 3),
                "tokens_s": round(t3 - t2, 3)}
     return LMData(cfg, corpus, tok, splits, tdir, timings, os.path.basename(tdir))
+
+
 def make_train_iterator(data: LMData | DataConfig, batch_size: int,
                         seq_len: Optional[int] = None, seed: Optional[int] = None,
                         num_threads: int = 0) -> TrainIterator:

@@ -299,6 +299,6 @@ def is_utf8_text(f: SourceFile) -> bool:
         return False
 
 
-__all__ = ["DOC_CHUNK_BYTES", "DataError", "Document", "EXTENSIONS", "SourceFile", "count_documents", "document_key", "format_of",
-           "is_utf8_text", "iter_documents", "make_sources", "record_document", "resolve_files",
+__all__ = ["DOC_CHUNK_BYTES", "DataError", "Document", "EXTENSIONS", "SourceFile", "count_documents", "document_key",
+           "format_of", "is_utf8_text", "iter_documents", "make_sources", "record_document", "resolve_files",
            "walk_files"]

@@ -48,7 +48,7 @@ from glm5_jax.data.tokenizer_base import Tokenizer
 
 __all__ = ["EOS_PIECE", "GLM_SPECIAL_TOKENS", "HFTokenizer", "PAD_PIECE", "SentencePieceTokenizer",
            "Tokenizer", "UNK_PIECE", "load_or_train_hf_tokenizer", "load_or_train_tokenizer", "load_tokenizer",
-           "resolve_tokenizer", "train_hf_tokenizer"]
+           "load_tokenizer_setting", "resolve_tokenizer", "train_hf_tokenizer"]
 
 PAD_PIECE = "<pad>"
 UNK_PIECE = "<unk>"
@@ -272,7 +272,15 @@ def resolve_tokenizer(cfg: DataConfig, corpus: Corpus) -> Tokenizer:
         return load_or_train_tokenizer(cfg, corpus)
     if kind == "hf":
         return load_or_train_hf_tokenizer(cfg, corpus)
+    return load_tokenizer_setting(cfg.tokenizer)
+
+
+def load_tokenizer_setting(path: str) -> Tokenizer:
+    """load_tokenizer for `DataConfig.tokenizer`: a missing / unreadable file is one DataError naming the
+    setting (a ConfigError: experiments.run prints it as one line and exits 2)."""
     try:
-        return load_tokenizer(cfg.tokenizer)
-    except (OSError, ValueError) as e:   # one error naming the setting (experiments.run prints it, exit 2)
-        raise DataError(f"DataConfig.tokenizer={cfg.tokenizer!r}: {e}") from None
+        return load_tokenizer(path)
+    except DataError:
+        raise
+    except (OSError, ValueError) as e:
+        raise DataError(f"DataConfig.tokenizer={path!r}: {e}") from None
