@@ -21,8 +21,12 @@ Needs the `.[fixtures]` extra (torch, transformers). One run:
   update), alternating the two sides rep by rep so that both see the same machine load, and keeps
   the best of --reps (after one warm-up call that also compiles the JAX side).
 
-Prints one line per measurement and the ratios HF time / glm5_jax time; --json makes the last line
-{"results": [{"threads", "what", "seq_len", "batch", "hf_s", "jax_s", "speedup", ...}], "check": {...}}.
+Prints one line per measurement and the ratios HF time / glm5_jax time, beside the FLOP limit of that
+ratio: the model FLOPs (glm5_jax.flops) at the rate of a 1024^3 float32 matmul measured in the JAX
+worker in the same run (floor_s), and HF time / floor_s (speedup_limit: what a step running every
+FLOP at matmul peak would show). --json makes the last line
+{"results": [{"threads", "what", "seq_len", "batch", "hf_s", "jax_s", "speedup", "floor_s",
+"speedup_limit", ...}], "check": {...}}.
 """
 
 from __future__ import annotations
@@ -86,6 +90,13 @@ class _JaxSide:
     def forward(self, t):
         x = self.jnp.asarray(_tokens(1, t, self.cfg.vocab_size, 5))
         return lambda: self.jax.block_until_ready(self.fwd(self.params, x))
+
+    def peak(self):
+        """A 1024^3 float32 matmul: the rate a perfectly matmul-bound step could reach here."""
+        a = self.jnp.ones((1024, 1024), self.jnp.float32)
+        f = self.jax.jit(lambda a: a @ a)
+        self.jax.block_until_ready(f(a))
+        return lambda: self.jax.block_until_ready(f(a))
 
     def train(self):
         def run():
@@ -164,7 +175,7 @@ def worker(side: str, ckpt: str, threads: int) -> None:
         else:
             key = (req["op"], req.get("seq"))
             if key not in fns:
-                fns[key] = impl.forward(req["seq"]) if req["op"] == "forward" else impl.train()
+                fns[key] = impl.forward(req["seq"]) if req["op"] == "forward" else getattr(impl, req["op"])()
             wall, util, val = _timed(fns[key])
             reply = {"s": wall, "cpu_util": util, "value": val if isinstance(val, float) else None}
         out.write(json.dumps(reply) + "\n")
@@ -213,6 +224,23 @@ def make_checkpoint(path: str):
     return cfg
 
 
+def model_flops(what: str, seq_len: int, batch: int) -> float:
+    """Model FLOPs of one call as glm5_jax.flops counts them (matmuls with the active parameters,
+    attention over the top-k keys, the indexer's scores over the causal half): the train step is
+    forward + backward (the indexer forward only), the forward 2 x params + attention + indexer."""
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.flops import estimate
+
+    cfg = ModelConfig(**MODEL)
+    est = estimate(cfg, seq_len)
+    if what == "train":
+        per_token = est["train_flops_per_token"]
+    else:
+        per_token = (2 * (est["active_params"] - cfg.vocab_size * cfg.d_model) + est["attention_flops_per_token_fwd"]
+                     + est["indexer_flops_per_token_fwd"])
+    return per_token * seq_len * batch
+
+
 def _best(results, key):
     return min(results, key=lambda r: r["s"])
 
@@ -239,6 +267,11 @@ def run(threads_list, seqs, reps, log):
                     log(f"check T={CHECK_T}: logits max |jax - hf| = {check['logits_max_abs_diff']:.2e} "
                         f"(logit std {check['logits_std']:.3f}), positions within 1e-4 {check['positions_within_1e-4']:.3f}, "
                         f"argmax agreement {check['argmax_agree']:.3f}")
+                # the FLOP limit: model FLOPs at the best matmul rate these cores give right now,
+                # measured between the timed calls so that it sees the same load
+                peak_s = min(jx.ask(op="peak")["s"] for _ in range(reps + 1))
+                peak = 2 * 1024 ** 3 / peak_s
+                log(f"threads={n}: 1024^3 float32 matmul {peak / 1e9:.1f} GFLOP/s (XLA, best of {reps + 1})")
                 jobs = [dict(op="forward", seq=t) for t in seqs] + [dict(op="train")]
                 for job in jobs:
                     runs = {"hf": [], "jax": []}
@@ -254,10 +287,14 @@ def run(threads_list, seqs, reps, log):
                                batch=1 if job["op"] == "forward" else TRAIN_B, hf_s=bh["s"], jax_s=bj["s"],
                                speedup=bh["s"] / bj["s"], hf_cpu_util=bh["cpu_util"], jax_cpu_util=bj["cpu_util"],
                                hf_all_s=[a["s"] for a in runs["hf"]], jax_all_s=[a["s"] for a in runs["jax"]])
+                    flops = model_flops(row["what"], row["seq_len"], row["batch"])
+                    row.update(model_gflop=flops / 1e9, matmul_gflops=peak / 1e9, floor_s=flops / peak,
+                               speedup_limit=bh["s"] / (flops / peak), jax_fraction_of_peak=flops / peak / bj["s"])
                     results.append(row)
                     log(f"threads={n} {row['what']:7s} B={row['batch']} T={row['seq_len']:5d}: hf {bh['s']:.3f}s "
                         f"(cpu {bh['cpu_util']:.2f}) jax {bj['s']:.3f}s (cpu {bj['cpu_util']:.2f}) -> "
-                        f"{row['speedup']:.2f}x")
+                        f"{row['speedup']:.2f}x; {row['model_gflop']:.1f} GFLOP, floor {row['floor_s']:.3f}s "
+                        f"(limit {row['speedup_limit']:.2f}x, jax at {100 * row['jax_fraction_of_peak']:.0f}% of peak)")
                     if job["op"] == "train" and "first_loss" in check and "loss_abs_diff" not in check:
                         fl = check["first_loss"]
                         check["loss_abs_diff"] = abs(fl["hf"] - fl["jax"])
