@@ -28,8 +28,8 @@ def _compile(*flags):
 
 @needs_libtpu
 def test_kernels_compile_for_tpu_small_bf16():
-    r = _compile("--seq=256", "--heads=8", "--topk=128", "--which=sparse,indexer")
-    assert set(r) == {"sparse", "indexer"}
+    r = _compile("--seq=256", "--heads=8", "--topk=128", "--which=sparse,indexer,dense_grad")
+    assert set(r) == {"sparse", "indexer", "dense_grad"}
     for x in r.values():
         assert x["dtype"] == "bfloat16" and x["temp_bytes"] >= 0 and x["argument_bytes"] > 0
 
