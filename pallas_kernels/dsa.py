@@ -43,24 +43,23 @@ KV heads are folded into the batch first (Hk == H -> batch B*H with one query he
 kernel sees a single KV head: q [B, T, H, Dq], k [B, S, Dq], v [B, S, Dv], indices [B, T, K].
 Forward (online softmax over chunks of `block_k` selected keys, float32 state, writes O and the
 log-sum-exp L) and the backward's dq kernel (recomputes P = exp(S - L), dP = dO . V_sel,
-dS = P (dP - delta) with delta = rowsum(dO * O), accumulates dq, writes the per-(query, head, slot)
-P and scale*dS [B, T, H, K], linear in T) exist in two lowerings:
+dS = P (dP - delta) with delta = rowsum(dO * O), accumulates dq, writes the chunk's
+per-(query, head, slot) P and scale*dS) exist in two lowerings:
   * `sparse_attn_tpu` (Mosaic TPU; also the interpret-mode path): grid (B, T/bq, K/kc) with the
-    chunk axis "arbitrary"; K/V stay in HBM (memory_space=ANY); the chunk's indices come as an
-    SMEM block (DMA addresses) and a VMEM block (mask); one make_async_copy per selected row into
-    VMEM [bq, kc, D] buffers, then batched dense matmuls on the gathered tile.
+    chunk axis "arbitrary"; K/V stay in HBM (memory_space=ANY), viewed as [B, S, 1, D]; the
+    chunk's indices come as an SMEM block (DMA addresses) and a VMEM block (mask); one
+    make_async_copy per selected row into VMEM [bq, kc, 1, D] buffers, then batched matmuls.
   * `sparse_attn_triton` (Pallas Triton, GPU): one program per query, index-array loads from
     global memory (`k_ref[0, ids]`), 2-D tl.dots; H, D, kc padded to powers of two >= 16.
-Without interpret, `lax.platform_dependent` picks the kernel for the lowering platform.
-dk / dv are scatter-adds (atomic-free): XLA segment-sums the per-query contributions
-dv[s] += P[t,h,slot] dO[t,h], dk[s] += scale dS[t,h,slot] q[t,h] chunk by chunk over queries, so
-no [T, K, D] tensor is materialised. (A Pallas dk/dv kernel would need the transposed index lists,
-key -> queries; left as future work.)
+Without interpret, `lax.platform_dependent` picks the kernel for the lowering platform (the
+indexer's kernels likewise: Mosaic here, Triton in `indexer_triton`).
+The backward runs in query chunks (`bwd_rows`): per chunk the kernel gives dq, P and dS
+[B, rows, H, K], and dk / dv are atomic-free XLA scatter-adds of the chunk's per-query rows
+(dv[s] += sum_h P dO, dk[s] += sum_h scale dS q): no [T, H, K] or [T, K, D] array is ever
+materialised (docs/kernels.md: why dk/dv are not a kernel, and the compiled memory).
 
-Lowering (checked with jax.export from CPU, tests/test_pallas_lowering.py): indexer kernels and
-sparse attention fwd + bwd-dq lower for TPU; sparse attention fwd + bwd-dq lower for CUDA via
-Triton. Device compilation (Mosaic layout passes, Triton -> PTX) and numerics on a device are not
-verified; see BUILD_NOTES.md.
+Lowering and compilation: tests/test_pallas_lowering.py (jax.export for TPU and CUDA) and
+tests/test_kernel_compile.py (the real TPU compiler via libtpu, tools/compile_kernels.py).
 """
 
 from __future__ import annotations
