@@ -102,3 +102,18 @@ def test_causal_attention_rejects_bad_platform_and_lengths():
         core.causal_attention(q, k, v, scale=1.0, platform="metal")
     with pytest.raises(ValueError, match="S == T"):
         core.causal_attention(q, k[:, :20], v[:, :20], scale=1.0)
+
+
+def test_causal_attention_under_a_mesh_uses_the_partitionable_kernel():
+    """Pallas kernels cannot be auto-partitioned: under a multi-device mesh every platform runs the
+    jnp flash path (here: asking for "tpu" on a 2-device CPU mesh still traces no Pallas call)."""
+    from glm5_jax.attention import core
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    q, k, v, seg = _packed_inputs()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        text = str(jax.make_jaxpr(lambda a, b_, c: core.causal_attention(
+            a, b_, c, scale=0.2, segment_ids=seg, platform="tpu"))(q, k, v))
+    assert "pallas_call" not in text

@@ -81,8 +81,9 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
     """q [B, T, H, Dq], k [B, T, Hk, Dq], v [B, T, Hk, Dv] (H % Hk == 0) -> [B, T, H, Dv] in q's dtype.
 
     Causal; `segment_ids` [B, T] keeps attention inside each packed document. Softmax in float32.
-    `platform` (default: jax.default_backend()) picks the kernel (module docstring); `chunk` is the
-    CPU kernel's block. No [T, S] array forward or backward on any platform.
+    `platform` (default: jax.default_backend()) picks the kernel (module docstring); under a
+    multi-device mesh the jnp flash kernel runs on every platform (Pallas calls do not partition);
+    `chunk` is the jnp kernel's block. No [T, S] array forward or backward on any platform.
     """
     b, t, h, _ = q.shape
     s, hk = k.shape[1], k.shape[2]
@@ -93,12 +94,17 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
                          "attention over a cache is cached_attention")
     platform = platform or jax.default_backend()
     platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r}; allowed: {', '.join(PLATFORMS)} (cuda / rocm mean gpu)")
+    if platform != "cpu" and jax.sharding.get_abstract_mesh().size > 1:
+        # Pallas custom calls cannot be partitioned automatically; under a multi-device mesh
+        # (glm5_jax.sharding.use_mesh) the jnp flash path runs, which GSPMD partitions.
+        # TODO(kernels): splash / Triton inside shard_map over the batch axes.
+        platform = "cpu"
     if platform == "tpu":
         return splash_attention(q, k, v, scale=scale, segment_ids=segment_ids)
     if platform == "gpu":
         return gpu_flash_attention(q, k, v, scale=scale, segment_ids=segment_ids)
-    if platform != "cpu":
-        raise ValueError(f"platform={platform!r}; allowed: {', '.join(PLATFORMS)} (cuda / rocm mean gpu)")
     return flash_attention(q, k, v, scale=scale, segment_ids=segment_ids, block=chunk)
 
 
