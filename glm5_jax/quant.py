@@ -37,10 +37,13 @@ import numpy as np
 
 from glm5_jax.optim import path_to_str
 
-__all__ = ["QuantConfig", "EXPERTS", "quantize", "dequantize", "fake_quant", "fake_quant_ste", "qat_params",
+__all__ = ["QuantConfig", "EXPERTS", "ALL_LINEAR", "quantize", "dequantize", "fake_quant", "fake_quant_ste", "qat_params",
            "ptq_params", "quantized_paths", "export_int4", "load_int4", "pack_int4", "unpack_int4"]
 
 EXPERTS = r"moe/(experts|shared_experts)/"        # GLM-5 quantises the MoE experts
+# every linear layer's matrix except the router and the DSA indexer (small, precision-sensitive, and
+# kept in high precision by the usual weight-only recipes); the embedding is a lookup, never selected
+ALL_LINEAR = r"^(?!.*(router|indexer)).*(kernel|experts/\w+)$"
 
 
 @dataclasses.dataclass(frozen=True)
