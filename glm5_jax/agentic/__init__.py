@@ -1,0 +1,3 @@
+"""Asynchronous agentic RL (GLM5_SPEC.md section 3): rollout servers (server.py), the TITO gateway
+(gateway.py), coordinator/router (coordinator.py), the agentic loss (loss.py), the agent pool and
+calculator task (agent.py), the sync/async trainer (trainer.py). Modules are imported directly."""

@@ -1,0 +1,209 @@
+"""Synchronous and asynchronous agentic RL over the Ray rollout fleet, with one trainer.
+
+Both modes use the same servers, gateway, coordinator, agent pool, loss and train step; only the
+schedule differs:
+
+* ``sync``: issue ``groups_per_step`` groups with the current weights, wait for all of them, train one
+  step, push the new weights, repeat. The trainer idles during rollouts and the servers idle during
+  the update.
+* ``async``: the pool always has ``in_flight_groups`` groups running; the trainer takes a batch as soon
+  as ``groups_per_step`` groups have finished, drops samples older than ``tau`` versions (staleness
+  measured from the oldest token of a sample), refills/drops groups, trains, and pushes new weights
+  every ``push_every`` steps while rollouts continue.
+
+The update is the project's one train step (``glm5_jax.train.step.make_train_step``) with the agentic
+loss (``glm5_jax.agentic.loss``) on the gateway's records, unchanged (``records_to_batch``).
+
+Accounting for tests: every issued trajectory id ends in exactly one of ``trained`` (its record was in
+a batch, refill copies not counted), ``dropped`` (stale / broken / group dropped) or ``unused``
+(finished after the last step). ``kill_worker_at_step`` kills one server (``ray.kill``) right after
+that step to exercise deregistration and re-queueing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from glm5_jax.agentic.agent import RolloutPool
+from glm5_jax.agentic.coordinator import Coordinator, filter_group
+from glm5_jax.agentic.gateway import Gateway, records_to_batch
+from glm5_jax.agentic.loss import agentic_loss, group_centered_advantages
+from glm5_jax.agentic.server import start_servers
+
+__all__ = ["AgenticConfig", "make_agentic_loss_fn", "run_agentic"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgenticConfig:
+    mode: str = "async"              # sync | async
+    steps: int = 20
+    groups_per_step: int = 4
+    group_size: int = 4
+    in_flight_groups: int = 8        # async only: groups kept running (>= groups_per_step)
+    tau: int = 2                     # staleness bound (versions)
+    push_every: int = 1              # async: push weights every K steps (sync pushes every step)
+    servers: int = 2
+    server_threads: int = 1          # XLA compute threads per server
+    agent_threads: int = 32
+    max_batch: int = 16              # rows per server decode batch
+    max_len: int = 48
+    max_new_tokens: int = 10
+    max_turns: int = 3
+    temperature: float = 1.0
+    learning_rate: float = 3e-4
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    env_crash_p: float = 0.0
+    kill_worker_at_step: int = 0     # 0: never
+    heartbeat_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"AgenticConfig.mode={self.mode!r}: choose sync | async")
+        if self.in_flight_groups < self.groups_per_step:
+            raise ValueError(f"AgenticConfig.in_flight_groups={self.in_flight_groups} must be >= "
+                             f"groups_per_step={self.groups_per_step}")
+        for f in ("steps", "groups_per_step", "group_size", "servers", "push_every", "agent_threads"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"AgenticConfig.{f}={getattr(self, f)!r} must be >= 1")
+        if self.tau < 0:
+            raise ValueError(f"AgenticConfig.tau={self.tau} must be >= 0")
+        if self.kill_worker_at_step and self.servers < 2:
+            raise ValueError("AgenticConfig.kill_worker_at_step needs servers >= 2 (one must survive)")
+
+
+def make_agentic_loss_fn(config, eps_low: float, eps_high: float):
+    """loss_fn(params, batch) -> (loss, (metrics, {})) for make_train_step: the agentic loss on the
+    training engine's log-probs of the recorded tokens."""
+    from glm5_jax.rl.program import token_logprobs
+
+    def loss_fn(params, batch):
+        logp = token_logprobs(config, params, batch["inputs"], batch["targets"])
+        loss, m = agentic_loss(logp, None, batch["infer_logp"], batch["advantages"], batch["mask"],
+                               eps_low=eps_low, eps_high=eps_high)
+        return loss, (dict(m, loss=loss), {})
+
+    return loss_fn
+
+
+def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Callable, *,
+                log: Callable[[str], None] = print, workers: Optional[dict] = None, drain: bool = True) -> dict:
+    """Train ``cfg.steps`` steps from ``params``. ``workers``: existing server handles (else started
+    here, and killed at the end). Returns {"params", "history", "accounting", "staleness", "wall_s",
+    "trained_tokens", "trainer_idle_s", "dead"}."""
+    import ray
+    from glm5_jax.rl.program import RLConfig, make_rl_optimizer, rl_train_config
+    from glm5_jax.train.state import init_train_state
+    from glm5_jax.train.step import make_train_step
+
+    rl = RLConfig(loss="none", steps=cfg.steps, prompts_per_step=cfg.groups_per_step, group_size=cfg.group_size,
+                  minibatches=1, learning_rate=cfg.learning_rate, optimizer="adamw", adam_b2=0.999,
+                  weight_decay=0.0, mismatch="none", eps_low=cfg.eps_low, eps_high=cfg.eps_high, seed=cfg.seed)
+    tx, _ = make_rl_optimizer(params, rl, model_cfg)
+    state, _ = init_train_state(model_cfg, rl_train_config(rl), None, tx=tx, params=params)
+    update = make_train_step(model_cfg, rl_train_config(rl), tx, None,
+                             loss_fn=make_agentic_loss_fn(model_cfg, cfg.eps_low, cfg.eps_high))
+    own = workers is None
+    if own:
+        workers = start_servers(cfg.servers, model_cfg, params, threads=cfg.server_threads, max_batch=cfg.max_batch,
+                                max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                stop_tokens=(vocab.newline_id,), seed=cfg.seed)
+    coord = Coordinator(workers, heartbeat_s=cfg.heartbeat_s, log=log)
+    coord.check_health()                                  # waits for every actor to be up
+    coord.start_heartbeats()
+    gateway = Gateway()
+    pool = RolloutPool(coord, gateway, vocab, group_size=cfg.group_size, threads=cfg.agent_threads,
+                       max_turns=cfg.max_turns, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
+                       env_crash_p=cfg.env_crash_p, seed=cfg.seed, log=log)
+    rng = random.Random(cfg.seed * 1_000_003 + 17)
+    n_groups = [0]
+
+    def submit():
+        gid = f"g{n_groups[0]:05d}"
+        n_groups[0] += 1
+        pool.submit_group(gid, sample_task(rng))
+
+    # warm up: one group compiles every server's decode outside the timed region (both modes alike);
+    # its records are accounted as "warmup", never trained
+    version = 0
+    history, staleness, trained, dropped, warmup = [], [], [], [], []
+    for _ in range(cfg.servers):
+        submit()
+    for _ in range(cfg.servers):
+        warmup += [r.traj_id for r in pool.get_group()]
+    trained_tokens, idle_s = 0, 0.0
+    if cfg.mode == "async":
+        for _ in range(cfg.in_flight_groups):
+            submit()
+    t0 = time.time()
+    try:
+        for step in range(1, cfg.steps + 1):
+            t_wait = time.time()
+            if cfg.mode == "sync":
+                for _ in range(cfg.groups_per_step):
+                    submit()
+            batch_recs, info_sum, rewards = [], {"stale": 0, "broken": 0, "refilled": 0, "dropped": 0}, []
+            while len(batch_recs) < cfg.groups_per_step * cfg.group_size:
+                group = pool.get_group()
+                if cfg.mode == "async":
+                    submit()                              # keep in_flight_groups running
+                rewards += [r.reward for r in group]
+                kept, info = filter_group(group, version, cfg.tau)
+                for k in info:
+                    info_sum[k] += info[k]
+                if kept is None:
+                    dropped += [r.traj_id for r in group]
+                    if cfg.mode == "sync":
+                        submit()                          # sync: replace the dropped group
+                    continue
+                staleness += [version - r.min_version for r in kept if r.refill_of is None]
+                dropped += [r.traj_id for r in group if r.traj_id not in {k.traj_id for k in kept}]
+                batch_recs += kept
+            t_train = time.time()
+            idle_s += t_train - t_wait
+            adv = np.asarray(group_centered_advantages(np.array([r.reward for r in batch_recs]), cfg.group_size))
+            batch = records_to_batch(batch_recs, adv, cfg.max_len)
+            batch.pop("versions")
+            state, met = update(state, jax.device_put(batch, update.batch_sharding))
+            met = jax.device_get(met)
+            version += 1
+            if cfg.mode == "sync" or step % cfg.push_every == 0:
+                coord.push_weights(version, jax.device_get(state["params"]))
+            trained += [r.traj_id for r in batch_recs if r.refill_of is None]
+            ntok = int(batch["mask"].sum())
+            trained_tokens += ntok
+            row = {"step": step, "wall_s": time.time() - t0, "reward_mean": float(np.mean([r.reward for r in batch_recs])),
+                   "tokens": ntok, "wait_s": t_train - t_wait, "train_s": time.time() - t_train,
+                   "loss": float(met["loss"]), "masked_frac": float(met["masked_frac"]),
+                   "abs_logratio": float(met["abs_logratio"]), "live_workers": len(coord.live()), **info_sum}
+            history.append(row)
+            log(f"[{cfg.mode}] step {step}/{cfg.steps} reward {row['reward_mean']:.3f} tokens {ntok} "
+                f"wait {row['wait_s']:.1f}s train {row['train_s']:.1f}s masked {row['masked_frac']:.3f} "
+                f"stale {info_sum['stale']} ({row['wall_s']:.0f} s)")
+            if cfg.kill_worker_at_step == step:
+                victim = sorted(coord.live())[0]
+                log(f"[{cfg.mode}] killing rollout worker {victim} (in flight: {pool.in_flight_groups} groups)")
+                ray.kill(workers[victim], no_restart=True)
+        wall = time.time() - t0
+        unused = []
+        if drain:       # let the in-flight groups finish so every issued id is accounted for
+            while pool.in_flight_groups or not pool.done.empty():
+                unused += [r.traj_id for r in pool.get_group()]
+    finally:
+        coord.stop()
+        pool.close()
+    if own:
+        for h in workers.values():
+            ray.kill(h, no_restart=True)
+    return {"params": state["params"], "history": history, "staleness": staleness, "wall_s": wall,
+            "trained_tokens": trained_tokens, "trainer_idle_s": idle_s, "dead": list(coord.dead),
+            "requeued": pool.requeued,
+            "accounting": {"issued": list(pool.issued), "trained": trained, "dropped": dropped,
+                           "unused": unused, "warmup": warmup, "open": gateway.open_ids()}}
