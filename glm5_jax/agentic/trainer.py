@@ -207,3 +207,23 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             "requeued": pool.requeued,
             "accounting": {"issued": list(pool.issued), "trained": trained, "dropped": dropped,
                            "unused": unused, "warmup": warmup, "open": gateway.open_ids()}}
+
+
+def evaluate(workers: dict, vocab, tasks, params=None, *, version: int = 10 ** 6, threads: int = 32,
+             max_turns: int = 3, max_len: int = 48, max_new_tokens: int = 10) -> dict:
+    """Sampled pass@1 of the served policy on ``tasks`` (one trajectory each, played through the same
+    servers, gateway and agent loop as training). ``params``: pushed first as ``version``."""
+    coord = Coordinator(workers)
+    coord.check_health()
+    if params is not None:
+        coord.push_weights(version, jax.device_get(params))
+    pool = RolloutPool(coord, Gateway(), vocab, group_size=1, threads=threads, max_turns=max_turns,
+                       max_len=max_len, max_new_tokens=max_new_tokens)
+    try:
+        for i, t in enumerate(tasks):
+            pool.submit_group(f"eval{i:05d}", t)
+        recs = [pool.get_group()[0] for _ in tasks]
+    finally:
+        pool.close()
+    rewards = [r.reward for r in recs]
+    return {"reward": float(np.mean(rewards)), "n": len(rewards), "successes": int(sum(rewards))}

@@ -1,0 +1,190 @@
+"""async_vs_sync: the same multi-turn calculator-tool task trained synchronously and asynchronously.
+
+Phases:
+  sft     a tiny DSA model (character vocabulary) is fine-tuned briefly on worked transcripts
+          (call the calculator, read its answer, reply; glm5_jax.agentic.agent) through
+          glm5_jax.train.train, so RL starts from a partly competent policy
+  arms    from that checkpoint, with the same seed and prompts: ``sync`` (rollout, then train, then
+          push weights) and ``async`` (rollouts keep running while the trainer consumes finished
+          groups; staleness bound tau; weights pushed every step), each on its own Ray rollout fleet
+          (glm5_jax.agentic.server: ``servers`` actors, 1 XLA thread each) on a local Ray cluster.
+          The async arm kills one rollout worker halfway (``kill_in_async``): the coordinator must
+          deregister it and re-queue its trajectories, and the run must finish.
+Primary metric (named before the run): trained tokens per second, async / sync (target >= 1.5);
+secondary: held-out TEST sampled reward after RL per arm (prompts never trained on, never used to
+choose settings), reward against wall time, trainer idle fraction, staleness histogram.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import random
+import time
+from typing import ClassVar
+
+import numpy as np
+
+from experiments.registry import register
+from experiments.report import fmt_interval, md_table, plot_curves, wilson_interval, write_report
+from glm5_jax.agentic.agent import make_calc_task, sft_example
+from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic
+from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.rl.sft import CharVocab, SFTIterator
+from glm5_jax.train import TrainConfig, train
+
+ARMS = ("sync", "async")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncVsSyncConfig:
+    """model: the policy; train: the SFT warm start; agentic: the RL settings shared by both arms
+    (agentic.mode is set per arm)."""
+    model: ModelConfig
+    train: TrainConfig
+    agentic: AgenticConfig
+    test_tasks: int = 128
+    kill_in_async: bool = True
+    ray_cpus: int = 2
+
+    STEPS_KEY: ClassVar[str] = "agentic.steps"
+    DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary", "agentic.mode": "the arm",
+                               "agentic.kill_worker_at_step": "kill_in_async"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", self.model.replace(vocab_size=CharVocab().padded_size()))
+        if self.test_tasks < 1:
+            raise ConfigError(f"AsyncVsSyncConfig.test_tasks={self.test_tasks!r} is invalid: must be >= 1")
+        if self.kill_in_async and self.agentic.servers < 2:
+            raise ConfigError("AsyncVsSyncConfig.kill_in_async needs agentic.servers >= 2")
+
+
+def _policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
+    return ModelConfig(vocab_size=CharVocab().padded_size(), d_model=d, num_layers=layers, ffn_dim=ffn,
+                       attention="dsa", num_heads=h, q_lora_rank=d // 2, kv_lora_rank=d // 2,
+                       qk_nope_head_dim=d // h, qk_rope_head_dim=max(4, d // (2 * h)), v_head_dim=d // h,
+                       index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0, mtp_depth=0, attn_chunk=64)
+
+
+TINY = AsyncVsSyncConfig(
+    model=_policy(64, 4, 2, 192),
+    train=TrainConfig(steps=150, batch_size=16, seq_len=64, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                      weight_decay=0.0, eval_every=150, log_every=50, ckpt_every=150, seed=0),
+    agentic=AgenticConfig(steps=30, groups_per_step=8, group_size=4, in_flight_groups=16, tau=2, push_every=1,
+                          servers=2, server_threads=1, agent_threads=48, max_batch=32, max_len=48,
+                          max_new_tokens=10, max_turns=3, learning_rate=3e-4, seed=0),
+)
+
+
+def test_split(n: int, seed: int = 12345) -> list:
+    """Distinct held-out prompts; training draws exclude them."""
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        t = make_calc_task(rng)
+        if t.prompt not in seen:
+            seen.add(t.prompt)
+            out.append(t)
+    return out
+
+
+def _ray_init(cpus: int):
+    import ray
+    if not ray.is_initialized():
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+
+
+@register("async_vs_sync", "multi-turn calculator-tool RL, synchronous vs asynchronous (Ray rollout servers, "
+          "TITO gateway, staleness bound, worker kill)", {"tiny": TINY})
+def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
+    from glm5_jax.agentic.server import start_servers
+    t_start = time.time()
+    vocab = CharVocab()
+    test = test_split(cfg.test_tasks)
+    exclude = {t.prompt for t in test}
+
+    def sample_task(rng):
+        while True:
+            t = make_calc_task(rng)
+            if t.prompt not in exclude:
+                return t
+
+    log("primary metric (named before the run): trained tokens/s async / sync (>= 1.5 wanted); "
+        "secondary: TEST sampled reward after RL, reward vs wall time")
+    it = SFTIterator(sample_task, vocab, cfg.train.batch_size, cfg.train.seq_len, seed=cfg.train.seed,
+                     exclude=exclude, encode=lambda t: sft_example(t, vocab))
+    sft = train(cfg.model, cfg.train, it, os.path.join(workdir, "sft"), log=log, name="sft", mesh=mesh)
+    sft_params = sft["params"]
+    _ray_init(cfg.ray_cpus)
+    ag = cfg.agentic
+    arms, before = {}, None
+    for arm in ARMS:
+        acfg = dataclasses.replace(ag, mode=arm,
+                                   kill_worker_at_step=(max(1, ag.steps // 2) if arm == "async" and cfg.kill_in_async else 0))
+        workers = start_servers(acfg.servers, cfg.model, sft_params, threads=acfg.server_threads,
+                                max_batch=acfg.max_batch, max_len=acfg.max_len, max_new_tokens=acfg.max_new_tokens,
+                                temperature=acfg.temperature, stop_tokens=(vocab.newline_id,), seed=acfg.seed)
+        if before is None:
+            before = evaluate(workers, vocab, test, max_turns=acfg.max_turns, max_len=acfg.max_len,
+                              max_new_tokens=acfg.max_new_tokens)
+            log(f"[sft] TEST sampled reward {before['reward']:.3f}")
+        t_arm = time.time()
+        r = run_agentic(cfg.model, sft_params, acfg, vocab, sample_task, log=log, workers=workers)
+        after = evaluate(workers, vocab, test, r["params"], max_turns=acfg.max_turns, max_len=acfg.max_len,
+                         max_new_tokens=acfg.max_new_tokens)
+        import ray
+        for h in workers.values():
+            ray.kill(h, no_restart=True)
+        acc = r["accounting"]
+        counted = acc["trained"] + acc["dropped"] + acc["unused"] + acc["warmup"]
+        arms[arm] = {
+            "tokens_per_s": r["trained_tokens"] / r["wall_s"], "final_reward": after["reward"],
+            "test_reward_interval": list(wilson_interval(after["successes"], after["n"])),
+            "train_reward_last5": float(np.mean([h["reward_mean"] for h in r["history"][-5:]])),
+            "wall_s": r["wall_s"], "trained_tokens": r["trained_tokens"],
+            "trainer_idle_frac": r["trainer_idle_s"] / r["wall_s"], "steps": len(r["history"]),
+            "dead_workers": r["dead"], "requeued": r["requeued"],
+            "ids_issued": len(acc["issued"]), "ids_accounted": len(counted),
+            "ids_duplicated": len(counted) - len(set(counted)),
+            "ids_lost": len(set(acc["issued"]) - set(counted)),
+            "curve": [[h["wall_s"], h["reward_mean"]] for h in r["history"]],
+            "staleness": dict(collections.Counter(r["staleness"])), "arm_total_s": time.time() - t_arm,
+        }
+        log(f"[{arm}] {arms[arm]['tokens_per_s']:.1f} trained tokens/s, idle {arms[arm]['trainer_idle_frac']:.2f}, "
+            f"TEST reward {before['reward']:.3f} -> {after['reward']:.3f}, ids lost {arms[arm]['ids_lost']} "
+            f"duplicated {arms[arm]['ids_duplicated']}, requeued {r['requeued']}")
+    ratio = arms["async"]["tokens_per_s"] / arms["sync"]["tokens_per_s"]
+    # reward vs wall time: each arm's training reward at the same wall-clock points (sync's step times)
+    def at(curve, t):
+        pts = [rw for w, rw in curve if w <= t]
+        return float(np.mean(pts[-5:])) if pts else float("nan")
+    sync_t = [w for w, _ in arms["sync"]["curve"]]
+    cmp_rows = [[f"{t:.0f}", at(arms["sync"]["curve"], t), at(arms["async"]["curve"], t)] for t in sync_t[4::5]]
+    hist = {str(k): v for k, v in sorted(arms["async"]["staleness"].items())}
+    plot_curves(os.path.join(workdir, "reward_vs_wall.png"),
+                {a: ([c[0] for c in arms[a]["curve"]], [c[1] for c in arms[a]["curve"]]) for a in ARMS},
+                title="training reward vs wall time", xlabel="wall seconds", ylabel="batch reward")
+    report = {"arms": arms, "throughput_ratio": ratio, "staleness_histogram": hist, "before": before,
+              "total_s": time.time() - t_start}
+    md = f"""# async_vs_sync
+
+Primary (named before the run): trained tokens/s async / sync = **{ratio:.2f}** (wanted >= 1.5).
+
+{md_table(["arm", "trained tokens/s", "trainer idle frac", "wall s", "steps", "TEST reward before",
+           "TEST reward after (Wilson 95%)", "dead workers", "requeued", "ids lost", "ids duplicated"],
+          [[a, arms[a]["tokens_per_s"], arms[a]["trainer_idle_frac"], arms[a]["wall_s"], arms[a]["steps"],
+            before["reward"], fmt_interval(arms[a]["final_reward"], *arms[a]["test_reward_interval"]),
+            ",".join(arms[a]["dead_workers"]) or "-", arms[a]["requeued"], arms[a]["ids_lost"],
+            arms[a]["ids_duplicated"]] for a in ARMS])}
+
+Training reward (mean of the last 5 steps up to t) at the sync arm's wall-clock points:
+
+{md_table(["wall s", "sync", "async"], cmp_rows)}
+
+Staleness histogram of the async arm's trained samples (trainer version - oldest token's version):
+{hist}
+
+Plot: reward_vs_wall.png. Load on the machine is reported in docs/agentic_rl.md with the run.
+"""
+    write_report(workdir, report, md)
+    return report

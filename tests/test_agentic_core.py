@@ -1,0 +1,181 @@
+"""Agentic RL pieces without Ray: hash ring, staleness/refill, the agentic loss, the TITO gateway
+(records equal a server's outputs bit for bit), the calculator task."""
+
+import asyncio
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax.agentic.agent import calculator, make_calc_task, play, sft_example
+from glm5_jax.agentic.coordinator import HashRing, NoWorkers, filter_group
+from glm5_jax.agentic.gateway import Gateway, TrajectoryRecord, records_to_batch
+from glm5_jax.agentic.loss import agentic_loss, group_centered_advantages
+from glm5_jax.rl.sft import CharVocab
+
+
+def test_hash_ring_consistent_and_minimal_moves():
+    ring = HashRing(["a", "b", "c"])
+    keys = [f"g{i}/{k}" for i in range(300) for k in range(2)]
+    before = {k: ring.route(k) for k in keys}
+    assert before == {k: ring.route(k) for k in keys}          # deterministic
+    counts = {n: sum(v == n for v in before.values()) for n in "abc"}
+    assert min(counts.values()) > len(keys) / 10               # every worker gets a share
+    ring.remove("b")
+    after = {k: ring.route(k) for k in keys}
+    # only the removed worker's keys move; the others keep their worker (cache reuse)
+    assert all(after[k] == before[k] for k in keys if before[k] != "b")
+    assert all(after[k] in ("a", "c") for k in keys)
+    ring.remove("a"), ring.remove("c")
+    with pytest.raises(NoWorkers):
+        ring.route("x")
+
+
+def _rec(tid, status="done", versions=(3,), reward=1.0):
+    r = TrajectoryRecord(traj_id=tid, group_id="g")
+    r.add_context([1, 2])
+    for v in versions:
+        r.add_generated([5], [-0.5], v)
+    r.status, r.reward = status, reward
+    return r
+
+
+def test_filter_group_staleness_refill_and_drop():
+    # version 5, tau 2: min_version 2 is stale (5 - 2 = 3 > 2); 3 is not
+    recs = [_rec("a", versions=(3, 4)), _rec("b", versions=(2, 5)), _rec("c"), _rec("d", status="env_error")]
+    kept, info = filter_group(recs, version=5, tau=2)
+    # valid: a, c (2 of 4) -> not more than half -> dropped
+    assert kept is None and info == {"stale": 1, "broken": 1, "refilled": 0, "dropped": 4}
+    recs.append(_rec("e"))
+    recs.append(_rec("f"))
+    kept, info = filter_group(recs, version=5, tau=2)          # valid a, c, e, f: 4 of 6
+    assert [r.traj_id for r in kept] == ["a", "c", "e", "f", "a", "c"]
+    assert [r.refill_of for r in kept] == [None] * 4 + ["a", "c"]
+    assert info == {"stale": 1, "broken": 1, "refilled": 2, "dropped": 0}
+    assert recs[0].refill_of is None                           # the originals are untouched
+
+
+def test_agentic_loss_matches_reference_and_masks():
+    rng = np.random.default_rng(0)
+    b, t = 3, 6
+    logp = rng.normal(-1.0, 0.3, (b, t)).astype(np.float32)
+    infer = (logp + rng.normal(0, 0.3, (b, t))).astype(np.float32)
+    infer[0, 0] = -np.inf                                      # garbage under the mask must not leak
+    mask = (rng.random((b, t)) < 0.7).astype(np.float32)
+    mask[0, 0] = 0
+    mask[2] = 0                                                # an empty row contributes 0
+    adv = np.array([1.0, -2.0, 0.5], np.float32)
+    loss, met = agentic_loss(logp, None, infer, adv, mask, eps_low=0.2, eps_high=0.28)
+    # independent reference, token by token
+    total, inside_n, n = 0.0, 0, 0
+    grad_ref = np.zeros_like(logp)
+    for i in range(b):
+        cnt = mask[i].sum()
+        for j in range(t):
+            if not mask[i, j]:
+                continue
+            n += 1
+            r = float(np.exp(np.float64(logp[i, j]) - infer[i, j]))
+            f = r if 0.8 < r < 1.28 else 0.0
+            inside_n += f != 0
+            total += f * adv[i] * logp[i, j] / cnt
+            grad_ref[i, j] = -f * adv[i] / cnt / b
+    np.testing.assert_allclose(float(loss), -total / b, rtol=1e-5)
+    np.testing.assert_allclose(float(met["masked_frac"]), 1 - inside_n / n, rtol=1e-6)
+    g = jax.grad(lambda lp: agentic_loss(lp, None, infer, adv, mask)[0])(jnp.asarray(logp))
+    assert np.all(np.isfinite(np.asarray(g)))
+    np.testing.assert_allclose(np.asarray(g), grad_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_group_centered_advantages():
+    np.testing.assert_allclose(np.asarray(group_centered_advantages([1, 0, 0, 1, 1, 1], 3)),
+                               [2 / 3, -1 / 3, -1 / 3, 0, 0, 0], atol=1e-6)
+    with pytest.raises(ValueError, match="group_size=4"):
+        group_centered_advantages([1, 0, 1], 4)
+
+
+def test_records_to_batch_layout():
+    r = TrajectoryRecord(traj_id="x", group_id="g")
+    r.add_context([1, 7, 8])              # prompt
+    r.add_generated([9, 4], [-0.25, -1.5], 2)
+    r.add_context([6])                    # observation: masked
+    r.add_generated([3], [-0.125], 3)
+    b = records_to_batch([r], [0.5], seq_len=8)
+    np.testing.assert_array_equal(b["inputs"][0], [1, 7, 8, 9, 4, 6, 3, 0])
+    np.testing.assert_array_equal(b["targets"][0], [7, 8, 9, 4, 6, 3, 0, 0])
+    np.testing.assert_array_equal(b["mask"][0], [0, 0, 1, 1, 0, 1, 0, 0])
+    np.testing.assert_array_equal(b["infer_logp"][0], [0, 0, -0.25, -1.5, 0, -0.125, 0, 0])
+    np.testing.assert_array_equal(b["versions"][0], [-1, -1, 2, 2, -1, 3, -1, -1])
+    assert r.min_version == 2 and r.generated_tokens == 3
+    with pytest.raises(ValueError, match="seq_len=4"):
+        records_to_batch([r], [0.5], seq_len=4)
+
+
+def test_calculator_task_and_sft_example():
+    vocab = CharVocab()
+    t = make_calc_task(random.Random(3))
+    assert calculator(t.expr) == str(t.answer)
+    assert calculator("1/0") == "" and calculator("import os") == ""
+    ex = sft_example(t, vocab)[0]
+    text = vocab.decode(ex.ids)
+    assert text == f"{t.expr}=({t.expr})\n>{t.answer}\n{t.answer}\n"
+    trained = vocab.decode([i for i, m in zip(ex.ids, ex.loss_mask) if m])
+    assert trained == f"({t.expr})\n{t.answer}\n"              # the observation is never trained
+
+
+def test_gateway_records_equal_server_outputs_bit_for_bit():
+    """Trajectories played through the gateway against a (local, Ray-free) RolloutServer: every
+    generated segment in the records is exactly what the server returned for that request."""
+    from glm5_jax.agentic.server import RolloutServer
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.model import init_params
+    vocab = CharVocab()
+    cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=1, ffn_dim=64, attention="dsa",
+                      num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=4,
+                      v_head_dim=16, index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0,
+                      mtp_depth=0, attn_chunk=64)
+    server = RolloutServer(cfg, init_params(cfg, jax.random.PRNGKey(0)), max_batch=8, max_len=40,
+                           max_new_tokens=6, stop_tokens=(vocab.newline_id,), keep_outputs=True, version=7)
+    loop = asyncio.new_event_loop()
+    gateway = Gateway()
+    requests = {}
+
+    def generate(traj_id, request_id, ids):
+        requests.setdefault(traj_id, []).append(request_id)
+        return asyncio.run_coroutine_threadsafe(server.generate(request_id, ids), loop).result()
+
+    import threading
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    rng = random.Random(0)
+    tasks = [make_calc_task(rng) for _ in range(4)]
+    from concurrent.futures import ThreadPoolExecutor
+    # the calculator always answers "(": forces multi-turn records with masked observations
+    with ThreadPoolExecutor(4) as ex:
+        recs = list(ex.map(lambda i: play(gateway, generate, f"t{i}", "g", tasks[i], vocab, max_turns=3, max_len=40,
+                                          max_new_tokens=6), range(4)))
+    loop.call_soon_threadsafe(loop.stop)
+    th.join(timeout=5)
+    served = server.outputs()
+    assert server.stats["batches"] < server.stats["requests"]   # concurrent requests were batched
+    for rec in recs:
+        segs, cur = [], None
+        for tok, lp, m, v in zip(rec.tokens, rec.logp, rec.mask, rec.versions):
+            if m and cur is None:
+                cur = ([], [])
+                segs.append(cur)
+            if m:
+                cur[0].append(tok)
+                cur[1].append(lp)
+                assert v == 7
+            else:
+                cur = None
+        outs = [served[rid] for rid in requests[rec.traj_id]]
+        # a request may return an empty segment? never: max_new >= 1, so one segment per request
+        assert len(segs) == len(outs)
+        for (toks, lps), out in zip(segs, outs):
+            np.testing.assert_array_equal(np.asarray(toks, np.int32), out["tokens"])
+            assert np.asarray(lps, np.float32).tobytes() == out["logprobs"].tobytes()   # bit for bit
+        assert rec.tokens[:len(tasks[0].prompt) + 1][0] == vocab.bos_id
