@@ -1,7 +1,7 @@
 """RL stage: GRPO/IcePop losses, verifiable tasks, a sandboxed code runner and the GRPO program.
 
 Submodules: ``losses`` (JAX), ``tasks`` and ``sandbox`` (pure Python; importing them does not
-import JAX), ``sft`` (character vocabulary, packed SFT iterator), ``rollout`` (inference-engine
+import JAX), ``sft`` (character vocabulary; packing of (prompt, answer) pairs and rendered chat samples; SFT iterator), ``rollout`` (inference-engine
 rollouts, mismatch switch, training batch) and ``program`` (jitted update step, GRPO loop).
 Names are re-exported lazily.
 """
