@@ -248,7 +248,9 @@ def _dispatch(state: _State, path: str, body: Any):
         raise _HTTPError(404, f"name={_short(name)} is not a tool: allowed: {', '.join(sorted(TOOLS))}")
     args = body.get("arguments", {})
     _check_args(name, args)
-    session = state.get(body["session"]) if (name in _NEEDS_SESSION or "session" in body) else None
+    if name in _NEEDS_SESSION and "session" not in body:
+        raise _HTTPError(400, f"{name} needs a session: open one with POST /session")
+    session = state.get(body["session"]) if "session" in body else None
     if name in _POST_TOOL_ARGS:
         if name == "calculator" and len(args["expression"]) > limits.max_expression:
             return {"ok": True, "result": "error: invalid expression"}
@@ -302,6 +304,26 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(socket.SHUT_RD)
             except OSError:
                 pass
+
+    def parse_request(self):
+        ok = super().parse_request()
+        if ok and self.request_version == "HTTP/0.9":
+            self.send_error(400, "HTTP/0.9 requests are not supported")
+            return False
+        return ok
+
+    def send_error(self, code, message=None, explain=None):
+        # http.server's own refusals (bad request line, long headers, unknown method) as JSON, with a
+        # status line: the stdlib answers a request it could not parse in HTTP/0.9 style (a bare HTML
+        # body), an unknown method with 501 and an unknown HTTP version with 505; both are the
+        # client's fault here (405, 400): a 5xx would read as "the environment is broken".
+        self._reading = False
+        self.request_version = "HTTP/1.0" if self.request_version == "HTTP/0.9" else self.request_version
+        code = {501: 405, 505: 400}.get(code, code)
+        try:
+            self._reply(code, {"ok": False, "error": f"{code} {message or ''}".strip()}, close=True)
+        except OSError:
+            self.close_connection = True
 
     def _reply(self, status: int, obj: dict, close: bool = False):
         data = json.dumps(obj).encode("utf-8")
