@@ -179,3 +179,29 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
             np.testing.assert_array_equal(np.asarray(toks, np.int32), out["tokens"])
             assert np.asarray(lps, np.float32).tobytes() == out["logprobs"].tobytes()   # bit for bit
         assert rec.tokens[:len(tasks[0].prompt) + 1][0] == vocab.bos_id
+
+
+def test_play_with_the_calculator_service_and_env_crash():
+    """The agent loop against the environment service (glm5_jax.agentic.envs) with a scripted policy:
+    observation tokens are context (mask 0); a dead service makes the sample broken (env_error)."""
+    from glm5_jax.agentic.agent import service_calculator
+    from glm5_jax.agentic.envs import serve
+    vocab = CharVocab()
+    task = make_calc_task(random.Random(5))
+    replies = [f"({task.expr})\n", f"{task.answer}\n"]
+
+    def generate(traj_id, request_id, ids):
+        toks = vocab.encode(replies[int(request_id.rsplit(".", 1)[1])])
+        return {"tokens": toks, "logprobs": [-0.5] * len(toks), "version": 1, "finish_reason": "stop"}
+
+    env = serve()
+    try:
+        rec = play(Gateway(), generate, "t0", "g", task, vocab, tool=service_calculator(env.url))
+    finally:
+        env.close()
+    assert rec.status == "done" and rec.reward == 1.0
+    obs = vocab.encode(f">{task.answer}\n")
+    assert vocab.decode(rec.tokens) == task.prompt + replies[0] + f">{task.answer}\n" + replies[1]
+    assert rec.mask == [0] * (len(task.prompt) + 1) + [1] * len(replies[0]) + [0] * len(obs) + [1] * len(replies[1])
+    rec = play(Gateway(), generate, "t1", "g", task, vocab, tool=service_calculator(env.url, timeout=2))
+    assert rec.status == "env_error" and rec.reward == 0.0

@@ -26,7 +26,7 @@ from glm5_jax.agentic.coordinator import NoWorkers, WorkerLost
 from glm5_jax.agentic.gateway import Gateway
 from glm5_jax.rl.tasks import safe_eval_arith
 
-__all__ = ["CalcTask", "make_calc_task", "calculator", "sft_example", "play", "RolloutPool"]
+__all__ = ["CalcTask", "make_calc_task", "calculator", "service_calculator", "sft_example", "play", "RolloutPool"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,18 @@ def calculator(expr: str) -> str:
     except Exception:
         return ""
     return str(int(v)) if v.denominator == 1 and abs(v) < 10 ** 6 else ""
+
+
+def service_calculator(url: str, timeout: float = 10.0) -> Callable[[str], str]:
+    """The calculator of the environment service (``glm5_jax.agentic.envs``) as a tool function.
+    A tool-level error (bad expression) is the observation ''; a protocol fault or an unanswered request
+    raises, which ``play`` records as a broken sample (``env_error``)."""
+    from glm5_jax.agentic.envs import call_tool
+
+    def tool(expr: str) -> str:
+        res = str(call_tool(url, "calculator", {"expression": expr}, timeout=timeout))
+        return res if res.lstrip("-").isdigit() else ""
+    return tool
 
 
 def sft_example(task: CalcTask, vocab):
@@ -82,9 +94,13 @@ def play(gateway: Gateway, generate: Callable, traj_id: str, group_id: str, task
                 return gateway.finish(traj_id, 0.0, "done")      # truncated reply: reward 0
             text = text[:-1]
             if text.startswith("(") and text.endswith(")"):
-                if env_crash():
+                try:
+                    if env_crash():
+                        raise RuntimeError("simulated environment crash")
+                    result = tool(text[1:-1])
+                except Exception:
                     return gateway.finish(traj_id, 0.0, "env_error")   # broken sample: never trained
-                gateway.observe(traj_id, vocab.encode(f">{tool(text[1:-1])}\n"))
+                gateway.observe(traj_id, vocab.encode(f">{result}\n"))
                 continue
             return gateway.finish(traj_id, float(text == str(task.answer)), "done")
         return gateway.finish(traj_id, 0.0, "done")              # too many tool calls
