@@ -148,7 +148,7 @@ def test_size_and_time_bounds(srv):
     close_session(srv.url, sid)
 
 
-def _fuzz_request(rng: random.Random) -> tuple:
+def _fuzz_request(rng: random.Random, sid: str) -> tuple:
     """(bytes, drip seconds) of one random, mostly hostile request."""
     kind = rng.randrange(12)
     junk = lambda n: bytes(rng.randrange(256) for _ in range(n))   # noqa: E731
@@ -173,10 +173,10 @@ def _fuzz_request(rng: random.Random) -> tuple:
         if rng.random() < 0.3:
             body["session"] = rng.choice(values + ["0" * 32])
         return _post("/call", rng.choice([body, [body], rng.choice(values)])), 0.0
-    if kind == 5:                               # traversal paths (session id is invalid or unknown: 4xx)
+    if kind == 5:                               # traversal paths, in a live session (403) or not (4xx)
         p = rng.choice(["..", "../", "/etc/passwd", "a/../../b", "%2e%2e/x", "a\\..\\b", "....//x", "/"])
         return _post("/call", {"name": rng.choice(["file_read", "file_list"]), "arguments": {"path": p},
-                               "session": rng.choice(["0" * 32, "zz"])}), 0.0
+                               "session": rng.choice([sid, sid, "0" * 32, "zz"])}), 0.0
     if kind == 6:                               # random method / path / version
         m = rng.choice(["GET", "PUT", "DELETE", "HEAD", "OPTIONS", "BREW", "get", ""])
         p = rng.choice(["/", "/call", "/health", "/session", "/x" * 50, "*", "/../../etc", ""])
@@ -199,9 +199,10 @@ def _fuzz_request(rng: random.Random) -> tuple:
 
 def _fuzz(srv, n: int, seed: int, n_slow: int):
     rng = random.Random(seed)
+    sid = open_session(srv.url)
     statuses = {}
     for _ in range(n):
-        data, _ = _fuzz_request(rng)
+        data, _ = _fuzz_request(rng, sid)
         st = _raw(srv, data, shut=True)     # EOF after the request: an incomplete one is answered at once
         statuses[st] = statuses.get(st, 0) + 1
         assert st is None or 200 <= st < 500, (st, data[:200])
@@ -217,13 +218,14 @@ def _fuzz(srv, n: int, seed: int, n_slow: int):
         t.join(timeout=30)
     assert all(r in (408, None) for r in slow_results), slow_results
     assert srv.internal_errors == 0
+    assert call_tool(srv.url, "file_list", {"path": ""}, session=sid) == []     # nothing was written
     return statuses
 
 
 def test_fuzz_then_still_correct():
     with serve(limits=LIMITS) as s:
         statuses = _fuzz(s, n=2000, seed=0, n_slow=4)
-        assert statuses.get(200, 0) > 0 and sum(v for k, v in statuses.items() if k and 400 <= k < 500) > 1000
+        assert statuses.get(200, 0) > 0 and statuses.get(403, 0) > 0 and sum(v for k, v in statuses.items() if k and 400 <= k < 500) > 1000
         _check_answers(s.url)
 
 
