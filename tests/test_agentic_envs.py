@@ -1,6 +1,7 @@
 """Tool environment services (glm5_jax/agentic/envs.py): answers against hand-computed values, refusals
 (4xx, never 5xx) for hostile requests, and a fuzz run after which the services still answer correctly."""
 
+import dataclasses
 import json
 import os
 import random
@@ -231,10 +232,36 @@ def test_fuzz_then_still_correct():
 
 @pytest.mark.slow
 def test_fuzz_big():
-    with serve(limits=LIMITS) as s:
-        for seed in range(5):
-            _fuzz(s, n=4000, seed=seed + 1, n_slow=16)
+    """20000 requests from 4 concurrent clients, 16 slow bodies each."""
+    errors = []
+
+    def client(seed):
+        try:
+            _fuzz(s, n=5000, seed=seed + 1, n_slow=16)
+        except BaseException as e:      # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+    # room for every concurrent connection: a 503 when the server is full is an overload answer, not a
+    # refusal of a bad request, and is tested on its own (test_connection_cap)
+    with serve(limits=dataclasses.replace(LIMITS, max_connections=128)) as s:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
         _check_answers(s.url)
+
+
+def test_connection_cap():
+    """Connections beyond max_connections get 503 at once; the server answers again when they go."""
+    with serve(limits=dataclasses.replace(LIMITS, max_connections=2, request_timeout_s=2.0)) as s:
+        idle = [socket.create_connection((s.host, s.port)) for _ in range(2)]
+        time.sleep(0.2)
+        assert _raw(s, b"GET /health HTTP/1.1\r\n\r\n") == 503
+        for c in idle:
+            c.close()
+        time.sleep(0.3)
+        assert _raw(s, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n") == 200
 
 
 def test_subprocess_service():

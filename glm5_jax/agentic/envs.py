@@ -381,6 +381,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             raw = self._read_body()
             self._reading = False       # a long tool run (run_code) is not cut by the watchdog
+            self.connection.settimeout(self.server.limits.request_timeout_s)    # for writing the reply
             try:
                 body = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -390,7 +391,7 @@ class _Handler(BaseHTTPRequestHandler):
             # after a refused body the connection cannot be reused: its unread bytes would be parsed
             # as the next request
             self._reply(e.status, {"ok": False, "error": e.message}, close=e.status in (400, 408, 411, 413))
-        except (ConnectionError, BrokenPipeError):
+        except (ConnectionError, TimeoutError):     # the client vanished or stopped reading
             self.close_connection = True
         except Exception as e:      # noqa: BLE001 - never take the server down; never leak a traceback
             self.server.internal_errors += 1
