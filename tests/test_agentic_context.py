@@ -101,3 +101,53 @@ def test_results_render_with_template(tmp_path):
     k5 = count(keep_recent(ongoing, 5))
     assert hcm(ongoing, count, threshold=k5) == keep_recent(ongoing, 5)
     assert hcm(ongoing, count, threshold=k5 - 1) == [U1, R1, U2]
+
+
+def _play_with_context(agent, monkeypatch):
+    """run_conversations with a ContextPolicy: a scripted model that only knows the *managed* prompts
+    (keep_recent k=1) replays the gold conversations; any unmanaged prompt would miss the script."""
+    import numpy as np
+    from glm5_jax.data.chat import ChatTemplate
+    from glm5_jax.infer import GenerateResult
+    from glm5_jax.post.tooldata import TOOL_ARGS, execute_tool, heldout
+    from test_sft_chat import CharTok
+    tok = CharTok()
+    t = ChatTemplate(tok, "interleaved")
+    policy = ContextPolicy("keep_recent", k=1)
+    convs = heldout(6, seed=3, kind="kv_calc", p_error=1.0, p_followup=1.0)     # 4 tool rounds each
+    script = {}
+    for c in convs:
+        for k, m in enumerate(c.messages):
+            if m["role"] == "assistant":
+                full = t.render(c.messages[:k], add_generation_prompt=True).ids
+                shown = t.render(policy.apply(c.messages[:k]), add_generation_prompt=True).ids
+                script[tuple(shown)] = t.render(c.messages[:k + 1]).ids[len(full):]
+    seen = []
+
+    def fake_generate(cfg, params, prompts, *, max_new_tokens, stop_tokens, max_len, **kw):
+        toks = np.zeros((len(prompts), max_new_tokens), np.int32)
+        lens = np.zeros(len(prompts), np.int32)
+        reasons = []
+        for i, p in enumerate(prompts):
+            o = script.get(tuple(p), [1])[:max_new_tokens]
+            seen.append(tok.decode(p))
+            toks[i, :len(o)] = o
+            lens[i] = len(o)
+            reasons.append("stop" if o and o[-1] in stop_tokens else "length")
+        return GenerateResult(toks, np.zeros_like(toks, np.float32), lens, reasons)
+
+    monkeypatch.setattr(agent, "generate", fake_generate)
+    res = agent.run_conversations(None, None, t, convs, execute=execute_tool, tool_args=TOOL_ARGS,
+                                  max_new_tokens=200, max_len=4096, context=policy)
+    assert all(r.status == "done" and r.success for r in res)
+    assert any(PLACEHOLDER in s for s in seen)
+    assert all(PLACEHOLDER not in m["content"] for r in res for m in r.messages)     # full history kept
+
+
+def test_agent_loop_option(monkeypatch):
+    import inspect
+
+    from glm5_jax.post import agent
+    if "context" not in inspect.signature(agent.run_conversations).parameters:
+        pytest.skip("glm5_jax/post/agent.py has no context= option yet (diff in docs/agentic_envs.md)")
+    _play_with_context(agent, monkeypatch)
