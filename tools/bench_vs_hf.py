@@ -241,7 +241,7 @@ def model_flops(what: str, seq_len: int, batch: int) -> float:
     return per_token * seq_len * batch
 
 
-def _best(results, key):
+def _best(results):
     return min(results, key=lambda r: r["s"])
 
 
@@ -282,7 +282,7 @@ def run(threads_list, seqs, reps, log):
                                 runs[name].append(ans)
                             elif job["op"] == "train":  # the first step starts from the shared weights
                                 check.setdefault("first_loss", {})[name] = ans["value"]
-                    bh, bj = _best(runs["hf"], "s"), _best(runs["jax"], "s")
+                    bh, bj = _best(runs["hf"]), _best(runs["jax"])
                     row = dict(threads=n, what=job["op"], seq_len=job.get("seq", TRAIN_T),
                                batch=1 if job["op"] == "forward" else TRAIN_B, hf_s=bh["s"], jax_s=bj["s"],
                                speedup=bh["s"] / bj["s"], hf_cpu_util=bh["cpu_util"], jax_cpu_util=bj["cpu_util"],
