@@ -139,6 +139,10 @@ def test_size_and_time_bounds(srv):
     # a slow drip (a few bytes every 0.1 s) is cut at the whole-request deadline
     body = json.dumps({"name": "calculator", "arguments": {"expression": "1+1" + "+1" * 20}}).encode()
     assert _raw(srv, _post("/call", None, raw_body=body), drip=0.1) in (408, None)
+    # slow headers: the request is refused at the deadline, never processed from a cut-short header block
+    t0 = time.monotonic()
+    assert _raw(srv, b"GET /health HTTP/1.1\r\nX-Pad: " + b"a" * 60 + b"\r\n\r\n", drip=0.1) in (408, None)
+    assert time.monotonic() - t0 < 5
     sid = open_session(srv.url)
     with pytest.raises(ToolError) as e:
         call_tool(srv.url, "file_write", {"path": "a", "content": "x" * (LIMITS.max_file_bytes + 1)}, session=sid)

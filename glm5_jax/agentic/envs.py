@@ -307,6 +307,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def parse_request(self):
         ok = super().parse_request()
+        if ok and time.monotonic() >= self._deadline:
+            # the watchdog cut the headers short: what was parsed is not the whole request
+            self.send_error(408, f"headers not received within {self.server.limits.request_timeout_s} s")
+            return False
         if ok and self.request_version == "HTTP/0.9":
             self.send_error(400, "HTTP/0.9 requests are not supported")
             return False
