@@ -172,8 +172,9 @@ def _check_args(name: str, args) -> None:
     missing = set(spec) - optional - set(args)
     extra = set(args) - set(spec)
     if missing or extra:
-        raise _HTTPError(400, f"{name} takes {', '.join(sorted(spec))} (optional: {', '.join(sorted(optional)) or '-'});"
-                              f" missing {sorted(missing)}, unknown {sorted(map(str, extra))}")
+        raise _HTTPError(400, f"{name} takes {', '.join(sorted(spec))} "
+                              f"(optional: {', '.join(sorted(optional)) or '-'}); "
+                              f"missing {sorted(missing)}, unknown {sorted(map(str, extra))}")
     for a, v in args.items():
         if isinstance(v, bool) or not isinstance(v, spec[a]):
             raise _HTTPError(400, f"arguments.{a}={_short(v)} is invalid: must be "
