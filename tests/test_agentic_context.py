@@ -149,5 +149,5 @@ def test_agent_loop_option(monkeypatch):
 
     from glm5_jax.post import agent
     if "context" not in inspect.signature(agent.run_conversations).parameters:
-        pytest.skip("glm5_jax/post/agent.py has no context= option yet (diff in docs/agentic_envs.md)")
+        pytest.skip("glm5_jax/post/agent.py has no context= option yet (docs/agentic_envs.md, the agent-loop option)")
     _play_with_context(agent, monkeypatch)
