@@ -110,7 +110,7 @@ def _play_with_context(agent, monkeypatch):
     from glm5_jax.data.chat import ChatTemplate
     from glm5_jax.infer import GenerateResult
     from glm5_jax.post.tooldata import TOOL_ARGS, execute_tool, heldout
-    from test_sft_chat import CharTok
+    from tests.test_sft_chat import CharTok
     tok = CharTok()
     t = ChatTemplate(tok, "interleaved")
     policy = ContextPolicy("keep_recent", k=1)

@@ -16,8 +16,9 @@ non-canonical split. Evaluation only; an RL trainer must keep the generated ids 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
+from glm5_jax.agentic.context import ContextPolicy, template_token_counter
 from glm5_jax.data.chat import ChatFormatError, ChatTemplate
 from glm5_jax.infer import generate
 
@@ -44,7 +45,7 @@ def _valid_call(call: dict, tool_args: dict) -> bool:
 def run_conversations(model_cfg, params, template: ChatTemplate, conversations: Sequence, *,
                       execute: Callable[[dict, object], str], tool_args: dict, max_new_tokens: int = 48,
                       max_steps: int = 8, max_len: int = 384, bucket: int = 64, temperature: float = 0.0,
-                      seed: int = 0) -> List[ConversationResult]:
+                      seed: int = 0, context: Optional[ContextPolicy] = None) -> List[ConversationResult]:
     """Play each conversation (``.user_turns``, ``.answers``, ``.store``) against the model.
 
     execute(call, store) -> result text; tool_args: {tool name: argument names} for validity.
@@ -52,17 +53,21 @@ def run_conversations(model_cfg, params, template: ChatTemplate, conversations: 
     does not parse or cannot be rendered back), "truncated" (max_new_tokens without a stop token),
     "too_many_steps" (more than max_steps assistant messages) or "context" (prompt + max_new_tokens
     would pass max_len).
+    context: what the model sees each round (keep-recent-k / HCM, glm5_jax.agentic.context); None = the
+    full history. ``ConversationResult.messages`` always holds the full history.
     """
     msgs = [[{"role": "user", "content": c.user_turns[0]}] for c in conversations]
     state = [dict(status=None, answers=[], turn=0, steps=0, calls=0, valid=0, attempted=0, malformed=0, text="")
              for _ in conversations]
     filler = [template.special["[gMASK]"]]
+    count = template_token_counter(template) if context is not None else None
     round_ = 0
     while any(s["status"] is None for s in state):
         prompts = []
         for i, s in enumerate(state):
             if s["status"] is None:
-                ids = template.render(msgs[i], add_generation_prompt=True).ids
+                shown = context.apply(msgs[i], count) if context is not None else msgs[i]
+                ids = template.render(shown, add_generation_prompt=True).ids
                 if len(ids) + max_new_tokens > max_len:
                     s["status"] = "context"
                     ids = filler
