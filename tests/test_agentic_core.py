@@ -132,10 +132,10 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
     from glm5_jax.config import ModelConfig
     from glm5_jax.model import init_params
     vocab = CharVocab()
-    cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=1, ffn_dim=64, attention="dsa",
-                      num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=4,
-                      v_head_dim=16, index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0,
-                      mtp_depth=0, attn_chunk=64)
+    # plain multi-head attention: the cheapest decode to compile (the server is attention-agnostic;
+    # the DSA policy is served in test_agentic_ray.py and async_vs_sync)
+    cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=1, ffn_dim=64, attention="mha",
+                      num_heads=2, num_kv_heads=2, num_experts=0, mtp_depth=0, attn_chunk=64)
     server = RolloutServer(cfg, init_params(cfg, jax.random.PRNGKey(0)), max_batch=8, max_len=40,
                            max_new_tokens=6, stop_tokens=(vocab.newline_id,), keep_outputs=True, version=7)
     loop = asyncio.new_event_loop()
@@ -205,3 +205,12 @@ def test_play_with_the_calculator_service_and_env_crash():
     assert rec.mask == [0] * (len(task.prompt) + 1) + [1] * len(replies[0]) + [0] * len(obs) + [1] * len(replies[1])
     rec = play(Gateway(), generate, "t1", "g", task, vocab, tool=service_calculator(env.url, timeout=2))
     assert rec.status == "env_error" and rec.reward == 0.0
+
+
+@pytest.mark.parametrize("kw,needle", [({"mode": "both"}, "mode"), ({"in_flight_groups": 1, "groups_per_step": 2},
+                                        "in_flight_groups"), ({"tau": -1}, "tau"),
+                                       ({"kill_worker_at_step": 2, "servers": 1}, "servers >= 2")])
+def test_agentic_config_errors_name_the_field(kw, needle):
+    from glm5_jax.agentic.trainer import AgenticConfig
+    with pytest.raises(ValueError, match=needle):
+        AgenticConfig(**kw)
