@@ -77,6 +77,13 @@ TINY = AsyncVsSyncConfig(
                           frozen_patterns=("indexer", "embed", "layer_0/attn"), seed=0),
 )
 
+SMALL = dataclasses.replace(
+    TINY, model=_policy(128, 4, 4, 384),
+    train=TINY.train.replace(steps=1000, batch_size=32, eval_every=1000, log_every=250, ckpt_every=1000),
+    agentic=dataclasses.replace(TINY.agentic, steps=200, groups_per_step=8, in_flight_groups=16, servers=4,
+                                agent_threads=96),
+    test_tasks=512)
+
 
 def test_split(n: int, seed: int = 12345) -> list:
     """Distinct held-out prompts; training draws exclude them."""
@@ -96,7 +103,7 @@ def _ray_init(cpus: int):
 
 
 @register("async_vs_sync", "multi-turn calculator-tool RL, synchronous vs asynchronous (Ray rollout servers, "
-          "TITO gateway, staleness bound, worker kill)", {"tiny": TINY})
+          "TITO gateway, staleness bound, worker kill)", {"tiny": TINY, "small": SMALL})
 def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
     from glm5_jax.agentic.server import start_servers
     t_start = time.time()
