@@ -69,11 +69,11 @@ def _policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
 
 TINY = AsyncVsSyncConfig(
     model=_policy(64, 4, 2, 192),
-    train=TrainConfig(steps=400, batch_size=16, seq_len=64, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
-                      weight_decay=0.0, eval_every=400, log_every=100, ckpt_every=400, seed=0),
-    agentic=AgenticConfig(steps=30, groups_per_step=4, group_size=8, in_flight_groups=8, tau=2, push_every=1,
+    train=TrainConfig(steps=300, batch_size=16, seq_len=64, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                      weight_decay=0.0, eval_every=300, log_every=100, ckpt_every=300, seed=0),
+    agentic=AgenticConfig(steps=100, groups_per_step=4, group_size=8, in_flight_groups=8, tau=2, push_every=1,
                           servers=2, server_threads=1, agent_threads=48, max_batch=32, max_len=48,
-                          max_new_tokens=10, max_turns=3, learning_rate=1e-4,
+                          max_new_tokens=10, max_turns=3, learning_rate=2e-4,
                           frozen_patterns=("indexer", "embed", "layer_0/attn"), seed=0),
 )
 
