@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import quant
 from glm5_jax.infer import generate
 from glm5_jax.optim import path_to_str
 from glm5_jax.rl.tasks import aggregate_statuses
@@ -44,16 +45,12 @@ MATRIX_LEAVES = ("kernel", "embedding", "gate_proj", "up_proj", "down_proj")   #
 
 
 def fake_quant(x, bits: int, axis: int):
-    """Symmetric fake quantisation with one scale per index of ``axis`` (max |x| over the others)."""
-    return _quantize(x, bits, tuple(i for i in range(x.ndim) if i != axis % x.ndim))
-
-
-def _quantize(x, bits: int, reduce: tuple):
-    """Symmetric fake quantisation, one scale per index of the axes not in ``reduce``."""
-    qmax = 2 ** (bits - 1) - 1
-    amax = jnp.max(jnp.abs(x), axis=reduce, keepdims=True)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    return (jnp.clip(jnp.round(x / scale), -qmax, qmax) * scale).astype(x.dtype)
+    """Symmetric fake quantisation with one scale per index of ``axis`` (max |x| over the others):
+    glm5_jax.quant's quantiser with one group spanning every other axis."""
+    moved = jnp.moveaxis(x, axis, -1)
+    flat = moved.reshape(-1, moved.shape[-1])                  # [rest, axis]: one group over `rest`
+    q = quant.fake_quant(flat, quant.QuantConfig(bits=bits, group_size=0), "rollout weight")
+    return jnp.moveaxis(q.reshape(moved.shape), -1, axis)
 
 
 def rollout_params(params, mode: str = "none"):
@@ -79,7 +76,9 @@ def _rollout_params(params, mode: str):
         # one scale per output channel of each matrix: reduce over the input axis only, so leading
         # axes (a scanned stack's layers, the experts) each keep their own scales.
         # embedding [V, D]: one scale per token row
-        return _quantize(x, bits, (x.ndim - 1,) if path_to_str(path).endswith("embedding") else (x.ndim - 2,))
+        if path_to_str(path).endswith("embedding"):
+            return fake_quant(x, bits, 0)
+        return quant.fake_quant(x, quant.QuantConfig(bits=bits, group_size=0), path_to_str(path))
 
     return jax.tree_util.tree_map_with_path(q, params)
 
