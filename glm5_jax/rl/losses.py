@@ -54,6 +54,8 @@ from typing import Callable, Dict, Tuple
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.agentic.loss import agentic_loss
+
 Array = jax.Array
 Metrics = Dict[str, Array]
 
@@ -183,6 +185,7 @@ LOSSES: Dict[str, Callable[..., Tuple[Array, Metrics]]] = {
     "icepop": grpo_icepop_loss,
     "tis": truncated_is_loss,
     "none": no_correction_loss,
+    "agentic": agentic_loss,     # asynchronous agentic RL: double-sided mask on the rollout ratio
 }
 
 
