@@ -13,7 +13,8 @@ from flax import traverse_util
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import init_params
-from glm5_jax.rl.program import RLConfig, make_rl_optimizer, make_update_step, rl_train_config, token_logprobs
+from glm5_jax.rl.program import (RLConfig, make_rl_optimizer, make_update_step, policy_temperature, rl_train_config,
+                                 token_logprobs)
 from glm5_jax.rl.rollout import Rollout, build_batch, collect_rollouts, fake_quant, rollout_params
 from glm5_jax.rl.sft import CharVocab, SFTIterator, pack_examples
 from glm5_jax.rl.tasks import arithmetic_task
@@ -104,6 +105,22 @@ def test_old_logp_matches_generate_logprobs(setup):
     old = np.asarray(token_logprobs(cfg, params, jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])))
     m = batch["mask"] > 0
     np.testing.assert_allclose(old[m], batch["infer_logp"][m], atol=1e-4, rtol=0)
+
+
+def test_old_logp_at_the_sampling_temperature_matches_generate_logprobs(setup):
+    """IcePop's ratio compares like with like: rollouts sampled at T=0.7 report log-probs of the
+    T-scaled distribution, and the training engine's log-probs at policy_temperature(rl) equal them
+    (at T=1 they would not)."""
+    cfg, params, tasks, _ = setup
+    rl = RLConfig(temperature=0.7)
+    ro = collect_rollouts(cfg, params, tasks, VOCAB, group_size=2, max_new_tokens=MAX_NEW, seed=5, temperature=0.7)
+    batch = build_batch(ro, np.zeros(len(ro.prompts)), MAX_PROMPT)
+    inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
+    m = batch["mask"] > 0
+    at_t = np.asarray(token_logprobs(cfg, params, inputs, targets, temperature=policy_temperature(rl)))
+    np.testing.assert_allclose(at_t[m], batch["infer_logp"][m], atol=1e-4, rtol=0)
+    at_1 = np.asarray(token_logprobs(cfg, params, inputs, targets))
+    assert np.abs(at_1[m] - batch["infer_logp"][m]).max() > 1e-3
 
 
 def test_mismatch_switch_changes_infer_logp(setup):

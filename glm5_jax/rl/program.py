@@ -2,13 +2,14 @@
 
 One RL step (``run_grpo``):
 
-1. sample ``prompts_per_step`` tasks; the inference engine (``glm5_jax.infer.generate`` at temperature 1,
-   no top-k/top-p, parameters passed through the mismatch switch ``RLConfig.mismatch``) draws
+1. sample ``prompts_per_step`` tasks; the inference engine (``glm5_jax.infer.generate`` at
+   ``RLConfig.temperature``, no top-k/top-p, parameters passed through the mismatch switch ``RLConfig.mismatch``) draws
    ``group_size`` completions per prompt and reports each token's log-prob (``infer_logp``);
 2. the task checker scores the decoded completion (reward 1 correct, 0 otherwise);
 3. GRPO group advantages (``group_advantages``);
 4. the training engine recomputes the log-probs of the very same token ids under the rollout-time
-   (float32) parameters: ``old_logp`` (jitted forward, ``token_logprobs``);
+   (float32) parameters: ``old_logp`` (jitted forward, ``token_logprobs``), at the sampling temperature
+   (``policy_temperature``) like every training log-prob, so the IcePop ratio compares like with like;
 5. the rollout batch is split into ``minibatches`` and each gets ONE update: the one train step
    (``glm5_jax.train.step.make_train_step``, on a mesh) with the selected loss plugged in
    (icepop | tis | none, ``glm5_jax.rl.losses``) and AdamW or SGD. The first minibatch is exactly on-policy
@@ -47,7 +48,7 @@ from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.state import init_train_state
 from glm5_jax.train.step import make_train_step
 
-__all__ = ["RLConfig", "token_logprobs", "make_rl_optimizer", "make_rl_loss", "make_update_step", "rl_train_config",
+__all__ = ["RLConfig", "token_logprobs", "policy_temperature", "make_rl_optimizer", "make_rl_loss", "make_update_step", "rl_train_config",
            "loss_kwargs",
            "evaluate_accuracy", "run_grpo"]
 
@@ -102,15 +103,23 @@ def loss_kwargs(rl: RLConfig) -> dict:
     return kw
 
 
-def _token_logprobs(config, params, inputs, targets):
-    logits = forward(config, params, inputs)
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def _token_logprobs(config, params, inputs, targets, temperature: float = 1.0):
+    logits = forward(config, params, inputs).astype(jnp.float32)
+    if temperature != 1.0:      # the distribution the tokens were sampled from (IcePop compares like with like)
+        logits = logits / temperature
+    lp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
 
-token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
-token_logprobs.__doc__ = ("(config, params, inputs [B,S], targets [B,S]) -> log p(targets[b,t] | inputs[b,:t+1]) "
-                          "[B,S] float32: the training engine's forward (jitted).")
+token_logprobs = jax.jit(_token_logprobs, static_argnums=0, static_argnames="temperature")
+token_logprobs.__doc__ = ("(config, params, inputs [B,S], targets [B,S], temperature=1.0) -> log p_T(targets[b,t] | "
+                          "inputs[b,:t+1]) [B,S] float32: the training engine's forward (jitted) at temperature T.")
+
+
+def policy_temperature(rl: "RLConfig") -> float:
+    """The temperature the rollout tokens were sampled at (1 for greedy rollouts, whose log-probs the
+    engine reports at temperature 1): the training log-probs and ratios are taken at the same one."""
+    return rl.temperature if rl.temperature > 0 else 1.0
 
 
 def make_rl_optimizer(params, rl: RLConfig, config=None):
@@ -147,7 +156,7 @@ def make_rl_loss(config, rl: RLConfig):
     policy_loss = functools.partial(get_loss(rl.loss), **loss_kwargs(rl))
 
     def loss_fn(params, batch):
-        logp = _token_logprobs(config, params, batch["inputs"], batch["targets"])
+        logp = _token_logprobs(config, params, batch["inputs"], batch["targets"], policy_temperature(rl))
         loss, metrics = policy_loss(logp, batch["old_logp"], batch["infer_logp"], batch["advantages"], batch["mask"])
         return loss, (dict(metrics, loss=loss), {})
 
@@ -232,7 +241,8 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             adv_train = adv * (B / max(int(informative.sum()), 1))
         batch = build_batch(ro, adv_train, rl.max_prompt_len)
         batch["old_logp"] = np.asarray(token_logprobs(config, params, jnp.asarray(batch["inputs"]),
-                                                      jnp.asarray(batch["targets"])))
+                                                      jnp.asarray(batch["targets"]),
+                                                      temperature=policy_temperature(rl)))
         if advantage_fn is not None:
             row_tasks = [tasks[i // rl.group_size] for i in range(B)]
             batch["advantages"] = np.asarray(advantage_fn(row_tasks, batch), np.float32)
