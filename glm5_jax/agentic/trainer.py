@@ -80,13 +80,15 @@ class AgenticConfig:
             raise ValueError("AgenticConfig.kill_worker_at_step needs servers >= 2 (one must survive)")
 
 
-def make_agentic_loss_fn(config, eps_low: float, eps_high: float):
+def make_agentic_loss_fn(config, eps_low: float, eps_high: float, temperature: float = 1.0):
     """loss_fn(params, batch) -> (loss, (metrics, {})) for make_train_step: the agentic loss on the
-    training engine's log-probs of the recorded tokens."""
+    training engine's log-probs of the recorded tokens, at the servers' sampling temperature (the
+    rollout log-probs are of the temperature-scaled distribution; greedy = 1)."""
     from glm5_jax.rl.program import token_logprobs
 
     def loss_fn(params, batch):
-        logp = token_logprobs(config, params, batch["inputs"], batch["targets"])
+        logp = token_logprobs(config, params, batch["inputs"], batch["targets"],
+                              temperature=temperature if temperature > 0 else 1.0)
         loss, m = agentic_loss(logp, None, batch["infer_logp"], batch["advantages"], batch["mask"],
                                eps_low=eps_low, eps_high=eps_high)
         return loss, (dict(m, loss=loss), {})
@@ -110,7 +112,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
     tx, _ = make_rl_optimizer(params, rl, model_cfg)
     state, _ = init_train_state(model_cfg, rl_train_config(rl), None, tx=tx, params=params)
     update = make_train_step(model_cfg, rl_train_config(rl), tx, None,
-                             loss_fn=make_agentic_loss_fn(model_cfg, cfg.eps_low, cfg.eps_high))
+                             loss_fn=make_agentic_loss_fn(model_cfg, cfg.eps_low, cfg.eps_high, cfg.temperature))
     own = workers is None
     if own:
         workers = start_servers(cfg.servers, model_cfg, params, threads=cfg.server_threads, max_batch=cfg.max_batch,
