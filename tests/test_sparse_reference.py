@@ -62,6 +62,29 @@ def test_sparse_attention_matches_dense_masked(hk, t, s, kk, chunk):
         np.testing.assert_allclose(a, r, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("hk", [1, 3])
+def test_sparse_attention_value_prefix(hk):
+    """v=None, dv: the value is k[..., :dv] -- same output and the same gradient w.r.t. k as
+    passing that prefix as v (dense masked reference; the prefix's gradient is dK + dV)."""
+    rng = np.random.default_rng(5 + hk)
+    b, t, h, dq, dv, kk = 2, 12, 3, 9, 6, 5
+    q = jnp.asarray(rng.normal(size=(b, t, h, dq)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, hk, dq)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
+    idx = _unique_idx(rng, b, t, t, kk)
+    out = ref.sparse_attention(q, k, None, idx, scale=0.3, chunk=4, dv=dv)
+    np.testing.assert_allclose(out, _naive(q, k, k[..., :dv], idx, 0.3), atol=1e-5, rtol=1e-5)
+    g = jax.grad(lambda q, k: jnp.sum(w * ref.sparse_attention(q, k, None, idx, scale=0.3, chunk=4, dv=dv)),
+                 (0, 1))(q, k)
+    g_ref = jax.grad(lambda q, k: jnp.sum(w * _naive(q, k, k[..., :dv], idx, 0.3)), (0, 1))(q, k)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_allclose(a, r, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="dv"):
+        ref.sparse_attention(q, k, None, idx, scale=0.3)
+    with pytest.raises(ValueError, match="dv"):
+        ref.sparse_attention(q, k, k, idx, scale=0.3, dv=dv)
+
+
 def test_sparse_attention_bad_shapes():
     q = jnp.zeros((1, 4, 4, 8))
     with pytest.raises(ValueError, match="allows 1 or H"):

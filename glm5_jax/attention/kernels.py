@@ -17,11 +17,17 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: st
     return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk)
 
 
-def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int = 128):
-    """q [B, T, H, D] over the keys `indices` [B, T, K] (-1 = none) of k/v [B, S, Hk, D] -> [B, T, H, Dv]."""
+def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int = 128, dv: int | None = None):
+    """q [B, T, H, D] over the keys `indices` [B, T, K] (-1 = none) of k/v [B, S, Hk, D] -> [B, T, H, Dv].
+    v=None with `dv`: the value is k[..., :dv] (MLA's MQA form); the xla path then gathers each row
+    once and scatters one gradient row per slot (see reference.sparse_attention)."""
     if impl == "pallas":
         from pallas_kernels import dsa
+        if v is None:
+            if dv is None:
+                raise ValueError("sparse_attention: v=None needs dv (value = k[..., :dv])")
+            v = k[..., :dv]
         return dsa.sparse_attention(q, k, v, indices, scale=scale)
     if impl != "xla":
         raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {impl!r}")
-    return ref.sparse_attention(q, k, v, indices, scale=scale, chunk=chunk)
+    return ref.sparse_attention(q, k, v, indices, scale=scale, chunk=chunk, dv=dv)
