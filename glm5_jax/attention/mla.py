@@ -169,8 +169,9 @@ def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale,
     q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], w_uk [r,H,dn], w_uv [r,H,dv],
     indices [B,T,K] (key slots, -1 = none) -> [B,T,H,dv]: each head attends the selected
     [latent | k_rope] rows (scale is MLA's (dn + dr)^-0.5), W_UV is applied after attention."""
-    q, k, v = mqa_operands(q_nope, q_rope, latent, k_rope, w_uk)
-    o_lat = sparse_attention(q, k, v, indices, scale=scale, impl=impl, chunk=chunk)
+    q, k, _ = mqa_operands(q_nope, q_rope, latent, k_rope, w_uk)
+    # the value is the latent = the first r columns of each key row: gathered once (v=None, dv=r)
+    o_lat = sparse_attention(q, k, None, indices, scale=scale, impl=impl, chunk=chunk, dv=latent.shape[-1])
     return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(o_lat.dtype))
 
 
