@@ -152,6 +152,7 @@ def _assert_same_trajectories(one: dict, mesh: dict) -> None:
         np.testing.assert_allclose(mesh[phase], one[phase], rtol=1e-4, err_msg=phase)
 
 
+@pytest.mark.slow  # minutes on 2 cores (the default suite stays under 15 min); run with -m slow
 def test_muon_split_same_losses_on_eight_devices(tmp_path):
     """The cheapest experiment (one arm, three steps) on data 2 x fsdp 2 x expert 2 vs one device."""
     one, mesh = run_on_one_and_eight_devices("muon_split", tmp_path)

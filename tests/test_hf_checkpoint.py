@@ -220,6 +220,7 @@ def test_hf_orbax_hf_round_trip_is_bit_exact_with_mtp(tmp_path, bf16_mtp_checkpo
         export(ckpt, out)
 
 
+@pytest.mark.slow  # minutes on 2 cores (the default suite stays under 15 min); run with -m slow
 def test_init_from_starts_from_the_checkpoint_exactly(tmp_path, bf16_mtp_checkpoint):
     from glm5_jax.train.checkpoint import InitFromError
     from glm5_jax.train.config import TrainConfig

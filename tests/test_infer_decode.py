@@ -51,7 +51,8 @@ def _full_logprobs(cfg, params, prompt, generated, width=32):
     return lsm[np.arange(len(prompt) - 1, len(seq) - 1)]
 
 
-@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "dsa"])
+@pytest.mark.parametrize("kind", [pytest.param("mha", marks=pytest.mark.slow),
+                                  pytest.param("gqa", marks=pytest.mark.slow), "mla", "dsa"])
 def test_cached_greedy_equals_full_forward_argmax(kind):
     cfg, params = CONFIGS[kind], _params(kind)
     n = 9

@@ -120,6 +120,7 @@ def _jit_forward(cfg):
     return jax.jit(lambda p, t, pos=None, seg=None: model.forward(cfg, p, t, pos, seg))
 
 
+@pytest.mark.slow  # minutes on 2 cores (the default suite stays under 15 min); run with -m slow
 def test_dsa_with_topk_covering_all_keys_equals_mla():
     dsa = ModelConfig(index_topk=64, mtp_depth=0)
     params = model.init_params(dsa, jax.random.PRNGKey(3))
@@ -133,7 +134,8 @@ def test_dsa_with_topk_covering_all_keys_equals_mla():
     assert float(jnp.abs(_jit_forward(sparse)(params, tok) - _jit_forward(mla)(mla_params, tok)).max()) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "dsa"])
+@pytest.mark.parametrize("kind", [pytest.param("mha", marks=pytest.mark.slow),
+                                  pytest.param("gqa", marks=pytest.mark.slow), "mla", "dsa"])
 def test_causality(kind):
     extra = dict(num_kv_heads=2) if kind == "gqa" else {}
     cfg = ModelConfig(attention=kind, index_topk=5, mtp_depth=0, **extra)
@@ -160,6 +162,7 @@ def test_packed_documents_equal_separate_runs():
     np.testing.assert_allclose(out[:, 9:], f(params, d2), atol=1e-5)
 
 
+@pytest.mark.slow  # minutes on 2 cores (the default suite stays under 15 min); run with -m slow
 def test_mtp_shared_depths_reuse_one_block():
     cfg = ModelConfig(mtp_depth=3, mtp_share=True)
     params = model.init_params(cfg, jax.random.PRNGKey(10))
@@ -177,6 +180,7 @@ def test_mtp_shared_depths_reuse_one_block():
     assert float(jnp.abs(out["mtp_logits"][0, :, 7] - out2["mtp_logits"][0, :, 7]).max()) > 1e-5
 
 
+@pytest.mark.slow  # minutes on 2 cores (the default suite stays under 15 min); run with -m slow
 def test_remat_gives_identical_loss_and_gradients():
     cfg = ModelConfig(index_topk=4, mtp_depth=0)
     params = model.init_params(cfg, jax.random.PRNGKey(12))

@@ -89,6 +89,7 @@ def test_frozen_parameters_unchanged_and_indexer_trains():
     assert np.isfinite(float(metrics["indexer_kl"])) and 0 <= float(metrics["indexer_recall"]) <= 1
 
 
+@pytest.mark.slow  # minutes on 2 cores (the default suite stays under 15 min); run with -m slow
 def test_full_training_updates_router_bias_and_reduces_loss():
     cfg = ModelConfig(index_topk=4, mtp_depth=1)
     tc = TrainConfig(steps=8, batch_size=2, seq_len=24, learning_rate=1e-2, warmup_steps=0, indexer_loss="sparse")
