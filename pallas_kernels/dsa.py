@@ -73,6 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import indexer_triton as _idx_gpu
+from pallas_kernels._bounds import block_visible, dot_t, head_bound
 from pallas_kernels import sparse_attn_tpu as _tpu
 from pallas_kernels import sparse_attn_triton as _triton
 
@@ -102,9 +103,7 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def _dot_t(a, b):
-    """a [m, d] @ b[n, d]^T -> [m, n] in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+_dot_t = dot_t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,18 +119,8 @@ def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, segq_ref, smin_ref, smax_ref
     nk = kmax.shape[0]
     acc = jnp.zeros((bq, nk), _F32)
     for j in range(n_heads):
-        qj = q_ref[0, :, j, :].astype(_F32)  # [bq, Di]
-        qp = jnp.maximum(qj, 0.0)
-        qn = jnp.minimum(qj, 0.0)
-        hi = _dot_t(qp, kmax) + _dot_t(qn, kmin)
-        lo = _dot_t(qp, kmin) + _dot_t(qn, kmax)
-        wj = w[:, j:j + 1]
-        acc = acc + jnp.where(wj >= 0, wj * jnp.maximum(hi, 0.0), wj * jnp.maximum(lo, 0.0))
-    t = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, nk), 0)
-    kb0 = jax.lax.broadcasted_iota(jnp.int32, (bq, nk), 1) * bk
-    vis = t < t_total
-    if causal:
-        vis = vis & (kb0 <= t + (s_total - t_total))
+        acc = acc + head_bound(q_ref[0, :, j, :].astype(_F32), w[:, j:j + 1], kmax, kmin)
+    vis = block_visible(i, bq, bk, nk, t_total, s_total, causal)
     # a key block can hold a key of the query's document only if the query's segment id lies in
     # the block's [min, max] segment range (exact for contiguous packed documents)
     seg = segq_ref[0]  # [bq, 1]

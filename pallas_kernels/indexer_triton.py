@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._bounds import block_visible, dot_t, head_bound
 from pallas_kernels.reference import NEG_INF
 
 _F32 = jnp.float32
 
 
-def _dot_t(a, b):  # a [m, d] . b [n, d]^T -> [m, n] f32
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+_dot_t = dot_t
 
 
 def _params():
@@ -41,17 +41,9 @@ def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, segq_ref, smin_ref, smax_ref
     nk = kmax.shape[0]
     acc = jnp.zeros((bq, nk), _F32)
     for j in range(n_heads):
-        qj = q_ref[bi, rows, j, :].astype(_F32)  # [bq, Di]
-        qp, qn = jnp.maximum(qj, 0.0), jnp.minimum(qj, 0.0)
-        hi = _dot_t(qp, kmax) + _dot_t(qn, kmin)
-        lo = _dot_t(qp, kmin) + _dot_t(qn, kmax)
-        wj = w_ref[bi, rows, j].astype(_F32)[:, None]
-        acc = acc + jnp.where(wj >= 0, wj * jnp.maximum(hi, 0.0), wj * jnp.maximum(lo, 0.0))
-    t = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, nk), 0)
-    kb0 = jax.lax.broadcasted_iota(jnp.int32, (bq, nk), 1) * bk
-    vis = t < t_total
-    if causal:
-        vis = vis & (kb0 <= t + (s_total - t_total))
+        acc = acc + head_bound(q_ref[bi, rows, j, :].astype(_F32), w_ref[bi, rows, j].astype(_F32)[:, None],
+                               kmax, kmin)
+    vis = block_visible(i, bq, bk, nk, t_total, s_total, causal)
     seg = segq_ref[bi, rows][:, None]
     vis = vis & (seg >= smin_ref[bi][None, :]) & (seg <= smax_ref[bi][None, :])
     ub_ref[bi, i, :] = jnp.max(jnp.where(vis, acc, NEG_INF), axis=0)
