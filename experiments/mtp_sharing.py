@@ -199,6 +199,14 @@ def held_out_contexts(data, num: int, length: int) -> np.ndarray:
     return np.stack([out[i] for i in pick])
 
 
+def speculative_accepts(p_draft: np.ndarray, q_draft: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """[N, K] 0/1 acceptance of K chained drafts (speculative-sampling verification): draft k, drawn from
+    q with probability q_draft[:, k], is accepted iff u_j < min(1, p_j / q_j) for every j <= k (the chain
+    stops at the first rejection). p_draft: the target's probability of each draft; u ~ U[0, 1)."""
+    ok = u < np.minimum(1.0, p_draft / np.maximum(q_draft, 1e-30))
+    return np.cumprod(ok, axis=1).astype(np.float64)
+
+
 def sampled_acceptance(cfg: ModelConfig, params, contexts: np.ndarray, num_draft: int, draws: int,
                        seed: int = 0) -> dict:
     """Speculative SAMPLING acceptance at temperature 1 after each held-out context (as in Leviathan et
@@ -234,8 +242,7 @@ def sampled_acceptance(cfg: ModelConfig, params, contexts: np.ndarray, num_draft
     p_of_draft = np.stack([np.exp(np.asarray(logp[np.arange(n * draws), c + k, toks[:, c + 1 + k]]))
                            for k in range(K)], axis=1)
     key, ku = jax.random.split(key)
-    u = np.asarray(jax.random.uniform(ku, p_of_draft.shape))
-    accepted = np.cumprod(u < np.minimum(1.0, p_of_draft / np.maximum(q_of_draft, 1e-30)), axis=1)
+    accepted = speculative_accepts(p_of_draft, q_of_draft, np.asarray(jax.random.uniform(ku, p_of_draft.shape)))
     lengths = 1.0 + accepted.sum(1)
     per_context = lengths.reshape(n, draws).mean(1)
     return {"sampled_acceptance_length": float(lengths.mean()),

@@ -8,10 +8,11 @@ import math
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from experiments import registry
-from experiments.mtp_sharing import ARMS, TINY, arm_configs, inference_model
+from experiments.mtp_sharing import ARMS, TINY, arm_configs, inference_model, speculative_accepts
 from experiments.overrides import OverrideError
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.model import init_params
@@ -53,6 +54,23 @@ def test_inference_model_reuses_last_unshared_block():
     assert inference_model(c, p, 3) == (c, p)
     cs = c.replace(mtp_share=True)
     assert inference_model(cs, p, 4)[0] is cs
+
+
+def test_speculative_accepts_matches_closed_form():
+    """One draft d ~ q is accepted with probability sum_x min(p(x), q(x)) = 1 - TV(p, q) (Leviathan et al.,
+    Thm 3.5); a chain stops at its first rejection; q == p accepts everything."""
+    rng = np.random.default_rng(0)
+    p, q = np.array([0.5, 0.3, 0.1, 0.1, 0.0]), np.array([0.2, 0.2, 0.2, 0.2, 0.2])
+    n = 200_000
+    d = rng.choice(5, size=(n, 1), p=q)
+    acc = speculative_accepts(p[d], q[d], rng.random((n, 1)))
+    want = float(np.minimum(p, q).sum())                       # 0.2 + 0.2 + 0.1 + 0.1 + 0 = 0.6
+    assert abs(acc.mean() - want) < 4 * np.sqrt(want * (1 - want) / n)
+    # chained: rejected at depth 2 (u >= p/q) => depth 3 is not accepted even though its own test passes
+    got = speculative_accepts(np.array([[0.5, 0.1, 0.9]]), np.array([[0.5, 0.5, 0.1]]), np.array([[0.9, 0.5, 0.0]]))
+    np.testing.assert_array_equal(got, [[1.0, 0.0, 0.0]])
+    same = rng.random((8, 4))
+    assert speculative_accepts(same, same, rng.random((8, 4))).all()
 
 
 @pytest.mark.slow
