@@ -2,39 +2,73 @@ import numpy as np
 import pytest
 
 from glm5_jax.data import retrieval_accuracy
-from glm5_jax.data.retrieval import EVAL_TAG
+from glm5_jax.data.retrieval import EVAL_TAG, KEY_LETTERS, key_token_ids
 
 from tests.test_data_common import small_data
 
 T = 160
 
 
-def test_query_far_from_pair_and_answer_recoverable():
+def _records(task, window):
+    """(start, key index, value ids) of every key token in the window, read back from the tokens alone."""
+    keys = {int(k): j for j, k in enumerate(task.key_ids)}
+    return [(s, keys[int(t)], window[s + 1:s + task.record_len].tolist())
+            for s, t in enumerate(window) if int(t) in keys]
+
+
+def test_key_tokens_are_single_letters_never_produced_by_text_and_not_digits():
     data = small_data()
-    task = data.retrieval_task("eval", T)
     tok = data.tokenizer
-    digits = tok.digit_ids()
+    ids = key_token_ids(tok)
+    assert len(ids) == len(set(ids)) == 52 and not set(ids) & set(tok.digit_ids())
+    assert tok.decode(ids) == KEY_LETTERS
+    # sentencepiece byte pieces: encoding text never yields them, so filler cannot contain a key
+    stream = data.train_stream.stream
+    assert not np.isin(stream, ids).any()
+    assert not set(tok.encode("A key, a value: Zz 42")) & set(ids)
+
+
+def test_layout_queries_far_from_records_and_answer_recoverable():
+    data = small_data(retrieval_pairs=8, retrieval_key_digits=2, retrieval_value_digits=2)
+    task = data.retrieval_task("eval", T)
+    digits = data.tokenizer.digit_ids()
+    assert task.record_len == 3 and task.n_queries == 8
     for i in range(20):
         ex, info = task.example(0, EVAL_TAG, i)
-        assert info.distance > task.min_distance == T // 2
         window = np.concatenate([ex["tokens"], ex["targets"][-1:]])
-        # The queried record is planted at pair_start and carries the answer.
-        rec = window[info.pair_start:info.pair_end].tolist()
-        val_ids = [digits[int(c)] for c in info.value]
-        key_ids = [digits[int(c)] for c in info.key]
-        assert rec == (task.key_ids.tolist() + key_ids + task.eq_ids.tolist() + val_ids
-                       + task.end_ids.tolist())
-        # The query (key + '=') ends the tokens, the answer is the last targets.
-        q = window[info.query_start:].tolist()
-        assert q == task.key_ids.tolist() + key_ids + task.eq_ids.tolist() + val_ids
-        assert ex["targets"][list(info.answer_positions)].tolist() == val_ids
-        assert np.nonzero(ex["loss_mask"])[0].tolist() == list(info.answer_positions)
-        # Answer recoverable from the context alone: find the key's earlier record.
-        text = tok.decode(ex["tokens"])
-        assert f"key{info.key}={info.value};" in text
-        assert text.endswith(f"key{info.key}=" + info.value[:-1])
-        assert (ex["segment_ids"] == 1).all()
-        assert ex["positions"].tolist() == list(range(T))
+        recs = _records(task, window)
+        # 8 planted records + 8 restated ones, each key exactly twice with the same value
+        assert len(recs) == 16
+        planted, queries = recs[:8], recs[8:]
+        assert len({k for _, k, _ in planted}) == 8 and sorted(k for _, k, _ in queries) == sorted(k for _, k, _ in planted)
+        # the planted block is contiguous, the queries end the window
+        assert [s for s, _, _ in planted] == list(range(planted[0][0], planted[0][0] + 24, 3))
+        assert [s for s, _, _ in queries] == list(range(T + 1 - 24, T + 1, 3))
+        for s, k, v in queries:
+            ps, _, pv = next(r for r in planted if r[1] == k)
+            assert v == pv and s - (ps + 3) > task.min_distance == T // 2
+        # the last query is the probe: info, answer positions and loss mask agree with the tokens
+        ps, k, v = next(r for r in planted if r[1] == queries[-1][1])
+        assert (info.pair_start, info.pair_end, info.value_start, info.query_start) == (ps, ps + 3, ps + 1, T - 2)
+        assert info.key == KEY_LETTERS[k] and [digits[int(c)] for c in info.value] == v
+        assert ex["targets"][list(info.answer_positions)].tolist() == v
+        assert np.nonzero(ex["loss_mask"])[0].tolist() == [T - 2, T - 1]
+        assert info.distance > task.min_distance
+        assert (ex["segment_ids"] == 1).all() and ex["positions"].tolist() == list(range(T))
+
+
+def test_query_count_limited_by_min_distance():
+    # L = 161 tokens: 16 records x 2 tokens = 32, more than 100 tokens of filler b -> 28 left for queries
+    data = small_data(retrieval_pairs=16, retrieval_key_digits=2, retrieval_value_digits=1,
+                      retrieval_min_distance=100)
+    task = data.retrieval_task("train", T)
+    assert task.n_queries == (T + 1 - 32 - 100 - 1) // 2 == 14
+    ex, info = task.example(0, 1, 3, mode="train")
+    window = np.concatenate([ex["tokens"], ex["targets"][-1:]])
+    recs = _records(task, window)
+    assert len(recs) == 16 + 14 and len({k for _, k, _ in recs[16:]}) == 14
+    assert recs[16][0] - (recs[15][0] + 2) > 100
+    assert (ex["loss_mask"] == 1).all()
 
 
 def test_eval_batches_deterministic_and_accuracy():
@@ -60,13 +94,10 @@ def test_mixer_fraction_and_determinism():
     data = small_data(retrieval_fraction=0.25)
     it = data.train_iter(1, T, seed=0)
     assert abs(it.num_retrieval / (it.num_retrieval + it.num_corpus_windows) - 0.25) < 0.01
-    key_ids = data.retrieval_task("train", T).key_ids.tolist()
-    eq = data.retrieval_task("train", T).eq_ids.tolist()
+    keys = set(data.retrieval_task("train", T).key_ids.tolist())
 
-    def is_retrieval(b):
-        tail = b["tokens"][0, -(len(key_ids) + 3 + len(eq) + 2):].tolist()
-        return tail[:len(key_ids)] == key_ids and (b["segment_ids"][0] == 1).all() and \
-            b["loss_mask"][0].all()
+    def is_retrieval(b):   # key tokens never occur in text, so a key token marks a retrieval sequence
+        return bool(keys & set(b["tokens"][0].tolist())) and b["loss_mask"][0].all()
 
     n = 200
     flags = [is_retrieval(next(it)) for _ in range(n)]
@@ -75,38 +106,15 @@ def test_mixer_fraction_and_determinism():
     assert flags == [is_retrieval(next(it2)) for _ in range(n)]
 
 
-def test_too_short_sequence_rejected():
+def test_bad_settings_rejected():
     data = small_data()
     with pytest.raises(ValueError, match="too short"):
-        data.retrieval_task("eval", 40)
-
-
-def test_train_mode_restates_records_far_from_their_block():
-    data = small_data()
-    task = data.retrieval_task("train", T)
-    assert 1 < task.train_queries <= task.n_pairs
-    for i in range(10):
-        ex, info = task.example(0, 1, i, mode="train")
-        window = np.concatenate([ex["tokens"], ex["targets"][-1:]])
-        # the queried record is still planted where info says, and the window ends with it restated
-        rec = window[info.pair_start:info.pair_end].tolist()
-        assert window[-task.query_len:].tolist() == rec[:task.query_len]
-        # every restated record (split on the record separator) is one of the planted ones, no repeats
-        n_sep = len(task.end_ids)
-        tail = window[len(window) - task.train_queries * (task.query_len + n_sep) + n_sep:]
-        pieces = [tail[j * (task.query_len + n_sep): j * (task.query_len + n_sep) + task.query_len].tolist()
-                  for j in range(task.train_queries)]
-        starts = [s for s in range(len(window) - task.query_len + 1)
-                  if window[s:s + len(task.key_ids)].tolist() == task.key_ids.tolist()]
-        recs = [window[s:s + task.query_len].tolist() for s in starts]
-        assert len({tuple(p) for p in pieces}) == task.train_queries
-        for p in pieces:
-            assert recs.count(p) == 2          # once in the block, once restated at the end
-            first, second = [s for s, r in zip(starts, recs) if r == p]
-            assert second - (first + task.record_len) > task.min_distance
-        assert (ex["loss_mask"] == 1).all()
-        # the value's first digit is where info says
-        assert window[info.value_start] == task.digits[int(info.value[0])]
+        data.retrieval_task("eval", 30)   # 16-token block + 15 + one 4-token query > 31
+    from glm5_jax.data import RetrievalTask
+    with pytest.raises(ValueError, match="n_pairs=11 exceeds the 10 distinct keys"):
+        RetrievalTask(data.tokenizer, data.train_stream.stream, T, n_pairs=11, key_digits=1)
+    with pytest.raises(ValueError, match="mode"):
+        data.retrieval_task("eval", T).example(0, EVAL_TAG, 0, mode="test")
 
 
 def test_probe_batches_carry_infos_and_test_tag_differs():

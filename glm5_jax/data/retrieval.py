@@ -1,37 +1,46 @@
-"""Synthetic long-range key/value retrieval sequences.
+"""Synthetic long-range key/value retrieval sequences (multi-query associative recall, MQAR-style).
 
-Built directly in token space from pieces of the trained tokenizer (so they are ordinary
-text and decode to readable strings), length T + 1 per window (`tokens`/`targets` as in
-packing):
+Built directly in token space, length T + 1 per window (`tokens`/`targets` as in packing):
 
   [filler a] [pair block] [filler b] [queries]
-  pair block = n_pairs records  `key<k digits>=<v digits>;\\n`   (distinct keys)
-  queries    = "eval": one query `key<k digits>=<v digits>` ending exactly at the end of the window;
-               "train": `train_queries` of the planted records restated (`;\\n`-separated, random
-               order, the last one ending the window), so one training sequence carries several
-               long-range lookups instead of one answer token among T (the retrieval signal a small
-               model needs to learn the lookup at CPU scale).
+  pair block = n_pairs records `K v..v`       (distinct keys, no separators)
+  queries    = n_queries of the planted records restated (distinct, random order), the last one,
+               record q, ending exactly at the end of the window.
 
-* Key/value digits are the tokenizer's single-digit pieces (`split_digits` guarantees every
-  digit is its own token), so a k-digit key is k tokens and the answer is exactly
-  `value_digits` tokens: targets[T - value_digits : T].
-* One record of the block is the queried one; the block starts at a random offset chosen so
-  that `query_start - queried_record_end > min_distance` (min_distance defaults to T // 2;
-  set it above the DSA `index_topk` to force sparse-attention retrieval).
-* Filler is a contiguous random slice of the split's packed token stream (it may contain
-  eos ids between documents; the whole sequence is a single segment, positions 0..T-1).
-* `loss_mask`: answer positions only ("eval" mode), or every position ("train" mode, used by
-  the train-stream mixer so the example is also a normal LM example).
+Why this format: it is the textbook induction pattern (a key token directly followed by its value,
+so "find the earlier copy of the current token, copy the token after it" answers every query: a
+previous-token head in one layer and a match-and-copy head in the next), and every restated record
+is a supervised lookup, so one sequence carries up to n_pairs long-range recall targets instead of
+one answer among T. Earlier formats (`key<digits>=<digits>;` records, 1-4 lookups per sequence)
+stayed at chance for a ~1M-parameter model in 1,000 steps (docs/experiments.md, dsa_vs_mla).
+
+* A key is ONE token from `key_token_ids` (letters A-Z, a-z), disjoint from the values (digit
+  tokens), so the key is never confused with a value. With a sentencepiece tokenizer the key is the
+  letter's byte-fallback piece (`<0x41>` for "A"): it decodes to the letter but is never produced
+  when ordinary text is encoded, so no filler token matches a key; other tokenizers use the
+  letter's own token. The key space has min(10**key_digits, 52) keys (key_digits keeps
+  DataConfig's `retrieval_pairs <= 10**retrieval_key_digits` rule meaningful).
+* A value is `value_digits` single-digit tokens (`split_digits` guarantees one token per digit), so
+  the answer of the last query is exactly targets[T - value_digits : T].
+* n_queries = as many of the n_pairs records as fit while the first query still starts more than
+  `min_distance` tokens after the block ends (min_distance defaults to T // 2; set it >= the DSA
+  `index_topk` to force sparse-attention retrieval), so every query is that far from its record.
+* "train" and "eval" examples have the same layout (same distribution); they differ in loss_mask:
+  "train" = every position (the train-stream mixer's example is also a normal LM example),
+  "eval" = the last query's value digits only (one scored probe per sequence).
+* Filler is a contiguous random slice of the split's packed token stream (it may contain eos ids
+  between documents; the whole sequence is a single segment, positions 0..T-1).
 * Stream tags: TRAIN_TAG (train mixer), EVAL_TAG (dev probes: watched during training, may be used
   to choose settings), TEST_TAG (test probes: scored once at the end, never used to choose settings).
-Every example is a pure function of (seed, stream tag, index) through numpy's PCG64 seeded
-with a SeedSequence of those integers, so it is reproducible and checkpoint-free.
+Every example is a pure function of (seed, stream tag, index) through numpy's PCG64 seeded with a
+SeedSequence of those integers, so it is reproducible and checkpoint-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, Tuple
+import string
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
@@ -39,14 +48,36 @@ TRAIN_TAG = 1
 EVAL_TAG = 2
 TEST_TAG = 3
 
+KEY_LETTERS = string.ascii_uppercase + string.ascii_lowercase
+
+
+def key_token_ids(tokenizer) -> List[int]:
+    """One token id per letter of KEY_LETTERS: the letter's byte-fallback piece `<0xHH>` where the
+    vocabulary has one (never emitted for text a tokenizer has a letter piece for), else the letter's
+    single-token encoding. Raises if a letter has neither, or if two letters share an id."""
+    pieces = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
+    ids = []
+    for c in KEY_LETTERS:
+        i = pieces.get(f"<0x{ord(c):02X}>")
+        if i is None:
+            enc = tokenizer.encode(c)
+            if len(enc) != 1:
+                raise ValueError(f"retrieval: tokenizer {tokenizer!r} has no byte piece for {c!r} and encodes it "
+                                 f"as {enc} (need one token per key letter)")
+            i = enc[0]
+        ids.append(int(i))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"retrieval: key letters map to repeated token ids {ids}")
+    return ids
+
 
 @dataclasses.dataclass(frozen=True)
 class RetrievalInfo:
-    key: str
-    value: str
-    pair_start: int  # window index of the queried record's first token
+    key: str  # the queried key's letter
+    value: str  # its value digits
+    pair_start: int  # window index of the queried record's first token (its key)
     pair_end: int  # window index one past the queried record
-    query_start: int  # window index of the query's first token
+    query_start: int  # window index of the last query's first token (its key)
     answer_positions: Tuple[int, ...]  # indices into targets / loss_mask
 
     value_start: int = -1  # window (= token) index of the queried record's first value digit
@@ -76,44 +107,42 @@ class RetrievalTask:
         self.min_distance = self.seq_len // 2 if min_distance is None else int(min_distance)
         self.pad_id = int(tokenizer.pad_id)
         self.digits = np.asarray(tokenizer.digit_ids(), np.int32)
-        self.key_ids = np.asarray(tokenizer.encode("key"), np.int32)
-        self.eq_ids = np.asarray(tokenizer.encode("="), np.int32)
-        self.end_ids = np.asarray(tokenizer.encode(";\n"), np.int32)
-        if min(len(self.key_ids), len(self.eq_ids), len(self.end_ids)) == 0:
-            raise ValueError("tokenizer produced an empty encoding for a retrieval separator")
-        self.query_len = len(self.key_ids) + key_digits + len(self.eq_ids) + value_digits
-        self.record_len = self.query_len + len(self.end_ids)
+        self.key_ids = np.asarray(key_token_ids(tokenizer)[:min(10 ** self.key_digits, len(KEY_LETTERS))], np.int32)
+        if set(self.key_ids.tolist()) & set(self.digits.tolist()):
+            raise ValueError("retrieval: key tokens overlap the digit (value) tokens")
+        if self.n_pairs > len(self.key_ids):
+            raise ValueError(f"retrieval: n_pairs={self.n_pairs} exceeds the {len(self.key_ids)} distinct keys "
+                             f"(key_digits={self.key_digits}); allowed: n_pairs <= {len(self.key_ids)}")
+        self.record_len = 1 + self.value_digits
+        self.query_len = self.record_len
         self.block_len = self.n_pairs * self.record_len
         L = self.seq_len + 1
-        self.max_offset = L - self.query_len - self.block_len - self.min_distance - 1
-        if self.max_offset < 0:
-            need = self.query_len + self.block_len + self.min_distance
+        slack = L - self.block_len - self.min_distance - 1   # room for queries and filler a
+        if slack < self.record_len:
+            need = self.block_len + self.record_len + self.min_distance
             raise ValueError(
-                f"retrieval: seq_len={self.seq_len} too short for n_pairs={n_pairs} "
-                f"(record {self.record_len} tokens), query {self.query_len} tokens and "
-                f"min_distance={self.min_distance}; need seq_len >= {need}"
-            )
-        self.filler_len = L - self.query_len - self.block_len
-        # "train" mode restates up to n_pairs records at the end, as many as the slack allows.
-        step = self.query_len + len(self.end_ids)
-        self.train_queries = 1 + min(self.n_pairs - 1, self.max_offset // step)
-        self.train_max_offset = self.max_offset - (self.train_queries - 1) * step
+                f"retrieval: seq_len={self.seq_len} too short for n_pairs={self.n_pairs} "
+                f"(record {self.record_len} tokens), one query and min_distance={self.min_distance}; "
+                f"need seq_len >= {need}")
+        self.n_queries = min(self.n_pairs, slack // self.record_len)
+        self.queries_len = self.n_queries * self.record_len
+        self.filler_len = L - self.block_len - self.queries_len
+        self.max_offset = self.filler_len - self.min_distance - 1   # filler b keeps > min_distance tokens
         filler_stream = np.asarray(filler_stream, np.int32)
         if filler_stream.size == 0:
             raise ValueError("retrieval: empty filler stream")
-        if filler_stream.size < self.filler_len:   # the longest filler (eval mode: one query)
+        if filler_stream.size < self.filler_len:
             filler_stream = np.resize(filler_stream, self.filler_len)
         self.filler_stream = filler_stream
 
-    def _num(self, n: int, width: int) -> np.ndarray:
-        return self.digits[[int(c) for c in f"{n:0{width}d}"]]
+    @property
+    def train_queries(self) -> int:
+        """Supervised lookups per sequence (kept under its old name for reports)."""
+        return self.n_queries
 
-    def _record(self, key: int, value: int, with_end: bool) -> np.ndarray:
-        parts = [self.key_ids, self._num(key, self.key_digits), self.eq_ids,
-                 self._num(value, self.value_digits)]
-        if with_end:
-            parts.append(self.end_ids)
-        return np.concatenate(parts)
+    def _record(self, key: int, value: int) -> np.ndarray:
+        digits = self.digits[[int(c) for c in f"{value:0{self.value_digits}d}"]]
+        return np.concatenate([self.key_ids[[key]], digits])
 
     def example(self, seed: int, tag: int, index: int, mode: str = "eval"
                 ) -> Tuple[Dict[str, np.ndarray], RetrievalInfo]:
@@ -121,32 +150,26 @@ class RetrievalTask:
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'eval', 'train'")
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, tag, index])))
         T, L = self.seq_len, self.seq_len + 1
-        keys = rng.choice(10**self.key_digits, size=self.n_pairs, replace=False)
-        values = rng.integers(0, 10**self.value_digits, size=self.n_pairs)
+        keys = rng.choice(len(self.key_ids), size=self.n_pairs, replace=False)
+        values = rng.integers(0, 10 ** self.value_digits, size=self.n_pairs)
         q = int(rng.integers(0, self.n_pairs))
-        train = mode == "train"
-        offset = int(rng.integers(0, (self.train_max_offset if train else self.max_offset) + 1))
-        block = np.concatenate([self._record(int(k), int(v), True) for k, v in zip(keys, values)])
-        if train:   # earlier restated records first (random order), the last one is record q
-            others = [int(i) for i in rng.permutation(self.n_pairs) if i != q][:self.train_queries - 1]
-            query = np.concatenate([self._record(int(keys[i]), int(values[i]), True) for i in others]
-                                   + [self._record(int(keys[q]), int(values[q]), False)])
-        else:
-            query = self._record(int(keys[q]), int(values[q]), False)
-        flen = L - len(query) - self.block_len
-        fstart = int(rng.integers(0, self.filler_stream.size - flen + 1))
-        filler = self.filler_stream[fstart:fstart + flen]
-        win = np.concatenate([filler[:offset], block, filler[offset:], query]).astype(np.int32)
+        offset = int(rng.integers(0, self.max_offset + 1))
+        block = np.concatenate([self._record(int(k), int(v)) for k, v in zip(keys, values)])
+        others = [int(i) for i in rng.permutation(self.n_pairs) if i != q][:self.n_queries - 1]
+        queries = np.concatenate([self._record(int(keys[i]), int(values[i])) for i in others + [q]])
+        fstart = int(rng.integers(0, self.filler_stream.size - self.filler_len + 1))
+        filler = self.filler_stream[fstart:fstart + self.filler_len]
+        win = np.concatenate([filler[:offset], block, filler[offset:], queries]).astype(np.int32)
         assert win.shape == (L,), win.shape
         pair_start = offset + q * self.record_len
         info = RetrievalInfo(
-            key=f"{int(keys[q]):0{self.key_digits}d}",
+            key=KEY_LETTERS[int(keys[q])],
             value=f"{int(values[q]):0{self.value_digits}d}",
             pair_start=pair_start,
             pair_end=pair_start + self.record_len,
-            query_start=L - self.query_len,
+            query_start=L - self.record_len,
             answer_positions=tuple(range(T - self.value_digits, T)),
-            value_start=pair_start + len(self.key_ids) + self.key_digits + len(self.eq_ids),
+            value_start=pair_start + 1,
         )
         if mode == "eval":
             loss_mask = np.zeros([T], np.int32)
