@@ -1,13 +1,22 @@
-"""async_vs_sync: the same multi-turn calculator-tool task trained synchronously and asynchronously.
+"""async_vs_sync: the same multi-turn tool task trained synchronously and asynchronously.
+
+The task (glm5_jax.agentic.agent.ChainTask): pointer chasing through a key-value tool, one lookup per
+turn, with the number of lookups drawn per task from a truncated power law (``max_hops``,
+``hop_alpha``): most episodes take 2-3 turns, a few take up to ``max_hops + 1``. That long tail is what
+GLM-5's asynchronous design is for: a synchronous step waits for its slowest episode while the
+servers run near-empty batches; the asynchronous trainer takes whatever groups are ready while the
+servers keep full batches of new episodes.
 
 Phases:
   sft     a tiny DSA model (character vocabulary) is fine-tuned briefly on worked transcripts
-          (call the calculator, read its answer, reply; glm5_jax.agentic.agent) through
+          (look up, read, look up again ..., reply; glm5_jax.agentic.agent) through
           glm5_jax.train.train, so RL starts from a partly competent policy
   arms    from that checkpoint, with the same seed and prompts: ``sync`` (rollout, then train, then
           push weights) and ``async`` (rollouts keep running while the trainer consumes finished
           groups; staleness bound tau; weights pushed every step), each on its own Ray rollout fleet
           (glm5_jax.agentic.server: ``servers`` actors, 1 XLA thread each) on a local Ray cluster.
+          Both arms: the same servers, row buckets, groups per step and data; the sync arm runs all
+          ``groups_per_step`` groups at once on all servers, then trains.
           The async arm kills one rollout worker halfway (``kill_in_async``): the coordinator must
           deregister it and re-queue its trajectories, and the run must finish.
 Primary metric (named before the run): trained tokens per second, async / sync (target >= 1.5);
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import random
 import time
@@ -28,7 +38,7 @@ import numpy as np
 
 from experiments.registry import register
 from experiments.report import fmt_interval, md_table, plot_curves, wilson_interval, write_report
-from glm5_jax.agentic.agent import make_calc_task, sft_example
+from glm5_jax.agentic.agent import make_chain_task, sft_example
 from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.sft import CharVocab, SFTIterator
@@ -45,6 +55,8 @@ class AsyncVsSyncConfig:
     train: TrainConfig
     agentic: AgenticConfig
     test_tasks: int = 128
+    max_hops: int = 8             # tool lookups per episode: 1..max_hops, P(k) ~ k^-hop_alpha
+    hop_alpha: float = 1.5        # P(1 hop) 0.52, P(>= 5 hops) 0.13: a sync step of 8 tasks usually waits on one
     kill_in_async: bool = True
     ray_cpus: int = 2
 
@@ -56,6 +68,14 @@ class AsyncVsSyncConfig:
         object.__setattr__(self, "model", self.model.replace(vocab_size=CharVocab().padded_size()))
         if self.test_tasks < 1:
             raise ConfigError(f"AsyncVsSyncConfig.test_tasks={self.test_tasks!r} is invalid: must be >= 1")
+        if self.agentic.max_turns < self.max_hops + 1:
+            raise ConfigError(f"AsyncVsSyncConfig.agentic.max_turns={self.agentic.max_turns} must be >= max_hops + 1 = "
+                              f"{self.max_hops + 1} (every lookup is a turn, then the answer)")
+        # bos + 'kkk:' + hops x ('(kkk)\n' + '>kkk\n') + 'vv\n': the longest episode must fit the context
+        need = 8 + 11 * self.max_hops
+        if self.agentic.max_len < need or self.train.seq_len < need:
+            raise ConfigError(f"AsyncVsSyncConfig: agentic.max_len={self.agentic.max_len} and train.seq_len="
+                              f"{self.train.seq_len} must be >= {need} (the longest {self.max_hops}-hop episode)")
         if self.kill_in_async and self.agentic.servers < 2:
             raise ConfigError("AsyncVsSyncConfig.kill_in_async needs agentic.servers >= 2")
 
@@ -69,27 +89,30 @@ def _policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
 
 TINY = AsyncVsSyncConfig(
     model=_policy(64, 4, 2, 192),
-    train=TrainConfig(steps=300, batch_size=16, seq_len=64, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+    train=TrainConfig(steps=300, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                       weight_decay=0.0, eval_every=300, log_every=100, ckpt_every=300, seed=0),
-    agentic=AgenticConfig(steps=100, groups_per_step=4, group_size=8, in_flight_groups=8, tau=2, push_every=1,
-                          servers=2, server_threads=1, agent_threads=48, max_batch=32, max_len=48,
-                          max_new_tokens=10, max_turns=3, learning_rate=2e-4,
+    # tau=8: the longest episode (9 turns) spans several trainer versions in the async arm; a small tau
+    # would drop exactly the long tasks (a length bias), so the bound is set above the longest
+    # episode's usual span and the double-sided ratio mask handles the off-policy tokens
+    agentic=AgenticConfig(steps=100, groups_per_step=8, group_size=4, in_flight_groups=16, tau=8, push_every=1,
+                          servers=2, server_threads=1, agent_threads=64, max_batch=32, max_len=104,
+                          max_new_tokens=6, max_turns=10, learning_rate=2e-4, trainer_cpus=(0,), server_cpus=(1,),
                           frozen_patterns=("indexer", "embed", "layer_0/attn"), seed=0),
 )
 
 SMALL = dataclasses.replace(
     TINY, model=_policy(128, 4, 4, 384),
     train=TINY.train.replace(steps=1000, batch_size=32, eval_every=1000, log_every=250, ckpt_every=1000),
-    agentic=dataclasses.replace(TINY.agentic, steps=200, groups_per_step=8, in_flight_groups=16, servers=4,
-                                agent_threads=96),
+    agentic=dataclasses.replace(TINY.agentic, steps=200, groups_per_step=16, in_flight_groups=32, servers=4,
+                                agent_threads=128),
     test_tasks=512)
 
 
-def test_split(n: int, seed: int = 12345) -> list:
-    """Distinct held-out prompts; training draws exclude them."""
+def test_split(n: int, make_task, seed: int = 12345) -> list:
+    """Tasks with distinct held-out prompts (start keys); training draws exclude them."""
     rng, seen, out = random.Random(seed), set(), []
     while len(out) < n:
-        t = make_calc_task(rng)
+        t = make_task(rng)
         if t.prompt not in seen:
             seen.add(t.prompt)
             out.append(t)
@@ -108,12 +131,13 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
     from glm5_jax.agentic.server import start_servers
     t_start = time.time()
     vocab = CharVocab()
-    test = test_split(cfg.test_tasks)
+    make_task = functools.partial(make_chain_task, max_hops=cfg.max_hops, alpha=cfg.hop_alpha)
+    test = test_split(cfg.test_tasks, make_task)
     exclude = {t.prompt for t in test}
 
     def sample_task(rng):
         while True:
-            t = make_calc_task(rng)
+            t = make_task(rng)
             if t.prompt not in exclude:
                 return t
 
@@ -131,7 +155,8 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
                                    kill_worker_at_step=(max(1, ag.steps // 2) if arm == "async" and cfg.kill_in_async else 0))
         workers = start_servers(acfg.servers, cfg.model, sft_params, threads=acfg.server_threads,
                                 max_batch=acfg.max_batch, max_len=acfg.max_len, max_new_tokens=acfg.max_new_tokens,
-                                temperature=acfg.temperature, stop_tokens=(vocab.newline_id,), seed=acfg.seed)
+                                temperature=acfg.temperature, stop_tokens=(vocab.newline_id,), seed=acfg.seed,
+                                row_buckets=acfg.row_buckets, cpus=acfg.server_cpus or None)
         if before is None:
             before = evaluate(workers, vocab, test, max_turns=acfg.max_turns, max_len=acfg.max_len,
                               max_new_tokens=acfg.max_new_tokens)
@@ -156,6 +181,15 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
             "ids_duplicated": len(counted) - len(set(counted)),
             "ids_lost": len(set(acc["issued"]) - set(counted)),
             "curve": [[h["wall_s"], h["reward_mean"]] for h in r["history"]],
+            # the trainer's own step time: in the async arm it shares the CPU (and the driver's GIL)
+            # with the rollouts, in the sync arm it runs alone
+            "train_step_s_mean": float(np.mean([h["train_s"] for h in r["history"]])),
+            "masked_frac_mean": float(np.mean([h["masked_frac"] for h in r["history"]])),
+            "stale_dropped": int(sum(h["stale"] for h in r["history"])),
+            "groups_dropped": int(sum(h["dropped"] for h in r["history"])) // acfg.group_size,
+            # decode seconds / (wall x servers alive at the end): how busy the fleet was
+            "server_busy_frac": (float(np.mean(list(r["server_busy_s"].values()))) / r["wall_s"]
+                                 if r["server_busy_s"] else float("nan")),
             "staleness": dict(collections.Counter(r["staleness"])), "arm_total_s": time.time() - t_arm,
         }
         log(f"[{arm}] {arms[arm]['tokens_per_s']:.1f} trained tokens/s, idle {arms[arm]['trainer_idle_frac']:.2f}, "
@@ -172,15 +206,19 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
     plot_curves(os.path.join(workdir, "reward_vs_wall.png"),
                 {a: ([c[0] for c in arms[a]["curve"]], [c[1] for c in arms[a]["curve"]]) for a in ARMS},
                 title="training reward vs wall time", xlabel="wall seconds", ylabel="batch reward")
+    hops = collections.Counter(t.hops for t in test)
     report = {"arms": arms, "throughput_ratio": ratio, "staleness_histogram": hist, "before": before,
+              "test_hops_histogram": {str(k): v for k, v in sorted(hops.items())},
               "total_s": time.time() - t_start}
     md = f"""# async_vs_sync
 
 Primary (named before the run): trained tokens/s async / sync = **{ratio:.2f}** (wanted >= 1.5).
 
-{md_table(["arm", "trained tokens/s", "trainer idle frac", "wall s", "steps", "TEST reward before",
+{md_table(["arm", "trained tokens/s", "trainer idle frac", "server busy frac", "train step s", "wall s", "steps",
+           "TEST reward before",
            "TEST reward after (Wilson 95%)", "dead workers", "requeued", "ids lost", "ids duplicated"],
-          [[a, arms[a]["tokens_per_s"], arms[a]["trainer_idle_frac"], arms[a]["wall_s"], arms[a]["steps"],
+          [[a, arms[a]["tokens_per_s"], arms[a]["trainer_idle_frac"], arms[a]["server_busy_frac"],
+            arms[a]["train_step_s_mean"], arms[a]["wall_s"], arms[a]["steps"],
             before["reward"], fmt_interval(arms[a]["final_reward"], *arms[a]["test_reward_interval"]),
             ",".join(arms[a]["dead_workers"]) or "-", arms[a]["requeued"], arms[a]["ids_lost"],
             arms[a]["ids_duplicated"]] for a in ARMS])}
@@ -190,7 +228,11 @@ Training reward (mean of the last 5 steps up to t) at the sync arm's wall-clock 
 {md_table(["wall s", "sync", "async"], cmp_rows)}
 
 Staleness histogram of the async arm's trained samples (trainer version - oldest token's version):
-{hist}
+{hist}; stale samples dropped: sync {arms["sync"]["stale_dropped"]}, async {arms["async"]["stale_dropped"]};
+tokens masked by the ratio band (mean per step): sync {arms["sync"]["masked_frac_mean"]:.4f},
+async {arms["async"]["masked_frac_mean"]:.4f}.
+
+Hops per TEST task (tool lookups; the training draws follow the same law): {report["test_hops_histogram"]}
 
 Plot: reward_vs_wall.png. Load on the machine is reported in docs/agentic_rl.md with the run.
 """

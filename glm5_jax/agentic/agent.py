@@ -1,10 +1,19 @@
-"""The multi-turn calculator task and the agent pool that plays it through the gateway.
+"""The multi-turn tool tasks and the agent pool that plays them through the gateway.
 
-Task (character vocabulary, ``glm5_jax.rl.sft.CharVocab``): the prompt is an expression such as
-``47*6-8=``. The policy may call the calculator by emitting ``(<expr>)`` + newline; the environment
-answers ``><value>`` + newline (observation tokens: masked in the loss); a reply that does not start
-with ``(`` is the final answer, scored 1 if it equals the value, else 0. At most ``max_turns``
-policy turns. The worked transcript (for the SFT warm start) is: call, observation, answer.
+Protocol (character vocabulary, ``glm5_jax.rl.sft.CharVocab``): the policy calls the task's tool by
+emitting ``(<argument>)`` + newline; the environment answers ``><result>`` + newline (observation
+tokens: masked in the loss); a reply that does not start with ``(`` is the final answer, scored 1 if
+it equals the task's answer, else 0. At most ``max_turns`` policy turns.
+
+Tasks (each has ``prompt``, ``answer``, ``tool(arg) -> str`` and ``transcript()``, the worked
+episode used by the SFT warm start):
+
+* ``CalcTask``: ``47*6-8=``; one calculator call, then the answer (2 turns, always).
+* ``ChainTask``: pointer chasing through a key-value store, ``371:``; ``(371)`` -> ``>552``,
+  ``(552)`` -> ``>=81``, answer ``81``. The number of lookups (hops) is a property of the task,
+  drawn from a truncated power law P(k) ~ k^-alpha (``hop_probs``): most episodes are short, a few are
+  long, like agent episodes whose tool-call count depends on the task. It is the long-tail workload of
+  async_vs_sync: a synchronous step waits for its longest episode.
 
 ``RolloutPool`` runs trajectories on ``threads`` threads. Each trajectory's id is
 ``<group>/<k>``; its requests are routed by that id. When its worker dies mid-trajectory
@@ -26,7 +35,8 @@ from glm5_jax.agentic.coordinator import NoWorkers, WorkerLost
 from glm5_jax.agentic.gateway import Gateway
 from glm5_jax.rl.tasks import safe_eval_arith
 
-__all__ = ["CalcTask", "make_calc_task", "calculator", "service_calculator", "sft_example", "play", "RolloutPool"]
+__all__ = ["CalcTask", "ChainTask", "make_calc_task", "make_chain_task", "hop_probs", "calculator",
+           "service_calculator", "sft_example", "play", "RolloutPool"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +47,56 @@ class CalcTask:
     @property
     def prompt(self) -> str:
         return self.expr + "="
+
+    def tool(self, arg: str) -> str:
+        return calculator(arg)
+
+    def transcript(self) -> list:
+        """The worked episode as (text, trained) pieces after the prompt."""
+        return [(f"({self.expr})\n", 1), (f">{self.answer}\n", 0), (f"{self.answer}\n", 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainTask:
+    """Pointer chasing: ``keys[0]`` is the prompt's key, each lookup of ``keys[i]`` answers
+    ``keys[i + 1]``, the last key answers ``=<answer>``. hops = len(keys) tool calls."""
+    keys: tuple
+    answer: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.keys[0]}:"
+
+    @property
+    def hops(self) -> int:
+        return len(self.keys)
+
+    def tool(self, arg: str) -> str:
+        """The key-value lookup: the next key, ``=<value>`` at the end of the chain, '' if unknown."""
+        for i, k in enumerate(self.keys):
+            if arg == str(k):
+                return str(self.keys[i + 1]) if i + 1 < len(self.keys) else f"={self.answer}"
+        return ""
+
+    def transcript(self) -> list:
+        out = []
+        for i, k in enumerate(self.keys):
+            out += [(f"({k})\n", 1), (f">{self.tool(str(k))}\n", 0)]
+        return out + [(f"{self.answer}\n", 1)]
+
+
+def hop_probs(max_hops: int, alpha: float) -> list:
+    """P(hops = k) for k = 1..max_hops, proportional to k^-alpha (alpha 0: uniform)."""
+    if max_hops < 1 or alpha < 0:
+        raise ValueError(f"hop_probs: max_hops={max_hops} must be >= 1 and alpha={alpha} >= 0")
+    w = [k ** -alpha for k in range(1, max_hops + 1)]
+    return [x / sum(w) for x in w]
+
+
+def make_chain_task(rng: random.Random, max_hops: int = 8, alpha: float = 2.0) -> ChainTask:
+    """Distinct 3-digit keys (the start key is the prompt: 900 possible), a 2-digit answer."""
+    k = rng.choices(range(1, max_hops + 1), weights=hop_probs(max_hops, alpha))[0]
+    return ChainTask(tuple(rng.sample(range(100, 1000), k)), rng.randint(10, 99))
 
 
 def make_calc_task(rng: random.Random) -> CalcTask:
@@ -71,18 +131,19 @@ def sft_example(task: CalcTask, vocab):
     """The worked transcript as (ids, loss_mask): only the policy's turns are trained."""
     class Ex:
         pass
-    pieces = [(vocab.encode(task.prompt, bos=True), 0), (vocab.encode(f"({task.expr})\n"), 1),
-              (vocab.encode(f">{task.answer}\n"), 0), (vocab.encode(f"{task.answer}\n"), 1)]
+    pieces = [(vocab.encode(task.prompt, bos=True), 0)] + [(vocab.encode(t), m) for t, m in task.transcript()]
     ex = Ex()
     ex.ids = [t for ids, _ in pieces for t in ids]
     ex.loss_mask = [m for ids, m in pieces for _ in ids]
     return [ex]
 
 
-def play(gateway: Gateway, generate: Callable, traj_id: str, group_id: str, task: CalcTask, vocab, *,
+def play(gateway: Gateway, generate: Callable, traj_id: str, group_id: str, task, vocab, *,
          max_turns: int = 3, max_len: int = 64, max_new_tokens: int = 10, attempt: int = 0,
-         tool: Callable[[str], str] = calculator, env_crash: Callable[[], bool] = lambda: False):
-    """One trajectory. ``generate(traj_id, request_id, ids)`` is the routed server call."""
+         tool: Optional[Callable[[str], str]] = None, env_crash: Callable[[], bool] = lambda: False):
+    """One trajectory. ``generate(traj_id, request_id, ids)`` is the routed server call; ``tool``
+    (default: the task's own, ``task.tool``) answers the policy's calls."""
+    tool = task.tool if tool is None else tool
     gateway.open(traj_id, group_id, vocab.encode(task.prompt, bos=True), attempt)
     try:
         for turn in range(max_turns):
@@ -112,7 +173,7 @@ def play(gateway: Gateway, generate: Callable, traj_id: str, group_id: str, task
 class RolloutPool:
     def __init__(self, coordinator, gateway: Gateway, vocab, *, group_size: int, threads: int = 16,
                  max_turns: int = 3, max_len: int = 64, max_new_tokens: int = 10, env_crash_p: float = 0.0,
-                 seed: int = 0, tool: Callable[[str], str] = calculator, log: Callable[[str], None] = lambda s: None):
+                 seed: int = 0, tool: Optional[Callable[[str], str]] = None, log: Callable[[str], None] = lambda s: None):
         self.coord, self.gateway, self.vocab = coordinator, gateway, vocab
         self.group_size = group_size
         self.kw = dict(max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens, tool=tool)

@@ -3,9 +3,14 @@
 ``RolloutServer`` is a plain class; ``start_servers`` wraps it as Ray actors (``ray.remote``). It is an
 asyncio actor: concurrent ``generate`` requests (token ids in, token ids + log-probs out) queue up and
 a batcher runs them together in one ``generate`` call (up to ``max_batch`` rows, waiting
-``batch_wait_s`` for more to arrive). Shapes are fixed so the jitted prefill/decode compile once: the
-batch is always ``max_batch`` rows (idle rows decode a one-token filler prompt) plus a filler row of
-exactly ``max_len - max_new_tokens`` tokens, and the cache has ``max_len`` slots.
+``batch_wait_s`` for more to arrive). Shapes come from a fixed set so the jitted prefill/decode
+compile once per shape (``warmup`` compiles them all): the rows are padded to the smallest of
+``row_buckets`` (default: powers of two from 4 up to ``max_batch``) that holds the batch (idle rows
+decode a one-token filler prompt), plus a filler row of exactly ``max_len - max_new_tokens`` tokens,
+and the cache has ``max_len`` slots. Why buckets rather than always ``max_batch`` rows: on CPU a
+decode's cost grows with its rows (prefill of 4 vs 32 rows x 98 tokens: ~15 vs ~140 ms on the tiny
+policy), so a half-empty batch at one fixed shape would charge the straggling tail of a synchronous
+step for rows nobody asked for.
 
 Weights arrive by version (``load_weights(version, params)``); a batch decodes with the parameters it
 started with and reports that version, so every token carries the version that really produced it.
@@ -21,16 +26,44 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RolloutServer", "start_servers", "worker_env"]
+__all__ = ["RolloutServer", "start_servers", "worker_env", "pin_process"]
+
+
+def pin_process(cpus: Optional[Sequence[int]]) -> Optional[set]:
+    """Restrict every thread of this process (XLA's pool, Ray's, the agents') to ``cpus``; threads
+    created later inherit it. Returns the previous CPU set (to restore), or None when ``cpus`` is
+    empty/None (no pinning). Used to give the rollout fleet and the trainer their own cores, as GLM-5
+    gives them their own accelerators."""
+    if not cpus:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError("CPU pinning (server_cpus / trainer_cpus) needs os.sched_setaffinity (Linux)")
+    have = os.sched_getaffinity(0)
+    want = {int(c) for c in cpus}
+    if not want <= set(range(os.cpu_count() or 1)):
+        raise ValueError(f"cpus={sorted(want)}: this machine has CPUs 0..{(os.cpu_count() or 1) - 1}")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), want)
+        except (ProcessLookupError, PermissionError):   # a thread that just exited
+            pass
+    return have
 
 
 class RolloutServer:
     def __init__(self, config, params, *, name: str = "server", version: int = 0, max_batch: int = 16,
                  max_len: int = 64, max_new_tokens: int = 8, temperature: float = 1.0,
                  stop_tokens: Sequence[int] = (), batch_wait_s: float = 0.005, seed: int = 0,
-                 keep_outputs: bool = False):
+                 keep_outputs: bool = False, row_buckets: Optional[Sequence[int]] = None,
+                 cpus: Optional[Sequence[int]] = None):
+        pin_process(cpus)      # before JAX starts its thread pool in this process
         if max_new_tokens >= max_len:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be < max_len={max_len}")
+        if row_buckets is None:
+            row_buckets = [b for b in (4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
+        self.row_buckets = sorted({int(b) for b in row_buckets})
+        if self.row_buckets[0] < 1 or self.row_buckets[-1] != int(max_batch):
+            raise ValueError(f"row_buckets={list(row_buckets)} must be >= 1 and end at max_batch={max_batch}")
         self.config, self.name = config, name
         self._set_params(params)
         self.version = int(version)
@@ -56,6 +89,12 @@ class RolloutServer:
         self._set_params(params)
         self.version = int(version)
         return self.version
+
+    def warmup(self) -> list:
+        """Compile every row bucket's prefill/decode now (outside any timed region). Returns the buckets."""
+        for b in self.row_buckets:
+            self._decode([(f"warmup{b}", [1], 1, None)] * b)
+        return list(self.row_buckets)
 
     def outputs(self) -> Dict[str, dict]:
         return dict(self.served)
@@ -99,7 +138,8 @@ class RolloutServer:
         t0 = time.perf_counter()
         prompts = [p for _, p, _, _ in batch]
         filler = [self.stop_tokens[0] if self.stop_tokens else 1]
-        prompts += [filler] * (self.max_batch - len(batch))
+        rows = next(b for b in self.row_buckets if b >= len(batch))
+        prompts += [filler] * (rows - len(batch))
         prompts.append(filler * (self.max_len - self.max_new))   # fixes the prompt width: one compile
         self.stats["batches"] += 1
         res = generate(self.config, params, prompts, max_new_tokens=self.max_new, temperature=self.temperature,

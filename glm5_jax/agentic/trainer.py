@@ -34,7 +34,7 @@ from glm5_jax.agentic.agent import RolloutPool
 from glm5_jax.agentic.coordinator import Coordinator, filter_group
 from glm5_jax.agentic.gateway import Gateway, TrajectoryRecord, records_to_batch
 from glm5_jax.agentic.loss import agentic_loss, group_centered_advantages
-from glm5_jax.agentic.server import start_servers
+from glm5_jax.agentic.server import pin_process, start_servers
 
 __all__ = ["AgenticConfig", "make_agentic_loss_fn", "run_agentic"]
 
@@ -52,6 +52,11 @@ class AgenticConfig:
     server_threads: int = 1          # XLA compute threads per server
     agent_threads: int = 32
     max_batch: int = 16              # rows per server decode batch
+    row_buckets: Optional[tuple] = None  # padded row counts of a decode batch (None: the server's default)
+    # disaggregated placement (empty: no pinning): the trainer process and the rollout servers on
+    # their own CPUs, as GLM-5 runs rollout engines and the trainer on separate accelerators
+    trainer_cpus: tuple = ()
+    server_cpus: tuple = ()
     max_len: int = 48
     max_new_tokens: int = 10
     max_turns: int = 3
@@ -76,6 +81,14 @@ class AgenticConfig:
                 raise ValueError(f"AgenticConfig.{f}={getattr(self, f)!r} must be >= 1")
         if self.tau < 0:
             raise ValueError(f"AgenticConfig.tau={self.tau} must be >= 0")
+        if self.agent_threads < self.in_flight_groups * self.group_size:
+            # one agent thread plays one trajectory end to end: fewer threads silently cap the
+            # trajectories in flight (and a sync step would not run all its trajectories at once)
+            raise ValueError(f"AgenticConfig.agent_threads={self.agent_threads} must be >= in_flight_groups * "
+                             f"group_size = {self.in_flight_groups * self.group_size}")
+        if set(self.trainer_cpus) & set(self.server_cpus):
+            raise ValueError(f"AgenticConfig.trainer_cpus={self.trainer_cpus} and server_cpus={self.server_cpus} "
+                             "overlap: disaggregated placement needs disjoint CPU sets")
         if self.kill_worker_at_step and self.servers < 2:
             raise ValueError("AgenticConfig.kill_worker_at_step needs servers >= 2 (one must survive)")
 
@@ -100,7 +113,8 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                 log: Callable[[str], None] = print, workers: Optional[dict] = None, drain: bool = True) -> dict:
     """Train ``cfg.steps`` steps from ``params``. ``workers``: existing server handles (else started
     here, and killed at the end). Returns {"params", "history", "accounting", "staleness", "wall_s",
-    "trained_tokens", "trainer_idle_s", "dead"}."""
+    "trained_tokens", "trainer_idle_s", "dead", "requeued", "server_busy_s" (decode seconds in the timed
+    region per server still alive at the end)}."""
     import ray
     from glm5_jax.rl.program import RLConfig, make_rl_optimizer, rl_train_config
     from glm5_jax.train.state import init_train_state
@@ -117,9 +131,11 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
     if own:
         workers = start_servers(cfg.servers, model_cfg, params, threads=cfg.server_threads, max_batch=cfg.max_batch,
                                 max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                stop_tokens=(vocab.newline_id,), seed=cfg.seed)
+                                stop_tokens=(vocab.newline_id,), seed=cfg.seed, row_buckets=cfg.row_buckets,
+                                cpus=cfg.server_cpus or None)
     coord = Coordinator(workers, heartbeat_s=cfg.heartbeat_s, log=log)
     coord.check_health()                                  # waits for every actor to be up
+    ray.get([h.warmup.remote() for h in coord.live().values()])   # every decode shape compiled, untimed
     coord.start_heartbeats()
     gateway = Gateway()
     pool = RolloutPool(coord, gateway, vocab, group_size=cfg.group_size, threads=cfg.agent_threads,
@@ -153,6 +169,9 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
     if cfg.mode == "async":
         for _ in range(cfg.in_flight_groups):
             submit()
+    busy0 = _busy(coord)
+    # the trainer's process (update, agent threads, gateway) on its own CPUs for the timed region
+    prev_cpus = pin_process(cfg.trainer_cpus)
     t0 = time.time()
     try:
         for step in range(1, cfg.steps + 1):
@@ -203,11 +222,13 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                 log(f"[{cfg.mode}] killing rollout worker {victim} (in flight: {pool.in_flight_groups} groups)")
                 ray.kill(workers[victim], no_restart=True)
         wall = time.time() - t0
+        busy = {n: b - busy0[n] for n, b in _busy(coord).items() if n in busy0}
         unused = []
         if drain:       # let the in-flight groups finish so every issued id is accounted for
             while pool.in_flight_groups or not pool.done.empty():
                 unused += [r.traj_id for r in pool.get_group()]
     finally:
+        pin_process(sorted(prev_cpus) if prev_cpus else None)
         coord.stop()
         pool.close()
     if own:
@@ -215,9 +236,22 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             ray.kill(h, no_restart=True)
     return {"params": state["params"], "history": history, "staleness": staleness, "wall_s": wall,
             "trained_tokens": trained_tokens, "trainer_idle_s": idle_s, "dead": list(coord.dead),
-            "requeued": pool.requeued,
+            "requeued": pool.requeued, "server_busy_s": busy,
             "accounting": {"issued": list(pool.issued), "trained": trained, "dropped": dropped,
                            "unused": unused, "warmup": warmup, "open": gateway.open_ids()}}
+
+
+def _busy(coord) -> dict:
+    """Seconds each live server has spent decoding so far (its ``busy_s`` counter)."""
+    import ray
+    live = coord.live()
+    out = {}
+    for n, h in live.items():
+        try:
+            out[n] = ray.get(h.ping.remote(), timeout=coord.ping_timeout_s)["busy_s"]
+        except Exception:      # died in between: the heartbeat deregisters it
+            pass
+    return out
 
 
 def evaluate(workers: dict, vocab, tasks, params=None, *, version: int = 10 ** 6, threads: int = 32,
