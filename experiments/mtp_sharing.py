@@ -36,7 +36,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.registry import register  # noqa: E402
-from experiments.report import eval_series, fmt_interval, md_table, mean_interval, plot_curves, write_report  # noqa: E402
+from experiments.report import (eval_series, fmt_interval, md_table, mean_interval, paired_bootstrap_interval,  # noqa: E402
+                                plot_curves, write_report)  # noqa: E402
 from glm5_jax.config import ConfigError, ModelConfig, preset  # noqa: E402
 from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
 from glm5_jax.infer import speculative_generate  # noqa: E402
@@ -321,7 +322,7 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
     contexts = held_out_contexts(data, cfg.sampled_contexts, cfg.prompt_len)
     nd = cfg.num_draft
     sweep = sorted(set(cfg.draft_sweep) | ({nd} if cfg.draft_sweep else set()))
-    runs, arms = {}, {}
+    runs, arms, per_context = {}, {}, {}
     for arm in ARMS:
         if arm not in cfg.arms:
             continue
@@ -344,6 +345,7 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
         sam = sampled_acceptance(mcfg, r["params"], contexts, nd, cfg.sampled_draws, seed=tc.seed)
         gsplit = greedy_by_prompt(mcfg, r["params"], prompts, nd, cfg.max_new_tokens, cfg.repetitive_below)
         sam_ci = mean_interval(sam["sampled_per_context"])       # over held-out contexts
+        per_context[arm] = sam["sampled_per_context"]
         mtp_rows = [row for row in r["history"] if "mtp_loss" in row]
         arms[arm] = {"mtp_depth": mcfg.mtp_depth, "mtp_share": mcfg.mtp_share, "description": ARMS[arm][2],
                      "mtp_layers_trained": 1 if mcfg.mtp_share else mcfg.mtp_depth,
@@ -371,7 +373,7 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
               "sampled_contexts": int(len(contexts)), "sampled_draws": cfg.sampled_draws,
               "num_prompts": len(prompts), "prompt_len": cfg.prompt_len, "max_new_tokens": cfg.max_new_tokens,
               "steps": tc.steps, "tokens_per_step": B * T, "tokens_total": B * T * tc.steps,
-              "mtp_weight": tc.mtp_weight, "wall_time_s": None}
+              "mtp_weight": tc.mtp_weight, "primary_difference": primary_differences(per_context), "wall_time_s": None}
     report["wall_time_s"] = time.time() - t_start
 
     rows = [[a, v["mtp_depth"], "yes" if v["mtp_share"] else "no", v["mtp_layers_trained"], v["final_eval_loss"],
@@ -393,6 +395,10 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
         sweep_md = "Self-speculative acceptance length by number of draft steps:\n\n" + md_table(
             ["arm"] + [f"{n} drafts" for n in sweep], srows) + "\n"
     comp = _comparison(arms, nd, len(prompts), tc.steps)
+    drows_p = [[k, fmt_interval(v["diff"], v["lo"], v["hi"])] for k, v in report["primary_difference"].items()]
+    diff_md = ("Primary comparison, paired over the same held-out contexts (mean difference in sampled acceptance "
+               "length, 95% percentile bootstrap over contexts):\n\n" + md_table(["arms", "difference"], drows_p) + "\n"
+               if drows_p else "")
     md = f"""# mtp_sharing
 
 **Primary metric (named before the run):** {cfg.PRIMARY}.
@@ -401,6 +407,7 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
            "oracle (teacher-forced, test batches)", "greedy self-spec. (all)", "greedy, non-repetitive (n)",
            "greedy, repetitive (n)"], prows)}
 
+{diff_md}
 Sampled acceptance: after each held-out context the main head samples the next token, the MTP layer(s)
 sample {nd} drafts at temperature 1, and draft k is accepted with probability min(1, p/q) while every
 earlier one was (speculative-sampling verification). "Repetitive": greedy continuation with a
@@ -453,6 +460,17 @@ Wall time {report['wall_time_s']:.0f} s.
     return report
 
 
+def primary_differences(per_context: dict) -> dict:
+    """Sampled acceptance of shared3 minus depth1 and minus indep3, paired over the same held-out contexts
+    (each arm drafts after the same windows), with a 95% bootstrap interval over contexts."""
+    out = {}
+    for other in ("depth1", "indep3"):
+        if "shared3" in per_context and other in per_context:
+            d, lo, hi = paired_bootstrap_interval(per_context["shared3"], per_context[other])
+            out[f"shared3 - {other}"] = {"diff": d, "lo": lo, "hi": hi}
+    return out
+
+
 def _comparison(arms: dict, num_draft: int, n_prompts: int, steps: int) -> str:
     lines = [f"The GLM-5 report gives an acceptance length of {PAPER['GLM-5']} for GLM-5 (3 MTP layers sharing "
              f"parameters) vs {PAPER['DeepSeek-V3.2']} for DeepSeek-V3.2 (one MTP layer) with 4 speculative steps, "
@@ -460,7 +478,8 @@ def _comparison(arms: dict, num_draft: int, n_prompts: int, steps: int) -> str:
              f"(+{100 * (PAPER['GLM-5'] / PAPER['DeepSeek-V3.2'] - 1):.1f}%)."]
     if num_draft != 4:
         lines.append(f"(This run used {num_draft} draft steps, so the numbers are not directly comparable.)")
-    for key, what in (("acceptance_length", "self-speculative"), ("oracle_acceptance_length", "oracle (teacher-forced)")):
+    for key, what in (("sampled_acceptance_length", "sampled (primary)"), ("acceptance_length", "self-speculative"),
+                      ("oracle_acceptance_length", "oracle (teacher-forced)")):
         sh, d1, ind = (arms.get(k, {}).get(key) for k in ("shared3", "depth1", "indep3"))
         parts = []
         if sh is not None and d1 is not None:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from experiments import registry
-from experiments.mtp_sharing import ARMS, TINY, arm_configs, inference_model, speculative_accepts
+from experiments.mtp_sharing import (ARMS, TINY, arm_configs, inference_model, primary_differences,
+                                     speculative_accepts)
 from experiments.overrides import OverrideError
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.model import init_params
@@ -73,6 +74,16 @@ def test_speculative_accepts_matches_closed_form():
     assert speculative_accepts(same, same, rng.random((8, 4))).all()
 
 
+def test_primary_differences_paired_over_contexts():
+    """shared3 minus the other arm, context by context: a constant per-context gap gives exactly that gap
+    with a zero-width interval even when the contexts themselves vary a lot; absent arms are skipped."""
+    base = np.array([1.0, 3.0, 1.5, 4.0, 2.0])
+    got = primary_differences({"shared3": base + 0.25, "depth1": base})
+    assert set(got) == {"shared3 - depth1"}
+    assert got["shared3 - depth1"] == pytest.approx({"diff": 0.25, "lo": 0.25, "hi": 0.25})
+    assert primary_differences({"depth1": base}) == {}
+
+
 @pytest.mark.slow
 def test_mtp_sharing_micro_run(tmp_path):
     from experiments.run import run_experiment
@@ -92,6 +103,8 @@ def test_mtp_sharing_micro_run(tmp_path):
         assert v["oracle_acceptance_length"] == pytest.approx(1.0 + sum(ob), rel=1e-5)
         assert v["greedy_prompts_repetitive"] + v["greedy_prompts_non_repetitive"] == on_disk["num_prompts"]
     assert on_disk["arms"]["indep3"]["mtp_layers_trained"] == 3
+    d = on_disk["primary_difference"]["shared3 - depth1"]
+    assert d["lo"] <= d["diff"] <= d["hi"]
     assert report["arms"].keys() == on_disk["arms"].keys()
     for f in ("report.md", "eval_loss.png", "acceptance_length.png"):
         assert os.path.exists(tmp_path / f)
