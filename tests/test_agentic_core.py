@@ -1,5 +1,6 @@
 """Agentic RL pieces without Ray: hash ring, staleness/refill, the agentic loss, the TITO gateway
-(records equal a server's outputs bit for bit), the calculator task."""
+(records equal a server's outputs bit for bit), the calculator and chain tasks, decode row buckets,
+CPU pinning."""
 
 import asyncio
 import random
@@ -9,7 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.agentic.agent import calculator, make_calc_task, play, sft_example
+import collections
+import os
+
+from glm5_jax.agentic.agent import (ChainTask, calculator, hop_probs, make_calc_task, make_chain_task, play,
+                                    sft_example)
 from glm5_jax.agentic.coordinator import HashRing, NoWorkers, filter_group
 from glm5_jax.agentic.gateway import Gateway, TrajectoryRecord, records_to_batch
 from glm5_jax.agentic.loss import agentic_loss, group_centered_advantages
@@ -125,6 +130,84 @@ def test_calculator_task_and_sft_example():
     assert trained == f"({t.expr})\n{t.answer}\n"              # the observation is never trained
 
 
+def test_chain_task_tool_transcript_and_hop_law():
+    vocab = CharVocab()
+    t = ChainTask(keys=(371, 552, 904), answer=81)
+    assert t.prompt == "371:" and t.hops == 3
+    assert [t.tool(a) for a in ("371", "552", "904", "999", "")] == ["552", "904", "=81", "", ""]
+    ex = sft_example(t, vocab)[0]
+    assert vocab.decode(ex.ids) == "371:(371)\n>552\n(552)\n>904\n(904)\n>=81\n81\n"
+    assert len(ex.ids) == 8 + 11 * t.hops          # the length bound async_vs_sync checks its context against
+    trained = vocab.decode([i for i, m in zip(ex.ids, ex.loss_mask) if m])
+    assert trained == "(371)\n(552)\n(904)\n81\n"       # observations are never trained
+    # P(k) ~ k^-alpha, closed form for max_hops=2, alpha=1: (1, 1/2) / (3/2)
+    np.testing.assert_allclose(hop_probs(2, 1.0), [2 / 3, 1 / 3])
+    np.testing.assert_allclose(hop_probs(3, 0.0), [1 / 3] * 3)
+    with pytest.raises(ValueError, match="max_hops"):
+        hop_probs(0, 1.0)
+    rng = random.Random(0)
+    tasks = [make_chain_task(rng, max_hops=4, alpha=1.5) for _ in range(4000)]
+    for tk in tasks[:50]:
+        assert len(set(tk.keys)) == tk.hops and all(100 <= k <= 999 for k in tk.keys) and 10 <= tk.answer <= 99
+    freq = collections.Counter(tk.hops for tk in tasks)
+    for k, p in zip(range(1, 5), hop_probs(4, 1.5)):
+        assert abs(freq[k] / len(tasks) - p) < 4 * (p * (1 - p) / len(tasks)) ** 0.5
+
+
+def test_play_chain_task_multi_hop_with_its_own_tool():
+    """A scripted policy that follows the chain: one tool call per hop, observations masked, reward 1;
+    a wrong final answer scores 0."""
+    vocab = CharVocab()
+    t = ChainTask(keys=(371, 552), answer=81)
+
+    def policy(answer):
+        def generate(traj_id, request_id, ids):
+            ctx = vocab.decode(ids)
+            last = ctx.rstrip("\n").rsplit("\n", 1)[-1]
+            if last.endswith(":"):
+                reply = f"({last[:-1]})\n"
+            elif last.startswith(">="):
+                reply = f"{answer}\n"
+            else:
+                reply = f"({last[1:]})\n"
+            toks = vocab.encode(reply)
+            return {"tokens": toks, "logprobs": [-0.25] * len(toks), "version": 3, "finish_reason": "stop"}
+        return generate
+
+    rec = play(Gateway(), policy(81), "t0", "g", t, vocab, max_turns=4, max_len=40, max_new_tokens=6)
+    assert rec.status == "done" and rec.reward == 1.0
+    assert vocab.decode(rec.tokens) == "371:(371)\n>552\n(552)\n>=81\n81\n"
+    gen = vocab.decode([i for i, m in zip(rec.tokens, rec.mask) if m])
+    assert gen == "(371)\n(552)\n81\n" and rec.min_version == 3
+    assert play(Gateway(), policy(80), "t1", "g", t, vocab, max_turns=4, max_len=40).reward == 0.0
+    # too few turns for the chain: the episode ends unanswered, reward 0
+    assert play(Gateway(), policy(81), "t2", "g", t, vocab, max_turns=2, max_len=40).reward == 0.0
+
+
+def test_server_row_buckets_and_pinning_validation():
+    from glm5_jax.agentic.server import RolloutServer, pin_process
+    from glm5_jax.config import ModelConfig
+    vocab = CharVocab()
+    cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=1, ffn_dim=64, attention="mha",
+                      num_heads=2, num_kv_heads=2, num_experts=0, mtp_depth=0, attn_chunk=64)
+    params = {"w": np.zeros(1)}            # never decoded here: construction only
+    assert RolloutServer(cfg, params, max_batch=32).row_buckets == [4, 8, 16, 32]
+    assert RolloutServer(cfg, params, max_batch=12).row_buckets == [4, 8, 12]
+    assert RolloutServer(cfg, params, max_batch=3).row_buckets == [3]
+    with pytest.raises(ValueError, match="row_buckets"):
+        RolloutServer(cfg, params, max_batch=8, row_buckets=(4, 16))
+    assert pin_process(None) is None and pin_process(()) is None
+    with pytest.raises(ValueError, match="cpus"):
+        pin_process([os.cpu_count() + 5])
+    before = os.sched_getaffinity(0)
+    prev = pin_process([min(before)])
+    try:
+        assert prev == before and os.sched_getaffinity(0) == {min(before)}
+    finally:
+        pin_process(sorted(prev))
+    assert os.sched_getaffinity(0) == before
+
+
 def test_gateway_records_equal_server_outputs_bit_for_bit():
     """Trajectories played through the gateway against a (local, Ray-free) RolloutServer: every
     generated segment in the records is exactly what the server returned for that request."""
@@ -138,6 +221,7 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
                       num_heads=2, num_kv_heads=2, num_experts=0, mtp_depth=0, attn_chunk=64)
     server = RolloutServer(cfg, init_params(cfg, jax.random.PRNGKey(0)), max_batch=8, max_len=40,
                            max_new_tokens=6, stop_tokens=(vocab.newline_id,), keep_outputs=True, version=7)
+    assert server.warmup() == [4, 8]       # every row bucket compiled up front
     loop = asyncio.new_event_loop()
     gateway = Gateway()
     requests = {}
@@ -209,7 +293,9 @@ def test_play_with_the_calculator_service_and_env_crash():
 
 @pytest.mark.parametrize("kw,needle", [({"mode": "both"}, "mode"), ({"in_flight_groups": 1, "groups_per_step": 2},
                                         "in_flight_groups"), ({"tau": -1}, "tau"),
-                                       ({"kill_worker_at_step": 2, "servers": 1}, "servers >= 2")])
+                                       ({"kill_worker_at_step": 2, "servers": 1}, "servers >= 2"),
+                                       ({"agent_threads": 8, "in_flight_groups": 4, "group_size": 4}, "agent_threads"),
+                                       ({"trainer_cpus": (0,), "server_cpus": (0, 1)}, "overlap")])
 def test_agentic_config_errors_name_the_field(kw, needle):
     from glm5_jax.agentic.trainer import AgenticConfig
     with pytest.raises(ValueError, match=needle):
