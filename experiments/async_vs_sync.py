@@ -97,6 +97,7 @@ TINY = AsyncVsSyncConfig(
     agentic=AgenticConfig(steps=100, groups_per_step=8, group_size=4, in_flight_groups=16, tau=8, push_every=1,
                           servers=2, server_threads=1, agent_threads=64, max_batch=32, max_len=104,
                           max_new_tokens=6, max_turns=10, learning_rate=2e-4, trainer_cpus=(0,), server_cpus=(1,),
+                          row_buckets=(8, 32), width_buckets=(32, 98),
                           frozen_patterns=("indexer", "embed", "layer_0/attn"), seed=0),
 )
 
@@ -156,7 +157,8 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
         workers = start_servers(acfg.servers, cfg.model, sft_params, threads=acfg.server_threads,
                                 max_batch=acfg.max_batch, max_len=acfg.max_len, max_new_tokens=acfg.max_new_tokens,
                                 temperature=acfg.temperature, stop_tokens=(vocab.newline_id,), seed=acfg.seed,
-                                row_buckets=acfg.row_buckets, cpus=acfg.server_cpus or None)
+                                row_buckets=acfg.row_buckets, width_buckets=acfg.width_buckets,
+                                cpus=acfg.server_cpus or None)
         if before is None:
             before = evaluate(workers, vocab, test, max_turns=acfg.max_turns, max_len=acfg.max_len,
                               max_new_tokens=acfg.max_new_tokens)

@@ -196,6 +196,10 @@ def test_server_row_buckets_and_pinning_validation():
     assert RolloutServer(cfg, params, max_batch=3).row_buckets == [3]
     with pytest.raises(ValueError, match="row_buckets"):
         RolloutServer(cfg, params, max_batch=8, row_buckets=(4, 16))
+    assert RolloutServer(cfg, params, max_len=104, max_new_tokens=6).width_buckets == [32, 64, 98]
+    assert RolloutServer(cfg, params, max_len=40, max_new_tokens=6).width_buckets == [32, 34]
+    with pytest.raises(ValueError, match="width_buckets"):
+        RolloutServer(cfg, params, max_len=40, max_new_tokens=6, width_buckets=(16,))
     assert pin_process(None) is None and pin_process(()) is None
     with pytest.raises(ValueError, match="cpus"):
         pin_process([os.cpu_count() + 5])
@@ -220,8 +224,9 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
     cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=1, ffn_dim=64, attention="mha",
                       num_heads=2, num_kv_heads=2, num_experts=0, mtp_depth=0, attn_chunk=64)
     server = RolloutServer(cfg, init_params(cfg, jax.random.PRNGKey(0)), max_batch=8, max_len=40,
-                           max_new_tokens=6, stop_tokens=(vocab.newline_id,), keep_outputs=True, version=7)
-    assert server.warmup() == [4, 8]       # every row bucket compiled up front
+                           max_new_tokens=6, stop_tokens=(vocab.newline_id,), keep_outputs=True, version=7,
+                           width_buckets=(34,))
+    assert server.warmup() == [(4, 34), (8, 34)]       # every (rows, width) bucket compiled up front
     loop = asyncio.new_event_loop()
     gateway = Gateway()
     requests = {}

@@ -192,7 +192,11 @@ class RolloutPool:
         for t in self._threads:
             t.start()
 
-    def submit_group(self, group_id: str, task: CalcTask) -> None:
+    def native_ids(self) -> List[int]:
+        """OS thread ids of the agent threads (for CPU pinning: agents belong to the rollout side)."""
+        return [t.native_id for t in self._threads if t.native_id is not None]
+
+    def submit_group(self, group_id: str, task) -> None:
         with self._lock:
             self._groups[group_id] = []
             self.in_flight_groups += 1

@@ -6,8 +6,11 @@ a batcher runs them together in one ``generate`` call (up to ``max_batch`` rows,
 ``batch_wait_s`` for more to arrive). Shapes come from a fixed set so the jitted prefill/decode
 compile once per shape (``warmup`` compiles them all): the rows are padded to the smallest of
 ``row_buckets`` (default: powers of two from 4 up to ``max_batch``) that holds the batch (idle rows
-decode a one-token filler prompt), plus a filler row of exactly ``max_len - max_new_tokens`` tokens,
-and the cache has ``max_len`` slots. Why buckets rather than always ``max_batch`` rows: on CPU a
+decode a one-token filler prompt), plus a filler row whose length is the smallest of ``width_buckets``
+(default: powers of two from 32 below ``max_len - max_new_tokens``, then that) that holds the longest
+prompt, and the cache has ``max_len`` slots. The server prefills the whole context every turn (no
+cache across turns), so the width matters as much as the rows: most turns of a multi-turn episode
+are short. Why buckets rather than always ``max_batch`` rows: on CPU a
 decode's cost grows with its rows (prefill of 4 vs 32 rows x 98 tokens: ~15 vs ~140 ms on the tiny
 policy), so a half-empty batch at one fixed shape would charge the straggling tail of a synchronous
 step for rows nobody asked for.
@@ -29,11 +32,11 @@ import numpy as np
 __all__ = ["RolloutServer", "start_servers", "worker_env", "pin_process"]
 
 
-def pin_process(cpus: Optional[Sequence[int]]) -> Optional[set]:
-    """Restrict every thread of this process (XLA's pool, Ray's, the agents') to ``cpus``; threads
-    created later inherit it. Returns the previous CPU set (to restore), or None when ``cpus`` is
-    empty/None (no pinning). Used to give the rollout fleet and the trainer their own cores, as GLM-5
-    gives them their own accelerators."""
+def pin_process(cpus: Optional[Sequence[int]], tids: Optional[Sequence[int]] = None) -> Optional[set]:
+    """Restrict every thread of this process (XLA's pool, Ray's, the agents'), or only the threads with
+    native ids ``tids``, to ``cpus``; threads created later inherit their creator's set. Returns the
+    previous CPU set (to restore), or None when ``cpus`` is empty/None (no pinning). Used to give the
+    rollout side and the trainer their own cores, as GLM-5 gives them their own accelerators."""
     if not cpus:
         return None
     if not hasattr(os, "sched_setaffinity"):
@@ -42,7 +45,7 @@ def pin_process(cpus: Optional[Sequence[int]]) -> Optional[set]:
     want = {int(c) for c in cpus}
     if not want <= set(range(os.cpu_count() or 1)):
         raise ValueError(f"cpus={sorted(want)}: this machine has CPUs 0..{(os.cpu_count() or 1) - 1}")
-    for tid in os.listdir("/proc/self/task"):
+    for tid in (os.listdir("/proc/self/task") if tids is None else tids):
         try:
             os.sched_setaffinity(int(tid), want)
         except (ProcessLookupError, PermissionError):   # a thread that just exited
@@ -55,7 +58,7 @@ class RolloutServer:
                  max_len: int = 64, max_new_tokens: int = 8, temperature: float = 1.0,
                  stop_tokens: Sequence[int] = (), batch_wait_s: float = 0.005, seed: int = 0,
                  keep_outputs: bool = False, row_buckets: Optional[Sequence[int]] = None,
-                 cpus: Optional[Sequence[int]] = None):
+                 cpus: Optional[Sequence[int]] = None, width_buckets: Optional[Sequence[int]] = None):
         pin_process(cpus)      # before JAX starts its thread pool in this process
         if max_new_tokens >= max_len:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be < max_len={max_len}")
@@ -64,6 +67,13 @@ class RolloutServer:
         self.row_buckets = sorted({int(b) for b in row_buckets})
         if self.row_buckets[0] < 1 or self.row_buckets[-1] != int(max_batch):
             raise ValueError(f"row_buckets={list(row_buckets)} must be >= 1 and end at max_batch={max_batch}")
+        wmax = int(max_len) - int(max_new_tokens)
+        if width_buckets is None:
+            width_buckets = [w for w in (32, 64, 128, 256, 512, 1024) if w < wmax] + [wmax]
+        self.width_buckets = sorted({int(w) for w in width_buckets})
+        if self.width_buckets[0] < 1 or self.width_buckets[-1] != wmax:
+            raise ValueError(f"width_buckets={list(width_buckets)} must be >= 1 and end at max_len - max_new_tokens "
+                             f"= {wmax}")
         self.config, self.name = config, name
         self._set_params(params)
         self.version = int(version)
@@ -91,10 +101,11 @@ class RolloutServer:
         return self.version
 
     def warmup(self) -> list:
-        """Compile every row bucket's prefill/decode now (outside any timed region). Returns the buckets."""
+        """Compile every (rows, width) bucket's prefill/decode now (outside any timed region). Returns them."""
         for b in self.row_buckets:
-            self._decode([(f"warmup{b}", [1], 1, None)] * b)
-        return list(self.row_buckets)
+            for w in self.width_buckets:
+                self._decode([(f"warmup{b}x{w}", [1] * w, 1, None)] * b)
+        return [(b, w) for b in self.row_buckets for w in self.width_buckets]
 
     def outputs(self) -> Dict[str, dict]:
         return dict(self.served)
@@ -140,7 +151,8 @@ class RolloutServer:
         filler = [self.stop_tokens[0] if self.stop_tokens else 1]
         rows = next(b for b in self.row_buckets if b >= len(batch))
         prompts += [filler] * (rows - len(batch))
-        prompts.append(filler * (self.max_len - self.max_new))   # fixes the prompt width: one compile
+        width = next(w for w in self.width_buckets if w >= max(len(p) for p in prompts))
+        prompts.append(filler * width)               # fixes the prompt width to a bucket: one compile each
         self.stats["batches"] += 1
         res = generate(self.config, params, prompts, max_new_tokens=self.max_new, temperature=self.temperature,
                        seed=self.seed * 1_000_003 + self.stats["batches"], stop_tokens=self.stop_tokens,

@@ -53,6 +53,7 @@ class AgenticConfig:
     agent_threads: int = 32
     max_batch: int = 16              # rows per server decode batch
     row_buckets: Optional[tuple] = None  # padded row counts of a decode batch (None: the server's default)
+    width_buckets: Optional[tuple] = None  # padded prompt widths of a decode batch (None: the server's default)
     # disaggregated placement (empty: no pinning): the trainer process and the rollout servers on
     # their own CPUs, as GLM-5 runs rollout engines and the trainer on separate accelerators
     trainer_cpus: tuple = ()
@@ -132,7 +133,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
         workers = start_servers(cfg.servers, model_cfg, params, threads=cfg.server_threads, max_batch=cfg.max_batch,
                                 max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                 stop_tokens=(vocab.newline_id,), seed=cfg.seed, row_buckets=cfg.row_buckets,
-                                cpus=cfg.server_cpus or None)
+                                cpus=cfg.server_cpus or None, width_buckets=cfg.width_buckets)
     coord = Coordinator(workers, heartbeat_s=cfg.heartbeat_s, log=log)
     coord.check_health()                                  # waits for every actor to be up
     ray.get([h.warmup.remote() for h in coord.live().values()])   # every decode shape compiled, untimed
@@ -170,8 +171,12 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
         for _ in range(cfg.in_flight_groups):
             submit()
     busy0 = _busy(coord)
-    # the trainer's process (update, agent threads, gateway) on its own CPUs for the timed region
+    # disaggregated placement for the timed region: the update (this process's other threads) on
+    # trainer_cpus; the agent threads (which play the episodes and call the servers) on the rollout
+    # side's server_cpus. They still share this process's GIL (the update releases it while XLA runs).
     prev_cpus = pin_process(cfg.trainer_cpus)
+    if prev_cpus is not None:
+        pin_process(cfg.server_cpus, tids=pool.native_ids())
     t0 = time.time()
     try:
         for step in range(1, cfg.steps + 1):
