@@ -186,6 +186,8 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
             # the trainer's own step time: in the async arm it shares the CPU (and the driver's GIL)
             # with the rollouts, in the sync arm it runs alone
             "train_step_s_mean": float(np.mean([h["train_s"] for h in r["history"]])),
+            "update_s_mean": float(np.mean([h["update_s"] for h in r["history"]])),
+            "push_s_mean": float(np.mean([h["push_s"] for h in r["history"]])),
             "masked_frac_mean": float(np.mean([h["masked_frac"] for h in r["history"]])),
             "stale_dropped": int(sum(h["stale"] for h in r["history"])),
             "groups_dropped": int(sum(h["dropped"] for h in r["history"])) // acfg.group_size,
@@ -216,11 +218,12 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
 
 Primary (named before the run): trained tokens/s async / sync = **{ratio:.2f}** (wanted >= 1.5).
 
-{md_table(["arm", "trained tokens/s", "trainer idle frac", "server busy frac", "train step s", "wall s", "steps",
+{md_table(["arm", "trained tokens/s", "trainer idle frac", "server busy frac", "train step s (update + push)",
+           "update s", "wall s", "steps",
            "TEST reward before",
            "TEST reward after (Wilson 95%)", "dead workers", "requeued", "ids lost", "ids duplicated"],
           [[a, arms[a]["tokens_per_s"], arms[a]["trainer_idle_frac"], arms[a]["server_busy_frac"],
-            arms[a]["train_step_s_mean"], arms[a]["wall_s"], arms[a]["steps"],
+            arms[a]["train_step_s_mean"], arms[a]["update_s_mean"], arms[a]["wall_s"], arms[a]["steps"],
             before["reward"], fmt_interval(arms[a]["final_reward"], *arms[a]["test_reward_interval"]),
             ",".join(arms[a]["dead_workers"]) or "-", arms[a]["requeued"], arms[a]["ids_lost"],
             arms[a]["ids_duplicated"]] for a in ARMS])}

@@ -79,6 +79,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._unsettled: Dict[str, object] = {}      # replies of an unawaited weight push
 
     # -------------------------------------------------------------- registry
     def live(self) -> Dict[str, object]:
@@ -132,12 +133,28 @@ class Coordinator:
             self.deregister(name, f"request failed ({type(e).__name__})")
             raise WorkerLost(name) from e
 
-    def push_weights(self, version: int, params) -> List[str]:
+    def push_weights(self, version: int, params, wait: bool = True) -> List[str]:
         """Send ``params`` (host arrays) as ``version`` to every live worker; a worker that fails is
-        deregistered. Returns the names that loaded it."""
+        deregistered. Returns the names that loaded it. ``wait=False`` (the asynchronous trainer): return
+        at once with the names it was sent to; the replies are checked at the next push or ``settle()``
+        (a worker applies its pushes in order, and every token carries the version that made it, so
+        the trainer need not wait for a busy server to swap weights)."""
         import ray
+        self.settle()
         ref = ray.put(params)
         refs = {n: h.load_weights.remote(version, ref) for n, h in self.live().items()}
+        if not wait:
+            self._unsettled = refs
+            return sorted(refs)
+        return self._check(refs)
+
+    def settle(self) -> List[str]:
+        """Wait for the replies of an unawaited push; deregister the workers that failed it."""
+        refs, self._unsettled = self._unsettled, {}
+        return self._check(refs)
+
+    def _check(self, refs: dict) -> List[str]:
+        import ray
         ok = []
         for n, r in refs.items():
             try:

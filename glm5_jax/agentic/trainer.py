@@ -208,14 +208,18 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             batch.pop("versions")
             state, met = update(state, jax.device_put(batch, update.batch_sharding))
             met = jax.device_get(met)
+            t_push = time.time()
             version += 1
             if cfg.mode == "sync" or step % cfg.push_every == 0:
-                coord.push_weights(version, jax.device_get(state["params"]))
+                # sync: the next rollouts must use the new weights, so wait; async: don't block the
+                # trainer on busy servers (replies checked at the next push)
+                coord.push_weights(version, jax.device_get(state["params"]), wait=cfg.mode == "sync")
             trained += [r.traj_id for r in batch_recs if r.refill_of is None]
             ntok = int(batch["mask"].sum())
             trained_tokens += ntok
             row = {"step": step, "wall_s": time.time() - t0, "reward_mean": float(np.mean([r.reward for r in batch_recs])),
                    "tokens": ntok, "wait_s": t_train - t_wait, "train_s": time.time() - t_train,
+                   "update_s": t_push - t_train, "push_s": time.time() - t_push,
                    "loss": float(met["loss"]), "masked_frac": float(met["masked_frac"]),
                    "abs_logratio": float(met["abs_logratio"]), "live_workers": len(coord.live()), **info_sum}
             history.append(row)
@@ -233,6 +237,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             while pool.in_flight_groups or not pool.done.empty():
                 unused += [r.traj_id for r in pool.get_group()]
     finally:
+        coord.settle()
         pin_process(sorted(prev_cpus) if prev_cpus else None)
         coord.stop()
         pool.close()
