@@ -3,7 +3,7 @@ transformers reference (`GlmMoeDsaForCausalLM`, eager attention, float32) on the
 
 Usage::
 
-    python -m tools.bench_vs_hf [--threads=1,2] [--seq=1024,2048,4096] [--reps=3] [--json]
+    python -m tools.bench_vs_hf [--threads=1,2] [--seq=1024,2048,4096] [--train=4x1024,1x4096] [--reps=3] [--json]
 
 Needs the `.[fixtures]` extra (torch, transformers). One run:
 
@@ -17,9 +17,11 @@ Needs the `.[fixtures]` extra (torch, transformers). One run:
   timing reports cpu_util = process CPU seconds / wall seconds, which shows whether the pin holds;
 * checks the two sides compute the same thing: logits on a fixed [1, 256] batch (DSA selects
   128 of up to 256 keys there, so the sparse path is exercised) and the first train step's loss;
-* times forward (B=1, T in --seq) and one AdamW train step (B=4, T=1024; loss + backward +
-  update), alternating the two sides rep by rep so that both see the same machine load, and keeps
-  the best of --reps (after one warm-up call that also compiles the JAX side).
+* times forward (B=1, T in --seq) and one AdamW train step per --train shape (default B=4 T=1024
+  and B=1 T=4096: the same tokens per step, at the issue's long-context length where DSA's T*K
+  attention meets HF's T^2 masked dense one; loss + backward + update), alternating the two sides
+  rep by rep so that both see the same machine load, and keeps the best of --reps (after one
+  warm-up call that also compiles the JAX side).
 
 Prints one line per measurement and the ratios HF time / glm5_jax time, beside the FLOP limit of that
 ratio: the model FLOPs (glm5_jax.flops) at the rate of a 1024^3 float32 matmul measured in the JAX
@@ -43,7 +45,7 @@ MODEL = dict(vocab_size=8192, d_model=256, num_layers=4, ffn_dim=512, attention=
              q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
              index_topk=128, index_n_heads=8, index_head_dim=32, num_experts=8, num_shared_experts=1,
              experts_per_tok=2, moe_ffn_dim=128, first_k_dense=1, mtp_depth=0)
-TRAIN_B, TRAIN_T = 4, 1024
+TRAIN_SHAPES = ((4, 1024), (1, 4096))   # (batch, seq_len) of the timed train steps
 CHECK_T = 256
 LR, B1, B2, WD, EPS = 1e-3, 0.9, 0.95, 0.1, 1e-8
 
@@ -71,17 +73,21 @@ class _JaxSide:
         self.params = jax.device_put(params)
         self.fwd = jax.jit(lambda p, t: forward(self.cfg, p, t))
         # AdamW as HF users run it (torch.optim.AdamW): constant lr, no clipping, the same betas
-        tcfg = TrainConfig(batch_size=TRAIN_B, seq_len=TRAIN_T, optimizer="adamw", learning_rate=LR,
+        b0, t0 = TRAIN_SHAPES[0]   # the step retraces per batch shape; the config's shape is nominal
+        tcfg = TrainConfig(batch_size=b0, seq_len=t0, optimizer="adamw", learning_rate=LR,
                            weight_decay=WD, grad_clip=0.0, mtp_weight=0.0, indexer_loss=None)
         tx, _ = make_optimizer("adamw", params, learning_rate=LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS,
                                grad_clip=None)
         self.state, _ = init_train_state(self.cfg, tcfg, None, tx, params=params)
         self.step = make_train_step(self.cfg, tcfg, tx)
-        tok = _tokens(TRAIN_B, TRAIN_T + 1, self.cfg.vocab_size, 7)
-        mask = jnp.ones((TRAIN_B, TRAIN_T), jnp.float32)
-        self.batch = {"tokens": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:]), "loss_mask": mask,
-                      "positions": jnp.broadcast_to(jnp.arange(TRAIN_T, dtype=jnp.int32), (TRAIN_B, TRAIN_T)),
-                      "segment_ids": jnp.ones((TRAIN_B, TRAIN_T), jnp.int32)}
+
+    def batch(self, b, t):
+        jnp = self.jnp
+        tok = _tokens(b, t + 1, self.cfg.vocab_size, 7)
+        return {"tokens": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:]),
+                "loss_mask": jnp.ones((b, t), jnp.float32),
+                "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                "segment_ids": jnp.ones((b, t), jnp.int32)}
 
     def logits(self, t):
         import numpy as np
@@ -98,9 +104,11 @@ class _JaxSide:
         self.jax.block_until_ready(f(a))
         return lambda: self.jax.block_until_ready(f(a))
 
-    def train(self):
+    def train(self, b, t):
+        batch = self.batch(b, t)
+
         def run():
-            self.state, metrics = self.step(self.state, self.batch)
+            self.state, metrics = self.step(self.state, batch)
             return float(metrics["loss"])
         return run
 
@@ -114,8 +122,6 @@ class _HFSide:
         self.model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32)
         self.vocab = self.model.config.vocab_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
-        tok = torch.from_numpy(_tokens(TRAIN_B, TRAIN_T + 1, self.vocab, 7)).long()
-        self.x, self.y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
     def _run(self, tokens):
         self.model.eval()
@@ -129,13 +135,15 @@ class _HFSide:
         x = _tokens(1, t, self.vocab, 5)
         return lambda: self._run(x)
 
-    def train(self):
+    def train(self, b, t):
         torch = self.torch
+        tok = torch.from_numpy(_tokens(b, t + 1, self.vocab, 7)).long()
+        x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
         def run():
             self.model.train()
-            logits = self.model(input_ids=self.x, use_cache=False).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, self.vocab), self.y.reshape(-1))
+            logits = self.model(input_ids=x, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, self.vocab), y.reshape(-1))
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -173,9 +181,10 @@ def worker(side: str, ckpt: str, threads: int) -> None:
             np.save(path, impl.logits(req["seq"]))
             reply = {"path": path}
         else:
-            key = (req["op"], req.get("seq"))
+            key = (req["op"], req.get("seq"), req.get("batch"))
             if key not in fns:
-                fns[key] = impl.forward(req["seq"]) if req["op"] == "forward" else getattr(impl, req["op"])()
+                fns[key] = (impl.forward(req["seq"]) if req["op"] == "forward" else
+                            impl.train(req["batch"], req["seq"]) if req["op"] == "train" else impl.peak())
             wall, util, val = _timed(fns[key])
             reply = {"s": wall, "cpu_util": util, "value": val if isinstance(val, float) else None}
         out.write(json.dumps(reply) + "\n")
@@ -191,7 +200,8 @@ class _Proc:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                                 "intra_op_parallelism_threads=1").strip()
         self.p = subprocess.Popen([sys.executable, "-m", "tools.bench_vs_hf", "--worker", side, "--ckpt", ckpt,
-                                   "--threads", str(threads), "--train", f"{TRAIN_B},{TRAIN_T}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   "--threads", str(threads), "--train", _shapes_arg(TRAIN_SHAPES)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   env=env, text=True)
         self.hello = self._read()
 
@@ -241,6 +251,20 @@ def model_flops(what: str, seq_len: int, batch: int) -> float:
     return per_token * seq_len * batch
 
 
+def _shapes_arg(shapes):
+    return ",".join(f"{b}x{t}" for b, t in shapes)
+
+
+def _parse_shapes(arg, ap):
+    shapes = []
+    for item in arg.split(","):
+        parts = item.lower().split("x") if item else []
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            ap.error(f"--train={arg}: each shape must be BATCHxSEQ_LEN with positive integers, got {item!r}")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return tuple(shapes)
+
+
 def _best(results):
     return min(results, key=lambda r: r["s"])
 
@@ -272,7 +296,8 @@ def run(threads_list, seqs, reps, log):
                 peak_s = min(jx.ask(op="peak")["s"] for _ in range(reps + 1))
                 peak = 2 * 1024 ** 3 / peak_s
                 log(f"threads={n}: 1024^3 float32 matmul {peak / 1e9:.1f} GFLOP/s (XLA, best of {reps + 1})")
-                jobs = [dict(op="forward", seq=t) for t in seqs] + [dict(op="train")]
+                jobs = [dict(op="forward", seq=t) for t in seqs] + [dict(op="train", batch=b, seq=t)
+                                                                    for b, t in TRAIN_SHAPES]
                 for job in jobs:
                     runs = {"hf": [], "jax": []}
                     for r in range(reps + 1):          # rep 0 warms up (and compiles the JAX side)
@@ -280,11 +305,12 @@ def run(threads_list, seqs, reps, log):
                             ans = proc.ask(**job)
                             if r:
                                 runs[name].append(ans)
-                            elif job["op"] == "train":  # the first step starts from the shared weights
+                            elif job is jobs[len(seqs)]:
+                                # the first train step of all starts from the shared weights on both sides
                                 check.setdefault("first_loss", {})[name] = ans["value"]
                     bh, bj = _best(runs["hf"]), _best(runs["jax"])
-                    row = dict(threads=n, what=job["op"], seq_len=job.get("seq", TRAIN_T),
-                               batch=1 if job["op"] == "forward" else TRAIN_B, hf_s=bh["s"], jax_s=bj["s"],
+                    row = dict(threads=n, what=job["op"], seq_len=job["seq"], batch=job.get("batch", 1),
+                               hf_s=bh["s"], jax_s=bj["s"],
                                speedup=bh["s"] / bj["s"], hf_cpu_util=bh["cpu_util"], jax_cpu_util=bj["cpu_util"],
                                hf_all_s=[a["s"] for a in runs["hf"]], jax_all_s=[a["s"] for a in runs["jax"]])
                     flops = model_flops(row["what"], row["seq_len"], row["batch"])
@@ -306,18 +332,19 @@ def run(threads_list, seqs, reps, log):
 
 
 def main(argv=None):
-    global TRAIN_B, TRAIN_T  # noqa: PLW0603 (module constants the workers read)
+    global TRAIN_SHAPES  # noqa: PLW0603 (a module constant the workers read)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (each pinned to that many cores)")
     ap.add_argument("--seq", default="1024,2048,4096", help="forward sequence lengths")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side (best kept)")
-    ap.add_argument("--train", default=f"{TRAIN_B},{TRAIN_T}", help="train step batch,seq_len")
+    ap.add_argument("--train", default=_shapes_arg(TRAIN_SHAPES),
+                    help="comma-separated train step shapes BATCHxSEQ_LEN (e.g. 4x1024,1x4096)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", choices=("hf", "jax"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    TRAIN_B, TRAIN_T = (int(x) for x in args.train.split(","))
+    TRAIN_SHAPES = _parse_shapes(args.train, ap)
     if args.worker:
         worker(args.worker, args.ckpt, int(args.threads))
         return 0
