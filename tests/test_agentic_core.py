@@ -300,7 +300,9 @@ def test_play_with_the_calculator_service_and_env_crash():
                                         "in_flight_groups"), ({"tau": -1}, "tau"),
                                        ({"kill_worker_at_step": 2, "servers": 1}, "servers >= 2"),
                                        ({"agent_threads": 8, "in_flight_groups": 4, "group_size": 4}, "agent_threads"),
-                                       ({"trainer_cpus": (0,), "server_cpus": (0, 1)}, "overlap")])
+                                       ({"trainer_cpus": (0,), "server_cpus": (0, 1)}, "overlap"),
+                                       ({"max_batch": 16, "row_buckets": (4, 8)}, "row_buckets"),
+                                       ({"max_len": 40, "max_new_tokens": 6, "width_buckets": (32,)}, "width_buckets")])
 def test_agentic_config_errors_name_the_field(kw, needle):
     from glm5_jax.agentic.trainer import AgenticConfig
     with pytest.raises(ValueError, match=needle):

@@ -10,7 +10,7 @@ pytest.importorskip("ray")
 
 MICRO = {"model.d_model": "32", "model.num_heads": "2", "model.ffn_dim": "64", "train.steps": "4",
          "train.batch_size": "4", "agentic.steps": "4", "agentic.groups_per_step": "2", "agentic.group_size": "2",
-         "agentic.in_flight_groups": "4", "agentic.agent_threads": "8", "agentic.max_batch": "8", "test_tasks": "8"}
+         "agentic.in_flight_groups": "4", "agentic.agent_threads": "8", "agentic.max_batch": "8", "agentic.row_buckets": "8", "test_tasks": "8"}
 
 
 @pytest.mark.slow

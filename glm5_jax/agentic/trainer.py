@@ -9,7 +9,7 @@ schedule differs:
 * ``async``: the pool always has ``in_flight_groups`` groups running; the trainer takes a batch as soon
   as ``groups_per_step`` groups have finished, drops samples older than ``tau`` versions (staleness
   measured from the oldest token of a sample), refills/drops groups, trains, and pushes new weights
-  every ``push_every`` steps while rollouts continue.
+  every ``push_every`` steps while rollouts continue, without waiting for the servers to load them.
 
 The update is the project's one train step (``glm5_jax.train.step.make_train_step``) with the agentic
 loss (``glm5_jax.agentic.loss``) on the gateway's records, unchanged (``records_to_batch``).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import jax
 import numpy as np
@@ -52,12 +52,12 @@ class AgenticConfig:
     server_threads: int = 1          # XLA compute threads per server
     agent_threads: int = 32
     max_batch: int = 16              # rows per server decode batch
-    row_buckets: Optional[tuple] = None  # padded row counts of a decode batch (None: the server's default)
-    width_buckets: Optional[tuple] = None  # padded prompt widths of a decode batch (None: the server's default)
+    row_buckets: Optional[Tuple[int, ...]] = None  # padded row counts of a decode batch (None: the server's default)
+    width_buckets: Optional[Tuple[int, ...]] = None  # padded prompt widths of a decode batch (None: the server's default)
     # disaggregated placement (empty: no pinning): the trainer process and the rollout servers on
     # their own CPUs, as GLM-5 runs rollout engines and the trainer on separate accelerators
-    trainer_cpus: tuple = ()
-    server_cpus: tuple = ()
+    trainer_cpus: Tuple[int, ...] = ()
+    server_cpus: Tuple[int, ...] = ()
     max_len: int = 48
     max_new_tokens: int = 10
     max_turns: int = 3
@@ -87,6 +87,11 @@ class AgenticConfig:
             # trajectories in flight (and a sync step would not run all its trajectories at once)
             raise ValueError(f"AgenticConfig.agent_threads={self.agent_threads} must be >= in_flight_groups * "
                              f"group_size = {self.in_flight_groups * self.group_size}")
+        if self.row_buckets and max(self.row_buckets) != self.max_batch:
+            raise ValueError(f"AgenticConfig.row_buckets={self.row_buckets} must end at max_batch={self.max_batch}")
+        if self.width_buckets and max(self.width_buckets) != self.max_len - self.max_new_tokens:
+            raise ValueError(f"AgenticConfig.width_buckets={self.width_buckets} must end at max_len - max_new_tokens "
+                             f"= {self.max_len - self.max_new_tokens}")
         if set(self.trainer_cpus) & set(self.server_cpus):
             raise ValueError(f"AgenticConfig.trainer_cpus={self.trainer_cpus} and server_cpus={self.server_cpus} "
                              "overlap: disaggregated placement needs disjoint CPU sets")
