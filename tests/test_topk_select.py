@@ -52,6 +52,19 @@ def test_indexer_topk_bit_identical(case, cap):
     np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
 
 
+
+def test_indexer_topk_capped_chunk_and_prefix_groups(monkeypatch):
+    """T = S = 2560: causal groups score real key prefixes (1024 .. 2560 keys; the first three
+    groups share the 1024-key minimum and run as one), and a small score-tile budget lowers the
+    query chunk below `chunk` (128 -> 32): still bit-identical to the full-row top-k, ties included."""
+    b, t, hi, di, kk = 2, 2560, 3, 8, 100
+    monkeypatch.setattr(ref, "_SCORE_TILE_BYTES", 32 * b * hi * t * 4)
+    q, k, w = _inputs(7, b, t, t, hi, di, True)
+    old = jax.jit(lambda a, b_, c: ref._indexer_topk_sort(a, b_, c, kk, chunk=128))(q, k, w)
+    new = jax.jit(lambda a, b_, c: ref.indexer_topk(a, b_, c, kk, chunk=128))(q, k, w)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+
+
 def test_topk_rows_total_order():
     # XLA TopK's order: -0.0 < +0.0, NaN highest, -inf lowest; ties by lower index
     x = jnp.array([[0.0, -0.0, -0.0, 0.0, 1.0, -1.0, -jnp.inf, 2.0, 1.0, -jnp.inf]], jnp.float32)
