@@ -28,7 +28,7 @@ MICRO = {
                    "train.seq_len": "128", "model.index_topk": "16", "train.batch_size": "2", "bench_seq_len": "256",
                    "data.max_files": "60", "train.eval_batches": "1", "dev_probe_batches": "1",
                    "test_probe_batches": "2", "mha_arm": "true", "data.vocab_size": "512", "model.d_model": "32",
-                   "model.ffn_dim": "64", "model.moe_ffn_dim": "32"},
+                   "model.ffn_dim": "64", "model.moe_ffn_dim": "32", "data.retrieval_min_distance": "24"},
     "muon_split": {"train.steps": "2", "train.batch_size": "2", "train.seq_len": "32", "train.eval_every": "2",
                    "train.eval_batches": "1", "train.monitor_every": "1", "model.num_layers": "1", "model.d_model": "32",
                    "model.ffn_dim": "64", "train.warmup_steps": "1", "muon_lr_sweep": "", "seeds": "0"},
