@@ -211,10 +211,12 @@ class RolloutPool:
 
     def _work(self):
         while not self._stop.is_set():
-            try:
-                traj_id, group_id, task, attempt = self.jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
+            # a blocking get, not a polling one: 64 idle threads waking every 0.1 s would take the
+            # driver's GIL ~640 times a second from the trainer that shares this process
+            job = self.jobs.get()
+            if job is None:          # close()
+                return
+            traj_id, group_id, task, attempt = job
             try:
                 rec = play(self.gateway, self.coord.generate, traj_id, group_id, task, self.vocab, attempt=attempt,
                            env_crash=self._crash, **self.kw)
@@ -254,5 +256,7 @@ class RolloutPool:
 
     def close(self):
         self._stop.set()
+        for _ in self._threads:
+            self.jobs.put(None)
         for t in self._threads:
             t.join(timeout=5)
