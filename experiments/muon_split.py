@@ -204,6 +204,10 @@ def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
 
 Chosen: muon_learning_rate = {muon_lr:g} (largest final max logit with a finite loss).
 """ if sweep else f"No regime search (muon_lr_sweep empty): muon_learning_rate = {muon_lr:g} as configured.\n")
+    # per seed and per layer: with 2 seeds the t interval hides whether one seed or one layer drives the max
+    seed_rows = [[a, s, v["test_eval_loss"], v["max_attn_logit"], v["max_attn_logit_peak"],
+                  ", ".join(f"{k} {x:.1f}" for k, x in sorted(v["max_attn_logit_per_layer"].items()))]
+                 for a, by_seed in per_seed.items() for s, v in by_seed.items()]
     iv = "95% t interval over seeds" if len(cfg.seeds) > 1 else "one seed, no interval"
     md = f"""# muon_split
 
@@ -223,6 +227,10 @@ every arm. Held-out Python standard-library files: {len(lm_dev)} dev batches (cu
 
 {md_table(["arm", "optimizer", "peak lr", "test loss (" + iv + ")", "vs gqa_muon", "test token acc",
            "final max logit (" + iv + ")", "peak max logit"], rows)}
+
+Per seed (with few seeds the t interval is wide; these are the values it summarises):
+
+{md_table(["arm", "seed", "test loss", "final max logit", "peak max logit", "final max logit per layer"], seed_rows)}
 
 ![eval loss](eval_loss.png)
 

@@ -133,7 +133,8 @@ def test_muon_split_micro_run(tmp_path):
         assert v["max_attn_logit"] == pytest.approx(sum(per) / 2)
         assert v["max_attn_logit_interval"]["lo"] <= v["max_attn_logit"] <= v["max_attn_logit_interval"]["hi"]
     assert os.path.exists(tmp_path / "seed_1" / "gqa_muon" / "metrics.jsonl")
-    assert "Regime search" in open(tmp_path / "report.md").read()
+    md = open(tmp_path / "report.md").read()
+    assert "Regime search" in md and "Per seed" in md
     assert set(on_disk["arms"]) == {"mla_adamw", "mla_muon", "mla_muon_split", "gqa_muon"}
     for arm, v in on_disk["arms"].items():
         assert math.isfinite(v["final_eval_loss"]) and math.isfinite(v["max_attn_logit"]), arm
