@@ -209,6 +209,7 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
         if iv["n"] == 1:      # one seed: Wilson over completions (treats them as independent: optimistic)
             iv["lo"], iv["hi"] = wilson_interval(round(vals[0] * n_test), n_test)
         return {"test_initial_accuracy": initial_test["accuracy"], "test_final_accuracy": iv["mean"],
+                "test_initial_greedy_accuracy": initial_test["greedy_accuracy"],
                 "test_final_accuracy_interval": iv, "test_delta": iv["mean"] - initial_test["accuracy"],
                 "test_final_greedy_accuracy": float(np.mean([v["greedy_accuracy"] for v in test_by_seed[arm].values()])),
                 "test_per_seed": {k: v["accuracy"] for k, v in test_by_seed[arm].items()}}
@@ -254,7 +255,8 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
             for a, v in arms.items()]
     trows = [[a, v["test_initial_accuracy"], fmt_interval(v["test_final_accuracy"], v["test_final_accuracy_interval"]["lo"],
                                                           v["test_final_accuracy_interval"]["hi"]),
-              f"{v['test_delta']:+.3f}", v["test_final_greedy_accuracy"]] for a, v in arms.items()]
+              f"{v['test_delta']:+.3f}", v["test_initial_greedy_accuracy"], v["test_final_greedy_accuracy"]]
+             for a, v in arms.items()]
     iv_kind = ("95% t interval over seeds" if len(cfg.seeds) > 1 else
                f"95% Wilson interval over {n_test} completions, one seed")
     md = f"""# grpo_icepop
@@ -264,7 +266,8 @@ prompts are disjoint from the {len(eval_tasks)} dev prompts (curves below; the o
 chosen on dev in earlier runs) and from every SFT/RL prompt; they are scored only before and after RL.
 Seeds {list(cfg.seeds)}.
 
-{md_table(["arm", f"test {primary} before", f"test {primary} after ({iv_kind})", "delta", "test greedy after"], trows)}
+{md_table(["arm", f"test {primary} before", f"test {primary} after ({iv_kind})", "delta", "test greedy before",
+           "test greedy after"], trows)}
 
 ## Dev prompts and training signals (seed {cfg.seeds[0]})
 

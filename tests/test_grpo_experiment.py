@@ -29,6 +29,7 @@ def test_grpo_icepop_micro(tmp_path):
         iv = arm["test_final_accuracy_interval"]
         assert iv["lo"] <= arm["test_final_accuracy"] <= iv["hi"]
         assert arm["test_delta"] == pytest.approx(arm["test_final_accuracy"] - arm["test_initial_accuracy"])
+        assert 0.0 <= arm["test_initial_greedy_accuracy"] <= 1.0
     assert "Primary metric" in open(os.path.join(wd, "report.md")).read()
     for name in ("report.md", "reward.png", "pop_frac.png", "mismatch_kl.png", "rl_icepop.jsonl"):
         assert os.path.exists(os.path.join(wd, name)), name
