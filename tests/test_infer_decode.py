@@ -183,6 +183,7 @@ def test_absorbed_mla_decode_equals_expanded_attention(kind):
         np.testing.assert_array_equal(np.sort(np.asarray(idx[..., :k]), -1), np.sort(np.asarray(want_idx[..., :k]), -1))
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_cached_prefill_then_decode_equals_full_forward():
     """The model's own modules over a cache (prefill 7 tokens, then 5 single-token steps) give the
     trunk of one full forward, with a MoE stack made of a repeating (shared, full) block plus a

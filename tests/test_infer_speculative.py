@@ -15,6 +15,7 @@ from glm5_jax.infer.decode import head, model_step
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]]
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_speculative_equals_plain_greedy_random_model():
     cfg = ModelConfig(attention="dsa", num_layers=2, index_topk=4, indexer_types=("full", "shared"), mtp_depth=1)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
@@ -63,6 +64,7 @@ def test_perfect_drafter_is_fully_accepted_and_stops_like_greedy():
     assert acceptance_length(cfg, params, PROMPTS, num_draft=num_draft, max_new_tokens=n) == num_draft + 1
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_mtp_pass_reproduces_training_mtp_logits():
     """Cached MTP depths (unshared blocks) over a known sequence == GLM5(..., mtp=True) logits."""
     cfg = ModelConfig(attention="mla", num_layers=2, mtp_depth=2, mtp_share=False)

@@ -63,6 +63,7 @@ COMMON = """
 """
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_sharded_train_steps_match_single_device():
     run8(COMMON + """
     ref, _ = trajectory(cfg, "data:1", 1)
@@ -158,6 +159,7 @@ def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
     print(out)
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_train_loop_on_a_mesh_resumes_resharded_on_another(tmp_path):
     """The loop on data2 x fsdp2 x expert2 stops after step 2, resumes on fsdp4 x expert2 (the checkpoint
     is resharded on restore) and its 4-step loss trajectory equals the uninterrupted 1-device run."""
@@ -276,6 +278,7 @@ def _hand_count_tiny(sizes):
     return params, opt
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_plan_tiny_equals_hand_count():
     sizes = {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)

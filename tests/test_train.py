@@ -73,6 +73,7 @@ def _batch(cfg, b=2, t=24, seed=0):
             "segment_ids": jnp.ones((b, t), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(t), (b, t))}
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_frozen_parameters_unchanged_and_indexer_trains():
     cfg = ModelConfig(index_topk=4, mtp_depth=1)
     tc = TrainConfig(steps=3, batch_size=2, seq_len=24, indexer_loss="dense", trainable_pattern="indexer",
@@ -116,6 +117,7 @@ def _rows(workdir):
     return [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl")) if l.strip()]
 
 
+@pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_sigkill_resume_equals_uninterrupted(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     cache = tmp_path / "cache"
