@@ -81,7 +81,8 @@ class DataConfig:
       retrieval_pairs: key/value pairs planted per retrieval sequence.
       retrieval_min_distance: the query starts more than this many positions after the end
         of the queried pair (None -> seq_len // 2).
-      retrieval_key_digits / retrieval_value_digits: digits per key / value (one token each).
+      retrieval_key_digits: key space = min(10**retrieval_key_digits, 52) one-token letter keys;
+      retrieval_value_digits: digits per value (one token each).
       tokenizer_train_bytes: cap of training-split text fed to the tokenizer trainer.
       stdlib_root: corpus root override (None -> sysconfig stdlib).
       exclude_dirs: directory names skipped when walking the corpus root.
