@@ -148,6 +148,7 @@ def test_causality(kind):
     assert float(jnp.abs(a[:, 15:] - b[:, 15:]).max()) > 1e-4
 
 
+@pytest.mark.slow  # among the slowest default tests (suite budget: 15 min on 2 cores)
 def test_packed_documents_equal_separate_runs():
     cfg = ModelConfig(index_topk=4, mtp_depth=0)
     params = model.init_params(cfg, jax.random.PRNGKey(7))

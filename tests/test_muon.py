@@ -253,6 +253,7 @@ def _check_zero_labels_unchanged(params, p, upd, fl):
             assert not np.array_equal(np.asarray(fp[path]), fp0[path]), path
 
 
+@pytest.mark.slow  # among the slowest default tests (suite budget: 15 min on 2 cores)
 def test_muon_split_step_frozen_and_router_bias():
     """One jitted program on the representative tree: Muon Split numbers on step 1 (per layer of a
     stack), then frozen leaves and the router bias stay bit-identical over 3 steps while everything

@@ -77,6 +77,7 @@ def _moe_cfg():
                        topk_group=1, first_k_dense=1, mtp_depth=0, moe_impl="dense")
 
 
+@pytest.mark.slow  # among the slowest default tests (suite budget: 15 min on 2 cores)
 def test_export_dequantised_logits_bit_identical_to_qat_forward():
     cfg = _moe_cfg()
     params = init_params(cfg, jax.random.PRNGKey(0))
