@@ -10,7 +10,8 @@ servers keep full batches of new episodes.
 Phases:
   sft     a tiny DSA model (character vocabulary) is fine-tuned briefly on worked transcripts
           (look up, read, look up again ..., reply; glm5_jax.agentic.agent) through
-          glm5_jax.train.train, so RL starts from a partly competent policy
+          glm5_jax.train.train with DSA's dense warm-up (the indexer learns its KL to the dense
+          attention), so RL starts from a partly competent policy (served sparse, top-k)
   arms    from that checkpoint, with the same seed and prompts: ``sync`` (rollout, then train, then
           push weights) and ``async`` (rollouts keep running while the trainer consumes finished
           groups; staleness bound tau; weights pushed every step), each on its own Ray rollout fleet
@@ -21,7 +22,9 @@ Phases:
           deregister it and re-queue its trajectories, and the run must finish.
 Primary metric (named before the run): trained tokens per second, async / sync (target >= 1.5);
 secondary: held-out TEST sampled reward after RL per arm (prompts never trained on, never used to
-choose settings), reward against wall time, trainer idle fraction, staleness histogram.
+choose settings), reward against wall time (TEST reward of both arms' policies at the async arm's
+end, paired over tasks; training reward in equal wall-clock windows), trainer idle fraction,
+staleness histogram. The async arm runs first: its wall time is where the sync arm's policy is kept.
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ from typing import ClassVar
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import fmt_interval, md_table, plot_curves, wilson_interval, write_report
+from experiments.report import (fmt_interval, md_table, mean_interval, paired_bootstrap_interval, plot_curves,
+                                wilson_interval, write_report)
 from glm5_jax.agentic.agent import make_chain_task, sft_example
 from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.sft import CharVocab, SFTIterator
 from glm5_jax.train import TrainConfig, train
 
-ARMS = ("sync", "async")
+# async first: its wall time is the clock point at which the sync arm's policy is kept for the matched
+# comparison (the async arm, at >= 1.5x the throughput, is the shorter one)
+ARMS = ("async", "sync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +61,14 @@ class AsyncVsSyncConfig:
     train: TrainConfig
     agentic: AgenticConfig
     test_tasks: int = 128
+    # SFT steps run of train.steps' schedule: cut while the copying is half formed (tiny, validation
+    # split: greedy 0.69, sampled 0.54; the full 400 steps reach 1.0), so RL has room to climb
+    sft_steps: int = 300
     max_hops: int = 8             # tool lookups per episode: 1..max_hops, P(k) ~ k^-hop_alpha
     hop_alpha: float = 1.5        # P(1 hop) 0.52, P(>= 5 hops) 0.13: a sync step of 8 tasks usually waits on one
     kill_in_async: bool = True
     ray_cpus: int = 2
+    reward_windows: int = 5       # equal wall-clock windows of the training-reward comparison
 
     STEPS_KEY: ClassVar[str] = "agentic.steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary", "agentic.mode": "the arm",
@@ -68,6 +78,11 @@ class AsyncVsSyncConfig:
         object.__setattr__(self, "model", self.model.replace(vocab_size=CharVocab().padded_size()))
         if self.test_tasks < 1:
             raise ConfigError(f"AsyncVsSyncConfig.test_tasks={self.test_tasks!r} is invalid: must be >= 1")
+        if not 1 <= self.sft_steps <= self.train.steps:
+            raise ConfigError(f"AsyncVsSyncConfig.sft_steps={self.sft_steps!r} is invalid: must be in [1, train.steps="
+                              f"{self.train.steps}]")
+        if self.reward_windows < 1:
+            raise ConfigError(f"AsyncVsSyncConfig.reward_windows={self.reward_windows!r} is invalid: must be >= 1")
         if self.agentic.max_turns < self.max_hops + 1:
             raise ConfigError(f"AsyncVsSyncConfig.agentic.max_turns={self.agentic.max_turns} must be >= max_hops + 1 = "
                               f"{self.max_hops + 1} (every lookup is a turn, then the answer)")
@@ -89,8 +104,11 @@ def _policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
 
 TINY = AsyncVsSyncConfig(
     model=_policy(64, 4, 2, 192),
-    train=TrainConfig(steps=300, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
-                      weight_decay=0.0, eval_every=300, log_every=100, ckpt_every=300, seed=0),
+    # indexer_loss="dense": DSA's dense warm-up. The indexer learns only from its KL to the main
+    # attention; without it the SFT's sparse attention picks its top-16 keys with a random indexer and
+    # the copying the task needs never forms (validation probe: sampled reward ~0.06 after 800 steps)
+    train=TrainConfig(steps=400, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                      weight_decay=0.0, eval_every=300, log_every=100, ckpt_every=300, seed=0, indexer_loss="dense"),
     # tau=8: the longest episode (9 turns) spans several trainer versions in the async arm; a small tau
     # would drop exactly the long tasks (a length bias), so the bound is set above the longest
     # episode's usual span and the double-sided ratio mask handles the off-policy tokens
@@ -103,7 +121,7 @@ TINY = AsyncVsSyncConfig(
 
 SMALL = dataclasses.replace(
     TINY, model=_policy(128, 4, 4, 384),
-    train=TINY.train.replace(steps=1000, batch_size=32, eval_every=1000, log_every=250, ckpt_every=1000),
+    train=TINY.train.replace(steps=1000, batch_size=32, eval_every=750, log_every=250, ckpt_every=750), sft_steps=750,
     agentic=dataclasses.replace(TINY.agentic, steps=200, groups_per_step=16, in_flight_groups=32, servers=4,
                                 agent_threads=128),
     test_tasks=512)
@@ -146,11 +164,12 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
         "secondary: TEST sampled reward after RL, reward vs wall time")
     it = SFTIterator(sample_task, vocab, cfg.train.batch_size, cfg.train.seq_len, seed=cfg.train.seed,
                      exclude=exclude, encode=lambda t: sft_example(t, vocab))
-    sft = train(cfg.model, cfg.train, it, os.path.join(workdir, "sft"), log=log, name="sft", mesh=mesh)
+    sft = train(cfg.model, cfg.train, it, os.path.join(workdir, "sft"), log=log, name="sft", mesh=mesh,
+                stop_after=cfg.sft_steps)
     sft_params = sft["params"]
     _ray_init(cfg.ray_cpus)
     ag = cfg.agentic
-    arms, before = {}, None
+    arms, before, matched = {}, None, {}
     for arm in ARMS:
         acfg = dataclasses.replace(ag, mode=arm,
                                    kill_worker_at_step=(max(1, ag.steps // 2) if arm == "async" and cfg.kill_in_async else 0))
@@ -164,9 +183,15 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
                               max_new_tokens=acfg.max_new_tokens)
             log(f"[sft] TEST sampled reward {before['reward']:.3f}")
         t_arm = time.time()
-        r = run_agentic(cfg.model, sft_params, acfg, vocab, sample_task, log=log, workers=workers)
-        after = evaluate(workers, vocab, test, r["params"], max_turns=acfg.max_turns, max_len=acfg.max_len,
-                         max_new_tokens=acfg.max_new_tokens)
+        t_match = arms["async"]["wall_s"] if arm == "sync" else None
+        r = run_agentic(cfg.model, sft_params, acfg, vocab, sample_task, log=log, workers=workers,
+                        snapshot_wall_s=t_match)
+        evaluate_on_test = functools.partial(evaluate, workers, vocab, test, max_turns=acfg.max_turns,
+                                             max_len=acfg.max_len, max_new_tokens=acfg.max_new_tokens)
+        after = evaluate_on_test(r["params"])
+        # each arm's policy as it stood when the async arm finished: async's final one, sync's snapshot
+        matched[arm] = (after if arm == "async" else
+                        dict(evaluate_on_test(r["snapshot"]["params"]), step=r["snapshot"]["step"]))
         import ray
         for h in workers.values():
             ray.kill(h, no_restart=True)
@@ -200,18 +225,32 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
             f"TEST reward {before['reward']:.3f} -> {after['reward']:.3f}, ids lost {arms[arm]['ids_lost']} "
             f"duplicated {arms[arm]['ids_duplicated']}, requeued {r['requeued']}")
     ratio = arms["async"]["tokens_per_s"] / arms["sync"]["tokens_per_s"]
-    # reward vs wall time: each arm's training reward at the same wall-clock points (sync's step times)
-    def at(curve, t):
-        pts = [rw for w, rw in curve if w <= t]
-        return float(np.mean(pts[-5:])) if pts else float("nan")
-    sync_t = [w for w, _ in arms["sync"]["curve"]]
-    cmp_rows = [[f"{t:.0f}", at(arms["sync"]["curve"], t), at(arms["async"]["curve"], t)] for t in sync_t[4::5]]
+    # reward vs wall time over the window both arms ran: per-step batch rewards in equal wall-clock
+    # windows (t intervals over the steps of a window), and their mean over the whole window
+    t_common = min(arms[a]["wall_s"] for a in ARMS)
+    edges = np.linspace(0.0, t_common, cfg.reward_windows + 1)
+    def steps_in(a, lo, hi):
+        return [rw for w, rw in arms[a]["curve"] if lo < w <= hi]
+    windows = [{"wall_s": [float(lo), float(hi)],
+                **{a: (mean_interval(steps_in(a, lo, hi)) if steps_in(a, lo, hi) else None) for a in ARMS}}
+               for lo, hi in zip(edges[:-1], edges[1:])]
+    time_avg = {a: mean_interval(steps_in(a, 0.0, t_common)) for a in ARMS}
+    # TEST at the same wall-clock time (the async arm's end), paired over tasks
+    diff = paired_bootstrap_interval(matched["async"]["rewards"], matched["sync"]["rewards"])
+    matched_report = {"wall_s": arms["async"]["wall_s"], "sync_step": matched["sync"]["step"],
+                      "async_step": arms["async"]["steps"],
+                      **{a: {"test_reward": matched[a]["reward"],
+                             "interval": list(wilson_interval(matched[a]["successes"], matched[a]["n"]))} for a in ARMS},
+                      "async_minus_sync": list(diff)}
+    def fmt_mi(m):
+        return "-" if m is None else fmt_interval(m["mean"], m["lo"], m["hi"])
     hist = {str(k): v for k, v in sorted(arms["async"]["staleness"].items())}
     plot_curves(os.path.join(workdir, "reward_vs_wall.png"),
                 {a: ([c[0] for c in arms[a]["curve"]], [c[1] for c in arms[a]["curve"]]) for a in ARMS},
                 title="training reward vs wall time", xlabel="wall seconds", ylabel="batch reward")
     hops = collections.Counter(t.hops for t in test)
     report = {"arms": arms, "throughput_ratio": ratio, "staleness_histogram": hist, "before": before,
+              "matched_wall": matched_report, "reward_windows": windows, "train_reward_time_avg": time_avg,
               "test_hops_histogram": {str(k): v for k, v in sorted(hops.items())},
               "total_s": time.time() - t_start}
     md = f"""# async_vs_sync
@@ -228,9 +267,19 @@ Primary (named before the run): trained tokens/s async / sync = **{ratio:.2f}** 
             ",".join(arms[a]["dead_workers"]) or "-", arms[a]["requeued"], arms[a]["ids_lost"],
             arms[a]["ids_duplicated"]] for a in ARMS])}
 
-Training reward (mean of the last 5 steps up to t) at the sync arm's wall-clock points:
+Reward against wall time. TEST sampled reward of each arm's policy at the same wall-clock time, the
+async arm's end ({matched_report["wall_s"]:.0f} s: async step {matched_report["async_step"]}, sync step
+{matched_report["sync_step"]}; Wilson 95%): sync {fmt_interval(matched_report["sync"]["test_reward"], *matched_report["sync"]["interval"])},
+async {fmt_interval(matched_report["async"]["test_reward"], *matched_report["async"]["interval"])};
+async - sync, paired over the TEST tasks (bootstrap 95%): {fmt_interval(*diff)}.
 
-{md_table(["wall s", "sync", "async"], cmp_rows)}
+Training batch reward over the {t_common:.0f} s both arms ran: mean over the steps of the whole
+window (t 95% over steps) sync {fmt_mi(time_avg["sync"])}, async {fmt_mi(time_avg["async"])}; by equal
+wall-clock window:
+
+{md_table(["wall s", "sync steps", "sync reward", "async steps", "async reward"],
+          [[f"{w['wall_s'][0]:.0f}-{w['wall_s'][1]:.0f}", w["sync"]["n"] if w["sync"] else 0, fmt_mi(w["sync"]),
+            w["async"]["n"] if w["async"] else 0, fmt_mi(w["async"])] for w in windows])}
 
 Staleness histogram of the async arm's trained samples (trainer version - oldest token's version):
 {hist}; stale samples dropped: sync {arms["sync"]["stale_dropped"]}, async {arms["async"]["stale_dropped"]};

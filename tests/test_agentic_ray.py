@@ -5,6 +5,7 @@ import collections
 import os
 
 import jax
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -56,8 +57,13 @@ def test_worker_killed_mid_run_loses_and_duplicates_no_trajectory(cluster):
     acfg = AgenticConfig(mode="async", steps=3, groups_per_step=2, group_size=2, in_flight_groups=4, tau=1,
                          servers=2, agent_threads=8, max_batch=8, max_len=40, max_new_tokens=6,
                          kill_worker_at_step=1, env_crash_p=0.2, seed=1)
-    r = run_agentic(cfg, init_params(cfg, jax.random.PRNGKey(0)), acfg, vocab, make_calc_task, log=lambda s: None)
+    r = run_agentic(cfg, init_params(cfg, jax.random.PRNGKey(0)), acfg, vocab, make_calc_task, log=lambda s: None,
+                    snapshot_wall_s=1e9)
     assert len(r["history"]) == acfg.steps                     # the run finished
+    # a snapshot past the end is the last step's policy, an intact copy of the final params
+    assert r["snapshot"]["step"] == acfg.steps
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(r["snapshot"]["params"]),
+                                                     jax.tree.leaves(jax.device_get(r["params"]))))
     assert len(r["dead"]) == 1 and r["history"][-1]["live_workers"] == 1
     acc = r["accounting"]
     ends = acc["trained"] + acc["dropped"] + acc["unused"] + acc["warmup"]

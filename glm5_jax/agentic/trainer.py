@@ -116,11 +116,14 @@ def make_agentic_loss_fn(config, eps_low: float, eps_high: float, temperature: f
 
 
 def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Callable, *,
-                log: Callable[[str], None] = print, workers: Optional[dict] = None, drain: bool = True) -> dict:
+                log: Callable[[str], None] = print, workers: Optional[dict] = None, drain: bool = True,
+                snapshot_wall_s: Optional[float] = None) -> dict:
     """Train ``cfg.steps`` steps from ``params``. ``workers``: existing server handles (else started
-    here, and killed at the end). Returns {"params", "history", "accounting", "staleness", "wall_s",
-    "trained_tokens", "trainer_idle_s", "dead", "requeued", "server_busy_s" (decode seconds in the timed
-    region per server still alive at the end)}."""
+    here, and killed at the end). ``snapshot_wall_s``: also return the policy as it stood at that many
+    seconds into the timed region (the last step finished by then; the start params if none), to
+    compare arms at the same wall-clock time. Returns {"params", "history", "accounting", "staleness",
+    "wall_s", "trained_tokens", "trainer_idle_s", "dead", "requeued", "server_busy_s" (decode seconds in
+    the timed region per server still alive at the end), "snapshot" ({"step", "params"}, or None)}."""
     import ray
     from glm5_jax.rl.program import RLConfig, make_rl_optimizer, rl_train_config
     from glm5_jax.train.state import init_train_state
@@ -182,6 +185,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
     prev_cpus = pin_process(cfg.trainer_cpus)
     if prev_cpus is not None:
         pin_process(cfg.server_cpus, tids=pool.native_ids())
+    snapshot = None if snapshot_wall_s is None else {"step": 0, "params": params}
     t0 = time.time()
     try:
         for step in range(1, cfg.steps + 1):
@@ -215,10 +219,12 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             met = jax.device_get(met)
             t_push = time.time()
             version += 1
+            host = None
             if cfg.mode == "sync" or step % cfg.push_every == 0:
                 # sync: the next rollouts must use the new weights, so wait; async: don't block the
                 # trainer on busy servers (replies checked at the next push)
-                coord.push_weights(version, jax.device_get(state["params"]), wait=cfg.mode == "sync")
+                host = jax.device_get(state["params"])
+                coord.push_weights(version, host, wait=cfg.mode == "sync")
             trained += [r.traj_id for r in batch_recs if r.refill_of is None]
             ntok = int(batch["mask"].sum())
             trained_tokens += ntok
@@ -228,6 +234,9 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                    "loss": float(met["loss"]), "masked_frac": float(met["masked_frac"]),
                    "abs_logratio": float(met["abs_logratio"]), "live_workers": len(coord.live()), **info_sum}
             history.append(row)
+            if snapshot is not None and row["wall_s"] <= snapshot_wall_s:   # a copy: the next update reuses buffers
+                host = jax.device_get(state["params"]) if host is None else host
+                snapshot = {"step": step, "params": jax.tree.map(np.array, host)}
             log(f"[{cfg.mode}] step {step}/{cfg.steps} reward {row['reward_mean']:.3f} tokens {ntok} "
                 f"wait {row['wait_s']:.1f}s train {row['train_s']:.1f}s masked {row['masked_frac']:.3f} "
                 f"stale {info_sum['stale']} ({row['wall_s']:.0f} s)")
@@ -251,7 +260,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             ray.kill(h, no_restart=True)
     return {"params": state["params"], "history": history, "staleness": staleness, "wall_s": wall,
             "trained_tokens": trained_tokens, "trainer_idle_s": idle_s, "dead": list(coord.dead),
-            "requeued": pool.requeued, "server_busy_s": busy,
+            "requeued": pool.requeued, "server_busy_s": busy, "snapshot": snapshot,
             "accounting": {"issued": list(pool.issued), "trained": trained, "dropped": dropped,
                            "unused": unused, "warmup": warmup, "open": gateway.open_ids()}}
 
@@ -272,7 +281,8 @@ def _busy(coord) -> dict:
 def evaluate(workers: dict, vocab, tasks, params=None, *, version: int = 10 ** 6, threads: int = 32,
              max_turns: int = 3, max_len: int = 48, max_new_tokens: int = 10) -> dict:
     """Sampled pass@1 of the served policy on ``tasks`` (one trajectory each, played through the same
-    servers, gateway and agent loop as training). ``params``: pushed first as ``version``."""
+    servers, gateway and agent loop as training). ``params``: pushed first as ``version``. Returns
+    {"reward", "n", "successes", "rewards" (per task, in the order of ``tasks``)}."""
     coord = Coordinator(workers)
     coord.check_health()
     if params is not None:
@@ -282,8 +292,9 @@ def evaluate(workers: dict, vocab, tasks, params=None, *, version: int = 10 ** 6
     try:
         for i, t in enumerate(tasks):
             pool.submit_group(f"eval{i:05d}", t)
-        recs = [pool.get_group()[0] for _ in tasks]
+        recs = sorted((pool.get_group()[0] for _ in tasks), key=lambda r: r.group_id)
     finally:
         pool.close()
     rewards = [r.reward for r in recs]
-    return {"reward": float(np.mean(rewards)), "n": len(rewards), "successes": int(sum(rewards))}
+    return {"reward": float(np.mean(rewards)), "n": len(rewards), "successes": int(sum(rewards)),
+            "rewards": rewards}
