@@ -129,3 +129,33 @@ def test_probe_batches_carry_infos_and_test_tag_differs():
     assert retrieval_correct(preds, test).tolist() == [False, True, True]
     with pytest.raises(ValueError, match="tag"):
         next(retrieval_probe_batches(task, 1, 1, 0, 7))
+
+
+def test_min_pairs_varies_train_record_count_and_leaves_probes_unchanged():
+    """retrieval_min_pairs: train windows hold every record count in [min, max] (read back from the tokens),
+    each with a contiguous block, every query restating a planted record > min_distance later and the
+    window ending on a query; eval probes are the same windows as without the option."""
+    base = dict(retrieval_pairs=8, retrieval_key_digits=2, retrieval_value_digits=1, retrieval_min_distance=40)
+    task = small_data(retrieval_min_pairs=2, **base).retrieval_task("train", T)
+    plain = small_data(**base).retrieval_task("train", T)
+    counts = set()
+    for i in range(60):
+        ex, _ = task.example(0, 1, i, mode="train")
+        window = np.concatenate([ex["tokens"], ex["targets"][-1:]])
+        recs = _records(task, window)
+        n = next(j for j in range(1, len(recs) + 1) if j == len(recs) or recs[j][1] in {k for _, k, _ in recs[:j]})
+        planted, queries = recs[:n], recs[n:]
+        counts.add(n)
+        assert [s for s, _, _ in planted] == list(range(planted[0][0], planted[0][0] + 2 * n, 2))
+        assert len(queries) == min(n, (T + 1 - 2 * n - 40 - 1) // 2) and queries[-1][0] == T - 1
+        for s, k, v in queries:
+            ps, _, pv = next(r for r in planted if r[1] == k)
+            assert v == pv and s - (ps + 2) > 40
+        assert (ex["loss_mask"] == 1).all()
+    assert counts == set(range(2, 9))
+    for i in range(5):
+        a, ia = task.example(0, EVAL_TAG, i)
+        b, ib = plain.example(0, EVAL_TAG, i)
+        assert ia == ib and all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="retrieval_min_pairs"):
+        small_data(retrieval_min_pairs=9, **base)

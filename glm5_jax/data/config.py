@@ -78,7 +78,9 @@ class DataConfig:
       eval_fraction: fraction of files (by hash of relative path) held out for eval.
       seed: default shuffle / retrieval seed.
       retrieval_fraction: fraction of train sequences replaced by synthetic retrieval ones.
-      retrieval_pairs: key/value pairs planted per retrieval sequence.
+      retrieval_pairs: key/value pairs planted per retrieval sequence (every probe holds this many).
+      retrieval_min_pairs: None, or train retrieval sequences hold a record count drawn uniformly
+        from [retrieval_min_pairs, retrieval_pairs] (glm5_jax/data/retrieval.py says why).
       retrieval_min_distance: the query starts more than this many positions after the end
         of the queried pair (None -> seq_len // 2).
       retrieval_key_digits: key space = min(10**retrieval_key_digits, 52) one-token letter keys;
@@ -101,6 +103,7 @@ class DataConfig:
     seed: int = 0
     retrieval_fraction: float = 0.0
     retrieval_pairs: int = 4
+    retrieval_min_pairs: Optional[int] = None
     retrieval_min_distance: Optional[int] = None
     retrieval_key_digits: int = 3
     retrieval_value_digits: int = 3
@@ -135,6 +138,11 @@ class DataConfig:
             raise _bad("retrieval_fraction", self.retrieval_fraction, "float in [0, 1)")
         if not _is_int(self.retrieval_pairs) or not (1 <= self.retrieval_pairs <= 4096):
             raise _bad("retrieval_pairs", self.retrieval_pairs, "int in [1, 4096]")
+        if self.retrieval_min_pairs is not None and (
+            not _is_int(self.retrieval_min_pairs) or not (1 <= self.retrieval_min_pairs <= self.retrieval_pairs)
+        ):
+            raise _bad("retrieval_min_pairs", self.retrieval_min_pairs,
+                       f"None or int in [1, retrieval_pairs={self.retrieval_pairs}]")
         if self.retrieval_min_distance is not None and (
             not _is_int(self.retrieval_min_distance) or self.retrieval_min_distance < 0
         ):

@@ -103,7 +103,8 @@ class TrainIterator:
         self.fingerprint = settings_key({
             "tokens": data.data_key, "B": self.batch_size, "T": T,
             "seed": self.seed, "retrieval": [f, cfg.retrieval_pairs, cfg.retrieval_key_digits,
-                                             cfg.retrieval_value_digits, cfg.min_distance(T)],
+                                             cfg.retrieval_value_digits, cfg.min_distance(T),
+                                             cfg.retrieval_min_pairs],
         })
         self._served = 0
 
@@ -218,7 +219,7 @@ class LMData:
             self.tokenizer, self.stream(split).stream, T,
             n_pairs=self.cfg.retrieval_pairs, key_digits=self.cfg.retrieval_key_digits,
             value_digits=self.cfg.retrieval_value_digits,
-            min_distance=self.cfg.min_distance(T))
+            min_distance=self.cfg.min_distance(T), min_pairs=self.cfg.retrieval_min_pairs)
 
     def retrieval_eval_batches(self, batch_size: int, seq_len: Optional[int] = None,
                                num_batches: int = 4, seed: Optional[int] = None

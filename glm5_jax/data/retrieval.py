@@ -25,9 +25,15 @@ stayed at chance for a ~1M-parameter model in 1,000 steps (docs/experiments.md, 
 * n_queries = as many of the n_pairs records as fit while the first query still starts more than
   `min_distance` tokens after the block ends (min_distance defaults to T // 2; set it >= the DSA
   `index_topk` to force sparse-attention retrieval), so every query is that far from its record.
-* "train" and "eval" examples have the same layout (same distribution); they differ in loss_mask:
-  "train" = every position (the train-stream mixer's example is also a normal LM example),
-  "eval" = the last query's value digits only (one scored probe per sequence).
+* "train" and "eval" examples have the same layout; they differ in loss_mask: "train" = every
+  position (the train-stream mixer's example is also a normal LM example), "eval" = the last
+  query's value digits only (one scored probe per sequence). With `min_pairs` a train example
+  holds a record count drawn uniformly from [min_pairs, n_pairs] (queries and filler fill the
+  rest); eval / test probes always hold n_pairs. Why: with one or two records, copying any earlier
+  value is already often right, so a one-layer copy head gets a gradient at once; the
+  match-by-previous-token step that picks the right record then sharpens it. With n_pairs records
+  in every sequence, copying a random value is right only 1/n_pairs of the time and the two-step
+  circuit has no gradient to start from (measured: docs/experiments.md, dsa_vs_mla).
 * Filler is a contiguous random slice of the split's packed token stream (it may contain eos ids
   between documents; the whole sequence is a single segment, positions 0..T-1).
 * Stream tags: TRAIN_TAG (train mixer), EVAL_TAG (dev probes: watched during training, may be used
@@ -99,6 +105,7 @@ class RetrievalTask:
         key_digits: int = 3,
         value_digits: int = 3,
         min_distance: int | None = None,
+        min_pairs: int | None = None,
     ):
         self.seq_len = int(seq_len)
         self.n_pairs = int(n_pairs)
@@ -113,27 +120,38 @@ class RetrievalTask:
         if self.n_pairs > len(self.key_ids):
             raise ValueError(f"retrieval: n_pairs={self.n_pairs} exceeds the {len(self.key_ids)} distinct keys "
                              f"(key_digits={self.key_digits}); allowed: n_pairs <= {len(self.key_ids)}")
+        self.min_pairs = self.n_pairs if min_pairs is None else int(min_pairs)
+        if not 1 <= self.min_pairs <= self.n_pairs:
+            raise ValueError(f"retrieval: min_pairs={min_pairs} is invalid; allowed: None or 1 <= min_pairs <= "
+                             f"n_pairs={self.n_pairs}")
         self.record_len = 1 + self.value_digits
         self.query_len = self.record_len
-        self.block_len = self.n_pairs * self.record_len
         L = self.seq_len + 1
-        slack = L - self.block_len - self.min_distance - 1   # room for queries and filler a
-        if slack < self.record_len:
-            need = self.block_len + self.record_len + self.min_distance
+        if L - self.n_pairs * self.record_len - self.min_distance - 1 < self.record_len:
+            need = (self.n_pairs + 1) * self.record_len + self.min_distance
             raise ValueError(
                 f"retrieval: seq_len={self.seq_len} too short for n_pairs={self.n_pairs} "
                 f"(record {self.record_len} tokens), one query and min_distance={self.min_distance}; "
                 f"need seq_len >= {need}")
-        self.n_queries = min(self.n_pairs, slack // self.record_len)
-        self.queries_len = self.n_queries * self.record_len
-        self.filler_len = L - self.block_len - self.queries_len
-        self.max_offset = self.filler_len - self.min_distance - 1   # filler b keeps > min_distance tokens
+        self.block_len, self.n_queries, self.queries_len, self.filler_len, self.max_offset = self._layout(self.n_pairs)
         filler_stream = np.asarray(filler_stream, np.int32)
         if filler_stream.size == 0:
             raise ValueError("retrieval: empty filler stream")
-        if filler_stream.size < self.filler_len:
-            filler_stream = np.resize(filler_stream, self.filler_len)
+        longest = self._layout(self.min_pairs)[3]
+        if filler_stream.size < longest:
+            filler_stream = np.resize(filler_stream, longest)
         self.filler_stream = filler_stream
+
+    def _layout(self, n: int) -> Tuple[int, int, int, int, int]:
+        """(block_len, n_queries, queries_len, filler_len, max_offset) of a window holding n records:
+        as many queries as fit while the first starts more than min_distance after the block."""
+        L = self.seq_len + 1
+        block_len = n * self.record_len
+        slack = L - block_len - self.min_distance - 1   # room for queries and filler a
+        n_queries = min(n, slack // self.record_len)
+        queries_len = n_queries * self.record_len
+        filler_len = L - block_len - queries_len
+        return block_len, n_queries, queries_len, filler_len, filler_len - self.min_distance - 1
 
     @property
     def train_queries(self) -> int:
@@ -150,15 +168,19 @@ class RetrievalTask:
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'eval', 'train'")
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, tag, index])))
         T, L = self.seq_len, self.seq_len + 1
-        keys = rng.choice(len(self.key_ids), size=self.n_pairs, replace=False)
-        values = rng.integers(0, 10 ** self.value_digits, size=self.n_pairs)
-        q = int(rng.integers(0, self.n_pairs))
-        offset = int(rng.integers(0, self.max_offset + 1))
+        n = self.n_pairs
+        if mode == "train" and self.min_pairs < n:
+            n = int(rng.integers(self.min_pairs, n + 1))
+        _, n_queries, _, filler_len, max_offset = self._layout(n)
+        keys = rng.choice(len(self.key_ids), size=n, replace=False)
+        values = rng.integers(0, 10 ** self.value_digits, size=n)
+        q = int(rng.integers(0, n))
+        offset = int(rng.integers(0, max_offset + 1))
         block = np.concatenate([self._record(int(k), int(v)) for k, v in zip(keys, values)])
-        others = [int(i) for i in rng.permutation(self.n_pairs) if i != q][:self.n_queries - 1]
+        others = [int(i) for i in rng.permutation(n) if i != q][:n_queries - 1]
         queries = np.concatenate([self._record(int(keys[i]), int(values[i])) for i in others + [q]])
-        fstart = int(rng.integers(0, self.filler_stream.size - self.filler_len + 1))
-        filler = self.filler_stream[fstart:fstart + self.filler_len]
+        fstart = int(rng.integers(0, self.filler_stream.size - filler_len + 1))
+        filler = self.filler_stream[fstart:fstart + filler_len]
         win = np.concatenate([filler[:offset], block, filler[offset:], queries]).astype(np.int32)
         assert win.shape == (L,), win.shape
         pair_start = offset + q * self.record_len
