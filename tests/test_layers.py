@@ -199,7 +199,7 @@ def test_remat_gives_identical_loss_and_gradients():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("types", [None, ("full", "shared", "full", "shared", "shared")])
+@pytest.mark.parametrize("types", [pytest.param(None, marks=pytest.mark.slow), ("full", "shared", "full", "shared", "shared")])
 def test_scanned_stacks_equal_unrolled_and_per_layer_reference(types):
     """The scanned model == the same stacks unrolled (scan_layers=False) == a hand-written loop over
     the individual DecoderLayers (each global layer's parameter slice, indices carried by hand)."""

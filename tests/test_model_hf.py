@@ -95,7 +95,8 @@ def test_stacked_leaves_hold_hf_layers_in_order():
     assert seen == set(range(cfg.num_layers))
 
 
-@pytest.mark.parametrize("variant", [dict(attention="gqa", num_kv_heads=2, indexer_types=None, mtp_depth=2, mtp_share=False),
+@pytest.mark.parametrize("variant", [pytest.param(dict(attention="gqa", num_kv_heads=2, indexer_types=None, mtp_depth=2,
+                                                       mtp_share=False), marks=pytest.mark.slow),
                                      dict(attention="dsa", mtp_depth=3, mtp_share=True, n_group=2, topk_group=1,
                                           num_layers=6,     # MoE stack: a repeated (full, shared) block + a tail
                                           indexer_types=("full", "full", "shared", "full", "shared", "full"))])
