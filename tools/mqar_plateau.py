@@ -36,7 +36,7 @@ flags.DEFINE_integer("steps", 1000, "optimizer steps")
 flags.DEFINE_float("lr", 3e-3, "peak AdamW learning rate (warm-up 50 steps, cosine to 0.1x)")
 flags.DEFINE_integer("eval_every", 50, "steps between probe scores")
 flags.DEFINE_integer("probes", 256, "held-out probe windows")
-flags.DEFINE_string("attention", "mla", "attention of the model (mla | mha | gqa); MoE trunk of dsa_vs_mla tiny")
+flags.DEFINE_enum("attention", "mla", ["mla", "mha", "dsa"], "arm of dsa_vs_mla tiny (its model_configs) to train")
 flags.DEFINE_string("workdir", None, "run folder (default: a fresh temporary folder)")
 flags.DEFINE_bool("json", False, "print the curve as one JSON object on the last line")
 
@@ -85,8 +85,6 @@ def main(argv):
     task = RetrievalTask(SyntheticTokenizer(), filler, FLAGS.seq, n_pairs=FLAGS.pairs, key_digits=2, value_digits=1,
                          min_distance=FLAGS.min_distance, min_pairs=FLAGS.min_pairs)
     cfg = model_configs(TINY.model.replace(vocab_size=VOCAB))[FLAGS.attention]
-    if FLAGS.attention == "gqa":
-        cfg = cfg.replace(attention="gqa", num_kv_heads=1)
     probes = [b for b, _ in retrieval_probe_batches(task, 64, max(1, FLAGS.probes // 64), 0, EVAL_TAG)]
     fwd = _forward(cfg)                                   # the experiment's own scoring forward
 
