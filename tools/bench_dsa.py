@@ -12,8 +12,8 @@ T=32K 0.80x at 8, 1.61x at 4; compiled temp at 32K: DSA 0.9 / 2.3 / 8.5 GiB at s
 
 DSA block = what `glm5_jax.attention.mla.MLAttention` runs in DSA's sparse stage: the lightning
 indexer's exact top-k (`kernels.indexer_topk`, no gradient: the top-k is not differentiable, the
-indexer trains on its own KL) and `mla.dsa_attention` (`--value=shared`, the default: with the value
-declared the key's prefix, see `sparse_block`) -- W_UK absorbed into the queries, every head
+indexer trains on its own KL) and `mla.dsa_attention` (the value declared the key's prefix: each selected row
+gathered once) -- W_UK absorbed into the queries, every head
 attending the same gathered [latent | k_rope] rows (MQA, Hk = 1, 576/scale wide, value = the
 latent), W_UV applied after attention. Gradients w.r.t. q_nope, q_rope, latent, k_rope and kv_b's
 kernel. Dense = the expanded form the model runs for plain MLA / the dense warm-up (H heads of
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from glm5_jax.attention import kernels
 from glm5_jax.attention.core import causal_attention
-from glm5_jax.attention.mla import dsa_attention, mqa_operands
+from glm5_jax.attention.mla import dsa_attention
 from pallas_kernels.dense import flash_attention
 
 # GLM-5's attention layer (config glm5): heads, indexer heads, latent, rope, nope, v, indexer dim
@@ -98,25 +98,19 @@ def make_inputs(t: int, w: dict, seed: int = 0):
     return attn, index
 
 
-def sparse_block(w: dict, value: str, impl: str):
-    """The MQA sparse attention over given indices. value="separate": `mla.dsa_attention` as it is
-    (v = latent passed as its own array); "shared": the same three steps with the value declared the
-    key's prefix (`kernels.sparse_attention(q, k, None, ..., dv=r)`: rows gathered once, one dK
-    scatter) -- what dsa_attention runs once it passes v=None, dv=latent.shape[-1]."""
+def sparse_block(w: dict, impl: str):
+    """The MQA sparse attention over given indices: `mla.dsa_attention` itself (W_UK absorbed, the
+    value declared the key's prefix: each selected row gathered once, one dK scatter per slot)."""
     dn, scale = w["dn"], (w["dn"] + w["dr"]) ** -0.5
 
     def attn(q_nope, q_rope, latent, k_rope, kv_b, idx):
-        if value == "separate":
-            return dsa_attention(q_nope, q_rope, latent, k_rope, kv_b[..., :dn], kv_b[..., dn:], idx,
-                                 scale=scale, impl=impl)
-        q, k, _ = mqa_operands(q_nope, q_rope, latent, k_rope, kv_b[..., :dn])
-        o_lat = kernels.sparse_attention(q, k, None, idx, scale=scale, impl=impl, chunk=16, dv=latent.shape[-1])
-        return jnp.einsum("bthr,rhd->bthd", o_lat, kv_b[..., dn:].astype(o_lat.dtype))
+        return dsa_attention(q_nope, q_rope, latent, k_rope, kv_b[..., :dn], kv_b[..., dn:], idx,
+                             scale=scale, impl=impl)
     return attn
 
 
-def dsa_block(w: dict, topk: int, impl: str, value: str = "shared"):
-    attn = sparse_block(w, value, impl)
+def dsa_block(w: dict, topk: int, impl: str):
+    attn = sparse_block(w, impl)
 
     def fwd(q_nope, q_rope, latent, k_rope, kv_b, q_idx, k_idx, wts):
         idx = kernels.indexer_topk(q_idx, k_idx, wts, topk, impl=impl)
@@ -124,10 +118,10 @@ def dsa_block(w: dict, topk: int, impl: str, value: str = "shared"):
     return fwd
 
 
-def dsa_parts(w: dict, topk: int, impl: str, value: str = "shared"):
+def dsa_parts(w: dict, topk: int, impl: str):
     """The DSA block's two parts alone (--parts): the indexer top-k, and the MQA sparse attention over
     fixed indices (the top-k of the same inputs, computed once outside the timed program)."""
-    attn = sparse_block(w, value, impl)
+    attn = sparse_block(w, impl)
 
     def topk_only(q_nope, q_rope, latent, k_rope, kv_b, q_idx, k_idx, wts):
         return kernels.indexer_topk(q_idx, k_idx, wts, topk, impl=impl).astype(jnp.float32)
@@ -169,9 +163,9 @@ def run(args, w, seqs, impl, dense_impls):
         inputs = attn + index
         lim_f, lim_fb = flop_limits(t, args.topk, w)
         row = dict(seq_len=t, flop_limit_fwd=round(lim_f, 3), flop_limit=round(lim_fb, 3))
-        progs = [("dsa", dsa_block(w, args.topk, impl, args.value))] + [(f"dense_{d}", dense_block(w, d)) for d in dense_impls]
+        progs = [("dsa", dsa_block(w, args.topk, impl))] + [(f"dense_{d}", dense_block(w, d)) for d in dense_impls]
         if args.parts:
-            topk_only, attn_only = dsa_parts(w, args.topk, impl, args.value)
+            topk_only, attn_only = dsa_parts(w, args.topk, impl)
             progs += [("dsa_topk", topk_only), ("dsa_attn", attn_only)]
         progs = [(n, f) for n, f in progs if args.only is None or n in args.only.split(",")]
         for name, fn in progs:
@@ -232,8 +226,6 @@ def main(argv=None):
                     "attention alone (dsa_topk fwd, dsa_attn fwd / fwd_bwd)")
     ap.add_argument("--only", default=None, help="comma list of programs to run (dsa, dense_flash, "
                     "dense_core, dsa_topk, dsa_attn; default: all)")
-    ap.add_argument("--value", default="shared", help="shared: the MQA value declared the key's "
-                    "prefix (v=None, dv=r); separate: mla.dsa_attention as it is (v = latent array)")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object with every result")
     args = ap.parse_args(argv)
     backend = jax.default_backend() if args.device else "cpu"
@@ -252,10 +244,7 @@ def main(argv=None):
     seqs = [int(s) for s in args.seq.split(",")]
     if not set(args.passes.split(",")) <= {"fwd", "fwd_bwd"}:
         ap.error(f"--passes={args.passes!r}; allowed: a comma list of fwd, fwd_bwd")
-    if args.value not in ("shared", "separate"):
-        ap.error(f"--value={args.value!r}; allowed: shared, separate")
     cfg = dict(backend=backend, devices=jax.device_count(), scale=args.scale, topk=args.topk, impl=impl,
-               value=args.value,
                dtype="float32", batch=1, **w)
     print(f"# DSA block vs dense, GLM-5 widths / {args.scale}: {cfg}", flush=True)
     with jax.default_device(jax.devices(backend)[0]):

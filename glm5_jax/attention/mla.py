@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
             if self.is_initializing():   # create kv_b's kernel (its parameter path) without using it
                 kv_b(latent[:, :1])
             w_uk, w_uv = self._kv_b_weights(kv_b)
-            q_att, k_att, v_att = mqa_operands(q[..., :dn], q[..., dn:], latent, k_rope, w_uk)
+            q_att, k_att, _ = mqa_operands(q[..., :dn], q[..., dn:], latent, k_rope, w_uk)
             q_att = constrain(q_att, ("activation_batch", "activation_seq", "activation_heads", None))
         else:        # plain MLA, and DSA's dense warm-up stage: expanded per head
             kvb = kv_b(latent).reshape(b, t, h, dn + dv)
@@ -105,9 +105,8 @@ class MLAttention(nn.Module):
         if not sparse:
             out = causal_attention(q_att, k_att, v_att, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk)
         else:
-            out = sparse_attention(q_att, k_att, v_att, indices, scale=scale, impl=c.attention_impl,
-                                   chunk=min(c.attn_chunk, 16))
-            out = jnp.einsum("bthr,rhd->bthd", out, w_uv.astype(out.dtype))
+            out = mqa_sparse_attention(q_att, k_att, w_uv, indices, scale=scale, impl=c.attention_impl,
+                                       chunk=min(c.attn_chunk, 16))
         return o_proj(out.reshape(b, t, h * dv)), indices, None
 
     def _kv_b_weights(self, kv_b):
@@ -170,8 +169,15 @@ def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale,
     indices [B,T,K] (key slots, -1 = none) -> [B,T,H,dv]: each head attends the selected
     [latent | k_rope] rows (scale is MLA's (dn + dr)^-0.5), W_UV is applied after attention."""
     q, k, _ = mqa_operands(q_nope, q_rope, latent, k_rope, w_uk)
-    # the value is the latent = the first r columns of each key row: gathered once (v=None, dv=r)
-    o_lat = sparse_attention(q, k, None, indices, scale=scale, impl=impl, chunk=chunk, dv=latent.shape[-1])
+    return mqa_sparse_attention(q, k, w_uv, indices, scale=scale, impl=impl, chunk=chunk)
+
+
+def mqa_sparse_attention(q, k, w_uv, indices, *, scale, impl: str = "xla", chunk: int = 16):
+    """The sparse attention of `dsa_attention` over built MQA operands (`mqa_operands`): q [B,T,H,r+dr],
+    k [B,S,1,r+dr], w_uv [r,H,dv] -> [B,T,H,dv]. The value is the latent = the first r columns of
+    each key row, so each selected row is gathered once and the backward scatters one summed
+    gradient row per slot (v=None, dv=r); W_UV is applied after attention."""
+    o_lat = sparse_attention(q, k, None, indices, scale=scale, impl=impl, chunk=chunk, dv=w_uv.shape[0])
     return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(o_lat.dtype))
 
 
