@@ -107,6 +107,7 @@ class ModelConfig:
     dtype: str = "float32"                # compute dtype; softmax, router and norms stay float32
     attention_impl: str = "xla"           # xla | pallas (DSA kernels)
     attn_chunk: int = 256                 # query chunk for attention paths (bounds [chunk, S] memory)
+    dsa_short_dense: int = 8              # CPU, xla: DSA's sparse stage as top-k-masked dense attention at T <= this * index_topk (0: never)
     remat: str = "none"                   # none | full (keep layer inputs only) | dots | dots_no_batch
     scan_layers: bool = True              # nn.scan over each layer stack (False: the same stacks unrolled)
 
@@ -186,6 +187,8 @@ class ModelConfig:
                            ("attention_impl", ATTENTION_IMPLS), ("moe_impl", MOE_IMPLS)):
             if getattr(self, f) not in allowed:
                 _fail(f, getattr(self, f), f"allowed: {', '.join(allowed)}")
+        if not isinstance(self.dsa_short_dense, int) or isinstance(self.dsa_short_dense, bool) or self.dsa_short_dense < 0:
+            _fail("dsa_short_dense", self.dsa_short_dense, "must be an integer >= 0 (0: always the sparse gather)")
         if self.rms_norm_eps <= 0:
             _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
         if self.rope_theta <= 0:

@@ -156,7 +156,8 @@ class GLM5(nn.Module):
             # the gathered [D, V] kernel nor its gradient exists in float32 (2 x 3.8 GB per chip for
             # glm5, measured with tools.aot; docs/scaleout.md)
             self.lm_head = Dense(c.vocab_size, ("embed", "vocab"), c.initializer_range,
-                                 jnp.promote_types(pdt, dtype_of(c.dtype)), pdt, out_dtype=jnp.float32)
+                                 jnp.promote_types(pdt, dtype_of(c.dtype)), pdt, out_dtype=jnp.float32,
+                                 nn_kernel_grad=True)
         n_mtp = (1 if c.mtp_share else c.mtp_depth) if c.mtp_depth else 0
         # the MTP blocks run outside the scanned stacks: they take the same remat policy, or their
         # attention and MoE residuals (3 depths) dominate the step's peak memory (tools.aot, glm5)

@@ -42,17 +42,20 @@ def _diag_mask(blk, g):
     return jnp.arange(blk)[None, :] <= (jnp.arange(blk * g) // g)[:, None]
 
 
-def _block_mask(i, j, tri, segq, segk):
-    """Bool [B, M, blk] (or [M, blk] without segments) for query block i and key block j."""
-    causal = jnp.logical_or(j != i, tri)
-    if segq is None:
-        return causal
-    return causal & (segq[:, i][:, :, None] == segk[:, j][:, None, :])
+def _block_mask(i, j, tri, segq, segk, km):
+    """Bool [B, M, blk] (or [M, blk] without segments or key mask) for query block i and key block j."""
+    mask = jnp.logical_or(j != i, tri)
+    if segq is not None:
+        mask = mask & (segq[:, i][:, :, None] == segk[:, j][:, None, :])
+    if km is not None:
+        mask = mask & km[:, i, :, j]
+    return mask
 
 
-def _fwd(q, k, v, segq, segk, scale, blk):
-    """q [B, n, blk*g, D], k [B, n, blk, D], v [B, n, blk, Dv], segq [B, n, M], segk [B, n, blk]
-    (or None) -> o [B, n, M, Dv], lse [B, n, M]."""
+def _fwd(q, k, v, segq, segk, km, scale, blk):
+    """q [B, n, blk*g, D], k [B, n, blk, D], v [B, n, blk, Dv], segq [B, n, M], segk [B, n, blk],
+    km [B, n, M, n, blk] (each or None) -> o [B, n, M, Dv], lse [B, n, M] (+inf for a row that sees
+    no key: only a key mask or padding can empty a row; its output is 0)."""
     b, n, m, _ = q.shape
     tri = _diag_mask(blk, m // blk)
 
@@ -62,7 +65,7 @@ def _fwd(q, k, v, segq, segk, scale, blk):
         def step(j, c):
             mx, l, acc = c
             s = _mm("bmd,bkd->bmk", qb, k[:, j]) * scale
-            s = jnp.where(_block_mask(i, j, tri, segq, segk), s, -jnp.inf)
+            s = jnp.where(_block_mask(i, j, tri, segq, segk, km), s, -jnp.inf)
             m_new = jnp.maximum(mx, s.max(-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - m_safe[..., None])
@@ -73,24 +76,28 @@ def _fwd(q, k, v, segq, segk, scale, blk):
         init = (jnp.full((b, m), -jnp.inf, _F32), jnp.zeros((b, m), _F32),
                 jnp.zeros((b, m, v.shape[-1]), _F32))
         mx, l, acc = jax.lax.fori_loop(0, i + 1, step, init)
-        return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)  # l > 0: a query sees itself
+        if km is None:  # l > 0: a query sees itself
+            return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)
+        seen = l > 0
+        o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+        return o.astype(q.dtype), jnp.where(seen, mx + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
 
     o, lse = jax.lax.map(per_q, jnp.arange(n))
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(lse, 0, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, segq, segk, scale, blk):
-    return _fwd(q, k, v, segq, segk, scale, blk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, segq, segk, km, scale, blk):
+    return _fwd(q, k, v, segq, segk, km, scale, blk)[0]
 
 
-def _flash_fwd(q, k, v, segq, segk, scale, blk):
-    o, lse = _fwd(q, k, v, segq, segk, scale, blk)
-    return o, (q, k, v, segq, segk, o, lse)
+def _flash_fwd(q, k, v, segq, segk, km, scale, blk):
+    o, lse = _fwd(q, k, v, segq, segk, km, scale, blk)
+    return o, (q, k, v, segq, segk, km, o, lse)
 
 
 def _flash_bwd(scale, blk, res, do):
-    q, k, v, segq, segk, o, lse = res
+    q, k, v, segq, segk, km, o, lse = res
     b, n, m, _ = q.shape
     tri = _diag_mask(blk, m // blk)
     delta = jnp.sum(do.astype(_F32) * o.astype(_F32), -1)  # [B, n, M]
@@ -102,7 +109,7 @@ def _flash_bwd(scale, blk, res, do):
             dk, dv, dq = c
             qb, dob = q[:, i], do[:, i]
             s_t = _mm("bkd,bmd->bkm", kb, qb) * scale
-            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk), -1, -2)
+            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk, km), -1, -2)
             s_t = jnp.where(mask_t, s_t, -jnp.inf)
             p_t = jnp.exp(s_t - lse[:, i][:, None, :])  # [B, k, M]
             dp_t = _mm("bkd,bmd->bkm", vb, dob)
@@ -117,16 +124,18 @@ def _flash_bwd(scale, blk, res, do):
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     dq, (dk, dv) = jax.lax.scan(per_k, jnp.zeros(q.shape, _F32), jnp.arange(n))
-    return dq.astype(q.dtype), jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1), None, None
+    return dq.astype(q.dtype), jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512):
+def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512, key_mask=None):
     """Causal dense attention (S == T), differentiable in q, k, v -> [B, T, H, Dv] in q's dtype.
 
     q [B, T, H, Dq], k [B, T, Hk, Dq], v [B, T, Hk, Dv] (H % Hk == 0), segment_ids [B, T] or None.
+    key_mask [B, T, T] bool or None: keys each query may see besides the causal / document rule
+    (DSA's top-k set as a dense mask, `topk_key_mask`); a query that sees no key returns zeros.
     T is padded up to a multiple of the block (min(block, T)); padded keys lie after every real
     query, so the causal mask already hides them."""
     b, t, h, d = q.shape
@@ -150,6 +159,20 @@ def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512
         seg = jnp.repeat(pad(segment_ids.astype(jnp.int32)), hk, axis=0)  # [B*Hk, Tp]
         segk = seg.reshape(b * hk, n, blk)
         segq = jnp.repeat(seg, g, axis=1).reshape(b * hk, n, blk * g)
-    o = _flash(qf, fold(k), fold(v), segq, segk, float(scale), blk)  # [B*Hk, n, blk*g, Dv]
+    km = None
+    if key_mask is not None:
+        if key_mask.shape != (b, t, t):
+            raise ValueError(f"key_mask {key_mask.shape} must be [B={b}, T={t}, T={t}]")
+        km = jnp.pad(key_mask.astype(bool), [(0, 0), (0, tp - t), (0, tp - t)])  # padded keys: never
+        km = jnp.repeat(jnp.repeat(km, hk, axis=0), g, axis=1).reshape(b * hk, n, blk * g, n, blk)
+    o = _flash(qf, fold(k), fold(v), segq, segk, km, float(scale), blk)  # [B*Hk, n, blk*g, Dv]
     o = jnp.swapaxes(o.reshape(b, hk, tp, g, dv), 1, 2).reshape(b, tp, h, dv)
     return o[:, :t]
+
+
+def topk_key_mask(indices, s: int):
+    """indices [B, T, K] (key slots, -1 = none) -> [B, T, S] bool: True at every selected slot."""
+    b, t, _ = indices.shape
+    idx = jnp.where(indices < 0, s, indices)  # -1 -> out of range, dropped
+    rows = (jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None])
+    return jnp.zeros((b, t, s), bool).at[rows[0], rows[1], idx].set(True, mode="drop")

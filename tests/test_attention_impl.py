@@ -29,11 +29,11 @@ def _packed_batch():
             "loss_mask": np.ones((B, T), np.float32)}
 
 
-def _step(impl: str, stage: str):
+def _step(impl: str, stage: str, **cfg_kw):
     # index_topk 8 < the longest document: the top-k is a real selection, and the 5-token document
     # has rows with fewer than 8 visible keys (-1 slots)
     cfg = ModelConfig(num_layers=2, first_k_dense=1, num_experts=4, experts_per_tok=2, index_topk=8,
-                      mtp_depth=0, attention_impl=impl, attn_chunk=16)
+                      mtp_depth=0, attention_impl=impl, attn_chunk=16, **cfg_kw)
     tc = TrainConfig(batch_size=B, seq_len=T, steps=1, warmup_steps=0, indexer_loss=stage,
                      bias_update_rate=0.0)
     tx = optax.sgd(1.0)
@@ -61,6 +61,31 @@ def test_pallas_train_step_equals_xla_on_packed_batch(stage):
         assert err < 1e-4, (jax.tree_util.keystr(path), err)
         nonzero += bool(np.abs(a).max() > 0)
     assert nonzero > len(flat_x) // 2       # the gradients compared are real ones
+
+
+def _assert_same_step(a, b):
+    (loss_a, g_a), (loss_b, g_b) = a, b
+    assert np.isfinite(loss_a)
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    flat_a = jax.tree_util.tree_leaves_with_path(g_a)
+    nonzero = 0
+    for (path, x), y in zip(flat_a, jax.tree_util.tree_leaves(g_b)):
+        err = float(np.abs(x - y).max()) / max(float(np.abs(x).max()), 1e-8)
+        assert err < 1e-4, (jax.tree_util.keystr(path), err)
+        nonzero += bool(np.abs(x).max() > 0)
+    assert nonzero > len(flat_a) // 2
+
+
+@pytest.mark.slow  # ~1-2 min (two train-step compiles); test_model_hf checks both forms against HF logits
+def test_short_sequence_dense_form_equals_mqa_gather_in_the_train_step():
+    """DSA's sparse stage at T <= dsa_short_dense * index_topk (CPU: expanded heads, dense flash
+    attention masked to the top-k set) and with dsa_short_dense=0 (the MQA row gather) give the
+    same loss and gradients on a packed batch, indexer KL included."""
+    cfg = ModelConfig(index_topk=8, attn_chunk=16)
+    from glm5_jax.attention.mla import short_sequence_dense
+    assert short_sequence_dense(cfg, T) and not short_sequence_dense(
+        ModelConfig(index_topk=8, dsa_short_dense=0), T)
+    _assert_same_step(_step("xla", "sparse", dsa_short_dense=0), _step("xla", "sparse"))
 
 
 def test_kernels_dispatch_pallas_equals_xla_packed():

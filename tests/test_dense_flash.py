@@ -55,12 +55,51 @@ def test_flash_matches_naive_fwd_and_grads(h, hk, t, block, segs):
         np.testing.assert_allclose(a, r, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("h,hk,t,block", [(4, 4, 37, 16), (3, 1, 24, 32)])
+def test_flash_key_mask_equals_sparse_attention_over_the_same_indices(h, hk, t, block):
+    """A top-k set given as a dense key mask (topk_key_mask) gives the sparse reference's output and
+    gradients (softmax over exactly the selected keys): causal indices with -1 slots, packed
+    documents, and a query that selects nothing (zeros, finite gradients). T % block != 0 for
+    (37, 16): padded rows see no key."""
+    from pallas_kernels import reference as ref
+    from pallas_kernels.dense import topk_key_mask
+    rng = np.random.default_rng(t)
+    b, d, dv, kk = 2, 8, 5, 6
+    seg = jnp.asarray(np.repeat([0, 1], [t // 2, t - t // 2])[None].repeat(b, 0), jnp.int32)
+    idx = np.full((b, t, kk), -1, np.int32)
+    segn = np.asarray(seg)
+    for bi in range(b):
+        for ti in range(t):
+            vis = [s for s in range(ti + 1) if segn[bi, s] == segn[bi, ti]]
+            sel = rng.permutation(vis)[:rng.integers(1, kk + 1)]
+            idx[bi, ti, :len(sel)] = sel
+    idx[1, 5] = -1   # selects nothing
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, hk, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, t, hk, dv)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
+    scale = d ** -0.5
+    mask = topk_key_mask(jnp.asarray(idx), t)
+    flash = lambda q, k, v: flash_attention(q, k, v, scale=scale, segment_ids=seg, block=block, key_mask=mask)  # noqa: E731
+    sparse = lambda q, k, v: ref.sparse_attention(q, k, v, jnp.asarray(idx), scale=scale)  # noqa: E731
+    np.testing.assert_allclose(flash(q, k, v), sparse(q, k, v), atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(flash(q, k, v))[1, 5] == 0)
+    g = jax.grad(lambda *a: jnp.sum(flash(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(lambda *a: jnp.sum(sparse(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    for a, r in zip(g, g_ref):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, r, atol=1e-4, rtol=1e-4)
+
+
 def test_flash_rejects_bad_shapes():
     q = jnp.zeros((1, 48, 4, 8))
     with pytest.raises(ValueError, match="S == T"):
         flash_attention(q, jnp.zeros((1, 40, 1, 8)), jnp.zeros((1, 40, 1, 8)), scale=1.0)
     with pytest.raises(ValueError, match="multiple of key heads 3"):
         flash_attention(q, jnp.zeros((1, 48, 3, 8)), jnp.zeros((1, 48, 3, 8)), scale=1.0)
+    with pytest.raises(ValueError, match="key_mask"):
+        flash_attention(q, jnp.zeros((1, 48, 1, 8)), jnp.zeros((1, 48, 1, 8)), scale=1.0,
+                        key_mask=jnp.ones((1, 48, 40), bool))
     with pytest.raises(ValueError, match="segment_ids"):
         flash_attention(q, jnp.zeros((1, 48, 1, 8)), jnp.zeros((1, 48, 1, 8)), scale=1.0,
                         segment_ids=jnp.zeros((1, 40), jnp.int32))

@@ -234,3 +234,21 @@ def test_dsa_model_logits_equal_with_pallas_kernels():
     xla = _jit_forward(cfg)(params, tok)
     pallas = _jit_forward(cfg.replace(attention_impl="pallas"))(params, tok)     # interpret mode on CPU
     np.testing.assert_allclose(pallas, xla, atol=1e-5)
+
+
+def test_lm_head_dense_with_nn_kernel_grad_equals_plain_dot():
+    """Dense(nn_kernel_grad=True) (the LM head on CPU: kernel gradient as an NN GEMM of a copied
+    x^T) has the plain dot's value and the closed-form gradients dx = g W^T, dW = x^T g."""
+    from glm5_jax.layers.common import Dense
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 5, 8)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
+    layer = Dense(16, ("embed", "vocab"), out_dtype=jnp.float32, nn_kernel_grad=True)
+    params = layer.init(jax.random.PRNGKey(0), x)
+    w = params["params"]["kernel"].unbox() if hasattr(params["params"]["kernel"], "unbox") else params["params"]["kernel"]
+    np.testing.assert_allclose(layer.apply(params, x), np.einsum("bti,io->bto", x, w), rtol=1e-5, atol=1e-5)
+    dx, dp = jax.grad(lambda x, p: jnp.sum(layer.apply(p, x) * g), argnums=(0, 1))(x, params)
+    dw = dp["params"]["kernel"]
+    dw = dw.unbox() if hasattr(dw, "unbox") else dw
+    np.testing.assert_allclose(dx, np.einsum("bto,io->bti", g, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, np.einsum("bti,bto->io", x, g), rtol=1e-5, atol=1e-5)

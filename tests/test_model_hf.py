@@ -33,6 +33,24 @@ def test_golden_logits_match_transformers(name, scan):
     assert np.abs(got - want).max() <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["hf_sparse", "hf_shared"])
+def test_golden_logits_match_transformers_with_the_mqa_gather(name):
+    """DSA's sparse stage has two forms: at these short T the CPU default runs top-k-masked dense
+    attention (what test_golden_logits_match_transformers checks), and dsa_short_dense=0 forces
+    the MQA row gather (GLM-5's form at long T and on accelerators): the same HF logits."""
+    import dataclasses
+    from glm5_jax.attention.mla import short_sequence_dense
+    d = os.path.join(FIXTURES, name)
+    cfg, params = hf.load_checkpoint(d)
+    ids = np.load(os.path.join(d, "input_ids.npy"))
+    want = np.load(os.path.join(d, "logits.npy"))
+    assert short_sequence_dense(cfg, ids.shape[1])
+    cfg = dataclasses.replace(cfg, dsa_short_dense=0)
+    assert not short_sequence_dense(cfg, ids.shape[1])
+    got = np.asarray(jax.jit(lambda p, t: model.forward(cfg, p, t))(params, ids))
+    assert np.abs(got - want).max() <= 1e-4
+
+
 def test_fixtures_cover_required_properties():
     cfgs = {n: ModelConfig.from_hf(os.path.join(FIXTURES, n)) for n in NAMES}
     seqs = {n: np.load(os.path.join(FIXTURES, n, "input_ids.npy")).shape[1] for n in NAMES}

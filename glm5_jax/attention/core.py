@@ -77,13 +77,17 @@ def gpu_flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int =
     return out[:, :t, :, :dv]
 
 
-def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 256, platform: str | None = None):
+def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 256, platform: str | None = None,
+                     key_mask=None):
     """q [B, T, H, Dq], k [B, T, Hk, Dq], v [B, T, Hk, Dv] (H % Hk == 0) -> [B, T, H, Dv] in q's dtype.
 
     Causal; `segment_ids` [B, T] keeps attention inside each packed document. Softmax in float32.
     `platform` (default: jax.default_backend()) picks the kernel (module docstring); under a
     multi-device mesh the jnp flash kernel runs on every platform (Pallas calls do not partition);
     `chunk` is the jnp kernel's block. No [T, S] array forward or backward on any platform.
+    `key_mask` [B, T, T] bool (DSA's top-k set as a dense mask, `dense.topk_key_mask`): only the
+    jnp flash kernel takes one, so it runs on every platform then (a [T, S] input by definition;
+    `mla` uses it on CPU at short T only).
     """
     b, t, h, _ = q.shape
     s, hk = k.shape[1], k.shape[2]
@@ -96,6 +100,8 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
     platform = "gpu" if platform in ("cuda", "rocm") else platform
     if platform not in PLATFORMS:
         raise ValueError(f"platform={platform!r}; allowed: {', '.join(PLATFORMS)} (cuda / rocm mean gpu)")
+    if key_mask is not None:
+        return flash_attention(q, k, v, scale=scale, segment_ids=segment_ids, block=chunk, key_mask=key_mask)
     if platform != "cpu" and jax.sharding.get_abstract_mesh().size > 1:
         # Pallas custom calls cannot be partitioned automatically; under a multi-device mesh
         # (glm5_jax.sharding.use_mesh) the jnp flash path runs, which GSPMD partitions.

@@ -25,6 +25,7 @@ from glm5_jax.attention.kernels import indexer_topk, sparse_attention
 from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope
+from pallas_kernels.dense import topk_key_mask
 
 
 class MLAttention(nn.Module):
@@ -62,13 +63,14 @@ class MLAttention(nn.Module):
                                 positions if write_positions is None else write_positions, cache, scale)
 
         sparse = self.indexer_type is not None and indexer_loss != "dense"
-        if sparse:   # DSA's sparse stage: MQA form, K/V never expanded per head
+        short = sparse and short_sequence_dense(c, t)
+        if sparse and not short:   # DSA's sparse stage: MQA form, K/V never expanded per head
             if self.is_initializing():   # create kv_b's kernel (its parameter path) without using it
                 kv_b(latent[:, :1])
             w_uk, w_uv = self._kv_b_weights(kv_b)
             q_att, k_att, _ = mqa_operands(q[..., :dn], q[..., dn:], latent, k_rope, w_uk)
             q_att = constrain(q_att, ("activation_batch", "activation_seq", "activation_heads", None))
-        else:        # plain MLA, and DSA's dense warm-up stage: expanded per head
+        else:        # plain MLA, DSA's dense warm-up, and its sparse stage at short T on CPU: expanded per head
             kvb = kv_b(latent).reshape(b, t, h, dn + dv)
             k_att = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, dr))], axis=-1)
             v_att = kvb[..., dn:]
@@ -102,8 +104,10 @@ class MLAttention(nn.Module):
         elif self.indexer_type == "shared":
             indices = self._shared(prev_indices)
 
-        if not sparse:
-            out = causal_attention(q_att, k_att, v_att, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk)
+        if not sparse or short:   # short: the same top-k set, as a dense mask over the T x T pairs
+            key_mask = topk_key_mask(indices, t) if short else None
+            out = causal_attention(q_att, k_att, v_att, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk,
+                                   key_mask=key_mask)
         else:
             out = mqa_sparse_attention(q_att, k_att, w_uv, indices, scale=scale, impl=c.attention_impl,
                                        chunk=min(c.attn_chunk, 16))
@@ -148,6 +152,16 @@ class MLAttention(nn.Module):
                                  positions=positions, indices=indices, impl=c.attention_impl,
                                  chunk=min(c.attn_chunk, 16))
         return o_proj(out.reshape(b, t, -1)), indices, cache
+
+
+def short_sequence_dense(c, t: int) -> bool:
+    """Whether DSA's sparse stage runs as expanded dense attention masked to the top-k set (the same
+    result) instead of the MQA row gather: on the CPU backend with attention_impl="xla" when
+    T <= c.dsa_short_dense * index_topk. There the top-k keeps a large share of the visible keys,
+    and XLA CPU's row gathers / scatter-adds at [K, H] with few heads cost several times the block
+    GEMMs of the masked dense form (docs/training.md, "Against Hugging Face")."""
+    return (c.attention_impl == "xla" and c.dsa_short_dense > 0 and t <= c.dsa_short_dense * c.index_topk
+            and jax.default_backend() == "cpu")
 
 
 def mqa_operands(q_nope, q_rope, latent, k_rope, w_uk):
