@@ -1,14 +1,16 @@
 """DSA benchmark (not a test): ONE DSA attention block as the model runs it against the best dense
 attention for the same layer, forward and forward+backward, time and compiled temp memory.
 
-    python -m tools.bench_dsa [--seq=4096,8192,16384,32768] [--scale=8] [--json] [--device]
+    python -m tools.bench_dsa [--seq=4096,8192,16384,32768] [--scale=2] [--json] [--device]
 
 Shapes: GLM-5's attention layer (64 heads; latent 512 + rope 64; per head q/k 192 + 64, v 256;
 indexer 32 heads x 128; top-2048) with every width -- head counts and per-head / latent dims --
-divided by ONE factor `--scale` (default 8, so it fits 2 CPU cores; the top-k and T are not
-widths). Dividing all widths by one factor leaves every FLOP ratio below unchanged, but not the
-MQA form's intensity (H heads per gathered row): on CPU the speed-up grows as the scale falls (at
-T=32K 0.80x at 8, 1.61x at 4; compiled temp at 32K: DSA 0.9 / 2.3 / 8.5 GiB at scale 8 / 4 / 2).
+divided by ONE factor `--scale` (default 2: the smallest factor whose T=32K programs fit this
+24 GiB, 2-core machine -- compiled temp at 32K: DSA 0.9 / 2.3 / 8.5 GiB at scale 8 / 4 / 2, dense
+4.4 GiB at 2; the top-k and T are not widths). Dividing all widths by one factor leaves every FLOP
+ratio below unchanged, but not the MQA form's intensity (H heads per gathered row, 32 at scale 2,
+64 in GLM-5): on CPU the speed-up grows as the scale falls (at T=32K, CPU time: 0.80x at 8, 1.61x
+at 4, 2.1-2.2x at 2; docs/model.md, "DSA benchmark"). The whole default sweep takes ~25 min.
 
 DSA block = what `glm5_jax.attention.mla.MLAttention` runs in DSA's sparse stage: the lightning
 indexer's exact top-k (`kernels.indexer_topk`, no gradient: the top-k is not differentiable, the
@@ -211,7 +213,8 @@ def run(args, w, seqs, impl, dense_impls):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", default="4096,8192,16384,32768", help="comma list of sequence lengths T")
-    ap.add_argument("--scale", type=int, default=8, help="divide every GLM-5 width by this factor")
+    ap.add_argument("--scale", type=int, default=2, help="divide every GLM-5 width by this factor "
+                    "(2: the smallest whose T=32K programs fit a 24 GiB machine)")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=1, help="timed runs (the best is kept)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (programs are compiled ahead)")
