@@ -59,9 +59,9 @@ class _Capture:
         self.seen = {}
         real = module.causal_attention
 
-        def spy(q, k, v, *, scale, segment_ids=None, chunk=256):
+        def spy(q, k, v, *, scale, segment_ids=None, chunk=256, **kw):
             self.seen.update(q=q, k=k, scale=scale)
-            return real(q, k, v, scale=scale, segment_ids=segment_ids, chunk=chunk)
+            return real(q, k, v, scale=scale, segment_ids=segment_ids, chunk=chunk, **kw)
 
         monkeypatch.setattr(module, "causal_attention", spy)
 
