@@ -23,6 +23,7 @@ from experiments import registry
 from experiments.report import md_table
 from experiments.run import define_flags as run_flags
 from experiments.run import USAGE_ERRORS, _init_from_errors, is_primary, make_mesh, run_experiment, start_from_flags
+from glm5_jax import hugepages
 
 FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh, --init_from come from experiments.run
 
@@ -94,6 +95,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    hugepages.ensure()
     run_flags()
     define_flags()
     app.run(main)

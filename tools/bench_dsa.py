@@ -49,6 +49,7 @@ from glm5_jax.attention import kernels
 from glm5_jax.attention.core import causal_attention
 from glm5_jax.attention.mla import dsa_attention
 from pallas_kernels.dense import flash_attention
+from glm5_jax import hugepages
 
 # GLM-5's attention layer (config glm5): heads, indexer heads, latent, rope, nope, v, indexer dim
 GLM5 = dict(h=64, hi=32, r=512, dr=64, dn=192, dv=256, di=128)
@@ -273,4 +274,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    hugepages.ensure()   # as experiments.run does (glm5_jax.hugepages)
     main()

@@ -171,7 +171,8 @@ def worker(side: str, ckpt: str, threads: int) -> None:
     out = sys.stdout
     sys.stdout = sys.stderr   # library prints must not break the protocol
     fns = {}
-    out.write(json.dumps({"ready": True, "affinity": sorted(os.sched_getaffinity(0))}) + "\n")
+    from glm5_jax.hugepages import enabled
+    out.write(json.dumps({"ready": True, "affinity": sorted(os.sched_getaffinity(0)), "hugepages": enabled()}) + "\n")
     out.flush()
     for line in sys.stdin:
         req = json.loads(line)
@@ -194,8 +195,11 @@ def worker(side: str, ckpt: str, threads: int) -> None:
 # ----------------------------------------------------------------------------- orchestration
 class _Proc:
     def __init__(self, side, ckpt, threads):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   JAX_PLATFORMS="cpu")
+        from glm5_jax.hugepages import env_with_hugepages
+        # both sides: glibc's large allocations as transparent huge pages (glm5_jax.hugepages;
+        # GLM5_HUGEPAGES=0 runs both without)
+        env = env_with_hugepages(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                                      JAX_PLATFORMS="cpu"))
         if threads == 1:   # XLA CPU: no Eigen intra-op pool at all on one thread
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                                 "intra_op_parallelism_threads=1").strip()
@@ -280,6 +284,9 @@ def run(threads_list, seqs, reps, log):
             hf, jx = _Proc("hf", ckpt, n), _Proc("jax", ckpt, n)
             try:
                 if not check:
+                    check["hugepages"] = bool(jx.hello.get("hugepages")) and bool(hf.hello.get("hugepages"))
+                    log(f"host allocator: transparent huge pages {'on' if check['hugepages'] else 'off'} "
+                        "on both sides (glm5_jax.hugepages)")
                     lj = np.load(jx.ask(op="logits", seq=CHECK_T, dir=tmp)["path"])
                     lh = np.load(hf.ask(op="logits", seq=CHECK_T, dir=tmp)["path"])
                     check["logits_max_abs_diff"] = float(np.max(np.abs(lj - lh)))

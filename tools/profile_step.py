@@ -21,6 +21,7 @@ import os
 import re
 import tempfile
 import time
+from glm5_jax import hugepages
 
 _WRAPPERS = ("while", "body", "closed_call")
 
@@ -126,4 +127,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    hugepages.ensure()   # as experiments.run does (glm5_jax.hugepages)
     main()
