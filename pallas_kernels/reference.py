@@ -137,6 +137,9 @@ def topk_rows(scores, k: int, *, cap: int | None = None):
     return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
 
 
+_MIN_PREFIX = 128   # shortest key prefix a causal group scores (whole 128-key tiles)
+
+
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segment_ids=None,
                  chunk: int = 256, groups: int = 8, cap: int | None = 0):
     """Exact top-k keys per query by the lightning-indexer score.
@@ -166,8 +169,8 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segme
 
     def prefix(c1):  # keys [0, length) hold every key visible to queries of chunks < c1
         length = min(s, max(1, c1 * tc + s - t)) if causal else s
-        if length < s:  # whole 128-key tiles, at least 1024 keys (steady dot shapes)
-            length = min(s, max(1024, -(-length // 128) * 128))
+        if length < s:  # whole 128-key tiles, at least _MIN_PREFIX keys (steady dot shapes)
+            length = min(s, max(_MIN_PREFIX, -(-length // 128) * 128))
         return length
 
     # groups with the same key prefix run as one (short T: every prefix is the 1024-key minimum)

@@ -207,10 +207,10 @@ def test_scanned_stacks_equal_unrolled_and_per_layer_reference(types):
     cfg = ModelConfig(num_layers=5, index_topk=4, mtp_depth=0, indexer_types=types)
     params = model.init_params(cfg, jax.random.PRNGKey(16))
     tok = jax.random.randint(jax.random.PRNGKey(17), (2, 12), 0, cfg.vocab_size)
-    scanned = model.GLM5(cfg).apply({"params": params}, tok, return_hidden=True)["trunk"]
-    unrolled = model.GLM5(cfg.replace(scan_layers=False)).apply({"params": params}, tok, return_hidden=True)["trunk"]
+    trunk = lambda c: jax.jit(lambda p, t: model.GLM5(c).apply({"params": p}, t, return_hidden=True)["trunk"])  # noqa: E731
+    scanned = trunk(cfg)(params, tok)
+    unrolled = trunk(cfg.replace(scan_layers=False))(params, tok)
     np.testing.assert_allclose(scanned, unrolled, atol=1e-6)
-    x = params["embed"]["embedding"][tok]
     cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(12), (2, 12)), cfg.qk_rope_head_dim, cfg.rope_theta)
     kinds = cfg.layer_indexer_types
     by_layer = {}
@@ -219,12 +219,16 @@ def test_scanned_stacks_equal_unrolled_and_per_layer_reference(types):
             for j in range(st.period):
                 by_layer[st.layer_index(r, j)] = jax.tree_util.tree_map(lambda a: a[r], params[st.name][f"layer_{j}"])
     assert sorted(by_layer) == list(range(cfg.num_layers))
-    idx = None
-    for i in range(cfg.num_layers):
-        layer = model.DecoderLayer(cfg, cfg.is_moe_layer(i), kinds[i])
-        x, new_idx, _ = layer.apply({"params": by_layer[i]}, x, cos, sin, None, idx)
-        idx = new_idx if new_idx is not None else idx
-    np.testing.assert_allclose(scanned, x, atol=1e-5)
+
+    @jax.jit   # one program for the hand-written loop (op by op it took ~2 minutes on 2 cores)
+    def per_layer(by_layer, tok):
+        x, idx = params["embed"]["embedding"][tok], None
+        for i in range(cfg.num_layers):
+            layer = model.DecoderLayer(cfg, cfg.is_moe_layer(i), kinds[i])
+            x, new_idx, _ = layer.apply({"params": by_layer[i]}, x, cos, sin, None, idx)
+            idx = new_idx if new_idx is not None else idx
+        return x
+    np.testing.assert_allclose(scanned, per_layer(by_layer, tok), atol=1e-5)
 
 
 def test_dsa_model_logits_equal_with_pallas_kernels():
