@@ -3,7 +3,8 @@ transformers reference (`GlmMoeDsaForCausalLM`, eager attention, float32) on the
 
 Usage::
 
-    python -m tools.bench_vs_hf [--threads=1,2] [--seq=1024,2048,4096] [--train=4x1024,1x4096] [--reps=3] [--json]
+    python -m tools.bench_vs_hf [--threads=1,2] [--seq=1024,2048,4096] [--train=4x1024,1x4096] [--reps=3]
+                                [--hugepages=off|on] [--json]
 
 Needs the `.[fixtures]` extra (torch, transformers). One run:
 
@@ -46,6 +47,7 @@ MODEL = dict(vocab_size=8192, d_model=256, num_layers=4, ffn_dim=512, attention=
              index_topk=128, index_n_heads=8, index_head_dim=32, num_experts=8, num_shared_experts=1,
              experts_per_tok=2, moe_ffn_dim=128, first_k_dense=1, mtp_depth=0)
 TRAIN_SHAPES = ((4, 1024), (1, 4096))   # (batch, seq_len) of the timed train steps
+HUGEPAGES = False                        # --hugepages=on: both workers with glibc.malloc.hugetlb=1
 CHECK_T = 256
 LR, B1, B2, WD, EPS = 1e-3, 0.9, 0.95, 0.1, 1e-8
 
@@ -195,11 +197,15 @@ def worker(side: str, ckpt: str, threads: int) -> None:
 # ----------------------------------------------------------------------------- orchestration
 class _Proc:
     def __init__(self, side, ckpt, threads):
-        from glm5_jax.hugepages import env_with_hugepages
-        # both sides: glibc's large allocations as transparent huge pages (glm5_jax.hugepages;
-        # GLM5_HUGEPAGES=0 runs both without)
-        env = env_with_hugepages(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                                      JAX_PLATFORMS="cpu"))
+        from glm5_jax import hugepages
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), JAX_PLATFORMS="cpu")
+        # both sides in the same host-allocator environment (glm5_jax.hugepages): the machine's
+        # default, or glibc's large allocations as transparent huge pages
+        tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != hugepages.TUNABLE]
+        env["GLIBC_TUNABLES"] = ":".join(tunables)
+        env["GLM5_HUGEPAGES"] = "1" if HUGEPAGES else "0"
+        if HUGEPAGES:
+            env = hugepages.env_with_hugepages(env)
         if threads == 1:   # XLA CPU: no Eigen intra-op pool at all on one thread
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                                 "intra_op_parallelism_threads=1").strip()
@@ -284,9 +290,9 @@ def run(threads_list, seqs, reps, log):
             hf, jx = _Proc("hf", ckpt, n), _Proc("jax", ckpt, n)
             try:
                 if not check:
-                    check["hugepages"] = bool(jx.hello.get("hugepages")) and bool(hf.hello.get("hugepages"))
-                    log(f"host allocator: transparent huge pages {'on' if check['hugepages'] else 'off'} "
-                        "on both sides (glm5_jax.hugepages)")
+                    check["hugepages"] = [bool(jx.hello.get("hugepages")), bool(hf.hello.get("hugepages"))]
+                    log(f"host allocator, transparent huge pages (glm5_jax.hugepages): jax "
+                        f"{'on' if check['hugepages'][0] else 'off'}, hf {'on' if check['hugepages'][1] else 'off'}")
                     lj = np.load(jx.ask(op="logits", seq=CHECK_T, dir=tmp)["path"])
                     lh = np.load(hf.ask(op="logits", seq=CHECK_T, dir=tmp)["path"])
                     check["logits_max_abs_diff"] = float(np.max(np.abs(lj - lh)))
@@ -339,19 +345,27 @@ def run(threads_list, seqs, reps, log):
 
 
 def main(argv=None):
-    global TRAIN_SHAPES  # noqa: PLW0603 (a module constant the workers read)
+    global TRAIN_SHAPES, HUGEPAGES  # noqa: PLW0603 (module constants the workers read)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (each pinned to that many cores)")
     ap.add_argument("--seq", default="1024,2048,4096", help="forward sequence lengths")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side (best kept)")
     ap.add_argument("--train", default=_shapes_arg(TRAIN_SHAPES),
                     help="comma-separated train step shapes BATCHxSEQ_LEN (e.g. 4x1024,1x4096)")
+    ap.add_argument("--hugepages", choices=("off", "on"), default="off",
+                    help="host allocator of BOTH workers: off = the machine's default environment; on = glibc's "
+                         "large allocations as transparent huge pages (glm5_jax.hugepages; what experiments.run "
+                         "sets for itself). HF eager gains more from it than glm5_jax (docs/training.md)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", choices=("hf", "jax"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     TRAIN_SHAPES = _parse_shapes(args.train, ap)
+    HUGEPAGES = args.hugepages == "on"
+    from glm5_jax.hugepages import supported
+    if HUGEPAGES and not supported():
+        ap.error("--hugepages=on needs Linux, glibc >= 2.35 and transparent huge pages not 'never'")
     if args.worker:
         worker(args.worker, args.ckpt, int(args.threads))
         return 0
