@@ -137,7 +137,7 @@ def topk_rows(scores, k: int, *, cap: int | None = None):
     return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
 
 
-_MIN_PREFIX = 128   # shortest key prefix a causal group scores (whole 128-key tiles)
+_MIN_PREFIX = 1024  # shortest key prefix a causal group scores: below it XLA CPU dots round differently (docs/kernels.md)
 
 
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segment_ids=None,
