@@ -256,15 +256,3 @@ def test_lm_head_dense_with_nn_kernel_grad_equals_plain_dot():
     dw = dw.unbox() if hasattr(dw, "unbox") else dw
     np.testing.assert_allclose(dx, np.einsum("bto,io->bti", g, w), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, np.einsum("bti,bto->io", x, g), rtol=1e-5, atol=1e-5)
-
-
-def test_batched_dot_nn_kernel_grad_has_the_closed_form_gradients():
-    """dot_nn_kernel_grad with a leading batch dim (the routed experts' tiles): value x @ w per batch
-    entry and gradients dx = g w^T, dw = x^T g per batch entry (numpy einsum)."""
-    from glm5_jax.layers.common import dot_nn_kernel_grad
-    rng = np.random.default_rng(1)
-    x, w, g = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((4, 6, 8), (4, 8, 5), (4, 6, 5)))
-    np.testing.assert_allclose(dot_nn_kernel_grad(x, w), np.einsum("tmd,tdf->tmf", x, w), rtol=1e-5, atol=1e-5)
-    dx, dw = jax.grad(lambda x, w: jnp.sum(dot_nn_kernel_grad(x, w) * g), argnums=(0, 1))(x, w)
-    np.testing.assert_allclose(dx, np.einsum("tmf,tdf->tmd", g, w), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dw, np.einsum("tmd,tmf->tdf", x, g), rtol=1e-5, atol=1e-5)

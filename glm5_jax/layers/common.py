@@ -58,29 +58,27 @@ class LayerNorm(nn.Module):
 
 
 @jax.custom_vjp
-def dot_nn_kernel_grad(x, w):
-    """x [*B, N, I] @ w [*B, I, O] -> [*B, N, O] float32 (B: leading batch dims shared by both, none
-    for the LM head; one per tile for the routed experts' tiles) whose kernel gradient runs as an NN
-    GEMM on XLA CPU: x is transposed into its own buffer first (optimization_barrier keeps XLA from
-    folding the transpose back into the dot). XLA CPU runs the dot that contracts the rows (N) of
-    both operands on Eigen at ~2.3x the time of the same product after the copy (LM head at
-    N=4096, I=256, O=8192: 0.63 s vs 0.27 s, one core, docs/training.md)."""
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+def _dot_nn_kernel_grad(x, w):
+    """x [N, I] @ w [I, O] (float32 result) whose kernel gradient runs as an NN GEMM on XLA CPU:
+    x is transposed into its own buffer first (optimization_barrier keeps XLA from folding the
+    transpose back into the dot). XLA CPU runs the dot that contracts dimension 0 of both operands
+    on Eigen at ~2.3x the time of the same product after the copy (LM head at N=4096, I=256,
+    O=8192: 0.63 s vs 0.27 s, one core, docs/training.md)."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
 def _dot_nn_fwd(x, w):
-    return dot_nn_kernel_grad(x, w), (x, w)
+    return _dot_nn_kernel_grad(x, w), (x, w)
 
 
 def _dot_nn_bwd(res, g):
     x, w = res
-    dx = jnp.matmul(g, jnp.swapaxes(w, -1, -2), preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.matmul(jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2)), g.astype(x.dtype),
-                    preferred_element_type=jnp.float32)
+    dx = jnp.dot(g, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.dot(jax.lax.optimization_barrier(x.T), g.astype(x.dtype), preferred_element_type=jnp.float32)
     return dx, dw.astype(w.dtype)
 
 
-dot_nn_kernel_grad.defvjp(_dot_nn_fwd, _dot_nn_bwd)
+_dot_nn_kernel_grad.defvjp(_dot_nn_fwd, _dot_nn_bwd)
 
 
 class Dense(nn.Module):
@@ -94,7 +92,7 @@ class Dense(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     out_dtype: jnp.dtype | None = None
-    nn_kernel_grad: bool = False   # CPU, float32 out, no mesh: `dot_nn_kernel_grad` (the LM head)
+    nn_kernel_grad: bool = False   # CPU, float32 out, no mesh: `_dot_nn_kernel_grad` (the LM head)
 
     @nn.compact
     def __call__(self, x):
@@ -105,7 +103,7 @@ class Dense(nn.Module):
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         if (self.nn_kernel_grad and self.out_dtype == jnp.float32 and jax.default_backend() == "cpu"
                 and jax.sharding.get_abstract_mesh().size <= 1):
-            out = dot_nn_kernel_grad(x2, kernel.astype(self.dtype))
+            out = _dot_nn_kernel_grad(x2, kernel.astype(self.dtype))
         else:
             out = jnp.dot(x2, kernel.astype(self.dtype), preferred_element_type=self.out_dtype)
         out = out.reshape(*x.shape[:-1], self.features)

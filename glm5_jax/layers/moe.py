@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.layers.common import constrain, dot_nn_kernel_grad, init_normal
+from glm5_jax.layers.common import constrain, init_normal
 from glm5_jax.layers.mlp import SwiGLU
 from glm5_jax.utils import NEG_INF
 
@@ -83,10 +83,8 @@ def tiled_experts(x, ids, gate, up, down, tile: int | None = None):
     # tiles past the last group hold only zero rows; they reuse the last expert's weights
     tile_e = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles) * tile, side="right"), e - 1)
     # rematerialised: the per-tile weight copies ([tiles, D, F], ~E x tiles / E the weights) are
-    # gathered again in the backward pass instead of being kept as residuals of every layer; the
-    # per-tile weight gradient as NN GEMMs (dot_nn_kernel_grad: XLA CPU ran the row-contracting
-    # form on Eigen, 0.116 s of the bench_vs_hf step's ~0.46 s of routed experts)
-    tiled_dot = jax.checkpoint(lambda a, w, te: dot_nn_kernel_grad(a, w[te]).astype(a.dtype))
+    # gathered again in the backward pass instead of being kept as residuals of every layer
+    tiled_dot = jax.checkpoint(lambda a, w, te: jnp.einsum("tmd,tdf->tmf", a, w[te]))
     dot = lambda a, w: tiled_dot(a, w, tile_e)
     yp = _swiglu_experts(xp, gate, up, down, dot).reshape(n_tiles * tile, d)
     return yp[pos].reshape(n, k, d)
