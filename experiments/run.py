@@ -198,6 +198,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    hugepages.ensure()   # glibc large allocations as huge pages: ~20% of a CPU step (glm5_jax.hugepages)
+    hugepages.ensure()   # glibc large allocations as transparent huge pages (glm5_jax.hugepages)
     define_flags()
     app.run(main)

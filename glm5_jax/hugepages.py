@@ -2,11 +2,9 @@
 
 XLA:CPU takes each executable's temp buffer from glibc malloc on every call, and glibc serves
 allocations that large with a fresh mmap, so every train step page-faults its whole temp buffer in
-4 KiB pages: the B=4 T=1024 step of tools/bench_vs_hf (860 MB temp) took ~210,000 minor faults and
-~1 s of system time of a ~5.7 s step on one core. glibc >= 2.35 can madvise those mappings as
-transparent huge pages (tunable `glibc.malloc.hugetlb=1`, used where the kernel's THP mode is
-`madvise` or `always`): the same step then takes ~500 faults (docs/training.md, "Against Hugging
-Face"). The dynamic loader reads GLIBC_TUNABLES once, at process start, so a running process
+4 KiB pages. glibc >= 2.35 can madvise those mappings as transparent huge pages (tunable
+`glibc.malloc.hugetlb=1`, used where the kernel's THP mode is `madvise` or `always`); measured
+faults and step times: docs/training.md, "Against Hugging Face". The dynamic loader reads GLIBC_TUNABLES once, at process start, so a running process
 cannot switch it on for itself: `ensure()` re-executes the command once with it set, and
 `env_with_hugepages()` gives a child process's environment. No effect on accelerators' device
 memory; the host side of a TPU/GPU run gets the same allocator behaviour.
