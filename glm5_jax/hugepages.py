@@ -4,9 +4,10 @@ XLA:CPU takes each executable's temp buffer from glibc malloc on every call, and
 allocations that large with a fresh mmap, so every train step page-faults its whole temp buffer in
 4 KiB pages. glibc >= 2.35 can madvise those mappings as transparent huge pages (tunable
 `glibc.malloc.hugetlb=1`, used where the kernel's THP mode is `madvise` or `always`); measured
-faults and step times: docs/training.md, "Against Hugging Face". The dynamic loader reads GLIBC_TUNABLES once, at process start, so a running process
-cannot switch it on for itself: `ensure()` re-executes the command once with it set, and
-`env_with_hugepages()` gives a child process's environment. No effect on accelerators' device
+faults and step times: docs/training.md, "Against Hugging Face". The dynamic loader reads
+GLIBC_TUNABLES once, at process start, so a running process cannot switch it on for itself:
+`ensure()` re-executes the command once with it set; `env_with_hugepages()` /
+`env_without_hugepages()` give a child process's environment. No effect on accelerators' device
 memory; the host side of a TPU/GPU run gets the same allocator behaviour.
 
 Set GLM5_HUGEPAGES=0 to keep the process as started (no re-exec, no tunable added).
@@ -46,13 +47,24 @@ def enabled(env=None) -> bool:
     return TUNABLE in env.get("GLIBC_TUNABLES", "").split(":")
 
 
+def _other_tunables(env) -> list[str]:
+    return [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != TUNABLE]
+
+
 def env_with_hugepages(env=None) -> dict:
     """A copy of `env` (default os.environ) with the tunable added to GLIBC_TUNABLES (kept as is
     where unsupported or switched off by GLM5_HUGEPAGES=0)."""
     env = dict(os.environ if env is None else env)
     if env.get(_OFF, "1") == "0" or not supported() or enabled(env):
         return env
-    env["GLIBC_TUNABLES"] = ":".join([t for t in env.get("GLIBC_TUNABLES", "").split(":") if t] + [TUNABLE])
+    env["GLIBC_TUNABLES"] = ":".join(_other_tunables(env) + [TUNABLE])
+    return env
+
+
+def env_without_hugepages(env=None) -> dict:
+    """A copy of `env` without the tunable and with GLM5_HUGEPAGES=0 (its commands do not re-exec)."""
+    env = dict(os.environ if env is None else env, **{_OFF: "0"})
+    env["GLIBC_TUNABLES"] = ":".join(_other_tunables(env))
     return env
 
 

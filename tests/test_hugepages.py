@@ -28,6 +28,12 @@ def test_env_adds_the_tunable_once_and_keeps_other_tunables():
     assert hugepages.enabled(env) and not hugepages.enabled({"PATH": "/bin"})
 
 
+def test_env_without_removes_only_the_tunable_and_stops_the_re_exec():
+    env = hugepages.env_without_hugepages({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{hugepages.TUNABLE}"})
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "GLM5_HUGEPAGES": "0"}
+    assert not hugepages.enabled(env) and hugepages.env_with_hugepages(env) == env
+
+
 def test_switched_off_leaves_the_environment_as_is():
     env = {"GLM5_HUGEPAGES": "0", "PATH": "/bin"}
     assert hugepages.env_with_hugepages(env) == env

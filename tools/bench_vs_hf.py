@@ -201,11 +201,8 @@ class _Proc:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), JAX_PLATFORMS="cpu")
         # both sides in the same host-allocator environment (glm5_jax.hugepages): the machine's
         # default, or glibc's large allocations as transparent huge pages
-        tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != hugepages.TUNABLE]
-        env["GLIBC_TUNABLES"] = ":".join(tunables)
-        env["GLM5_HUGEPAGES"] = "1" if HUGEPAGES else "0"
-        if HUGEPAGES:
-            env = hugepages.env_with_hugepages(env)
+        env = (hugepages.env_with_hugepages(dict(env, GLM5_HUGEPAGES="1")) if HUGEPAGES
+               else hugepages.env_without_hugepages(env))
         if threads == 1:   # XLA CPU: no Eigen intra-op pool at all on one thread
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                                 "intra_op_parallelism_threads=1").strip()
