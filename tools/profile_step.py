@@ -8,7 +8,9 @@ its AdamW step, so the shares explain that benchmark's train-step ratio; `--set`
 config fields (e.g. `--set dsa_short_dense=0`). The process is pinned to the first `--threads`
 cores. Prints the untraced step time, then the `--top` scopes (op_name cut to `--depth` levels
 after the jit / jvp / while wrappers, digits folded to #) with seconds and share of the traced XLA
-op time, then the single most expensive ops.
+op time, then the same time by HLO op kind (dot fusions with their dot FLOPs and GFLOP/s beside a
+1024^3 float32 matmul measured in the same process; elementwise / reduce fusions, TopK, sort,
+gather, scatter, copies), then the single most expensive ops.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from glm5_jax import hugepages
 _WRAPPERS = ("while", "body", "closed_call")
 
 
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _scope(op_name: str, depth: int) -> str:
     parts = [p for p in op_name.split("/") if p not in _WRAPPERS
              and not p.startswith(("jit(train", "jvp(", "transpose(jvp("))]
@@ -40,6 +48,84 @@ def _op_names(hlo_text: str) -> dict:
         if m:
             out[m.group(1)] = m.group(2)
     return out
+
+
+_INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$")
+_COMP = re.compile(r"(?:ENTRY )?%([\w.\-]+) .*\{$")
+
+
+def _dims(shape: str) -> list:
+    m = re.search(r"\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _dot_flops(out_shape: str, operands: str, shape: dict) -> int:
+    """2 * |output| * |lhs contracting dims| of one HLO dot."""
+    lhs = _dims(shape.get(re.match(r"%([\w.\-]+)", operands).group(1), ""))
+    cd = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", operands)
+    n = 2
+    for d in _dims(out_shape) + [lhs[int(c)] for c in (cd.group(1).split(",") if cd and cd.group(1) else [])]:
+        n *= d
+    return n
+
+
+def op_kinds(hlo_text: str) -> dict:
+    """instruction name -> (kind, dot FLOPs per execution), for the ops a profile names. A fusion's
+    kind says whether its fused computation holds a dot ("dot fusion", FLOPs summed over its dots)
+    or else its fusion kind; a custom call is named by its target (TopK, ...)."""
+    shape, instr, comp_flops = {}, [], {}
+    comp = None
+    for line in hlo_text.splitlines():
+        if not line.startswith(" "):
+            m = _COMP.match(line)
+            comp = m.group(1) if m else comp
+        elif m := _INSTR.match(line):
+            shape[m.group(1)] = m.group(2)
+            instr.append((comp,) + m.groups())
+    for comp, _, shp, opcode, rest in instr:
+        if opcode == "dot":
+            comp_flops[comp] = comp_flops.get(comp, 0) + _dot_flops(shp, rest, shape)
+    kinds = {}
+    for _, name, shp, opcode, rest in instr:
+        if opcode == "fusion":
+            f = comp_flops.get(re.search(r"calls=%([\w.\-]+)", rest).group(1), 0)
+            kinds[name] = ("dot fusion" if f else "fusion " + re.search(r"kind=(\w+)", rest).group(1), f)
+        elif opcode == "custom-call":
+            kinds[name] = ("custom-call " + re.search(r'custom_call_target="([^"]+)"', rest).group(1), 0)
+        else:
+            kinds[name] = (opcode, _dot_flops(shp, rest, shape) if opcode == "dot" else 0)
+    return kinds
+
+
+def trace_ops(fn):
+    """Run fn() once under jax.profiler -> (ns per HLO op name, executions per op name): the XLA
+    CPU threads' op events; loops and calls span their bodies' ops and are not counted."""
+    import jax
+    tdir = tempfile.mkdtemp()
+    with jax.profiler.trace(tdir):
+        fn()
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{tdir}/**/*.xplane.pb", recursive=True)[0])
+    per_op, runs = collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if "XLA" not in line.name:     # the XLA CPU client's / Eigen pool's threads
+                continue
+            for ev in line.events:
+                if not ev.name.startswith(("while", "conditional", "call", "ThunkExecutor", "end:", "Threadpool")):
+                    per_op[ev.name] += ev.duration_ns
+                    runs[ev.name] += 1
+    return per_op, runs
+
+
+def kind_table(per_op, runs, kinds) -> dict:
+    """kind -> [ns, executions, dot FLOPs executed] over the traced ops (`op_kinds` names them)."""
+    by_kind = collections.defaultdict(lambda: [0, 0, 0])
+    for op, ns in per_op.items():
+        kind, flops = kinds.get(op, ("?", 0))
+        by_kind[kind][0] += ns
+        by_kind[kind][1] += runs[op]
+        by_kind[kind][2] += flops * runs[op]
+    return dict(by_kind)
 
 
 def main(argv=None):
@@ -91,7 +177,8 @@ def main(argv=None):
              "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
              "segment_ids": jnp.ones((b, t), jnp.int32)}
     step = step.lower(state, batch).compile()   # one compile: its HLO text names the ops, it runs the steps
-    names = _op_names(step.as_text())
+    hlo = step.as_text()
+    names, kinds = _op_names(hlo), op_kinds(hlo)
     for _ in range(2):
         state, m = step(state, batch)
         jax.block_until_ready(m)
@@ -101,19 +188,11 @@ def main(argv=None):
     print(f"# train step B={b} T={t} threads={args.threads} {over or ''}: {time.perf_counter() - t0:.3f} s "
           f"(untraced)", flush=True)
 
-    tdir = tempfile.mkdtemp()
-    with jax.profiler.trace(tdir):
+    def run():
+        nonlocal state
         state, m = step(state, batch)
         jax.block_until_ready(m)
-    data = jax.profiler.ProfileData.from_file(glob.glob(f"{tdir}/**/*.xplane.pb", recursive=True)[0])
-    per_op = collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if "XLA" not in line.name:     # the XLA CPU client's / Eigen pool's threads
-                continue
-            for ev in line.events:         # loops and calls span their bodies' ops: not counted
-                if not ev.name.startswith(("while", "conditional", "call", "ThunkExecutor", "end:", "Threadpool")):
-                    per_op[ev.name] += ev.duration_ns
+    per_op, runs = trace_ops(run)
     total = sum(per_op.values())
     scopes = collections.Counter()
     for op, ns in per_op.items():
@@ -121,6 +200,21 @@ def main(argv=None):
     print(f"# traced XLA op time {total / 1e9:.3f} s (summed over threads)")
     for k, ns in scopes.most_common(args.top):
         print(f"{ns / 1e9:8.3f} s {100 * ns / total:5.1f}%  {k}")
+    by_kind = kind_table(per_op, runs, kinds)
+    a = jnp.ones((1024, 1024), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(mm(a))
+    t_mm = min(_time(lambda: jax.block_until_ready(mm(a))) for _ in range(3))
+    peak = 2 * 1024 ** 3 / t_mm / 1e9
+    print(f"# by HLO op kind (1024^3 float32 matmul here: {peak:.1f} GFLOP/s)")
+    for kind, (ns, n, flops) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        rate = f"  {flops / 1e9:7.2f} GFLOP at {flops / ns:5.1f} GFLOP/s ({100 * flops / ns / peak:3.0f}% of the matmul)" \
+            if flops else ""
+        print(f"{ns / 1e9:8.3f} s {100 * ns / total:5.1f}%  {kind:24s} x{n:<6d}{rate}")
+    dot_ns = sum(v[0] for v in by_kind.values() if v[2])
+    dot_flops = sum(v[2] for v in by_kind.values())
+    print(f"# ops holding dots: {dot_ns / 1e9:.3f} s for {dot_flops / 1e9:.1f} GFLOP "
+          f"({dot_flops / max(dot_ns, 1):.1f} GFLOP/s); all other ops: {(total - dot_ns) / 1e9:.3f} s")
     print("# most expensive single ops")
     for op, ns in per_op.most_common(10):
         print(f"{ns / 1e9:8.3f} s  {op:28s} {names.get(op, '?')[:140]}")
