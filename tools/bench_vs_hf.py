@@ -57,6 +57,20 @@ def _tokens(b, t, vocab, seed):
     return np.random.default_rng(seed).integers(0, vocab, (b, t), dtype=np.int32)
 
 
+PEAK_FLOPS = 2 * 1024 ** 3   # one matmul_call()
+
+
+def matmul_call():
+    """A compiled 1024^3 float32 matmul, as a timed callable: the rate a perfectly matmul-bound step
+    could reach here (PEAK_FLOPS per call)."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.ones((1024, 1024), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(f(a))
+    return lambda: jax.block_until_ready(f(a))
+
+
 # ----------------------------------------------------------------------------- workers
 class _JaxSide:
     def __init__(self, ckpt):
@@ -100,11 +114,7 @@ class _JaxSide:
         return lambda: self.jax.block_until_ready(self.fwd(self.params, x))
 
     def peak(self):
-        """A 1024^3 float32 matmul: the rate a perfectly matmul-bound step could reach here."""
-        a = self.jnp.ones((1024, 1024), self.jnp.float32)
-        f = self.jax.jit(lambda a: a @ a)
-        self.jax.block_until_ready(f(a))
-        return lambda: self.jax.block_until_ready(f(a))
+        return matmul_call()
 
     def train(self, b, t):
         batch = self.batch(b, t)
@@ -304,7 +314,7 @@ def run(threads_list, seqs, reps, log):
                 # the FLOP limit: model FLOPs at the best matmul rate these cores give right now,
                 # measured between the timed calls so that it sees the same load
                 peak_s = min(jx.ask(op="peak")["s"] for _ in range(reps + 1))
-                peak = 2 * 1024 ** 3 / peak_s
+                peak = PEAK_FLOPS / peak_s
                 log(f"threads={n}: 1024^3 float32 matmul {peak / 1e9:.1f} GFLOP/s (XLA, best of {reps + 1})")
                 jobs = [dict(op="forward", seq=t) for t in seqs] + [dict(op="train", batch=b, seq=t)
                                                                     for b, t in TRAIN_SHAPES]

@@ -28,12 +28,6 @@ from glm5_jax import hugepages
 _WRAPPERS = ("while", "body", "closed_call")
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _scope(op_name: str, depth: int) -> str:
     parts = [p for p in op_name.split("/") if p not in _WRAPPERS
              and not p.startswith(("jit(train", "jvp(", "transpose(jvp("))]
@@ -201,11 +195,8 @@ def main(argv=None):
     for k, ns in scopes.most_common(args.top):
         print(f"{ns / 1e9:8.3f} s {100 * ns / total:5.1f}%  {k}")
     by_kind = kind_table(per_op, runs, kinds)
-    a = jnp.ones((1024, 1024), jnp.float32)
-    mm = jax.jit(lambda a: a @ a)
-    jax.block_until_ready(mm(a))
-    t_mm = min(_time(lambda: jax.block_until_ready(mm(a))) for _ in range(3))
-    peak = 2 * 1024 ** 3 / t_mm / 1e9
+    mm = bv.matmul_call()
+    peak = bv.PEAK_FLOPS / min(bv._timed(mm)[0] for _ in range(3)) / 1e9
     print(f"# by HLO op kind (1024^3 float32 matmul here: {peak:.1f} GFLOP/s)")
     for kind, (ns, n, flops) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])[:args.top]:
         rate = f"  {flops / 1e9:7.2f} GFLOP at {flops / ns:5.1f} GFLOP/s ({100 * flops / ns / peak:3.0f}% of the matmul)" \
