@@ -180,7 +180,9 @@ SUBS = "create status setup train copy run delete"
         (["setup", "--name", "a", "--zone", "us-east5-a", "--set", "a.b=1", "--dry_run"],
          "flag '--set' is only valid for 'train'"),
         (["train", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--mesh", "fsdp=4", "--dry_run"],
-         "bad --mesh 'fsdp=4': AXIS:N,... over data, fsdp, expert, tensor"),
+         "bad --mesh 'fsdp=4': AXIS:N,... over data, fsdp, expert, context, tensor"),
+        (["train", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--mesh", "fsdp:4,contxt:2", "--dry_run"],
+         "bad --mesh 'fsdp:4,contxt:2': unknown axis 'contxt'; allowed: data, fsdp, expert, context, tensor"),
         (["train", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--set", "lr", "--dry_run"],
          "bad --set 'lr': expected section.field=value"),
         (["train", "--name", "a", "--zone", "us-east5-a", "--config", "configs/x.py", "--dry_run"],
@@ -309,6 +311,7 @@ def test_gpu_exports_the_variables_distributed_reads():
         (["--mesh", "fsdp:2", "--", "true"], "flags '--mesh' and '--set' need --config"),
         (["--config", "a/b"], "bad --config 'a/b'"),
         (["--config", "x", "--mesh", "fsdp"], "bad --mesh 'fsdp'"),
+        (["--config", "x", "--mesh", "context:2,seq:4"], "unknown axis 'seq'; allowed: data, fsdp, expert, context, tensor"),
         (["--config", "x", "--set", "noequals"], "bad --set 'noequals'"),
         (["--num_processes", "two", "--coordinator", "h:1", "--", "true"], "bad --num_processes 'two'"),
         (["--num_processes", "2", "--process_id", "2", "--coordinator", "h:1", "--", "true"],
@@ -325,6 +328,22 @@ def test_gpu_bad_input(empty_path, args, needle):
     assert r.returncode == 2
     assert needle in r.stderr
     assert "usage: tools/gpu_launch.sh" in r.stderr
+
+
+def test_scripts_know_the_mesh_axes_and_pass_context_through(empty_path):
+    """Each script's axis list is glm5_jax.sharding.MESH_AXES, and a context-parallel mesh reaches
+    experiments.run unchanged."""
+    from glm5_jax.sharding import MESH_AXES
+    for p in (TPU, GPU):
+        m = re.search(r'^MESH_AXES="([^"]*)"$', open(p).read(), re.M)
+        assert m and tuple(m.group(1).split()) == MESH_AXES, p
+    r = run(TPU, "train", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--mesh", "expert:16,context:8",
+            "--dry_run", path=empty_path)
+    assert r.returncode == 0, r.stderr
+    assert "experiments.run --config=x --mesh=expert:16,context:8'" in r.stdout
+    r = run(GPU, "--config", "x", "--mesh=fsdp:-1,context:2", "--dry_run", path=empty_path)
+    assert r.returncode == 0, r.stderr
+    assert "+ python -m experiments.run --config=x --mesh=fsdp:-1,context:2" in r.stdout
 
 
 def test_scripts_are_strict_and_executable():

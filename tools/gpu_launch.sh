@@ -38,7 +38,7 @@ options:
   --local_device_ids LIST   comma-separated local GPU ids for this process (e.g. 0,1,2,3)
   --config NAME             run the entry point PY -m experiments.run --config=NAME from the repo root
                             (arguments after '--' are appended to it)
-  --mesh SPEC               device mesh AXIS:N,... over data, fsdp, expert, tensor; -1 fills (with --config)
+  --mesh SPEC               device mesh AXIS:N,... over data, fsdp, expert, context, tensor; -1 fills (with --config)
   --set K=V                 config override, repeatable (with --config), e.g. --set train.batch_size=256
   --install                 first install the CUDA 12 extra from the repo root:
                             PY -m pip install -r requirements.txt -e ".[cuda12]"
@@ -57,6 +57,23 @@ die() {
   echo >&2
   usage >&2
   exit 2
+}
+
+# The mesh axes of glm5_jax.sharding.MESH_AXES (tests/test_launch_scripts.py checks they agree), so a
+# misspelt axis fails here, before any worker starts, rather than in experiments.run on every worker.
+MESH_AXES="data fsdp expert context tensor"
+
+check_mesh() {  # spec, example; builtins only
+  local spec=$1 rest part
+  [[ $spec =~ ^[a-z]+:-?[0-9]+(,[a-z]+:-?[0-9]+)*$ ]] ||
+    die "bad --mesh '$spec': AXIS:N,... over ${MESH_AXES// /, } (e.g. $2)"
+  rest=$spec,
+  while [[ -n $rest ]]; do
+    part=${rest%%,*}
+    rest=${rest#*,}
+    [[ " $MESH_AXES " == *" ${part%%:*} "* ]] ||
+      die "bad --mesh '$spec': unknown axis '${part%%:*}'; allowed: ${MESH_AXES// /, }"
+  done
 }
 
 quote() {
@@ -139,8 +156,7 @@ done
 [[ $PY =~ ^[A-Za-z0-9_./~-]+$ ]] || die "bad --python '$PY': a command name or path"
 if [[ -n $CONFIG ]]; then
   [[ $CONFIG =~ ^[A-Za-z0-9_]+$ ]] || die "bad --config '$CONFIG': an experiment name (letters, digits, '_')"
-  [[ -z $MESH || $MESH =~ ^[a-z]+:-?[0-9]+(,[a-z]+:-?[0-9]+)*$ ]] ||
-    die "bad --mesh '$MESH': AXIS:N,... over data, fsdp, expert, tensor (e.g. fsdp:-1,expert:8)"
+  [[ -z $MESH ]] || check_mesh "$MESH" fsdp:-1,expert:8
   for kv in "${SETS[@]}"; do
     [[ $kv =~ ^[A-Za-z0-9_.]+=.+$ ]] || die "bad --set '$kv': expected section.field=value"
   done

@@ -48,7 +48,7 @@ options:
   --remote_dir DIR     directory on the workers, relative to \$HOME (default: glm5-jax)
   --python PY          the workers' Python (setup, train; default python3, which TPU VM images have)
   --config NAME        experiment to train (train only; python -m experiments.run --list names them)
-  --mesh SPEC          device mesh AXIS:N,... over data, fsdp, expert, tensor; -1 fills (train only)
+  --mesh SPEC          device mesh AXIS:N,... over data, fsdp, expert, context, tensor; -1 fills (train only)
   --set K=V            config override, repeatable (train only), e.g. --set train.batch_size=256
   --dry_run            print the exact commands, run nothing (gcloud not needed)
   --help               this text
@@ -61,6 +61,23 @@ die() {
   echo >&2
   usage >&2
   exit 2
+}
+
+# The mesh axes of glm5_jax.sharding.MESH_AXES (tests/test_launch_scripts.py checks they agree), so a
+# misspelt axis fails here, before any worker starts, rather than in experiments.run on every worker.
+MESH_AXES="data fsdp expert context tensor"
+
+check_mesh() {  # spec, example; builtins only
+  local spec=$1 rest part
+  [[ $spec =~ ^[a-z]+:-?[0-9]+(,[a-z]+:-?[0-9]+)*$ ]] ||
+    die "bad --mesh '$spec': AXIS:N,... over ${MESH_AXES// /, } (e.g. $2)"
+  rest=$spec,
+  while [[ -n $rest ]]; do
+    part=${rest%%,*}
+    rest=${rest#*,}
+    [[ " $MESH_AXES " == *" ${part%%:*} "* ]] ||
+      die "bad --mesh '$spec': unknown axis '${part%%:*}'; allowed: ${MESH_AXES// /, }"
+  done
 }
 
 # Print one argument shell-quoted (single quotes only when needed), builtins only.
@@ -171,8 +188,7 @@ PY=${PY:-python3}
 if [[ $SUB == train ]]; then
   [[ -n $CONFIG ]] || die "flag '--config' is required for 'train' (python -m experiments.run --list names the experiments)"
   [[ $CONFIG =~ ^[A-Za-z0-9_]+$ ]] || die "bad --config '$CONFIG': an experiment name (letters, digits, '_')"
-  [[ -z $MESH || $MESH =~ ^[a-z]+:-?[0-9]+(,[a-z]+:-?[0-9]+)*$ ]] ||
-    die "bad --mesh '$MESH': AXIS:N,... over data, fsdp, expert, tensor (e.g. fsdp:-1,expert:4)"
+  [[ -z $MESH ]] || check_mesh "$MESH" fsdp:-1,expert:4
   for kv in "${SETS[@]}"; do
     [[ $kv =~ ^[A-Za-z0-9_.]+=.+$ ]] || die "bad --set '$kv': expected section.field=value"
   done

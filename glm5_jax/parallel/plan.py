@@ -12,9 +12,15 @@ compiled; `compiled.memory_analysis().temp_size_in_bytes` is the per-device scra
 for the backward pass plus workspace). Otherwise (glm5 on a pod mesh) they are estimated
 analytically, see `estimate_activation_bytes`, plus one param-sized gradient tree. The compiled
 figure for a TPU topology comes from `python -m tools.aot` (the TPU compiler, no TPU, ~26 min for
-glm5 on 2 CPU cores); for glm5 on v5p:4x4x8 the estimate is within x1.1 of it (docs/scaleout.md). The estimate is a lower bound: on the tiny preset (data:2,expert:2, batch
-8 x 64) XLA's measured scratch is 17.2 MB against 3.8 MB estimated (small dims: workspace, fusion
+glm5 on 2 CPU cores); for glm5 on v5p:4x4x8 at 4K the estimate is below it by x1.11-1.15
+(docs/scaleout.md). The estimate is a lower bound: on the tiny preset (data:2,expert:2, batch
+8 x 64) XLA's measured scratch was 17.2 MB against 3.8 MB estimated at 5e66785 (small dims: workspace, fusion
 temporaries and optimizer-update buffers dominate); at glm5 scale the per-token terms dominate.
+
+The mesh's `context` axis (context parallelism) splits every sequence: a device holds seq/context
+tokens of each of its sequences (per-token terms shrink by context), while attention reads the keys
+of the whole sequence (key terms use the full seq_len). Parameters need no special case: `context`
+joins fsdp in the logical rules, so the sharded abstract shapes already divide by it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ TARGETS = {"TPU v5p (95 GB)": 95e9, "H200 (141 GB)": 141e9}
 # estimated with the no-remat formula (an upper bound for them).
 ESTIMATE_MODE = {"none": "none", "full": "layer", "dots": "none", "dots_no_batch": "none"}
 _DT = {"float32": 4, "bfloat16": 2, "float16": 2}
+_TILE_BYTES = 4 * 2 ** 20   # the reference kernels' cache-sized tile bound (pallas_kernels.reference)
 
 
 def abstract_mesh(sizes: Mapping[str, int]):
@@ -46,44 +53,104 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
                               remat: str = "none") -> dict:
     """Analytic per-device activation bytes of one train step (an estimate, not a measurement).
 
-    n = ceil(batch / (data*fsdp*expert)) * seq tokens per device; H_l = ceil(heads / tensor); c = compute
-    dtype bytes; f = 4 (float32: router, attention scores, logits). Per token and decoder layer, the
-    forward values the backward pass needs:
-      attention  c*(q_lora + H_l*qk_head [q] + kv_lora + rope + H_l*(qk_nope + v_head) [k, v]
-                   + H_l*qk_head [roped q] + H_l*v_head [out]) + 2*f*H_l*keys [scores, probs],
-                 keys = min(seq, index_topk) for dsa, seq otherwise
-      indexer    (dsa) c*(index_heads*index_dim + index_dim) + 2*f*seq [index scores, top-k]
+    Tokens and keys. The batch is split over data*fsdp*expert and each sequence over `context`
+    (2*context chunks, device i holding chunks i and 2*context-1-i): a device holds
+    b = ceil(batch / (data*fsdp*expert)) sequences of T = seq/context tokens, n = b*T tokens. Attention
+    sees every key of its sequences: S = seq keys (all-gathered along `context` when it is > 1).
+    H_l = ceil(heads / tensor); c = compute dtype bytes; f = 4 (float32: router, softmax statistics,
+    scores, logits); K = min(S, index_topk).
+
+    Per token and decoder layer, the forward values the backward pass needs:
+      attention, MLA expanded (attention=mla: k / v per head)
+                 c*(q_lora + 2*H_l*qk_head [q, roped q] + kv_lora + rope + H_l*(qk_nope + v_head) [k, v]
+                   + H_l*v_head [out]) + f*H_l [log-sum-exp]
+      attention, DSA (MQA form: one [kv_latent | k_rope] row per key serves every head)
+                 c*(q_lora + 2*H_l*qk_head + kv_lora + rope + H_l*(kv_lora + rope) [absorbed q]
+                   + H_l*kv_lora [latent output] + H_l*v_head [out]) + f*H_l [log-sum-exp]
+      attention, mha / gqa   c*(2*H_l*head [q, roped q] + 2*ceil(kv_heads/tensor)*head [k, v]
+                   + H_l*head [out]) + f*H_l
+      indexer    (dsa) c*(index_heads*index_dim + index_dim) [q_I, k_I] + f*index_heads [weights]
+                 + 4*K [the int32 top-k indices, the one indexer output a layer keeps]
       moe layer  2*f*E [router] + 2*c*k*D [dispatched x, expert y] + 3*c*k*ceil(F_moe/tensor) [gate, up,
                  act] + 3*c*ceil(F_moe*shared/tensor);   dense layer 3*c*ceil(ffn/tensor)
       norms      4*c*D (two norm inputs, two residual sums)
     logits       f*ceil(V/tensor)*(1 + mtp_depth) [stacked logits] + 2*f*ceil(V/tensor) [softmax, grad]
-    remat="none" (no rematerialisation): every layer's values live at once:
-      n * (sum over L layers + mtp_depth MTP layers of per-layer bytes) + n * logits.
-    remat="layer" (checkpoint each decoder layer): only layer inputs are kept, one layer is recomputed:
-      n * c * D * (L + mtp_depth) + 2 * n * max per-layer bytes [its values and their gradients] + n * logits.
+    Attention scores and probabilities are NOT per-token terms: every attention path (the jnp flash
+    kernel, the sparse MQA kernel, the indexer top-k) works query chunk by query chunk and keeps
+    only the output and its log-sum-exp (custom VJPs; the indexer's top-k gets no gradient), so
+    [queries x keys] float32 arrays exist one chunk at a time. Counting 2*f*H_l*K (and, for the
+    indexer, 2*f*S) per token, as this formula did before the context axis, charged every token's
+    score row at once: 1 MiB per token for glm5, 16 GiB per layer at 16K tokens per device that no
+    compiled program holds. They enter instead as one transient tile (counted once, the larger of the two):
+      score tile  dense: 2*f*b*H_l*B_q*B_k, B_q = B_k = min(attn_chunk, T) (flash blocks);
+                  DSA: 2*f*b*H_l*r*K, r = the sparse kernel's query rows (<= min(16, attn_chunk), its
+                  gathered [r, K, kv_lora + rope] float32 tile under 4 MiB)
+      index tile  (dsa) f*b*r_I*S*(index_heads + 2) [the [r_I, index_heads, S] dot, the weighted
+                  scores, their sort keys], r_I = min(attn_chunk, max(32, 4 MiB / (4*b*index_heads*S)))
+                  as pallas_kernels.reference.indexer_topk picks it.
+    Terms that scale with the number of KEYS use S (the full sequence), per layer and sequence held,
+    times b (context > 1 only: with context = 1 the keys are the local tokens' own, per-token terms):
+      gathered keys        DSA and absorbed MLA: c*(kv_lora + rope)*S (one MQA key row per key, an
+                           attention residual: its gradient is S rows too); MLA expanded:
+                           c*H_l*(qk_head + v_head)*S (per-head K and V); mha / gqa: 2*c*ceil(kv_heads/tensor)*head*S
+      gathered index keys  (dsa) c*index_dim*S: read by the top-k only (no gradient), so transient.
+
+    remat="none" (no rematerialisation): every layer's values live at once, each layer keeping its
+      gathered keys as an attention residual:
+      n * (sum over L layers + mtp_depth MTP layers of per-layer bytes) + (L + mtp_depth) * gathered keys
+      + gathered index keys + tile + n * logits.
+    remat="layer" (checkpoint each decoder layer): only layer inputs are kept, one layer is recomputed
+      (its gathered keys live only during that layer's recompute and backward: counted once):
+      n * c * D * (L + mtp_depth) + 2 * (n * max per-layer bytes + gathered keys) [its values and their
+      gradients] + gathered index keys + tile + n * logits.
     Both add 4 x one MoE layer's routed-expert weights as a device holds them inside the a2a dispatch
-    (E/expert experts, all-gathered over fsdp: 3 * E/expert * D * ceil(F_moe/tensor) * c): the gathered
-    copy, the copy the backward recomputes with, its gradient before the reduce-scatter and the
+    (E/expert experts, all-gathered over fsdp x context: 3 * E/expert * D * ceil(F_moe/tensor) * c): the
+    gathered copy, the copy the backward recomputes with, its gradient before the reduce-scatter and the
     gradient's accumulation. The compiled glm5 step shows exactly these four per layer (tools.aot,
     docs/scaleout.md); they are per-token-independent, so they dominate at small batch per device.
+    Both also add the LM-head kernel's gradient as one float32 [D, ceil(V/tensor)] buffer, f*D*ceil(V/tensor),
+    summed over the main and MTP heads before its reduce-scatter over the batch axes (the compiled
+    glm5 step holds it at its peak, 3.5 GiB: docs/scaleout.md).
+    The planner assumes DSA's sparse stage (TrainConfig.indexer_loss None or "sparse"); the dense
+    warm-up (indexer_loss="dense") runs expanded MLA and a dense KL, not estimated here.
     """
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    tp = sizes["tensor"]
-    n = math.ceil(batch_size / shards) * seq_len
+    tp, cp = sizes["tensor"], sizes.get("context", 1)
+    seqs = math.ceil(batch_size / shards)
+    t_loc = math.ceil(seq_len / cp)
+    n = seqs * t_loc
     c, f = _DT[cfg.dtype], 4
     d = cfg.d_model
     hl = math.ceil(cfg.num_heads / tp)
+    dsa = cfg.attention == "dsa"
+    keys = min(seq_len, cfg.index_topk) if dsa else seq_len
+    block = min(cfg.attn_chunk, t_loc)
     if cfg.is_mla:
-        keys = min(seq_len, cfg.index_topk) if cfg.attention == "dsa" else seq_len
-        attn = c * (cfg.q_lora_rank + hl * cfg.qk_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-                    + hl * (cfg.qk_nope_head_dim + cfg.v_head_dim) + hl * cfg.qk_head_dim + hl * cfg.v_head_dim)
+        row = cfg.kv_lora_rank + cfg.qk_rope_head_dim             # one MQA key row
+        attn = c * (cfg.q_lora_rank + 2 * hl * cfg.qk_head_dim + row + hl * cfg.v_head_dim)
+        if dsa:
+            attn += c * (hl * row + hl * cfg.kv_lora_rank)
+            gathered_keys = c * row * seq_len
+            rows = max(1, min(16, cfg.attn_chunk, _TILE_BYTES // (keys * row * f)))
+            score_tile = 2 * f * seqs * hl * rows * keys
+        else:
+            attn += c * hl * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            gathered_keys = c * hl * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
+            score_tile = 2 * f * seqs * hl * block * block
     else:
-        keys = seq_len
         kvl = math.ceil(cfg.num_kv_heads / tp)
         attn = c * (2 * hl * cfg.head_dim + 2 * kvl * cfg.head_dim + hl * cfg.head_dim)
-    attn += 2 * f * hl * keys
-    idx = c * (cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim) + 2 * f * seq_len \
-        if cfg.attention == "dsa" else 0
+        gathered_keys = 2 * c * kvl * cfg.head_dim * seq_len
+        score_tile = 2 * f * seqs * hl * block * block
+    attn += f * hl
+    gathered_keys = seqs * gathered_keys if cp > 1 else 0
+    idx, index_tile, gathered_index_keys = 0, 0, 0
+    if dsa:
+        hi = cfg.index_n_heads
+        gathered_index_keys = seqs * c * cfg.index_head_dim * seq_len if cp > 1 else 0
+        idx = c * (hi * cfg.index_head_dim + cfg.index_head_dim) + f * hi + 4 * keys
+        r_i = min(cfg.attn_chunk, t_loc, max(32, _TILE_BYTES // (f * seqs * hi * seq_len)))
+        index_tile = f * seqs * r_i * seq_len * (hi + 2)
     moe = (2 * f * cfg.num_experts + 2 * c * cfg.experts_per_tok * d
            + 3 * c * cfg.experts_per_tok * math.ceil(cfg.moe_ffn_dim / tp)
            + 3 * c * math.ceil(cfg.moe_ffn_dim * cfg.num_shared_experts / tp)) if cfg.num_experts else 0
@@ -93,16 +160,23 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     per_layer += [attn + idx + (moe if cfg.num_experts else dense) + norms + 3 * c * d] * cfg.mtp_depth
     vl = math.ceil(cfg.vocab_size / tp)
     logits = f * vl * (1 + cfg.mtp_depth) + 2 * f * vl
+    tile = max(score_tile, index_tile)
     gathered = (4 * 3 * math.ceil(cfg.num_experts / sizes["expert"]) * d * math.ceil(cfg.moe_ffn_dim / tp) * c
                 if cfg.num_experts else 0)
+    head_grad = f * d * vl
+    fixed = tile + gathered + head_grad            # per-token-independent
     if remat == "none":
-        total = n * sum(per_layer) + n * logits + gathered
+        total = n * sum(per_layer) + len(per_layer) * gathered_keys + gathered_index_keys + n * logits + fixed
     elif remat == "layer":
-        total = n * c * d * len(per_layer) + 2 * n * max(per_layer) + n * logits + gathered
+        total = (n * c * d * len(per_layer) + 2 * (n * max(per_layer) + gathered_keys) + gathered_index_keys
+                 + n * logits + fixed)
     else:
         raise ValueError(f"remat={remat!r}: allowed none, layer")
-    return {"bytes": int(total), "tokens_per_device": n, "per_token_layer_bytes_max": int(max(per_layer)),
-            "logits_bytes_per_token": int(logits), "gathered_expert_weight_bytes": int(gathered), "remat": remat}
+    return {"bytes": int(total), "tokens_per_device": n, "sequences_per_device": seqs, "keys_per_sequence": seq_len,
+            "per_token_layer_bytes_max": int(max(per_layer)), "logits_bytes_per_token": int(logits),
+            "gathered_key_bytes_per_layer": int(gathered_keys), "gathered_index_key_bytes": int(gathered_index_keys),
+            "score_tile_bytes": int(tile),
+            "gathered_expert_weight_bytes": int(gathered), "head_gradient_bytes": int(head_grad), "remat": remat}
 
 
 def _fits(total: int) -> dict:
@@ -126,7 +200,7 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
     n_dev = math.prod(sizes.values())
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     batch_size = shards if batch_size is None else batch_size
-    check_model_fits_mesh(cfg, sizes, batch_size)
+    check_model_fits_mesh(cfg, sizes, batch_size, seq_len)
     tcfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, steps=1000)
     amesh = abstract_mesh(sizes)
     state, tx = abstract_state(cfg, tcfg, amesh)
