@@ -2,7 +2,7 @@
 
     python -m experiments.run --config=dsa_vs_mla [--workdir DIR] [--preset tiny|small] [--steps N]
                               [--set model.index_topk=32 --set train.learning_rate=1e-3 ...]
-                              [--mesh data:2,fsdp:2,expert:2]
+                              [--mesh data:2,fsdp:2,expert:2 | --mesh fsdp:2,context:4 ...]
     python -m experiments.run --list
     python -m experiments.run --config=dsa_vs_mla --show        # print every settable key and its value
 
@@ -18,7 +18,9 @@ override train.profile_steps.
 `--set` takes a dotted key into the experiment's typed config (model.*, train.*, data.* and the
 experiment's own knobs); the value is parsed by the field's type (none for Optional, comma lists or
 JSON for tuples). A bad key, value or combination exits with status 2 before anything compiles.
-`--mesh` builds a device mesh (glm5_jax.parallel.distributed.build_mesh) that every training call uses.
+`--mesh` builds a device mesh (glm5_jax.parallel.distributed.build_mesh) that every training call uses:
+AXIS:N,... over data, fsdp, expert, context, tensor (docs/scaleout.md); `context` splits each sequence
+(train.seq_len must divide by 2*context), the batch goes over data*fsdp*expert.
 `--init_from=PATH` starts the experiment from the weights at PATH: a Hugging Face folder (config.json +
 safetensors, e.g. GLM-5, bf16 or FP8) or a params checkpoint (tools.convert_hf). Every fresh train state
 the experiment creates (glm5_jax.train.state.init_from) is read from it onto the mesh, shard by shard;
@@ -61,7 +63,8 @@ def define_flags() -> None:
     flags.DEFINE_string("preset", "tiny", "Scale: tiny (CPU default) or small (one accelerator).")
     flags.DEFINE_integer("steps", None, "Override the experiment's main step count.")
     flags.DEFINE_multi_string("set", [], "Override a config field: --set section.field=value (repeatable).")
-    flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... over data, fsdp, expert, tensor (-1 fills).")
+    flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... over data, fsdp, expert, context, tensor (-1 fills; "
+                        "context splits each sequence: train.seq_len must divide by 2*context).")
     flags.DEFINE_string("profile_steps", None, "FIRST,LAST: trace these steps with jax.profiler "
                         "(= --set train.profile_steps=FIRST,LAST).")
     flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-process; or $GLM5_COORDINATOR_ADDRESS).")
@@ -104,13 +107,27 @@ def is_primary() -> bool:
 
 def make_mesh(spec: str | None, cfg):
     """The mesh for `spec` (None: no mesh, the single-device default), checked against the config's
-    model and batch size. Raises glm5_jax.sharding.MeshError on a bad spec."""
+    model, batch size and sequence length. Raises glm5_jax.sharding.MeshError on a bad spec."""
     if not spec:
         return None
     from glm5_jax.parallel.distributed import build_mesh
     model = getattr(cfg, "model", None)
     train = getattr(cfg, "train", None)
-    return build_mesh(spec, model_cfg=model, batch_size=getattr(train, "batch_size", None))
+    mesh = build_mesh(spec, model_cfg=model, batch_size=getattr(train, "batch_size", None))
+    check_mesh(mesh, cfg)
+    return mesh
+
+
+def check_mesh(mesh, cfg) -> None:
+    """MeshError unless `mesh` (a jax Mesh) fits the config's model, batch size and sequence length
+    (a `context` axis splits each sequence into 2*context chunks: train.seq_len must divide)."""
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.sharding import check_model_fits_mesh
+    model = getattr(cfg, "model", None)
+    train = getattr(cfg, "train", None)
+    if isinstance(model, ModelConfig):
+        check_model_fits_mesh(model, dict(mesh.shape), getattr(train, "batch_size", None),
+                              getattr(train, "seq_len", None))
 
 
 def check_init_from(path: str, cfg) -> None:

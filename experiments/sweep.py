@@ -1,7 +1,8 @@
 """Run an ablation sweep over one setting and write a comparison table.
 
     python -m experiments.sweep --config=NAME --sweep section.field=v1,v2,... [--workdir DIR]
-                                [--preset tiny] [--steps N] [--set section.field=value ...] [--mesh ...]
+                                [--preset tiny] [--steps N] [--set section.field=value ...]
+                                [--mesh AXIS:N,... over data, fsdp, expert, context, tensor]
                                 [--init_from PATH]
 
 e.g. --sweep model.index_topk=32,64. The key is any dotted key `--set` accepts (values are split on
@@ -22,7 +23,8 @@ from etils import epath
 from experiments import registry
 from experiments.report import md_table
 from experiments.run import define_flags as run_flags
-from experiments.run import USAGE_ERRORS, _init_from_errors, is_primary, make_mesh, run_experiment, start_from_flags
+from experiments.run import (USAGE_ERRORS, _init_from_errors, check_mesh, is_primary, make_mesh, run_experiment,
+                             start_from_flags)
 from glm5_jax import hugepages
 
 FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh, --init_from come from experiments.run
@@ -63,6 +65,9 @@ def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=
             check_init_from(init_from, arm)
     if isinstance(mesh, str):
         mesh = make_mesh(mesh, registry.resolve_config(exp, scale, fixed, steps))
+    if mesh is not None:                                 # each arm on that mesh (e.g. a train.seq_len sweep
+        for v in values:                                 # against 2*context), before the first compile
+            check_mesh(mesh, registry.resolve_config(exp, scale, [*fixed, f"{key}={v}"], steps))
     results = {}
     for v in values:
         report = run_experiment(name, os.path.join(workdir, f"{key}={v}"), scale, [*fixed, f"{key}={v}"], steps,

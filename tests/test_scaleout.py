@@ -215,7 +215,16 @@ def test_bad_meshes_and_distributed_settings_fail_clearly():
     fails(lambda: dist.build_mesh("data:2,expert:4", model_cfg=cfg, batch_size=4), "batch size 4", "= 8")
     fails(lambda: dist.build_mesh("data:8", scope="nodes"), "scope")
     m = dist.build_mesh("data:2,expert:4", model_cfg=cfg, batch_size=8, scope="local")
-    assert dict(m.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert dict(m.shape) == {"data": 2, "fsdp": 1, "expert": 4, "context": 1, "tensor": 1}
+    # context parallelism: d_model and the latent ranks over fsdp*expert*context, seq_len over 2*context
+    fails(lambda: dist.build_mesh("fsdp:2,context:4", model_cfg=cfg.replace(d_model=36)), "d_model=36",
+          "fsdp*expert*context=8")
+    import types
+    from experiments.run import make_mesh
+    from glm5_jax.train import TrainConfig
+    run_cfg = lambda t: types.SimpleNamespace(model=cfg, train=TrainConfig(batch_size=2, seq_len=t))
+    fails(lambda: make_mesh("data:2,context:4", run_cfg(12)), "seq_len 12", "2*context = 8")
+    assert dict(make_mesh("data:2,context:4", run_cfg(16)).shape)["context"] == 4
     calls = []
     assert dist.maybe_initialize(env={}, initialize=lambda **kw: calls.append(kw)) is False
     assert dist.maybe_initialize(env={"GLM5_NUM_PROCESSES": "1"}, initialize=lambda **kw: calls.append(kw)) is False
@@ -240,8 +249,9 @@ def test_bad_meshes_and_distributed_settings_fail_clearly():
 def _hand_count_tiny(sizes):
     """Per-device bytes of the tiny preset's params and AdamW state, by hand: each parameter dim is
     divided by the mesh axes its logical name is sharded over (experts -> expert; embed, q_lora,
-    kv_lora -> fsdp x expert, or fsdp alone in a leaf that has an experts dim; vocab, heads,
-    kv_heads, mlp, expert_mlp -> tensor; everything else whole; a mesh axis at most once per leaf), float32."""
+    kv_lora -> fsdp x expert x context, or fsdp x context in a leaf that has an experts dim; vocab,
+    heads, kv_heads, mlp, expert_mlp -> tensor; everything else whole; a mesh axis at most once per
+    leaf), float32."""
     import flax.linen as nn
     import jax
     from glm5_jax.config import preset
@@ -258,7 +268,7 @@ def _hand_count_tiny(sizes):
             if name == "experts":
                 axes = ("expert",)
             elif name in ("embed", "q_lora", "kv_lora"):
-                axes = ("fsdp",) if "expert" in used else ("fsdp", "expert")
+                axes = ("fsdp", "context") if "expert" in used else ("fsdp", "expert", "context")
             elif name in tensor_names:
                 axes = ("tensor",)
             else:
@@ -267,7 +277,7 @@ def _hand_count_tiny(sizes):
                 used.update(axes)
                 div = 1
                 for a in axes:
-                    div *= sizes[a]
+                    div *= sizes.get(a, 1)
                 assert dim % div == 0
                 n *= dim // div
             else:
@@ -316,3 +326,83 @@ def test_plan_glm5_pod_mesh():
         assert any(line.strip().startswith(key) and "GB" in line for line in out.splitlines()), key
     assert "TPU v5p (95 GB)" in out and "H200 (141 GB)" in out
     assert ("fits:" in out) or ("does not fit:" in out)
+
+
+# ------------------------------------------------------------------------------ the context axis in the plan
+def test_plan_context_axis_shards_params_like_fsdp_and_checks_seq_len():
+    """`context` joins fsdp for parameters: the same bytes as fsdp of that size (by hand, too), and
+    a sequence length the 2*context chunks do not divide fails before anything is built."""
+    from glm5_jax.config import preset
+    from glm5_jax.parallel.plan import plan
+    from glm5_jax.sharding import MeshError
+    cfg = preset("tiny")
+    with_context = plan(cfg, "fsdp:2,context:2,tensor:2", batch_size=2, seq_len=16, activations="estimate")
+    with_fsdp = plan(cfg, "fsdp:4,tensor:2", batch_size=4, seq_len=16, activations="estimate")
+    params, opt = _hand_count_tiny({"data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2})
+    pd = with_context["per_device_bytes"]
+    assert pd["params"] == params == with_fsdp["per_device_bytes"]["params"]
+    assert with_context["per_device_bytes"]["optimizer"] == with_fsdp["per_device_bytes"]["optimizer"]
+    assert 0 <= pd["optimizer"] - opt <= 64
+    # one sequence per device in both; context 2 holds half of its 16 tokens
+    assert with_context["activation_estimates"]["layer"]["tokens_per_device"] == 8
+    assert with_fsdp["activation_estimates"]["layer"]["tokens_per_device"] == 16
+    with pytest.raises(MeshError, match=r"seq_len 12 is not divisible by 2\*context = 8"):
+        plan(cfg, "context:4", batch_size=1, seq_len=12, activations="estimate")
+
+
+def test_plan_cli_shows_the_context_axis():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=glm5", "--mesh=expert:16,context:8",
+                          "--batch_size=16", "--seq_len=131072", "--remat"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "mesh data:1,fsdp:1,expert:16,context:8,tensor:1 (128 devices)" in res.stdout, res.stdout
+    assert "batch 16 x seq 131072" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=glm5", "--mesh=expert:16,context:8",
+                          "--batch_size=16", "--seq_len=4100"], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert bad.returncode == 2 and "seq_len 4100" in bad.stderr and "2*context = 16" in bad.stderr, bad.stderr
+
+
+def _key_bytes(cfg, seqs, seq_len, context, layers):
+    """The estimate's key-count terms by hand: the all-gathered keys of one layer (b sequences of
+    seq_len keys, bf16) -- DSA / absorbed MLA: one [kv_latent | k_rope] row per key, kept as an
+    attention residual with a same-sized gradient, plus one transient index_head_dim-wide indexer key;
+    expanded MLA: per-head K and V. `layers` of them with no remat, one layer's (x2: values and
+    gradients) with per-layer remat (layers=None). Nothing with context 1 (the keys are local)."""
+    if context == 1:
+        return 0
+    if cfg.attention == "dsa":
+        rows, index = 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim), 2 * cfg.index_head_dim
+    else:
+        rows, index = 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim), 0
+    per_layer = seqs * seq_len * rows
+    return (2 * per_layer if layers is None else layers * per_layer) + seqs * seq_len * index
+
+
+@pytest.mark.parametrize("attention", ["dsa", "mla"])
+@pytest.mark.parametrize("remat", ["none", "layer"])
+def test_activation_estimate_context_scaling(attention, remat):
+    """At constant batch and seq_len, doubling `context` halves every per-token term (tokens per
+    device seq/context) while the key-count terms follow the full sequence; at constant tokens per
+    device, a longer sequence adds only its gathered keys and one transient score tile, no per-token
+    x seq_len term (scores exist one query chunk at a time)."""
+    from glm5_jax.config import preset
+    from glm5_jax.parallel.plan import estimate_activation_bytes
+    from glm5_jax.sharding import parse_mesh_spec
+    cfg = preset("glm5").replace(attention=attention)
+    layers = None if remat == "layer" else cfg.num_layers + cfg.mtp_depth
+    batch, seq = 16, 131072
+
+    def est(context, seq_len=seq):
+        e = estimate_activation_bytes(cfg, batch, seq_len, parse_mesh_spec(f"expert:16,context:{context}"), remat)
+        assert e["tokens_per_device"] == batch // 16 * seq_len // context
+        return e["bytes"] - _key_bytes(cfg, batch // 16, seq_len, context, layers)
+
+    b1, b2, b4, b8 = (est(cp) for cp in (1, 2, 4, 8))
+    # bytes = per_token / context + constant (+ keys, removed): successive differences halve exactly
+    assert b1 - b2 == 2 * (b2 - b4) == 4 * (b4 - b8) > 0
+    assert b8 < b1 / 4
+    # fixed tokens per device (16384): seq 65536 on context 4 -> seq 131072 on context 8
+    grown = est(8) - est(4, seq // 2)
+    assert 0 <= grown < 2 ** 30, grown        # at most one score tile; a per-token x seq term would be ~16 GiB

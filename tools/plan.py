@@ -2,6 +2,11 @@
 
     python -m tools.plan --preset=glm5 --mesh=fsdp:64,expert:4 [--batch_size N] [--seq_len N]
         [--remat=none|full|dots|dots_no_batch] [--json]
+    python -m tools.plan --preset=glm5 --mesh=expert:16,context:8 --batch_size=16 --seq_len=131072 --remat
+
+The mesh has five axes, data, fsdp, expert, context, tensor (glm5_jax.sharding.MESH_AXES): the batch is
+split over data*fsdp*expert, each sequence over `context` (seq_len must divide by 2*context), weights'
+embed / latent dims over fsdp*expert*context, heads / ffn / vocab over tensor.
 
 `--remat` alone means `--remat=full` (each decoder layer recomputed in the backward pass).
 
@@ -28,9 +33,9 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
     flags.DEFINE_string("preset", "tiny", "Model preset: tiny | small | glm5.")
-    flags.DEFINE_string("mesh", "data:1", "Mesh sizes AXIS:N,... over data, fsdp, expert, tensor.")
+    flags.DEFINE_string("mesh", "data:1", "Mesh sizes AXIS:N,... over data, fsdp, expert, context, tensor.")
     flags.DEFINE_integer("batch_size", None, "Global batch (sequences); default one per data*fsdp*expert shard.")
-    flags.DEFINE_integer("seq_len", 4096, "Sequence length.")
+    flags.DEFINE_integer("seq_len", 4096, "Sequence length (split over the context axis: divisible by 2*context).")
     flags.DEFINE_string("optimizer", "adamw", "adamw | muon | muon_split.")
     flags.DEFINE_enum("activations", "auto", ["auto", "measure", "estimate"], "Measure (compile) or estimate.")
     flags.DEFINE_enum("remat", "none", REMAT_POLICIES, "ModelConfig.remat policy to plan with (see glm5_jax.model).")
