@@ -67,10 +67,12 @@ def mtp_targets(targets, mask, segment_ids, depth: int):
     return t, m
 
 
-def mtp_loss(mtp_logits, targets, mask, segment_ids=None):
-    """Mean over depths of the masked cross-entropy; mtp_logits [depth, B, T, V]."""
+def mtp_loss(mtp_logits, targets, mask, segment_ids=None, shifted=None):
+    """Mean over depths of the masked cross-entropy; mtp_logits [depth, B, T, V]. shifted: the
+    per-depth (targets, mask) [depth, B, T] already built (context parallelism:
+    glm5_jax.attention.context.layout_batch), instead of mtp_targets here."""
     losses = []
     for k in range(mtp_logits.shape[0]):
-        t, m = mtp_targets(targets, mask, segment_ids, k + 1)
+        t, m = mtp_targets(targets, mask, segment_ids, k + 1) if shifted is None else (shifted[0][k], shifted[1][k])
         losses.append(cross_entropy(mtp_logits[k], t, m)[1])
     return jnp.mean(jnp.stack(losses)), losses

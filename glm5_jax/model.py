@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.attention.context import context_size
 from glm5_jax.attention.mha import GQAttention
 from glm5_jax.attention.mla import MLAttention
 from glm5_jax.config import LayerStack, ModelConfig
@@ -187,7 +188,7 @@ class GLM5(nn.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, indexer_loss=None, mtp: bool = False,
                  return_hidden: bool = False, monitor_logits: bool = False, cache=None, write_positions=None,
-                 logits: bool = True) -> dict[str, Any]:
+                 logits: bool = True, mtp_tokens=None) -> dict[str, Any]:
         """tokens [B, T] int -> {"logits": [B, T, V] float32, "mtp_logits": [depth, B, T, V] if mtp,
         "hidden": [B, T, D] final-normed and "trunk": [B, T, D] before the final norm if return_hidden,
         "cache": the updated layer caches if cache}.
@@ -198,6 +199,9 @@ class GLM5(nn.Module):
         cache: {stack name: {"layer_j": buffers [repeats, B, S, ...]}} (glm5_jax.infer.cache.init_cache's
         "layers"); this call's keys are written at write_positions (default positions; < 0 = not written)
         and a query at position p attends the cache slots 0..p. logits=False skips the head.
+        mtp_tokens [depth, B, T]: the input token k steps ahead for MTP depth k (default: tokens shifted
+        left by k); needed under context parallelism, where the sequence is in the context layout
+        (glm5_jax.attention.context.layout_batch builds it).
         """
         c = self.cfg
         b, t = tokens.shape
@@ -222,10 +226,13 @@ class GLM5(nn.Module):
         if new_cache is not None:
             out["cache"] = new_cache
         if mtp and c.mtp_depth:
+            if mtp_tokens is None and context_size() > 1 and not self.is_initializing():
+                raise ValueError("MTP under context parallelism needs mtp_tokens (the sequence is in the context "
+                                 "layout: shifting it is wrong); glm5_jax.attention.context.layout_batch builds them")
             h, mtp_logits = x, []
             for k in range(1, c.mtp_depth + 1):
-                h, hn, _ = self.mtp_depth(k, h, shift_left(tokens, k), positions, segment_ids,
-                                          indexer_loss=indexer_loss)
+                nxt = shift_left(tokens, k) if mtp_tokens is None else mtp_tokens[k - 1]
+                h, hn, _ = self.mtp_depth(k, h, nxt, positions, segment_ids, indexer_loss=indexer_loss)
                 mtp_logits.append(self.head(hn))
             out["mtp_logits"] = jnp.stack(mtp_logits)
         return out

@@ -1,7 +1,11 @@
 """Meshes and the one table that maps logical axis names to mesh axes.
 
 Every parameter carries logical names (see BUILD_NOTES.md); `LOGICAL_RULES` maps them onto the mesh
-axes (data, fsdp, expert, tensor). The same model code runs on 1 CPU, 8 fake CPU devices and a pod.
+axes (data, fsdp, expert, context, tensor). The same model code runs on 1 CPU, 8 fake CPU devices and a pod.
+
+`context` splits the sequence axis of activations (context parallelism: glm5_jax.attention.context
+runs attention over the sequence shards); for parameters it joins fsdp (a weight's embed / latent dim
+is sharded over fsdp x expert x context), so adding a context axis never replicates weights.
 """
 
 from __future__ import annotations
@@ -19,28 +23,28 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model import abstract_params
 from glm5_jax.parallel.ep import BATCH_AXES   # the batch dim is split over all three (activation_batch)
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
     ("activation_batch", ("data", "fsdp", "expert")),
-    ("activation_seq", None),
+    ("activation_seq", "context"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     # parameters. flax takes the rules in order and skips one whose mesh axes a dim of the same
     # parameter already uses, so a name may list fallbacks: `experts` claims `expert` first, then
-    # `embed` spreads every non-expert weight over fsdp x expert (all chips of an fsdp x expert
-    # mesh) and an expert kernel's embed dim falls back to fsdp alone (tools.aot, docs/scaleout.md)
+    # `embed` spreads every non-expert weight over fsdp x expert x context (all chips of such a
+    # mesh) and an expert kernel's embed dim falls back to fsdp x context (tools.aot, docs/scaleout.md)
     ("vocab", "tensor"),
     ("experts", "expert"),
-    ("embed", ("fsdp", "expert")),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "expert", "context")),
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
-    ("q_lora", ("fsdp", "expert")),   # the up-projections [latent, heads*dim] shard their latent dim;
-    ("q_lora", "fsdp"),               # [embed, latent] kernels already use those axes for embed
-    ("kv_lora", ("fsdp", "expert")),
-    ("kv_lora", "fsdp"),
+    ("q_lora", ("fsdp", "expert", "context")),   # the up-projections [latent, heads*dim] shard their
+    ("q_lora", ("fsdp", "context")),             # latent dim; [embed, latent] kernels already use
+    ("kv_lora", ("fsdp", "expert", "context")),  # those axes for embed
+    ("kv_lora", ("fsdp", "context")),
     ("mlp", "tensor"),
     ("expert_mlp", "tensor"),
     ("experts_router", None),
@@ -57,7 +61,7 @@ class MeshError(ValueError):
 
 
 def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
-    """'fsdp:64,expert:4' or {'fsdp': 64} -> sizes for all four axes (unnamed axes get 1, -1 = fill)."""
+    """'fsdp:64,expert:4' or {'fsdp': 64} -> sizes for all five axes (unnamed axes get 1, -1 = fill)."""
     if spec is None or spec == "":
         sizes = {}
     elif isinstance(spec, str):
@@ -99,19 +103,25 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh
     return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def check_model_fits_mesh(config: ModelConfig, sizes: Mapping[str, int], batch_size: int | None = None) -> None:
-    """Raise MeshError naming the first model dimension the mesh does not divide."""
-    # non-expert weights spread embed / q_lora / kv_lora over fsdp x expert (LOGICAL_RULES); expert
-    # kernels over fsdp alone, which divides fsdp x expert's product whenever that divides
-    checks = [("num_heads", config.num_heads, "tensor"), ("d_model", config.d_model, ("fsdp", "expert"))]
+PARAM_AXES = ("fsdp", "expert", "context")   # the axes a weight's embed / latent dim is split over
+
+
+def check_model_fits_mesh(config: ModelConfig, sizes: Mapping[str, int], batch_size: int | None = None,
+                          seq_len: int | None = None) -> None:
+    """Raise MeshError naming the first model dimension (or batch size / sequence length) the mesh
+    does not divide."""
+    sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
+    # non-expert weights spread embed / q_lora / kv_lora over fsdp x expert x context (LOGICAL_RULES);
+    # expert kernels over fsdp x context, which divides the full product whenever that divides
+    checks = [("num_heads", config.num_heads, "tensor"), ("d_model", config.d_model, PARAM_AXES)]
     if config.num_experts:
         checks += [("num_experts", config.num_experts, "expert"), ("moe_ffn_dim", config.moe_ffn_dim, "tensor")]
     checks += [("ffn_dim", config.ffn_dim, "tensor"), ("vocab_size", config.vocab_size, "tensor")]
     if not config.is_mla:
         checks.append(("num_kv_heads", config.num_kv_heads, "tensor"))
     else:
-        checks += [("q_lora_rank", config.q_lora_rank, ("fsdp", "expert")),
-                   ("kv_lora_rank", config.kv_lora_rank, ("fsdp", "expert"))]
+        checks += [("q_lora_rank", config.q_lora_rank, PARAM_AXES),
+                   ("kv_lora_rank", config.kv_lora_rank, PARAM_AXES)]
     for field, value, axes in checks:
         axes = (axes,) if isinstance(axes, str) else axes
         n = math.prod(sizes[a] for a in axes)
@@ -123,6 +133,10 @@ def check_model_fits_mesh(config: ModelConfig, sizes: Mapping[str, int], batch_s
         if batch_size % shards:
             raise MeshError(f"batch size {batch_size} is not divisible by data*fsdp*expert = {shards} "
                             f"(mesh {dict(sizes)}; the batch is split over all three)")
+    if seq_len is not None and sizes["context"] > 1 and seq_len % (2 * sizes["context"]):
+        raise MeshError(f"seq_len {seq_len} is not divisible by 2*context = {2 * sizes['context']} (mesh "
+                        f"{dict(sizes)}; context parallelism splits each sequence into 2*context equal chunks, "
+                        "device i holding chunks i and 2*context-1-i)")
 
 
 def logical_specs(config: ModelConfig):

@@ -4,9 +4,12 @@ dispatches here) and the baseline of tools/bench_dsa.py.
 Block-tiled online softmax with a hand-written single-pass backward (custom_vjp, only O and the
 log-sum-exp saved; probabilities recomputed per block pair). Only the ~T^2/2 block pairs on or
 below the causal diagonal are visited (dynamic-length inner loops). Memory is O(T) plus one
-[block, block] tile per head, forward and backward. q [B, T, H, Dq], k [B, T, Hk, Dq],
-v [B, T, Hk, Dv] with H % Hk == 0 (MHA, GQA, MQA; Dv != Dq allowed), S == T (prefill/training),
-optional `segment_ids` [B, T] (packed documents: a query sees only keys of its own document).
+[block, block] tile per head, forward and backward. q [B, T, H, Dq], k [B, S, Hk, Dq],
+v [B, S, Hk, Dv] with H % Hk == 0 (MHA, GQA, MQA; Dv != Dq allowed), S == T (prefill/training), or
+S >= T with `q_offset` (context parallelism: the T local queries sit at global positions
+q_offset .. q_offset + T - 1 of the S keys; q_offset may be traced, a multiple of the block),
+optional `segment_ids` [B, T] (packed documents: a query sees only keys of its own document;
+`kv_segment_ids` [B, S] for the keys when S != T).
 
 Layout (what makes it fast on XLA CPU): one KV head per program. The g = H / Hk query heads that
 share a KV head are folded into the matmul rows, M = block*g (row m = query m // g, head m % g),
@@ -29,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _F32 = jnp.float32
 
@@ -42,9 +46,10 @@ def _diag_mask(blk, g):
     return jnp.arange(blk)[None, :] <= (jnp.arange(blk * g) // g)[:, None]
 
 
-def _block_mask(i, j, tri, segq, segk, km):
-    """Bool [B, M, blk] (or [M, blk] without segments or key mask) for query block i and key block j."""
-    mask = jnp.logical_or(j != i, tri)
+def _block_mask(i, j, tri, segq, segk, km, off=0):
+    """Bool [B, M, blk] (or [M, blk] without segments or key mask) for query block i (global block
+    i + off) and key block j."""
+    mask = jnp.logical_or(j != i + off, tri)
     if segq is not None:
         mask = mask & (segq[:, i][:, :, None] == segk[:, j][:, None, :])
     if km is not None:
@@ -52,10 +57,11 @@ def _block_mask(i, j, tri, segq, segk, km):
     return mask
 
 
-def _fwd(q, k, v, segq, segk, km, scale, blk):
-    """q [B, n, blk*g, D], k [B, n, blk, D], v [B, n, blk, Dv], segq [B, n, M], segk [B, n, blk],
-    km [B, n, M, n, blk] (each or None) -> o [B, n, M, Dv], lse [B, n, M] (+inf for a row that sees
-    no key: only a key mask or padding can empty a row; its output is 0)."""
+def _fwd(q, k, v, segq, segk, km, off, scale, blk):
+    """q [B, n, blk*g, D], k [B, nk, blk, D], v [B, nk, blk, Dv], segq [B, n, M], segk [B, nk, blk],
+    km [B, n, M, nk, blk] (each or None), off: global block index of query block 0 (int, maybe
+    traced) -> o [B, n, M, Dv], lse [B, n, M] (+inf for a row that sees no key: only a key mask or
+    padding can empty a row; its output is 0)."""
     b, n, m, _ = q.shape
     tri = _diag_mask(blk, m // blk)
 
@@ -65,7 +71,7 @@ def _fwd(q, k, v, segq, segk, km, scale, blk):
         def step(j, c):
             mx, l, acc = c
             s = _mm("bmd,bkd->bmk", qb, k[:, j]) * scale
-            s = jnp.where(_block_mask(i, j, tri, segq, segk, km), s, -jnp.inf)
+            s = jnp.where(_block_mask(i, j, tri, segq, segk, km, off), s, -jnp.inf)
             m_new = jnp.maximum(mx, s.max(-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - m_safe[..., None])
@@ -75,7 +81,7 @@ def _fwd(q, k, v, segq, segk, km, scale, blk):
 
         init = (jnp.full((b, m), -jnp.inf, _F32), jnp.zeros((b, m), _F32),
                 jnp.zeros((b, m, v.shape[-1]), _F32))
-        mx, l, acc = jax.lax.fori_loop(0, i + 1, step, init)
+        mx, l, acc = jax.lax.fori_loop(0, i + off + 1, step, init)
         if km is None:  # l > 0: a query sees itself
             return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)
         seen = l > 0
@@ -86,18 +92,18 @@ def _fwd(q, k, v, segq, segk, km, scale, blk):
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(lse, 0, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, segq, segk, km, scale, blk):
-    return _fwd(q, k, v, segq, segk, km, scale, blk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, segq, segk, km, off, scale, blk):
+    return _fwd(q, k, v, segq, segk, km, off, scale, blk)[0]
 
 
-def _flash_fwd(q, k, v, segq, segk, km, scale, blk):
-    o, lse = _fwd(q, k, v, segq, segk, km, scale, blk)
-    return o, (q, k, v, segq, segk, km, o, lse)
+def _flash_fwd(q, k, v, segq, segk, km, off, scale, blk):
+    o, lse = _fwd(q, k, v, segq, segk, km, off, scale, blk)
+    return o, (q, k, v, segq, segk, km, off, o, lse)
 
 
 def _flash_bwd(scale, blk, res, do):
-    q, k, v, segq, segk, km, o, lse = res
+    q, k, v, segq, segk, km, off, o, lse = res
     b, n, m, _ = q.shape
     tri = _diag_mask(blk, m // blk)
     delta = jnp.sum(do.astype(_F32) * o.astype(_F32), -1)  # [B, n, M]
@@ -109,7 +115,7 @@ def _flash_bwd(scale, blk, res, do):
             dk, dv, dq = c
             qb, dob = q[:, i], do[:, i]
             s_t = _mm("bkd,bmd->bkm", kb, qb) * scale
-            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk, km), -1, -2)
+            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk, km, off), -1, -2)
             s_t = jnp.where(mask_t, s_t, -jnp.inf)
             p_t = jnp.exp(s_t - lse[:, i][:, None, :])  # [B, k, M]
             dp_t = _mm("bkd,bmd->bkm", vb, dob)
@@ -120,44 +126,68 @@ def _flash_bwd(scale, blk, res, do):
             return dk, dv, dq.at[:, i].add(dq_i)
 
         init = (jnp.zeros(kb.shape, _F32), jnp.zeros(vb.shape, _F32), dq)
-        dk, dv, dq = jax.lax.fori_loop(j, n, step, init)
+        # query blocks whose global index i + off >= j see key block j
+        dk, dv, dq = jax.lax.fori_loop(jnp.clip(j - off, 0, n), n, step, init)
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
-    dq, (dk, dv) = jax.lax.scan(per_k, jnp.zeros(q.shape, _F32), jnp.arange(n))
-    return dq.astype(q.dtype), jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1), None, None, None
+    dq, (dk, dv) = jax.lax.scan(per_k, jnp.zeros(q.shape, _F32), jnp.arange(k.shape[1]))
+    return (dq.astype(q.dtype), jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1), None, None, None,
+            np.zeros(jnp.shape(off), jax.dtypes.float0))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512, key_mask=None):
-    """Causal dense attention (S == T), differentiable in q, k, v -> [B, T, H, Dv] in q's dtype.
+def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512, key_mask=None,
+                    q_offset=None, kv_segment_ids=None):
+    """Causal dense attention, differentiable in q, k, v -> [B, T, H, Dv] in q's dtype.
 
-    q [B, T, H, Dq], k [B, T, Hk, Dq], v [B, T, Hk, Dv] (H % Hk == 0), segment_ids [B, T] or None.
-    key_mask [B, T, T] bool or None: keys each query may see besides the causal / document rule
-    (DSA's top-k set as a dense mask, `topk_key_mask`); a query that sees no key returns zeros.
-    T is padded up to a multiple of the block (min(block, T)); padded keys lie after every real
-    query, so the causal mask already hides them."""
+    q [B, T, H, Dq], k [B, S, Hk, Dq], v [B, S, Hk, Dv] (H % Hk == 0), segment_ids [B, T] or None.
+    S == T unless `q_offset` is given: then query t sits at global position q_offset + t of the S
+    keys (context parallelism; q_offset an int or a traced int32 scalar, a multiple of the block,
+    which is then the largest divisor of T <= block) and `kv_segment_ids` [B, S] are the keys'
+    segment ids (default: segment_ids, which needs S == T). Only block pairs on or below the causal
+    diagonal are visited.
+    key_mask [B, T, T] bool or None (S == T only): keys each query may see besides the causal /
+    document rule (DSA's top-k set as a dense mask, `topk_key_mask`); a query that sees no key
+    returns zeros. T is padded up to a multiple of the block (min(block, T)); padded keys lie after
+    every real query, so the causal mask already hides them."""
     b, t, h, d = q.shape
     s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    if s != t or v.shape[1] != t:
-        raise ValueError(f"flash_attention needs S == T, got q T={t}, k S={s}, v S={v.shape[1]}")
+    if q_offset is None and (s != t or v.shape[1] != t):
+        raise ValueError(f"flash_attention needs S == T without q_offset, got q T={t}, k S={s}, v S={v.shape[1]}")
+    if v.shape[1] != s:
+        raise ValueError(f"k has S={s} keys but v has {v.shape[1]}")
     if h % hk or v.shape[2] != hk:
         raise ValueError(f"query heads {h} must be a multiple of key heads {hk} (v has {v.shape[2]})")
     if segment_ids is not None and segment_ids.shape != (b, t):
         raise ValueError(f"segment_ids {segment_ids.shape} must be [B={b}, T={t}]")
+    if kv_segment_ids is None and segment_ids is not None and s != t:
+        raise ValueError(f"segment_ids with S={s} != T={t} keys needs kv_segment_ids [B, S]")
+    if (kv_segment_ids is None) != (segment_ids is None):
+        if kv_segment_ids is not None:
+            raise ValueError("kv_segment_ids without segment_ids (the queries' ids)")
+    if key_mask is not None and q_offset is not None:
+        raise ValueError("key_mask is for S == T only (no q_offset)")
     g = h // hk
-    blk = min(int(block), t)
+    if q_offset is None:
+        blk = min(int(block), t)
+        off = jnp.int32(0)
+    else:  # the block must tile T exactly so that q_offset (a multiple of T) is a whole number of blocks
+        blk = max(c for c in range(1, min(int(block), t) + 1) if t % c == 0)
+        off = jnp.asarray(q_offset, jnp.int32) // blk
     n = -(-t // blk)
-    tp = n * blk
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    nk = -(-s // blk)
+    tp, sp = n * blk, nk * blk
+    pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     # KV heads into the batch, the g query heads of a KV head into the rows: [B*Hk, n, blk*g, D]
-    qf = jnp.swapaxes(pad(q).reshape(b, tp, hk, g, d), 1, 2).reshape(b * hk, n, blk * g, d)
-    fold = lambda x: jnp.swapaxes(pad(x), 1, 2).reshape(b * hk, n, blk, x.shape[-1])  # noqa: E731
+    qf = jnp.swapaxes(pad(q, tp).reshape(b, tp, hk, g, d), 1, 2).reshape(b * hk, n, blk * g, d)
+    fold = lambda x: jnp.swapaxes(pad(x, sp), 1, 2).reshape(b * hk, nk, blk, x.shape[-1])  # noqa: E731
     segq = segk = None
     if segment_ids is not None:
-        seg = jnp.repeat(pad(segment_ids.astype(jnp.int32)), hk, axis=0)  # [B*Hk, Tp]
-        segk = seg.reshape(b * hk, n, blk)
+        kseg = segment_ids if kv_segment_ids is None else kv_segment_ids
+        segk = jnp.repeat(pad(kseg.astype(jnp.int32), sp), hk, axis=0).reshape(b * hk, nk, blk)
+        seg = jnp.repeat(pad(segment_ids.astype(jnp.int32), tp), hk, axis=0)  # [B*Hk, Tp]
         segq = jnp.repeat(seg, g, axis=1).reshape(b * hk, n, blk * g)
     km = None
     if key_mask is not None:
@@ -165,7 +195,7 @@ def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512
             raise ValueError(f"key_mask {key_mask.shape} must be [B={b}, T={t}, T={t}]")
         km = jnp.pad(key_mask.astype(bool), [(0, 0), (0, tp - t), (0, tp - t)])  # padded keys: never
         km = jnp.repeat(jnp.repeat(km, hk, axis=0), g, axis=1).reshape(b * hk, n, blk * g, n, blk)
-    o = _flash(qf, fold(k), fold(v), segq, segk, km, float(scale), blk)  # [B*Hk, n, blk*g, Dv]
+    o = _flash(qf, fold(k), fold(v), segq, segk, km, off, float(scale), blk)  # [B*Hk, n, blk*g, Dv]
     o = jnp.swapaxes(o.reshape(b, hk, tp, g, dv), 1, 2).reshape(b, tp, h, dv)
     return o[:, :t]
 

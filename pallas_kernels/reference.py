@@ -31,11 +31,12 @@ def pick_chunk(t: int, target: int) -> int:
 
 
 def visible_mask(t0, tc: int, s: int, t_total: int, causal: bool, seg_q=None, seg_k=None,
-                 length: int | None = None):
-    """Bool [B or 1, tc, length or s]: key j visible from query t0 + i (bottom-right causal alignment),
-    for the keys of an S-long sequence, or only its prefix [0, length) when `length` is given."""
+                 length: int | None = None, q_offset=None):
+    """Bool [B or 1, tc, length or s]: key j visible from query t0 + i (bottom-right causal alignment,
+    or at global position q_offset + t0 + i when q_offset is given: context parallelism), for the
+    keys of an S-long sequence, or only its prefix [0, length) when `length` is given."""
     n_keys = s if length is None else length
-    q_pos = t0 + jnp.arange(tc)[:, None] + (s - t_total)
+    q_pos = t0 + jnp.arange(tc)[:, None] + ((s - t_total) if q_offset is None else q_offset)
     k_pos = jnp.arange(n_keys)[None, :]
     mask = (k_pos <= q_pos) if causal else jnp.ones((tc, n_keys), bool)
     mask = mask[None]
@@ -141,7 +142,7 @@ _MIN_PREFIX = 1024  # shortest key prefix a causal group scores: below it XLA CP
 
 
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segment_ids=None,
-                 chunk: int = 256, groups: int = 8, cap: int | None = 0):
+                 chunk: int = 256, groups: int = 8, cap: int | None = 0, q_offset=None, kv_segment_ids=None):
     """Exact top-k keys per query by the lightning-indexer score.
 
     q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk]: the same
@@ -151,24 +152,28 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segme
     cap=0 (default): plain lax.top_k over that prefix; cap=None or > 0: threshold selection
     (`topk_rows`) first -- identical output, but on XLA CPU not faster (its TopK cost is mostly
     the sort of the k outputs, see BUILD_NOTES).
+    q_offset (context parallelism): query t sits at global position q_offset + t of the S keys (an
+    int or a traced scalar; every chunk then scores the whole key row), with the keys' segment ids
+    in kv_segment_ids [B, S].
     """
     b, t, _, _ = q_idx.shape
     s = k_idx.shape[1]
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    if segment_ids is not None and s != t:
-        raise ValueError(f"segment_ids needs S == T, got S={s}, T={t}")
+    if segment_ids is not None and s != t and kv_segment_ids is None:
+        raise ValueError(f"segment_ids needs S == T (or kv_segment_ids [B, S]), got S={s}, T={t}")
+    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
     # `chunk` is an upper bound: the chunk's [B, tc, Hi, S] float32 dot output is kept cache-sized
     # (at B=4, T=1024, Hi=8, top-128: 256 -> 32 queries cut the indexer top-k's CPU time ~1.4x)
     row_bytes = b * q_idx.shape[2] * s * 4
     tc = pick_chunk(t, min(chunk, max(32, _SCORE_TILE_BYTES // row_bytes)))
     n = t // tc
     k_eff = min(topk, s)
-    g = max(1, min(int(groups), n)) if causal else 1
+    g = max(1, min(int(groups), n)) if causal and q_offset is None else 1
     bounds = [round(j * n / g) for j in range(g + 1)]
 
     def prefix(c1):  # keys [0, length) hold every key visible to queries of chunks < c1
-        length = min(s, max(1, c1 * tc + s - t)) if causal else s
+        length = min(s, max(1, c1 * tc + s - t)) if causal and q_offset is None else s
         if length < s:  # whole 128-key tiles, at least _MIN_PREFIX keys (steady dot shapes)
             length = min(s, max(_MIN_PREFIX, -(-length // 128) * 128))
         return length
@@ -182,7 +187,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segme
         length = prefix(c1)
         kk = min(k_eff, length)
         kx = k_idx[:, :length]
-        seg_k = None if segment_ids is None else segment_ids[:, :length]
+        seg_k = None if segment_ids is None else kv_seg[:, :length]
 
         def one_chunk(i, kx=kx, seg_k=seg_k, length=length, kk=kk):
             t0 = i * tc
@@ -191,7 +196,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, segme
             seg_q = (None if segment_ids is None
                      else jax.lax.dynamic_slice_in_dim(segment_ids, t0, tc, 1))
             scores = index_scores(q, kx, w)
-            mask = visible_mask(t0, tc, s, t, causal, seg_q, seg_k, length=length)
+            mask = visible_mask(t0, tc, s, t, causal, seg_q, seg_k, length=length, q_offset=q_offset)
             return topk_rows(jnp.where(mask, scores, NEG_INF), kk, cap=cap)
 
         out = jax.lax.map(one_chunk, jnp.arange(c0, c1))  # [n_g, B, tc, kk]

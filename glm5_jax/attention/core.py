@@ -78,7 +78,7 @@ def gpu_flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int =
 
 
 def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 256, platform: str | None = None,
-                     key_mask=None):
+                     key_mask=None, q_offset=None, kv_segment_ids=None):
     """q [B, T, H, Dq], k [B, T, Hk, Dq], v [B, T, Hk, Dv] (H % Hk == 0) -> [B, T, H, Dv] in q's dtype.
 
     Causal; `segment_ids` [B, T] keeps attention inside each packed document. Softmax in float32.
@@ -88,11 +88,17 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
     `key_mask` [B, T, T] bool (DSA's top-k set as a dense mask, `dense.topk_key_mask`): only the
     jnp flash kernel takes one, so it runs on every platform then (a [T, S] input by definition;
     `mla` uses it on CPU at short T only).
+    `q_offset` / `kv_segment_ids` (context parallelism, glm5_jax.attention.context): the T local
+    queries sit at global positions q_offset.. of the S gathered keys; the jnp flash kernel runs then
+    on every platform (TODO(kernels): splash / Triton with a query offset).
     """
     b, t, h, _ = q.shape
     s, hk = k.shape[1], k.shape[2]
     if h % hk:
         raise ValueError(f"query heads {h} must be a multiple of key heads {hk}")
+    if q_offset is not None:
+        return flash_attention(q, k, v, scale=scale, segment_ids=segment_ids, block=chunk, q_offset=q_offset,
+                               kv_segment_ids=kv_segment_ids)
     if s != t:
         raise ValueError(f"causal_attention needs S == T (training / prefill), got T={t}, S={s}; "
                          "attention over a cache is cached_attention")

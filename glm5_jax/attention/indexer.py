@@ -55,15 +55,18 @@ def _kl(p, log_q, valid):
     return jnp.sum(terms, axis=-1)
 
 
-def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_ids=None, chunk: int = 256):
+def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_ids=None, chunk: int = 256,
+                     q_offset=None, kv_segment_ids=None):
     """Dense warm-up loss: KL(p_t || softmax(I_t)) over all visible keys, mean over queries, where
     p_t is the main attention distribution summed over heads and L1-normalised (a fixed target).
     Also returns the indexer's recall of the true top-k keys of p_t.
 
-    q [B, T, H, Dq], k [B, S, H, Dq] (main attention, expanded), q_idx/k_idx/weights as kernels.indexer_topk.
+    q [B, T, H, Dq], k [B, S, H, Dq] (main attention, expanded), q_idx/k_idx/weights as kernels.indexer_topk
+    (q_offset / kv_segment_ids likewise: queries at global positions q_offset.. of the S keys).
     """
     b, t = q.shape[:2]
     s = k.shape[1]
+    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
     tc = ref.pick_chunk(t, chunk)
     kk = min(topk, s)
 
@@ -71,7 +74,7 @@ def indexer_kl_dense(q, k, scale, q_idx, k_idx, weights, *, topk: int, segment_i
         t0 = i * tc
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, tc, axis=1)
         seg_q = None if segment_ids is None else sl(segment_ids)
-        mask = ref.visible_mask(t0, tc, s, t, True, seg_q, segment_ids)
+        mask = ref.visible_mask(t0, tc, s, t, True, seg_q, kv_seg, q_offset=q_offset)
         logits = jnp.einsum("bthd,bshd->bhts", sl(q), k).astype(jnp.float32) * scale
         probs = jax.nn.softmax(jnp.where(mask[:, None], logits, NEG_INF), axis=-1)
         p = jnp.sum(probs, axis=1)

@@ -7,14 +7,22 @@ from __future__ import annotations
 from pallas_kernels import reference as ref
 
 
-def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: str = "xla", chunk: int = 256):
-    """Exact top-k key indices per query, int32 [B, T, topk], -1 where fewer keys are visible."""
+def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: str = "xla", chunk: int = 256,
+                 q_offset=None, kv_segment_ids=None):
+    """Exact top-k key indices per query, int32 [B, T, topk], -1 where fewer keys are visible.
+    q_offset / kv_segment_ids: the T queries at global positions q_offset.. of the S keys (context
+    parallelism, glm5_jax.attention.context; the jnp reference only)."""
     if impl == "pallas":
+        if q_offset is not None:
+            raise NotImplementedError(
+                "attention_impl='pallas' under a context-parallel mesh: the Pallas indexer top-k takes no "
+                "query offset yet (docs/kernels.md, known gaps); use attention_impl='xla' with a context axis")
         from pallas_kernels import dsa
         return dsa.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids)
     if impl != "xla":
         raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {impl!r}")
-    return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk)
+    return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk, q_offset=q_offset,
+                            kv_segment_ids=kv_segment_ids)
 
 
 def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int = 128, dv: int | None = None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from glm5_jax.attention.context import over_context
 from glm5_jax.attention.core import cached_attention, causal_attention, write_cache
 from glm5_jax.layers.common import Dense, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope
@@ -27,17 +28,33 @@ class GQAttention(nn.Module):
         v = Dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), name="v_proj", **kw)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
-        if monitor_logits:   # max |q.k| * scale over heads and visible (causal, same-segment) keys
-            self.sow("intermediates", "max_attn_logit",
-                     max_attention_logit(q, k, c.head_dim ** -0.5, causal=True, q_segment_ids=segment_ids,
-                                         kv_segment_ids=segment_ids, q_chunk=c.attn_chunk))
+        scale = c.head_dim ** -0.5
         if cache is not None:
+            if monitor_logits:
+                raise ValueError("monitor_logits is for training forwards, not attention over a cache")
             if positions is None:
                 raise ValueError("attention over a cache needs explicit positions [B, T]")
             wpos = positions if write_positions is None else write_positions
             cache = {"k": write_cache(cache["k"], wpos, k), "v": write_cache(cache["v"], wpos, v)}
-            out = cached_attention(q, cache["k"], cache["v"], positions, scale=c.head_dim ** -0.5)
+            out = cached_attention(q, cache["k"], cache["v"], positions, scale=scale)
         else:
-            out = causal_attention(q, k, v, scale=c.head_dim ** -0.5, segment_ids=segment_ids, chunk=c.attn_chunk)
+            def attend(loc, kv, q_offset):   # one shard of queries over all keys (glm5_jax.attention.context)
+                out = causal_attention(loc["q"], kv["k"], kv["v"], scale=scale, segment_ids=loc["seg"],
+                                       chunk=c.attn_chunk, q_offset=q_offset,
+                                       kv_segment_ids=None if q_offset is None else kv["seg"])
+                if not monitor_logits:
+                    return (out,)
+                # max |q.k| * scale over heads and visible (causal, same-segment) keys
+                tq = loc["q"].shape[1]
+                q_pos = None if q_offset is None else jnp.broadcast_to(q_offset + jnp.arange(tq), (b, tq))
+                return out, max_attention_logit(loc["q"], kv["k"], scale, causal=True, q_segment_ids=loc["seg"],
+                                                kv_segment_ids=kv["seg"], q_positions=q_pos, q_chunk=c.attn_chunk)
+
+            res = over_context(attend, {"q": q, "seg": segment_ids}, {"k": k, "v": v, "seg": segment_ids},
+                               ("token", "max") if monitor_logits else ("token",),
+                               n=1 if self.is_initializing() else None)
+            out = res[0]
+            if monitor_logits:
+                self.sow("intermediates", "max_attn_logit", res[1])
         out = Dense(x.shape[-1], ("heads", "embed"), name="o_proj", **kw)(out.reshape(b, t, -1))
         return out, None, cache

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.attention.context import context_size, over_context
 from glm5_jax.attention.core import causal_attention, masked_softmax, visible_slots, write_cache
 from glm5_jax.attention.indexer import Indexer, indexer_kl_dense, indexer_kl_sparse, select_topk_cached
 from glm5_jax.attention.kernels import indexer_topk, sparse_attention
@@ -63,54 +64,85 @@ class MLAttention(nn.Module):
                                 positions if write_positions is None else write_positions, cache, scale)
 
         sparse = self.indexer_type is not None and indexer_loss != "dense"
-        short = sparse and short_sequence_dense(c, t)
+        n_ctx = 1 if self.is_initializing() else context_size()   # init: the forward is dead code
+        cp = n_ctx > 1
+        short = sparse and not cp and short_sequence_dense(c, t)
         if sparse and not short:   # DSA's sparse stage: MQA form, K/V never expanded per head
             if self.is_initializing():   # create kv_b's kernel (its parameter path) without using it
                 kv_b(latent[:, :1])
             w_uk, w_uv = self._kv_b_weights(kv_b)
             q_att, k_att, _ = mqa_operands(q[..., :dn], q[..., dn:], latent, k_rope, w_uk)
             q_att = constrain(q_att, ("activation_batch", "activation_seq", "activation_heads", None))
+            v_att = None
         else:        # plain MLA, DSA's dense warm-up, and its sparse stage at short T on CPU: expanded per head
             kvb = kv_b(latent).reshape(b, t, h, dn + dv)
             k_att = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, dr))], axis=-1)
             v_att = kvb[..., dn:]
             k_att = constrain(k_att, ("activation_batch", "activation_seq", "activation_heads", None))
             q_att = q
-        if monitor_logits:   # dense max |q.k| * scale over visible keys (also for DSA: not only the top-k)
-            self.sow("intermediates", "max_attn_logit",
-                     max_attention_logit(q_att, k_att, scale, causal=True, q_segment_ids=segment_ids,
-                                         kv_segment_ids=segment_ids, q_chunk=c.attn_chunk))
+        if indexer_loss not in (None, "dense", "sparse"):
+            raise ValueError(f"indexer_loss={indexer_loss!r}; allowed: None, 'dense', 'sparse'")
 
-        indices = None
+        local, keys = {"q": q_att, "seg": segment_ids}, {"k": k_att, "v": v_att, "seg": segment_ids}
         if self.indexer_type == "full":
             # The indexer never trains through the LM loss: its input is detached; it learns from
             # its KL to the main attention (a fixed target: q/k detached).
             idx_in = (jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent))
             q_idx, k_idx, w = Indexer(c, name="indexer")(*idx_in, cos, sin)
-            indices = indexer_topk(jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(k_idx),
-                                   jax.lax.stop_gradient(w), c.index_topk, segment_ids=segment_ids,
-                                   impl=c.attention_impl, chunk=c.attn_chunk)
-            q_t, k_t = jax.lax.stop_gradient(q_att), jax.lax.stop_gradient(k_att)
-            if indexer_loss == "dense":
-                kl, recall = indexer_kl_dense(q_t, k_t, scale, q_idx, k_idx, w, topk=c.index_topk,
-                                              segment_ids=segment_ids, chunk=c.attn_chunk)
-                self.sow("intermediates", "indexer_kl", kl)
-                self.sow("intermediates", "indexer_recall", recall)
-            elif indexer_loss == "sparse":
-                kl = indexer_kl_sparse(q_t, k_t, scale, q_idx, k_idx, w, indices, chunk=c.attn_chunk)
-                self.sow("intermediates", "indexer_kl", kl)
-            elif indexer_loss is not None:
-                raise ValueError(f"indexer_loss={indexer_loss!r}; allowed: None, 'dense', 'sparse'")
+            local.update(q_idx=q_idx, w=w)
+            keys["k_idx"] = k_idx
         elif self.indexer_type == "shared":
-            indices = self._shared(prev_indices)
+            local["indices"] = self._shared(prev_indices)
+        full_kl = self.indexer_type == "full" and indexer_loss is not None
+        reduce = (("token",) + (("token",) if self.indexer_type else ()) + (("mean",) if full_kl else ())
+                  + (("mean",) if full_kl and indexer_loss == "dense" else ()) + (("max",) if monitor_logits else ()))
 
-        if not sparse or short:   # short: the same top-k set, as a dense mask over the T x T pairs
-            key_mask = topk_key_mask(indices, t) if short else None
-            out = causal_attention(q_att, k_att, v_att, scale=scale, segment_ids=segment_ids, chunk=c.attn_chunk,
-                                   key_mask=key_mask)
-        else:
-            out = mqa_sparse_attention(q_att, k_att, w_uv, indices, scale=scale, impl=c.attention_impl,
-                                       chunk=min(c.attn_chunk, 16))
+        def attend(loc, kv, q_offset):
+            """One shard of queries (at global positions q_offset.., None: all T) over all keys."""
+            qa, ka, seg_q, seg_k = loc["q"], kv["k"], loc["seg"], kv["seg"]
+            tq, s = qa.shape[1], ka.shape[1]
+            at = dict(q_offset=q_offset, kv_segment_ids=None if q_offset is None else seg_k)
+            outs = []
+            indices = loc.get("indices")
+            if self.indexer_type == "full":
+                indices = indexer_topk(jax.lax.stop_gradient(loc["q_idx"]), jax.lax.stop_gradient(kv["k_idx"]),
+                                       jax.lax.stop_gradient(loc["w"]), c.index_topk, segment_ids=seg_q,
+                                       impl=c.attention_impl, chunk=c.attn_chunk, **at)
+            if not sparse or short:   # short: the same top-k set, as a dense mask over the T x T pairs
+                key_mask = topk_key_mask(indices, tq) if short else None
+                out = causal_attention(qa, ka, kv["v"], scale=scale, segment_ids=seg_q, chunk=c.attn_chunk,
+                                       key_mask=key_mask, **at)
+            else:   # value = the latent, the first kv_lora columns of each key row; W_UV applied outside
+                out = sparse_attention(qa, ka, None, indices, scale=scale, impl=c.attention_impl,
+                                       chunk=min(c.attn_chunk, 16), dv=c.kv_lora_rank)
+            outs.append(out)
+            if self.indexer_type:
+                outs.append(indices)
+            if full_kl:
+                q_t, k_t = jax.lax.stop_gradient(qa), jax.lax.stop_gradient(ka)
+                if indexer_loss == "dense":
+                    outs += indexer_kl_dense(q_t, k_t, scale, loc["q_idx"], kv["k_idx"], loc["w"], topk=c.index_topk,
+                                             segment_ids=seg_q, chunk=c.attn_chunk, **at)
+                else:
+                    outs.append(indexer_kl_sparse(q_t, k_t, scale, loc["q_idx"], kv["k_idx"], loc["w"], indices,
+                                                  chunk=c.attn_chunk))
+            if monitor_logits:   # dense max |q.k| * scale over visible keys (also for DSA: not only the top-k)
+                q_pos = None if q_offset is None else jnp.broadcast_to(q_offset + jnp.arange(tq), qa.shape[:2])
+                outs.append(max_attention_logit(qa, ka, scale, causal=True, q_segment_ids=seg_q,
+                                                kv_segment_ids=seg_k, q_positions=q_pos, q_chunk=c.attn_chunk))
+            return tuple(outs)
+
+        res = list(over_context(attend, local, keys, reduce, n=n_ctx))
+        out = res.pop(0)
+        indices = res.pop(0) if self.indexer_type else None
+        if full_kl:
+            self.sow("intermediates", "indexer_kl", res.pop(0))
+            if indexer_loss == "dense":
+                self.sow("intermediates", "indexer_recall", res.pop(0))
+        if monitor_logits:
+            self.sow("intermediates", "max_attn_logit", res.pop(0))
+        if sparse and not short:
+            out = jnp.einsum("bthr,rhd->bthd", out, w_uv.astype(out.dtype))
         return o_proj(out.reshape(b, t, h * dv)), indices, None
 
     def _kv_b_weights(self, kv_b):

@@ -3,7 +3,8 @@
 The GSPMD paths (moe_impl ragged | dense) leave the collectives to the compiler. This one spells them
 out inside `jax.shard_map`:
 
-  1. tokens arrive sharded over the batch axes (data, fsdp, expert); each device routes its own tokens;
+  1. tokens arrive sharded over the batch axes (data, fsdp, expert) and, with context parallelism, over
+     `context` (the sequence axis); each device routes its own tokens;
   2. slots (token, choice) are sorted by expert and packed into a send buffer [ep, C, D], one row of
      C slots per device on the `expert` axis (that device owns experts [j*E/ep, (j+1)*E/ep));
   3. `jax.lax.all_to_all` over `expert` exchanges the buffers; every device now holds the slots for its
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp", "expert")
+TOKEN_AXES = BATCH_AXES + ("context",)   # [B, T] flattened to N = B*T: batch axes major, context minor
 
 
 def capacity(n_slots: int, ep: int, capacity_factor: float) -> int:
@@ -95,8 +97,11 @@ def _context_mesh():
 def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float):
     """x [N, D] (N = batch * seq), weights/ids [N, k] -> (out [N, D], dropped fraction float32).
 
-    Under a mesh with axes (data, fsdp, expert, tensor) (glm5_jax.sharding.use_mesh) this runs as a
-    shard_map with all-to-all over `expert`; without one it runs the same code on one device.
+    Under a mesh with axes (data, fsdp, expert, context, tensor) (glm5_jax.sharding.use_mesh) this runs
+    as a shard_map with all-to-all over `expert`; without one it runs the same code on one device.
+    The N tokens are split over the batch axes and `context` (the flattened [B, T] layout of an
+    activation whose batch is on the batch axes and sequence on `context`), so each device routes the
+    tokens of its own sequence shard.
     """
     mesh = _context_mesh()
     if mesh is None:
@@ -105,13 +110,15 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
         return out, dropped.astype(jnp.float32) / total
     sizes = dict(mesh.shape)
     ep = sizes["expert"]
-    shards = math.prod(sizes[a] for a in BATCH_AXES)
+    tok_axes = tuple(a for a in TOKEN_AXES if a in sizes)
+    shards = math.prod(sizes[a] for a in tok_axes)
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} is not divisible by mesh axis expert={ep}")
     if x.shape[0] % shards:
-        raise ValueError(f"moe_impl='a2a': {x.shape[0]} tokens are not divisible by data*fsdp*expert={shards}")
+        raise ValueError(f"moe_impl='a2a': {x.shape[0]} tokens are not divisible by "
+                         f"{'*'.join(tok_axes)}={shards}")
     tensor = "tensor" if sizes.get("tensor", 1) > 1 and gate.shape[-1] % sizes["tensor"] == 0 else None
-    tok = P(BATCH_AXES, None)
+    tok = P(tok_axes, None)
     w_in = P("expert", None, tensor)
     w_out = P("expert", tensor, None)
 
@@ -119,8 +126,8 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
         out, dropped, total = dispatch_local(x, weights, ids, gate, up, down, num_experts=num_experts,
                                              capacity_factor=capacity_factor, expert_axis="expert", ep=ep,
                                              tensor_axis=tensor)
-        dropped = jax.lax.psum(dropped, BATCH_AXES)
-        total = jax.lax.psum(total, BATCH_AXES)
+        dropped = jax.lax.psum(dropped, tok_axes)
+        total = jax.lax.psum(total, tok_axes)
         return out, dropped.astype(jnp.float32) / total
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, P()),

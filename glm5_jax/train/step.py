@@ -21,6 +21,7 @@ import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm5_jax.attention.context import context_size, layout_batch
 from glm5_jax.config import ModelConfig
 from glm5_jax.losses import cross_entropy, mtp_loss
 from glm5_jax.model import GLM5, per_layer
@@ -74,13 +75,19 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
     use_mtp = model_cfg.mtp_depth > 0 and tcfg.mtp_weight > 0
 
     def loss_fn(params, batch):
+        n = context_size()
+        if n > 1:   # context parallelism: the sequence in the load-balanced layout, MTP shifts built first
+            batch = layout_batch(batch, n, model_cfg.mtp_depth if use_mtp else 0)
         out, state = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
-                                 indexer_loss=tcfg.indexer_loss, mtp=use_mtp, mutable=["intermediates"])
+                                 indexer_loss=tcfg.indexer_loss, mtp=use_mtp, mutable=["intermediates"],
+                                 mtp_tokens=batch.get("mtp_tokens"))
         inter = state.get("intermediates", {})
         loss, ce = cross_entropy(out["logits"], batch["targets"], batch["loss_mask"], z_loss=tcfg.z_loss)
         metrics = {"ce": ce}
         if use_mtp:
-            ml, _ = mtp_loss(out["mtp_logits"], batch["targets"], batch["loss_mask"], batch["segment_ids"])
+            shifted = (batch["mtp_targets"], batch["mtp_mask"]) if "mtp_targets" in batch else None
+            ml, _ = mtp_loss(out["mtp_logits"], batch["targets"], batch["loss_mask"], batch["segment_ids"],
+                             shifted=shifted)
             loss = loss + tcfg.mtp_weight * ml
             metrics["mtp_loss"] = ml
         kls = _collect(inter, "indexer_kl")
@@ -170,6 +177,9 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
     The returned callable has .jitted, .lower(state, batch), .shardings, .batch_sharding, .mesh.
     """
     mesh = single_device_mesh() if mesh is None else mesh
+    if loss_fn is not None and mesh.shape.get("context", 1) > 1:
+        raise ConfigError(f"mesh {dict(mesh.shape)}: context parallelism runs the LM loss (make_loss_fn) only; a "
+                          "custom loss (RL, distillation) would see the sequence in the context layout. Use context:1")
     loss_fn = make_loss_fn(model_cfg, tcfg) if loss_fn is None else loss_fn
     pat = re.compile(tcfg.trainable_pattern) if tcfg.trainable_pattern else None
     shards = 1
