@@ -69,16 +69,49 @@ def mtp_block(config, params, k, h_prev, next_tokens, pos, wpos, lc):
 
 
 # ----------------------------------------------------------------------------- jitted programs
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def prefill(config, params, cache, tokens, lens, return_hidden: bool = False):
-    """Right-padded prompts [B, P] -> (logits [B, V] at each row's last prompt token, cache[, hidden])."""
+PREFILL_CHUNK = 2048   # default prompt tokens per prefill chunk (generate's prefill_chunk)
+
+
+def prefill_chunks(prompt_len: int, prefill_chunk: int) -> tuple[int, int]:
+    """(number of chunks n, chunk length c) for a P-token prompt: n = ceil(P / prefill_chunk) equal
+    chunks of c = ceil(P / n) <= prefill_chunk tokens (the prompt is padded by fewer than n tokens)."""
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt tokens per prefill chunk), "
+                         f"got {prefill_chunk!r}")
+    n = -(-int(prompt_len) // int(prefill_chunk))
+    return n, -(-int(prompt_len) // n)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def prefill(config, params, cache, tokens, lens, return_hidden: bool = False, chunk: int = PREFILL_CHUNK):
+    """Right-padded prompts [B, P] -> (logits [B, V] at each row's last prompt token, cache[, hidden
+    [B, P, D] before the final norm]).
+
+    The prompt runs in n = ceil(P / chunk) chunks of c <= chunk tokens (`prefill_chunks`), one
+    `model_step` per chunk inside a lax.scan: chunk i writes its keys at slots i*c .. i*c + c - 1 and
+    its queries attend the cache (DSA: top-k over every slot written so far), so the largest
+    attention temporaries are [B, c, heads, S] for S cache slots, never [P, P]. Slots >= P are not
+    written (the padding of the last chunk)."""
     b, p = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    x, layers = model_step(config, params, cache["layers"], tokens, pos)
-    last = x[jnp.arange(b), lens - 1]
-    logits = head(config, params, final_norm(config, params, last))
+    n, c = prefill_chunks(p, chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n * c - p)))
+    rows = jnp.arange(b)
+    last = lens - 1
+
+    def one_chunk(layers, i):
+        start = i * c
+        pos = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (b, c))
+        x, layers = model_step(config, params, layers, jax.lax.dynamic_slice_in_dim(tokens, start, c, axis=1), pos,
+                               jnp.where(pos < p, pos, -1))
+        x_last = x[rows, jnp.clip(last - start, 0, c - 1)]          # [B, D]; kept for the chunk holding lens - 1
+        return layers, (x_last, x if return_hidden else None)
+
+    layers, (x_last, xs) = jax.lax.scan(one_chunk, cache["layers"], jnp.arange(n, dtype=jnp.int32))
+    logits = head(config, params, final_norm(config, params, x_last[last // c, rows]))
     cache = dict(cache, layers=layers)
-    return (logits, cache, x) if return_hidden else (logits, cache)
+    if not return_hidden:
+        return logits, cache
+    return logits, cache, jnp.swapaxes(xs, 0, 1).reshape(b, n * c, -1)[:, :p]
 
 
 def _decode_step(config, params, cache, tok, pos):
@@ -172,21 +205,23 @@ def _reasons(stopped) -> list:
 
 
 def generate(config, params, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] = (), max_len: int | None = None
-             ) -> GenerateResult:
+             top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] = (), max_len: int | None = None,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerateResult:
     """Sample up to max_new_tokens per prompt with the KV cache (temperature 0 = greedy).
 
     prompts: int array [B, P] or a list of token-id lists (ragged; right-padded internally).
     max_len: cache slots (default longest prompt + max_new_tokens); a request that needs more
     raises ValueError. stop_tokens: a row ends after emitting one (it is included in the output).
+    prefill_chunk: prompt tokens per prefill chunk (`prefill`); a shorter prompt is one chunk.
     """
     sampling.validate(temperature, top_p, top_k)
     tokens, lens = prepare_prompts(config, prompts)
     size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len)
+    prefill_chunks(tokens.shape[1], prefill_chunk)     # a bad prefill_chunk fails before any compilation
     b = tokens.shape[0]
     cache = kv.init_cache(config, b, size)
     t0 = time.perf_counter()
-    logits0, cache = prefill(config, params, cache, jnp.asarray(tokens), jnp.asarray(lens))
+    logits0, cache = prefill(config, params, cache, jnp.asarray(tokens), jnp.asarray(lens), False, int(prefill_chunk))
     logits0.block_until_ready()
     t1 = time.perf_counter()
     stops = stop_array(stop_tokens)

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.infer import cache as kv
-from glm5_jax.infer.decode import (PAD_ID, GenerateResult, _reasons, final_norm, head, model_step, mtp_block,
-                                   prefill, prepare_prompts, resolve_max_len, stop_array)
+from glm5_jax.infer.decode import (PAD_ID, PREFILL_CHUNK, GenerateResult, _reasons, final_norm, head, model_step,
+                                   mtp_block, prefill, prefill_chunks, prepare_prompts, resolve_max_len, stop_array)
 from glm5_jax.layers.common import dtype_of
 
 
@@ -70,18 +70,28 @@ def mtp_pass(config, n: int, params, mtp_caches, hbuf, seq, win_pos, wpos, e):
     return drafts, caches, jnp.stack(normed)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _spec_prefill(config, n, params, cache, hbuf, seq, tokens, lens):
+@functools.partial(jax.jit, static_argnums=(0, 1, 8))
+def _spec_prefill(config, n, params, cache, hbuf, seq, tokens, lens, chunk):
+    """The main trunk's chunked `prefill`, then the MTP depths over the prompt in the same chunks
+    (chunk i's MTP caches are written before chunk i+1 attends them). Entries at the last
+    num_draft positions before e depend on this pass's drafts: the first round's window rewrites them."""
     b, p = tokens.shape
-    logits0, cache, x = prefill(config, params, cache, tokens, lens, True)
+    logits0, cache, x = prefill(config, params, cache, tokens, lens, True, chunk)
     hbuf = hbuf.at[:, :p].set(x.astype(hbuf.dtype))
     g0 = jnp.argmax(logits0, axis=-1).astype(jnp.int32)
     lp0 = jnp.take_along_axis(jax.nn.log_softmax(logits0, axis=-1), g0[:, None], axis=-1)[:, 0]
     seq = seq.at[:, :p].set(tokens)
     seq = kv.write(seq, lens[:, None], g0[:, None])
     e = lens - 1
-    win = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    _, mtp, _ = mtp_pass(config, n, params, cache["mtp"], hbuf, seq, win, jnp.where(win <= e[:, None], win, -1), e)
+    nc, c = prefill_chunks(p, chunk)
+
+    def one_chunk(mtp, i):
+        pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (b, c))
+        _, mtp, _ = mtp_pass(config, n, params, mtp, hbuf, seq, jnp.minimum(pos, p - 1),
+                             jnp.where(pos <= e[:, None], pos, -1), e)
+        return mtp, None
+
+    mtp, _ = jax.lax.scan(one_chunk, cache["mtp"], jnp.arange(nc, dtype=jnp.int32))
     return dict(cache, mtp=mtp), hbuf, seq, g0, lp0
 
 
@@ -148,17 +158,19 @@ def _check(config, num_draft):
 
 def speculative_generate(config, params, prompts, *, max_new_tokens: int, num_draft: int = 4,
                          stop_tokens: Sequence[int] = (), max_len: int | None = None,
-                         temperature: float = 0.0) -> SpeculativeResult:
+                         temperature: float = 0.0, prefill_chunk: int = PREFILL_CHUNK) -> SpeculativeResult:
     """Greedy MTP speculative decoding; same outputs as generate(..., temperature=0).
 
     Only greedy is implemented (temperature must be 0). Internally the caches hold
     max_len + num_draft + 1 slots so the last verification pass never runs off the end.
+    prefill_chunk: prompt tokens per prefill chunk, as in generate.
     """
     if temperature != 0:
         raise ValueError("speculative_generate is greedy-only: use temperature=0 (or generate() to sample)")
     _check(config, num_draft)
     tokens, lens = prepare_prompts(config, prompts)
     size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len) + num_draft + 1
+    prefill_chunks(tokens.shape[1], prefill_chunk)     # a bad prefill_chunk fails before any compilation
     b, n, n_new = tokens.shape[0], num_draft, int(max_new_tokens)
     dt = dtype_of(config.dtype)
     cache = kv.init_cache(config, b, size, mtp_depths=n)
@@ -167,7 +179,7 @@ def speculative_generate(config, params, prompts, *, max_new_tokens: int, num_dr
     stops = stop_array(stop_tokens)
     t0 = time.perf_counter()
     cache, hbuf, seq, g0, lp0 = _spec_prefill(config, n, params, cache, hbuf, seq, jnp.asarray(tokens),
-                                              jnp.asarray(lens))
+                                              jnp.asarray(lens), int(prefill_chunk))
     out = jnp.full((b, n_new + n + 1), PAD_ID, jnp.int32).at[:, 0].set(g0)
     out_lp = jnp.zeros((b, n_new + n + 1), jnp.float32).at[:, 0].set(lp0)
     count = jnp.ones((b,), jnp.int32)
