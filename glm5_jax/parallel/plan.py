@@ -82,7 +82,8 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     indexer, 2*f*S) per token, as this formula did before the context axis, charged every token's
     score row at once: 1 MiB per token for glm5, 16 GiB per layer at 16K tokens per device that no
     compiled program holds. They enter instead as one transient tile (counted once, the larger of the two):
-      score tile  dense: 2*f*b*H_l*B_q*B_k, B_q = B_k = min(attn_chunk, T) (flash blocks);
+      score tile  dense: 2*f*b*H_l*B_q*B_k, B_q = B_k = min(attn_chunk, T_q) (flash blocks; T_q = T, or
+                  T/2 with context > 1, where the kernels run once per local chunk);
                   DSA: 2*f*b*H_l*r*K, r = the sparse kernel's query rows (<= min(16, attn_chunk), its
                   gathered [r, K, kv_lora + rope] float32 tile under 4 MiB)
       index tile  (dsa) f*b*r_I*S*(index_heads + 2) [the [r_I, index_heads, S] dot, the weighted
@@ -124,7 +125,8 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     hl = math.ceil(cfg.num_heads / tp)
     dsa = cfg.attention == "dsa"
     keys = min(seq_len, cfg.index_topk) if dsa else seq_len
-    block = min(cfg.attn_chunk, t_loc)
+    t_q = t_loc // 2 if cp > 1 else t_loc      # queries per kernel call: each of a device's two chunks
+    block = min(cfg.attn_chunk, t_q)
     if cfg.is_mla:
         row = cfg.kv_lora_rank + cfg.qk_rope_head_dim             # one MQA key row
         attn = c * (cfg.q_lora_rank + 2 * hl * cfg.qk_head_dim + row + hl * cfg.v_head_dim)
@@ -149,7 +151,7 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
         hi = cfg.index_n_heads
         gathered_index_keys = seqs * c * cfg.index_head_dim * seq_len if cp > 1 else 0
         idx = c * (hi * cfg.index_head_dim + cfg.index_head_dim) + f * hi + 4 * keys
-        r_i = min(cfg.attn_chunk, t_loc, max(32, _TILE_BYTES // (f * seqs * hi * seq_len)))
+        r_i = min(cfg.attn_chunk, t_q, max(32, _TILE_BYTES // (f * seqs * hi * seq_len)))
         index_tile = f * seqs * r_i * seq_len * (hi + 2)
     moe = (2 * f * cfg.num_experts + 2 * c * cfg.experts_per_tok * d
            + 3 * c * cfg.experts_per_tok * math.ceil(cfg.moe_ffn_dim / tp)
