@@ -51,12 +51,15 @@ def _full_logprobs(cfg, params, prompt, generated, width=32):
     return lsm[np.arange(len(prompt) - 1, len(seq) - 1)]
 
 
-@pytest.mark.parametrize("kind", [pytest.param("mha", marks=pytest.mark.slow),
-                                  pytest.param("gqa", marks=pytest.mark.slow), "mla", "dsa"])
-def test_cached_greedy_equals_full_forward_argmax(kind):
+@pytest.mark.parametrize("kind,prefill_chunk", [
+    pytest.param("mha", 2048, marks=pytest.mark.slow), pytest.param("gqa", 2048, marks=pytest.mark.slow),
+    ("mla", 2048), ("dsa", 2048),
+    # chunked prefill: 3 chunks of 3 (the last one padded; the short row ends in the first chunk)
+    pytest.param("dsa", 3, id="dsa-prefill_chunk3")])
+def test_cached_greedy_equals_full_forward_argmax(kind, prefill_chunk):
     cfg, params = CONFIGS[kind], _params(kind)
     n = 9
-    res = generate(cfg, params, PROMPTS, max_new_tokens=n, temperature=0.0)
+    res = generate(cfg, params, PROMPTS, max_new_tokens=n, temperature=0.0, prefill_chunk=prefill_chunk)
     assert res.tokens.shape == (2, n) and res.tokens.dtype == np.int32
     assert list(res.lengths) == [n, n] and res.finish_reasons == ["length", "length"]
     for b, prompt in enumerate(PROMPTS):

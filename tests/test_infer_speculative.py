@@ -16,12 +16,14 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]]
 
 
 @pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
-def test_speculative_equals_plain_greedy_random_model():
+@pytest.mark.parametrize("prefill_chunk", [2048, 3])   # 3: trunk and MTP prefill in 3 chunks (rows of 7 and 3)
+def test_speculative_equals_plain_greedy_random_model(prefill_chunk):
     cfg = ModelConfig(attention="dsa", num_layers=2, index_topk=4, indexer_types=("full", "shared"), mtp_depth=1)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     n, num_draft = 10, 2
     plain = generate(cfg, params, PROMPTS, max_new_tokens=n, temperature=0.0)
-    spec = speculative_generate(cfg, params, PROMPTS, max_new_tokens=n, num_draft=num_draft)
+    spec = speculative_generate(cfg, params, PROMPTS, max_new_tokens=n, num_draft=num_draft,
+                                prefill_chunk=prefill_chunk)
     np.testing.assert_array_equal(spec.tokens, plain.tokens)
     np.testing.assert_allclose(spec.logprobs, plain.logprobs, atol=1e-4)
     assert list(spec.lengths) == [n, n] and spec.finish_reasons == ["length", "length"]
@@ -94,3 +96,34 @@ def test_speculative_errors():
         speculative_generate(unshared, params, [[1, 2]], max_new_tokens=3, num_draft=4)
     with pytest.raises(ValueError, match="greedy"):
         speculative_generate(cfg.replace(mtp_depth=1), params, [[1, 2]], max_new_tokens=3, temperature=1.0)
+
+
+def test_chunked_mtp_prefill_equals_one_chunk():
+    """_spec_prefill in chunks of 3 (trunk and MTP depths) == in one chunk, on every cache entry
+    the first round reads before rewriting it: trunk slots < len, MTP slots q <= e + 1 - num_draft
+    (later ones depend on the prefill's own drafts and lie in the first round's window)."""
+    cfg = ModelConfig(attention="dsa", num_layers=1, num_experts=0, index_topk=4, mtp_depth=1)
+    params = model.init_params(cfg, jax.random.PRNGKey(5))
+    tokens, lens = sp.prepare_prompts(cfg, [[5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5]])
+    n, size = 2, 16
+    outs = []
+    for chunk in (2048, 3):
+        cache = kv.init_cache(cfg, 2, size, mtp_depths=n)
+        hbuf, seq = jnp.zeros((2, size, cfg.d_model)), jnp.zeros((2, size + 1), jnp.int32)
+        outs.append(sp._spec_prefill(cfg, n, params, cache, hbuf, seq, jnp.asarray(tokens), jnp.asarray(lens),
+                                     chunk))
+    (c1, h1, s1, g1, l1), (c3, h3, s3, g3, l3) = outs
+    np.testing.assert_array_equal(g3, g1)
+    np.testing.assert_array_equal(s3, s1)
+    np.testing.assert_allclose(l3, l1, atol=1e-5)
+    slots = np.arange(size)
+    for b, length in enumerate(lens):
+        np.testing.assert_allclose(h3[b, :length], h1[b, :length], atol=1e-5)
+        trunk = lambda c: [np.asarray(x)[:, b, :length] for x in jax.tree_util.tree_leaves(c["layers"])]
+        for got, want in zip(trunk(c3), trunk(c1)):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        clean = slots <= length - 1 + 1 - n
+        assert clean.sum() >= 3
+        mtp = lambda c: [np.asarray(x)[b, clean] for x in jax.tree_util.tree_leaves(c["mtp"])]
+        for got, want in zip(mtp(c3), mtp(c1)):
+            np.testing.assert_allclose(got, want, atol=1e-5)
