@@ -8,7 +8,8 @@ positions 0..len_b-1 and cache slot == position, so each row's RoPE phases, visi
 top-k ties are exactly those of running it alone. Prefill writes all P slots (garbage past len_b),
 the first token is read from the logits at len_b - 1, and decode step i writes row b's token at
 slot len_b + i - 1, overwriting the garbage before any query can see it (a query at position p
-sees slots 0..p only).
+sees slots 0..p only). Long prompts are prefilled in chunks (`prefill`, generate's prefill_chunk):
+one program scans the chunks, each writing its slots before attending slots 0..p.
 
 Outputs: tokens past a row's end (after a stop token) are PAD_ID = 0 with log-prob 0.
 """
