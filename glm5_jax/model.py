@@ -183,7 +183,10 @@ class GLM5(nn.Module):
         next_tokens [B, T] (the token k steps ahead of each position) -> (h, final-normed h, cache)."""
         cos, sin = self.rope(positions)
         block = self.mtp[0] if self.cfg.mtp_share else self.mtp[k - 1]
-        return block(h_prev, self.embed(next_tokens), cos, sin, segment_ids, indexer_loss, positions=positions,
+        # constrained like the trunk's embedding: unconstrained, GSPMD gathered the whole [B, T, D] on
+        # every chip for MTP's enorm (24 GiB a copy for glm5 at T=128K, tools.aot)
+        emb = constrain(self.embed(next_tokens), ACT)
+        return block(h_prev, emb, cos, sin, segment_ids, indexer_loss, positions=positions,
                      cache=cache, write_positions=write_positions)
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, indexer_loss=None, mtp: bool = False,
@@ -191,6 +194,7 @@ class GLM5(nn.Module):
                  logits: bool = True, mtp_tokens=None) -> dict[str, Any]:
         """tokens [B, T] int -> {"logits": [B, T, V] float32, "mtp_logits": [depth, B, T, V] if mtp,
         "hidden": [B, T, D] final-normed and "trunk": [B, T, D] before the final norm if return_hidden,
+        "mtp_hidden": [depth, B, T, D] final-normed MTP states instead of mtp_logits if mtp and not logits,
         "cache": the updated layer caches if cache}.
 
         positions [B, T] default arange (restart them per document when packing); segment_ids [B, T]
@@ -233,8 +237,8 @@ class GLM5(nn.Module):
             for k in range(1, c.mtp_depth + 1):
                 nxt = shift_left(tokens, k) if mtp_tokens is None else mtp_tokens[k - 1]
                 h, hn, _ = self.mtp_depth(k, h, nxt, positions, segment_ids, indexer_loss=indexer_loss)
-                mtp_logits.append(self.head(hn))
-            out["mtp_logits"] = jnp.stack(mtp_logits)
+                mtp_logits.append(self.head(hn) if logits else hn)
+            out["mtp_logits" if logits else "mtp_hidden"] = jnp.stack(mtp_logits)
         return out
 
 

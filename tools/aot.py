@@ -43,13 +43,25 @@ CHIPS = {
 }
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")
 
-# (preset, topology) -> flag defaults that were compiled and fit (see docs/scaleout.md). Flags given
-# on the command line win; `set` entries come before the command line's --set.
-DEFAULTS: dict[tuple[str, str], dict] = {
+# (preset, topology) or (preset, topology, seq_len) -> flag defaults that were compiled and fit (see
+# docs/scaleout.md). With --seq_len the (preset, topology, seq_len) entry wins over (preset, topology).
+# Flags given on the command line win; `set` entries come before the command line's --set.
+DEFAULTS: dict[tuple, dict] = {
     # all 78 layers, 128 x 4096 tokens per step; why each choice: docs/scaleout.md
     ("glm5", "v5p:4x4x8"): {"mesh": "fsdp:4,expert:32", "batch_size": 128, "seq_len": 4096, "remat": "full",
                             "set": ("model.moe_impl=a2a",)},
 }
+
+
+def defaults_for(preset_name: str, topology: str, seq_len: int | None) -> dict:
+    """DEFAULTS for (preset, topology, seq_len) if there is such an entry, else (preset, topology)."""
+    if seq_len is not None and (preset_name, topology, seq_len) in DEFAULTS:
+        return DEFAULTS[(preset_name, topology, seq_len)]
+    d = DEFAULTS.get((preset_name, topology), {})
+    if seq_len is not None and d.get("seq_len") not in (None, seq_len):
+        # a long-context row must not inherit a short-context mesh silently: keep its sequence length
+        return {**d, "seq_len": seq_len}
+    return d
 
 
 class AotError(ValueError):
@@ -118,7 +130,7 @@ def resolve(preset_name: str, topology: str, mesh: str | None = None, batch_size
         raise AotError(f"--preset={preset_name!r} is unknown; allowed: {', '.join(PRESETS)}")
     kind, shape = parse_topology(topology)
     n_dev = math.prod(shape)
-    d = DEFAULTS.get((preset_name, topology), {})
+    d = defaults_for(preset_name, topology, seq_len)
     mesh = mesh or d.get("mesh") or f"fsdp:{n_dev}"
     remat = remat or d.get("remat")
     if remat is not None and remat not in REMAT_CHOICES:
@@ -141,7 +153,7 @@ def resolve(preset_name: str, topology: str, mesh: str | None = None, batch_size
     except (OverrideError, ConfigError) as e:
         raise AotError(str(e)) from e
     micro = conf.train.batch_size // conf.train.grad_accum
-    check_model_fits_mesh(conf.model, sizes, micro)     # the micro-batch is split over the batch axes
+    check_model_fits_mesh(conf.model, sizes, micro, seq_len=conf.train.seq_len)  # micro-batch over the batch axes
     return {"preset": preset_name, "topology": topology, "chip": kind, "devices": n_dev, "mesh": sizes,
             "model": conf.model, "train": conf.train, "hbm_bytes": CHIPS[kind][0]}
 
@@ -189,9 +201,10 @@ def compile_step(r: dict, *, log=None) -> dict:
     arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
     tmp, alias = int(ma.temp_size_in_bytes), int(getattr(ma, "alias_size_in_bytes", 0) or 0)
     total = arg + out + tmp - alias
+    peak = getattr(ma, "peak_memory_in_bytes", None)
     return {
         "per_device_bytes": {"arguments": arg, "outputs": out, "temporaries": tmp, "aliased": alias,
-                             "total": total},
+                             "total": total, **({"peak_memory": int(peak)} if peak else {})},
         "total_formula": "arguments + outputs + temporaries - aliased" if alias else
                          "arguments + outputs + temporaries (memory_analysis reports no aliasing)",
         "state_bytes": {"params": per_device_bytes(state["params"]),
@@ -234,8 +247,9 @@ def format_report(p: dict) -> str:
              f"moe_impl {m['moe_impl']}",
              f"compiled in {p['compile_seconds']:.1f}s (lowered in {p['lower_seconds']:.1f}s)",
              "per-device memory (compiled.memory_analysis()):"]
-    for k in ("arguments", "outputs", "temporaries", "aliased", "total"):
-        lines.append(f"  {k:<12}{gib(pd[k])}")
+    for k in ("arguments", "outputs", "temporaries", "aliased", "total", "peak_memory"):
+        if k in pd:
+            lines.append(f"  {k:<12}{gib(pd[k])}")
     lines.append(f"  ({p['total_formula']})")
     lines.append(f"{'fits' if p['fits'] else 'DOES NOT FIT'}: {p['chip']} HBM {p['hbm_bytes'] / 2**30:.0f} GiB")
     if "plan_estimate" in p:
@@ -250,7 +264,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.aot", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", required=True)
     ap.add_argument("--topology", required=True, help="KIND:AxBxC, kinds: " + ", ".join(CHIPS))
-    ap.add_argument("--mesh", default=None, help="AXIS:N,... over data, fsdp, expert, tensor (-1 = fill)")
+    ap.add_argument("--mesh", default=None, help="AXIS:N,... over data, fsdp, expert, context, tensor (-1 = fill)")
     ap.add_argument("--batch_size", type=int, default=None)
     ap.add_argument("--seq_len", type=int, default=None)
     ap.add_argument("--remat", default=None, help="ModelConfig.remat: " + " | ".join(REMAT_CHOICES))

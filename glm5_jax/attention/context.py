@@ -75,9 +75,15 @@ def layout_batch(batch: dict, n: int, mtp_depth: int = 0) -> dict:
         out["mtp_tokens"] = jnp.stack([shift_left(batch["tokens"], k) for k in range(1, mtp_depth + 1)])
         out["mtp_targets"] = jnp.stack([a for a, _ in tm])
         out["mtp_mask"] = jnp.stack([m for _, m in tm]).astype(batch["loss_mask"].dtype)
+    from glm5_jax.layers.common import constrain
     t = batch["tokens"].shape[1]
-    return {k: (None if v is None else to_layout(v, n, axis=v.ndim - 1) if v.shape[-1] == t else v)
-            for k, v in out.items()}
+    seq = ("activation_batch", "activation_seq")
+
+    def permute(v):   # [.., B, T] leaves: layout order, then split over the batch axes x context
+        if v is None or v.shape[-1] != t:
+            return v
+        return constrain(to_layout(v, n, axis=v.ndim - 1), (None,) * (v.ndim - 2) + seq)
+    return {k: permute(v) for k, v in out.items()}
 
 
 def _natural_keys(x, n: int):

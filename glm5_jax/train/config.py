@@ -23,6 +23,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     z_loss: float = 0.0
+    logits_chunk: int = 0                # > 0: LM head + cross-entropy per chunk of this many tokens of each
+                                         # sequence shard, recomputed in the backward (no [B, T, V] logits)
     mtp_weight: float = 0.3              # GLM-4.5/5 use 0.3 early, 0.1 later
     indexer_loss: str | None = None      # None | dense (warm-up) | sparse (sparse adaptation)
     indexer_loss_weight: float = 1.0
@@ -52,6 +54,9 @@ class TrainConfig:
             if not (isinstance(ps, tuple) and len(ps) == 2 and all(isinstance(s, int) for s in ps) and 1 <= ps[0] <= ps[1]):
                 raise ConfigError(f"TrainConfig.profile_steps={ps!r} is invalid: (first, last) steps with "
                                   "1 <= first <= last, or None")
+        if not isinstance(self.logits_chunk, int) or isinstance(self.logits_chunk, bool) or self.logits_chunk < 0:
+            raise ConfigError(f"TrainConfig.logits_chunk={self.logits_chunk!r} is invalid: must be an integer >= 0 "
+                              "(0 = whole logits)")
         if not isinstance(self.monitor_every, int) or self.monitor_every < 0:
             raise ConfigError(f"TrainConfig.monitor_every={self.monitor_every!r} is invalid: must be an integer >= 0 (0 = off)")
         if not self.learning_rate > 0:
