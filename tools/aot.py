@@ -163,7 +163,7 @@ def plan_estimate(model_cfg, tcfg, sizes) -> dict:
     estimated analytically)."""
     from glm5_jax.parallel.plan import plan
     p = plan(model_cfg, sizes, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, optimizer=tcfg.optimizer,
-             activations="estimate")
+             activations="estimate", logits_chunk=tcfg.logits_chunk)
     return {"per_device_bytes": p["per_device_bytes"], "activations_source": p["sources"]["activations"]}
 
 

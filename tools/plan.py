@@ -35,6 +35,8 @@ def define_flags() -> None:
     flags.DEFINE_string("preset", "tiny", "Model preset: tiny | small | glm5.")
     flags.DEFINE_string("mesh", "data:1", "Mesh sizes AXIS:N,... over data, fsdp, expert, context, tensor.")
     flags.DEFINE_integer("batch_size", None, "Global batch (sequences); default one per data*fsdp*expert shard.")
+    flags.DEFINE_integer("logits_chunk", 0, "TrainConfig.logits_chunk: LM head + CE per chunk of this many tokens "
+                         "(0 = whole logits).")
     flags.DEFINE_integer("seq_len", 4096, "Sequence length (split over the context axis: divisible by 2*context).")
     flags.DEFINE_string("optimizer", "adamw", "adamw | muon | muon_split.")
     flags.DEFINE_enum("activations", "auto", ["auto", "measure", "estimate"], "Measure (compile) or estimate.")
@@ -76,6 +78,7 @@ def main(argv):
     try:
         cfg = preset(FLAGS.preset, remat=FLAGS.remat)
         p = plan(cfg, FLAGS.mesh, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, optimizer=FLAGS.optimizer,
+                 logits_chunk=FLAGS.logits_chunk,
                  activations=FLAGS.activations, preset_name=FLAGS.preset)
     except (ConfigError, MeshError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

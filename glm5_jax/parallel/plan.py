@@ -50,7 +50,7 @@ def abstract_mesh(sizes: Mapping[str, int]):
 
 
 def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, sizes: Mapping[str, int],
-                              remat: str = "none") -> dict:
+                              remat: str = "none", logits_chunk: int = 0) -> dict:
     """Analytic per-device activation bytes of one train step (an estimate, not a measurement).
 
     Tokens and keys. The batch is split over data*fsdp*expert and each sequence over `context`
@@ -112,6 +112,9 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     Both also add the LM-head kernel's gradient as one float32 [D, ceil(V/tensor)] buffer, f*D*ceil(V/tensor),
     summed over the main and MTP heads before its reduce-scatter over the batch axes (the compiled
     glm5 step holds it at its peak, 3.5 GiB: docs/scaleout.md).
+    logits_chunk > 0 (TrainConfig.logits_chunk: the head and cross-entropy per chunk of that many
+    tokens of each sequence shard, recomputed in the backward): no per-token logits term; instead one
+    chunk's float32 logits, softmax and gradient, 3*f*b*min(chunk, T)*ceil(V/tensor), per-token-independent.
     The planner assumes DSA's sparse stage (TrainConfig.indexer_loss None or "sparse"); the dense
     warm-up (indexer_loss="dense") runs expanded MLA and a dense KL, not estimated here.
     """
@@ -162,7 +165,10 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     per_layer += [attn + idx + (moe if cfg.num_experts else dense) + norms + 3 * c * d] * cfg.mtp_depth
     vl = math.ceil(cfg.vocab_size / tp)
     logits = f * vl * (1 + cfg.mtp_depth) + 2 * f * vl
-    tile = max(score_tile, index_tile)
+    logits_block = 0
+    if logits_chunk:
+        logits, logits_block = 0, 3 * f * seqs * min(logits_chunk, t_loc) * vl
+    tile = max(score_tile, index_tile, logits_block)
     gathered = (4 * 3 * math.ceil(cfg.num_experts / sizes["expert"]) * d * math.ceil(cfg.moe_ffn_dim / tp) * c
                 if cfg.num_experts else 0)
     head_grad = f * d * vl
@@ -177,7 +183,7 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     return {"bytes": int(total), "tokens_per_device": n, "sequences_per_device": seqs, "keys_per_sequence": seq_len,
             "per_token_layer_bytes_max": int(max(per_layer)), "logits_bytes_per_token": int(logits),
             "gathered_key_bytes_per_layer": int(gathered_keys), "gathered_index_key_bytes": int(gathered_index_keys),
-            "score_tile_bytes": int(tile),
+            "score_tile_bytes": int(tile), "logits_chunk_bytes": int(logits_block),
             "gathered_expert_weight_bytes": int(gathered), "head_gradient_bytes": int(head_grad), "remat": remat}
 
 
@@ -186,7 +192,8 @@ def _fits(total: int) -> dict:
 
 
 def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | None = None, seq_len: int = 4096,
-         optimizer: str = "adamw", activations: str = "auto", preset_name: str | None = None) -> dict:
+         optimizer: str = "adamw", activations: str = "auto", preset_name: str | None = None,
+         logits_chunk: int = 0) -> dict:
     """Per-device bytes of params / optimizer state / activations of the train step on `mesh`.
 
     activations: auto (measure if the mesh's devices exist and the model has < 5e9 parameters, else
@@ -203,13 +210,14 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     batch_size = shards if batch_size is None else batch_size
     check_model_fits_mesh(cfg, sizes, batch_size, seq_len)
-    tcfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, steps=1000)
+    tcfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, steps=1000,
+                       logits_chunk=logits_chunk)
     amesh = abstract_mesh(sizes)
     state, tx = abstract_state(cfg, tcfg, amesh)
     p_bytes = per_device_bytes(state["params"])
     o_bytes = per_device_bytes(state["opt_state"])
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))
-    est = {r: estimate_activation_bytes(cfg, batch_size, seq_len, sizes, r) for r in ("none", "layer")}
+    est = {r: estimate_activation_bytes(cfg, batch_size, seq_len, sizes, r, logits_chunk) for r in ("none", "layer")}
     for e in est.values():         # the gradient tree (param-sized) is scratch too, as in the measured figure
         e["gradient_bytes"] = p_bytes
         e["bytes"] += p_bytes
