@@ -96,6 +96,7 @@ class ModelConfig:
     moe_impl: str = "ragged"              # ragged (sorted dispatch, dropless) | dense (all experts)
                                           # | a2a (shard_map expert parallelism, glm5_jax.parallel.ep)
     moe_capacity_factor: float = 1.25     # a2a only: slots per device pair = cf * n*k/ep; <= 0 = dropless
+    moe_token_chunk: int = 0              # a2a only: > 0 dispatches each device's tokens in chunks of at most this many (recomputed in the backward)
     # Multi-token prediction.
     mtp_depth: int = 1
     mtp_share: bool = True                # one MTP layer reused at every depth (GLM-5)
@@ -239,6 +240,9 @@ class ModelConfig:
                 _fail("moe_capacity_factor", cf, "must be a finite number (<= 0 means dropless)")
             if self.routed_scaling_factor <= 0:
                 _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+            mc = self.moe_token_chunk
+            if isinstance(mc, bool) or not isinstance(mc, int) or mc < 0:
+                _fail("moe_token_chunk", mc, "must be an integer >= 0 (0: one dispatch of all of a device's tokens)")
         if not 0 <= self.first_k_dense <= self.num_layers:
             _fail("first_k_dense", self.first_k_dense, f"must be in [0, num_layers={self.num_layers}]")
         if self.mtp_depth < 0:

@@ -5,7 +5,7 @@
 Layers live in scanned stacks (`ModelConfig.layer_stacks`): the dense prefix and the MoE body, each an
 `nn.scan` over a block of `period` decoder layers (period 1 unless shared-indexer layouts repeat with
 a longer period). Every stacked parameter has a leading layer axis (logical name "layers"); the top-k
-indices of the last `full` indexer layer travel in the scan carry, so a `shared` layer anywhere reads
+indices of the last `full` indexer layer travel in the scan carry (only when the model has a `shared` layer), so a `shared` layer anywhere reads
 them. `scan_layers=False` unrolls the same stacks at trace time (same parameter tree).
 
 Training, prefill and decode run the same modules: pass `cache` (from `glm5_jax.infer.cache`) and the
@@ -64,7 +64,8 @@ class DecoderLayer(nn.Module):
         if self.moe:
             mlp = MoE(c.num_experts, c.experts_per_tok, c.moe_ffn_dim, c.num_shared_experts, c.n_group,
                       c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, c.moe_impl,
-                      c.initializer_range, dt, pdt, capacity_factor=c.moe_capacity_factor, name="moe")(h)
+                      c.initializer_range, dt, pdt, capacity_factor=c.moe_capacity_factor,
+                      token_chunk=c.moe_token_chunk, name="moe")(h)
         else:
             mlp = SwiGLU(c.ffn_dim, c.initializer_range, dt, pdt, name="mlp")(h)
         return constrain(x + mlp, ACT), indices, cache
@@ -85,7 +86,7 @@ class Block(nn.Module):
             x, idx, lc = DecoderLayer(self.cfg, self.stack.moe, itype, name=f"layer_{j}")(
                 x, cos, sin, segment_ids, indices, indexer_loss, monitor_logits,
                 positions=positions, cache=lc, write_positions=write_positions)
-            if idx is not None:
+            if idx is not None and indices is not None:   # None: no shared layer reads them (not carried)
                 indices = idx
             if new_cache is not None:
                 new_cache[f"layer_{j}"] = lc
@@ -214,7 +215,9 @@ class GLM5(nn.Module):
         cos, sin = self.rope(positions)
         x = constrain(self.embed(tokens), ACT)
         indices = None
-        if c.attention == "dsa":
+        # the top-k indices travel in the scan carry only when a shared layer reads them: a carried [B, T, K]
+        # int32 array is saved per layer for the backward (9.75 GiB per chip for glm5 at 128K, tools.aot)
+        if c.attention == "dsa" and "shared" in c.layer_indexer_types:
             size = None if cache is None else next(iter(next(iter(cache.values())).values()))["latent"].shape[2]
             indices = jnp.full((b, t, num_indices(c, size)), -1, jnp.int32)
         new_cache = {} if cache is not None else None

@@ -123,16 +123,19 @@ SCRIPT = textwrap.dedent("""
     batch = {"tokens": tok, "targets": np.roll(tok, -1, 1), "positions": pos, "segment_ids": seg, "loss_mask": mask}
     base = dict(num_experts=8, num_layers=2, first_k_dense=1, index_topk=8, mtp_depth=1, param_dtype="float32",
                 dtype="float32", attn_chunk=4, dsa_short_dense=0, moe_impl="a2a", d_model=64)
-    # (attention, indexer loss, logits_chunk of the context-parallel run: its LM head and CE per chunk)
-    cases = [("mla", None, 0), ("dsa", "dense", 0), ("dsa", "sparse", 4)]
+    # (attention, indexer loss, settings of the context-parallel run only: the LM head and CE per chunk
+    # of tokens, the MoE dispatch per chunk of a device's 16 tokens; the unsharded run has neither)
+    cases = [("mla", None, {}), ("dsa", "dense", {"moe_token_chunk": 8}), ("dsa", "sparse", {"logits_chunk": 4})]
     single, cp = sharding.single_device_mesh(), sharding.make_mesh("data:2,context:4")
-    for attn, iloss, chunk in cases:
+    for attn, iloss, chunks in cases:
         cfg = ModelConfig(attention=attn, **base)
         tc = TrainConfig(batch_size=B, seq_len=T, steps=2, warmup_steps=0, indexer_loss=iloss, z_loss=1e-3)
         params = init_params(cfg, jax.random.PRNGKey(0))
+        cp_cfg = cfg.replace(moe_token_chunk=chunks.get("moe_token_chunk", 0))
+        cp_tc = tc.replace(logits_chunk=chunks.get("logits_chunk", 0))
         out = []
-        for mesh, t in ((single, tc), (cp, tc.replace(logits_chunk=chunk))):
-            vg = jax.jit(jax.value_and_grad(make_loss_fn(cfg, t), has_aux=True))
+        for mesh, m_cfg, t in ((single, cfg, tc), (cp, cp_cfg, cp_tc)):
+            vg = jax.jit(jax.value_and_grad(make_loss_fn(m_cfg, t), has_aux=True))
             with sharding.use_mesh(mesh):
                 (loss, (m, _)), g = vg(params, batch)
             out.append(jax.device_get((m, g)))

@@ -85,6 +85,26 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
     return out, jnp.sum(~keep).astype(jnp.int32), jnp.asarray(s, jnp.int32)
 
 
+def dispatch_chunked(x, weights, ids, gate, up, down, *, token_chunk: int = 0, **kw):
+    """dispatch_local over chunks of at most `token_chunk` of the device's n tokens, one after another
+    (lax.map, each chunk under jax.checkpoint: the backward recomputes a chunk's dispatch, so its send /
+    receive buffers and expert activations live for one chunk at a time, not for all n tokens).
+    Capacity is per chunk (capacity_factor * chunk slots / ep); dropless dispatch is unchanged.
+    token_chunk <= 0 or >= n: one dispatch."""
+    n, d = x.shape
+    if token_chunk <= 0 or token_chunk >= n:
+        return dispatch_local(x, weights, ids, gate, up, down, **kw)
+    c = max(t for t in range(1, token_chunk + 1) if n % t == 0)   # chunks tile the tokens exactly
+    m, k = n // c, ids.shape[-1]
+
+    @jax.checkpoint
+    def one(args):
+        return dispatch_local(*args, gate, up, down, **kw)
+
+    out, dropped, total = jax.lax.map(one, (x.reshape(m, c, d), weights.reshape(m, c, k), ids.reshape(m, c, k)))
+    return out.reshape(n, d), jnp.sum(dropped), jnp.sum(total)
+
+
 def _context_mesh():
     """The mesh activated by glm5_jax.sharding.use_mesh (jax.set_mesh), as the abstract mesh jit traces
     under; None without one or when it lacks the batch axes (then the MoE runs on one device)."""
@@ -94,19 +114,20 @@ def _context_mesh():
     return mesh
 
 
-def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float):
+def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float, token_chunk: int = 0):
     """x [N, D] (N = batch * seq), weights/ids [N, k] -> (out [N, D], dropped fraction float32).
 
     Under a mesh with axes (data, fsdp, expert, context, tensor) (glm5_jax.sharding.use_mesh) this runs
     as a shard_map with all-to-all over `expert`; without one it runs the same code on one device.
     The N tokens are split over the batch axes and `context` (the flattened [B, T] layout of an
     activation whose batch is on the batch axes and sequence on `context`), so each device routes the
-    tokens of its own sequence shard.
+    tokens of its own sequence shard. token_chunk > 0: each device dispatches its tokens in chunks
+    (dispatch_chunked), bounding the dispatch buffers at long context (glm5 at 128K: 16K tokens a chip).
     """
     mesh = _context_mesh()
     if mesh is None:
-        out, dropped, total = dispatch_local(x, weights, ids, gate, up, down, num_experts=num_experts,
-                                             capacity_factor=capacity_factor)
+        out, dropped, total = dispatch_chunked(x, weights, ids, gate, up, down, num_experts=num_experts,
+                                               capacity_factor=capacity_factor, token_chunk=token_chunk)
         return out, dropped.astype(jnp.float32) / total
     sizes = dict(mesh.shape)
     ep = sizes["expert"]
@@ -123,9 +144,9 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
     w_out = P("expert", tensor, None)
 
     def body(x, weights, ids, gate, up, down):
-        out, dropped, total = dispatch_local(x, weights, ids, gate, up, down, num_experts=num_experts,
-                                             capacity_factor=capacity_factor, expert_axis="expert", ep=ep,
-                                             tensor_axis=tensor)
+        out, dropped, total = dispatch_chunked(x, weights, ids, gate, up, down, num_experts=num_experts,
+                                               capacity_factor=capacity_factor, expert_axis="expert", ep=ep,
+                                               tensor_axis=tensor, token_chunk=token_chunk)
         dropped = jax.lax.psum(dropped, tok_axes)
         total = jax.lax.psum(total, tok_axes)
         return out, dropped.astype(jnp.float32) / total
