@@ -56,37 +56,44 @@ def cross_entropy(logits, targets, mask, *, z_loss: float = 0.0):
     return loss, ce
 
 
-def chunked_cross_entropy(head, hidden, targets, mask, *, chunk: int, shards: int = 1, z_loss: float = 0.0):
-    """cross_entropy(head(hidden), targets, mask) without ever holding the [B, T, V] logits.
+def chunked_cross_entropy(head, hidden, targets, mask, *, chunk: int, shards: int = 1):
+    """Per group g: (ce_g, z_g) = the masked token means of (logsumexp - target logit) and logsumexp^2 of
+    head(hidden[g]), without ever holding a whole [B, T, V] logits array.
 
-    head: [..., D] -> float32 logits [..., V]; hidden [B, T, D]; targets / mask [B, T]. Each of the
-    `shards` sequence shards (the `context` axis: [B, T] -> [B, shards, T/shards] keeps every device's
-    tokens on its own shard) is cut into chunks of <= `chunk` tokens; a scan computes one chunk's
-    logits, log-sum-exp and target logit at a time, and jax.checkpoint makes the backward recompute
-    them chunk by chunk, so at most one [B, shards, chunk, V] logits block (and its gradient) lives
-    at once. Same sums as cross_entropy, in another order."""
+    head: [..., D] -> float32 logits [..., V]; hidden [G, B, T, D] (e.g. the main head's and each MTP
+    depth's final hidden states); targets / mask [G, B, T]. Each of the `shards` sequence shards (the
+    `context` axis: [B, T] -> [B, shards, T/shards] keeps every device's tokens on its own shard) is cut
+    into chunks of <= `chunk` tokens; one lax.scan walks every (group, chunk), computing that chunk's
+    logits, log-sum-exp and target logit, and jax.checkpoint makes the backward recompute them chunk
+    by chunk, so one [B, shards, chunk, V] logits block (and its gradient) lives at once and the head
+    weight's gradient is accumulated once for all groups. Same sums as cross_entropy, in another order.
+    """
     from glm5_jax.layers.common import constrain
-    b, t, d = hidden.shape
+    g, b, t, d = hidden.shape
     if t % shards:
         raise ValueError(f"sequence length {t} is not divisible by {shards} shards")
     tl = t // shards
     c = max(x for x in range(1, min(chunk, tl) + 1) if tl % x == 0)
     m = tl // c
-    split = lambda x: jnp.moveaxis(x.reshape(b, shards, m, c, *x.shape[2:]), 2, 0)  # noqa: E731  [m, B, shards, c, ..]
+
+    def split(x):   # [G, B, T, ..] -> [G*m, B, shards, c, ..] (group-major)
+        x = x.reshape(g, b, shards, m, c, *x.shape[3:])
+        return jnp.moveaxis(x, 3, 1).reshape(g * m, b, shards, c, *x.shape[5:])
+
     act = ("activation_batch", "activation_seq", None)
 
     @jax.checkpoint
     def body(acc, xs):
-        h, tg, mk = xs
+        i, h, tg, mk = xs
         h = constrain(h, act + ("activation_embed",))
         lse, tgt = token_logsumexp_and_target(head(h).astype(jnp.float32), tg)
         mk = mk.astype(jnp.float32)
-        return acc + jnp.stack([jnp.sum((lse - tgt) * mk), jnp.sum(jnp.square(lse) * mk)]), None
+        return acc.at[i // m].add(jnp.stack([jnp.sum((lse - tgt) * mk), jnp.sum(jnp.square(lse) * mk)])), None
 
-    sums, _ = jax.lax.scan(body, jnp.zeros((2,), jnp.float32), (split(hidden), split(targets), split(mask)))
-    denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
-    ce = sums[0] / denom
-    return ce + (z_loss * sums[1] / denom if z_loss else 0.0), ce
+    sums, _ = jax.lax.scan(body, jnp.zeros((g, 2), jnp.float32),
+                           (jnp.arange(g * m), split(hidden), split(targets), split(mask)))
+    denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32), axis=(1, 2)), 1.0)
+    return sums[:, 0] / denom, sums[:, 1] / denom
 
 
 def mtp_targets(targets, mask, segment_ids, depth: int):
@@ -100,14 +107,12 @@ def mtp_targets(targets, mask, segment_ids, depth: int):
     return t, m
 
 
-def mtp_loss(mtp_logits, targets, mask, segment_ids=None, shifted=None, ce_fn=None):
+def mtp_loss(mtp_logits, targets, mask, segment_ids=None, shifted=None):
     """Mean over depths of the masked cross-entropy; mtp_logits [depth, B, T, V]. shifted: the
     per-depth (targets, mask) [depth, B, T] already built (context parallelism:
-    glm5_jax.attention.context.layout_batch), instead of mtp_targets here. ce_fn(x, targets, mask) ->
-    (loss, ce) replaces cross_entropy (chunked_cross_entropy over hidden states [depth, B, T, D])."""
-    ce_fn = cross_entropy if ce_fn is None else ce_fn
+    glm5_jax.attention.context.layout_batch), instead of mtp_targets here."""
     losses = []
     for k in range(mtp_logits.shape[0]):
         t, m = mtp_targets(targets, mask, segment_ids, k + 1) if shifted is None else (shifted[0][k], shifted[1][k])
-        losses.append(ce_fn(mtp_logits[k], t, m)[1])
+        losses.append(cross_entropy(mtp_logits[k], t, m)[1])
     return jnp.mean(jnp.stack(losses)), losses

@@ -39,20 +39,24 @@ def test_layout_gives_every_device_the_same_causal_work(n):
 
 
 def test_chunked_cross_entropy_equals_cross_entropy_of_the_whole_logits():
-    """The LM head + CE computed per chunk of tokens (TrainConfig.logits_chunk), over 1 or 4 sequence
-    shards, gives cross_entropy's loss (with z-loss and a mask) and gradients (hidden and head weight)."""
+    """The LM head + CE computed per chunk of tokens (TrainConfig.logits_chunk) for 3 groups (main head
+    and two MTP depths) in one scan, over 1 or 4 sequence shards, gives cross_entropy's per-group
+    loss (with z-loss and a mask) and its gradients (hidden states and head weight)."""
     from glm5_jax.losses import chunked_cross_entropy, cross_entropy
-    b, t, d, v = 2, 24, 8, 50
+    g, b, t, d, v = 3, 2, 24, 8, 50
     ks = jax.random.split(jax.random.PRNGKey(2), 4)
-    h = jax.random.normal(ks[0], (b, t, d))
+    h = jax.random.normal(ks[0], (g, b, t, d))
     w = jax.random.normal(ks[1], (d, v))
-    tg = jax.random.randint(ks[2], (b, t), 0, v)
-    mask = (jax.random.uniform(ks[3], (b, t)) > 0.2).astype(jnp.float32)
+    tg = jax.random.randint(ks[2], (g, b, t), 0, v)
+    mask = (jax.random.uniform(ks[3], (g, b, t)) > 0.2).astype(jnp.float32)
     head = lambda w: lambda x: x @ w  # noqa: E731
-    whole = lambda h, w: cross_entropy(head(w)(h), tg, mask, z_loss=1e-2)[0]  # noqa: E731
+    weights = jnp.asarray([1.0, 0.3, 0.7])
+    whole = lambda h, w: sum(weights[i] * cross_entropy(head(w)(h[i]), tg[i], mask[i], z_loss=1e-2)[0]  # noqa: E731
+                             for i in range(g))
     for shards, chunk in ((1, 5), (4, 2), (4, 100)):
-        part = lambda h, w: chunked_cross_entropy(head(w), h, tg, mask, chunk=chunk, shards=shards,  # noqa: E731
-                                                  z_loss=1e-2)[0]
+        def part(h, w, shards=shards, chunk=chunk):
+            ce, z = chunked_cross_entropy(head(w), h, tg, mask, chunk=chunk, shards=shards)
+            return jnp.sum(weights * (ce + 1e-2 * z))
         np.testing.assert_allclose(jax.jit(part)(h, w), whole(h, w), rtol=1e-6)
         for a, e in zip(jax.jit(jax.grad(part, argnums=(0, 1)))(h, w), jax.grad(whole, argnums=(0, 1))(h, w)):
             np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ one [kv_latent | k_rope] row per token, plus the 128-d indexer key; for expanded
 per-head K/V) are all-gathered along `context` and put back in natural order, so key index = global
 token index (DSA's top-k indices mean the same as unsharded). Each local chunk then runs the ordinary
 kernels with its global query offset (q_offset = chunk * T / 2N) under `jax.shard_map` over the
-`context` axis alone (the batch / tensor axes stay automatic). The all-gather's transpose, a
+`context` axis and the batch axes (the tensor axis stays automatic). The all-gather's transpose, a
 reduce-scatter, returns the keys' gradients to their owners.
 """
 
@@ -111,7 +111,13 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
     for r in reduce:
         if r not in REDUCE:
             raise ValueError(f"reduce {r!r}; allowed: {', '.join(REDUCE)}")
-    spec = P(None, AXIS)
+    # manual over the batch axes too: left automatic, GSPMD replicated the batch inside the body (the
+    # gathered keys of all 16 sequences on every chip for glm5 at 128K, 2.25 GiB a copy, tools.aot)
+    from glm5_jax.parallel.ep import BATCH_AXES
+    names = set(jax.sharding.get_abstract_mesh().axis_names)
+    batch = tuple(a for a in BATCH_AXES if a in names)
+    manual = batch + (AXIS,)
+    spec = P(batch or None, AXIS)
 
     def body(local, keys):
         i = jax.lax.axis_index(AXIS)
@@ -125,13 +131,13 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
         for r, a, b in zip(reduce, *outs):
             if r == "token":
                 res.append(None if a is None else jnp.concatenate([a, b], axis=1))
-            elif r == "mean":
-                res.append(jax.lax.pmean((a + b) / 2, AXIS))
+            elif r == "mean":   # every device holds as many queries: the mean of the means
+                res.append(jax.lax.pmean((a + b) / 2, manual))
             else:
-                res.append(jax.lax.pmax(jnp.maximum(a, b), AXIS))
+                res.append(jax.lax.pmax(jnp.maximum(a, b), manual))
         return tuple(res)
 
     specs = lambda tree: jax.tree_util.tree_map(lambda _: spec, tree)  # noqa: E731
     out_specs = tuple(spec if r == "token" else P() for r in reduce)
     return jax.shard_map(body, in_specs=(specs(local), specs(keys)), out_specs=out_specs,
-                         axis_names=frozenset({AXIS}), check_vma=False)(local, keys)
+                         axis_names=frozenset(manual), check_vma=False)(local, keys)

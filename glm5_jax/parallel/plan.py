@@ -112,6 +112,8 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     Both also add the LM-head kernel's gradient as one float32 [D, ceil(V/tensor)] buffer, f*D*ceil(V/tensor),
     summed over the main and MTP heads before its reduce-scatter over the batch axes (the compiled
     glm5 step holds it at its peak, 3.5 GiB: docs/scaleout.md).
+    ModelConfig.moe_token_chunk > 0 (a2a, fewer than n tokens a chunk): the dispatch terms
+    (2*c*k*D + 3*c*k*ceil(F_moe/tensor) per token) count for one chunk, with its gradient, instead of n.
     logits_chunk > 0 (TrainConfig.logits_chunk: the head and cross-entropy per chunk of that many
     tokens of each sequence shard, recomputed in the backward): no per-token logits term; instead one
     chunk's float32 logits, softmax and gradient, 3*f*b*min(chunk, T)*ceil(V/tensor), per-token-independent.
@@ -156,9 +158,16 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
         idx = c * (hi * cfg.index_head_dim + cfg.index_head_dim) + f * hi + 4 * keys
         r_i = min(cfg.attn_chunk, t_q, max(32, _TILE_BYTES // (f * seqs * hi * seq_len)))
         index_tile = f * seqs * r_i * seq_len * (hi + 2)
-    moe = (2 * f * cfg.num_experts + 2 * c * cfg.experts_per_tok * d
-           + 3 * c * cfg.experts_per_tok * math.ceil(cfg.moe_ffn_dim / tp)
-           + 3 * c * math.ceil(cfg.moe_ffn_dim * cfg.num_shared_experts / tp)) if cfg.num_experts else 0
+    dispatch = (2 * c * cfg.experts_per_tok * d + 3 * c * cfg.experts_per_tok * math.ceil(cfg.moe_ffn_dim / tp)
+                if cfg.num_experts else 0)          # per dispatched token: slots out and back, expert activations
+    moe = (2 * f * cfg.num_experts + 3 * c * math.ceil(cfg.moe_ffn_dim * cfg.num_shared_experts / tp)
+           if cfg.num_experts else 0)
+    dispatch_block = 0
+    if cfg.moe_token_chunk and cfg.moe_impl == "a2a" and cfg.moe_token_chunk < n:
+        # ModelConfig.moe_token_chunk: the dispatch of one chunk (and its gradient) lives at once
+        dispatch_block = 2 * dispatch * cfg.moe_token_chunk
+    else:
+        moe += dispatch
     dense = 3 * c * math.ceil(cfg.ffn_dim / tp)
     norms = 4 * c * d
     per_layer = [attn + idx + (moe if cfg.is_moe_layer(i) else dense) + norms for i in range(cfg.num_layers)]
@@ -172,7 +181,7 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     gathered = (4 * 3 * math.ceil(cfg.num_experts / sizes["expert"]) * d * math.ceil(cfg.moe_ffn_dim / tp) * c
                 if cfg.num_experts else 0)
     head_grad = f * d * vl
-    fixed = tile + gathered + head_grad            # per-token-independent
+    fixed = tile + gathered + head_grad + dispatch_block     # per-token-independent
     if remat == "none":
         total = n * sum(per_layer) + len(per_layer) * gathered_keys + gathered_index_keys + n * logits + fixed
     elif remat == "layer":
@@ -184,6 +193,7 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
             "per_token_layer_bytes_max": int(max(per_layer)), "logits_bytes_per_token": int(logits),
             "gathered_key_bytes_per_layer": int(gathered_keys), "gathered_index_key_bytes": int(gathered_index_keys),
             "score_tile_bytes": int(tile), "logits_chunk_bytes": int(logits_block),
+            "moe_dispatch_chunk_bytes": int(dispatch_block),
             "gathered_expert_weight_bytes": int(gathered), "head_gradient_bytes": int(head_grad), "remat": remat}
 
 

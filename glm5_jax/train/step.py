@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.attention.context import context_size, layout_batch
 from glm5_jax.config import ModelConfig
-from glm5_jax.losses import chunked_cross_entropy, cross_entropy, mtp_loss
+from glm5_jax.losses import chunked_cross_entropy, cross_entropy, mtp_loss, mtp_targets
 from glm5_jax.model import GLM5, per_layer
 from glm5_jax.config import ConfigError
 from glm5_jax.parallel.ep import BATCH_AXES
@@ -83,18 +83,29 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
                                  indexer_loss=tcfg.indexer_loss, mtp=use_mtp, mutable=["intermediates"],
                                  mtp_tokens=batch.get("mtp_tokens"), logits=not chunked, return_hidden=chunked)
         inter = state.get("intermediates", {})
-        if chunked:   # the head per chunk of tokens, never the whole [B, T, V] logits
+        shifted = (batch["mtp_targets"], batch["mtp_mask"]) if "mtp_targets" in batch else None
+        if chunked:   # the head per chunk of tokens for the main head and every MTP depth in one scan
+            hs, tg, mk = [out["hidden"]], [batch["targets"]], [batch["loss_mask"]]
+            for k in range(model_cfg.mtp_depth if use_mtp else 0):
+                t_k, m_k = (mtp_targets(batch["targets"], batch["loss_mask"], batch["segment_ids"], k + 1)
+                            if shifted is None else (shifted[0][k], shifted[1][k]))
+                hs.append(out["mtp_hidden"][k])
+                tg.append(t_k)
+                mk.append(m_k.astype(batch["loss_mask"].dtype))
             head = lambda h: model.apply({"params": params}, h, method=GLM5.head)  # noqa: E731
-            ce_fn = lambda h, t, m, z=0.0: chunked_cross_entropy(  # noqa: E731
-                head, h, t, m, chunk=tcfg.logits_chunk, shards=n, z_loss=z)
+            ces, zs = chunked_cross_entropy(head, jnp.stack(hs), jnp.stack(tg), jnp.stack(mk),
+                                            chunk=tcfg.logits_chunk, shards=n)
+            ce = ces[0]
+            loss = ce + (tcfg.z_loss * zs[0] if tcfg.z_loss else 0.0)
         else:
-            ce_fn = lambda x, t, m, z=0.0: cross_entropy(x, t, m, z_loss=z)  # noqa: E731
-        loss, ce = ce_fn(out["hidden" if chunked else "logits"], batch["targets"], batch["loss_mask"], tcfg.z_loss)
+            loss, ce = cross_entropy(out["logits"], batch["targets"], batch["loss_mask"], z_loss=tcfg.z_loss)
         metrics = {"ce": ce}
         if use_mtp:
-            shifted = (batch["mtp_targets"], batch["mtp_mask"]) if "mtp_targets" in batch else None
-            ml, _ = mtp_loss(out["mtp_hidden" if chunked else "mtp_logits"], batch["targets"], batch["loss_mask"],
-                             batch["segment_ids"], shifted=shifted, ce_fn=ce_fn)
+            if chunked:
+                ml = jnp.mean(ces[1:])
+            else:
+                ml, _ = mtp_loss(out["mtp_logits"], batch["targets"], batch["loss_mask"], batch["segment_ids"],
+                                 shifted=shifted)
             loss = loss + tcfg.mtp_weight * ml
             metrics["mtp_loss"] = ml
         kls = _collect(inter, "indexer_kl")
