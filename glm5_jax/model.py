@@ -179,14 +179,16 @@ class GLM5(nn.Module):
                            c.rope_scaling_dict or None)
 
     def mtp_depth(self, k: int, h_prev, next_tokens, positions, segment_ids=None, *, cache=None,
-                  write_positions=None, indexer_loss=None):
+                  write_positions=None, indexer_loss=None, emb=None):
         """MTP depth k (1-based): h_prev [B, T, D] (depth k-1's h; the trunk's pre-norm output at k=1),
-        next_tokens [B, T] (the token k steps ahead of each position) -> (h, final-normed h, cache)."""
+        next_tokens [B, T] (the token k steps ahead of each position), or their embedding `emb`
+        [B, T, D] -> (h, final-normed h, cache)."""
         cos, sin = self.rope(positions)
         block = self.mtp[0] if self.cfg.mtp_share else self.mtp[k - 1]
-        # constrained like the trunk's embedding: unconstrained, GSPMD gathered the whole [B, T, D] on
-        # every chip for MTP's enorm (24 GiB a copy for glm5 at T=128K, tools.aot)
-        emb = constrain(self.embed(next_tokens), ACT)
+        if emb is None:
+            # constrained like the trunk's embedding: unconstrained, GSPMD gathered the whole [B, T, D] on
+            # every chip for MTP's enorm (24 GiB a copy for glm5 at T=128K, tools.aot)
+            emb = constrain(self.embed(next_tokens), ACT)
         return block(h_prev, emb, cos, sin, segment_ids, indexer_loss, positions=positions,
                      cache=cache, write_positions=write_positions)
 
@@ -213,7 +215,19 @@ class GLM5(nn.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cos, sin = self.rope(positions)
-        x = constrain(self.embed(tokens), ACT)
+        use_mtp = mtp and c.mtp_depth > 0
+        if use_mtp:
+            if mtp_tokens is None and context_size() > 1 and not self.is_initializing():
+                raise ValueError("MTP under context parallelism needs mtp_tokens (the sequence is in the context "
+                                 "layout: shifting it is wrong); glm5_jax.attention.context.layout_batch builds them")
+            if mtp_tokens is None:
+                mtp_tokens = jnp.stack([shift_left(tokens, k) for k in range(1, c.mtp_depth + 1)])
+            # one lookup for the trunk and every MTP depth: each lookup's backward is a scatter-add into
+            # a whole [V, D] table (glm5 at 128K held 16 such 1.77 GiB buffers with four lookups, tools.aot)
+            emb = constrain(self.embed(jnp.concatenate([tokens[None], mtp_tokens])), (None,) + ACT)
+            x = emb[0]
+        else:
+            x = constrain(self.embed(tokens), ACT)
         indices = None
         # the top-k indices travel in the scan carry only when a shared layer reads them: a carried [B, T, K]
         # int32 array is saved per layer for the backward (9.75 GiB per chip for glm5 at 128K, tools.aot)
@@ -232,14 +246,11 @@ class GLM5(nn.Module):
             out["hidden"], out["trunk"] = hidden, x
         if new_cache is not None:
             out["cache"] = new_cache
-        if mtp and c.mtp_depth:
-            if mtp_tokens is None and context_size() > 1 and not self.is_initializing():
-                raise ValueError("MTP under context parallelism needs mtp_tokens (the sequence is in the context "
-                                 "layout: shifting it is wrong); glm5_jax.attention.context.layout_batch builds them")
+        if use_mtp:
             h, mtp_logits = x, []
             for k in range(1, c.mtp_depth + 1):
-                nxt = shift_left(tokens, k) if mtp_tokens is None else mtp_tokens[k - 1]
-                h, hn, _ = self.mtp_depth(k, h, nxt, positions, segment_ids, indexer_loss=indexer_loss)
+                h, hn, _ = self.mtp_depth(k, h, None, positions, segment_ids, indexer_loss=indexer_loss,
+                                          emb=constrain(emb[k], ACT))
                 mtp_logits.append(self.head(hn) if logits else hn)
             out["mtp_logits" if logits else "mtp_hidden"] = jnp.stack(mtp_logits)
         return out

@@ -41,7 +41,7 @@ def test_tiny_train_step_compiles_for_v5p_2x2x1():
     # tiny is float32 and, on data:2 x expert:2, only the experts are split: >= num_params * 4 / 2 bytes
     assert r["state_bytes"]["params"] >= r["num_params"] * 4 // 2
     assert r["hbm_bytes"] == 95 * 2**30 and r["fits"] is True and r["devices"] == 4
-    assert r["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "tensor": 1}
+    assert r["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "context": 1, "tensor": 1}
     assert r["config"]["model"]["num_layers"] == 3 and r["tokens_per_step"] == 4 * 64
     assert r["plan_estimate"]["per_device_bytes"]["total"] > 0
 

@@ -114,8 +114,7 @@ SCRIPT = textwrap.dedent("""
     from glm5_jax.config import ModelConfig
     from glm5_jax.model import init_params
     from glm5_jax.train import TrainConfig
-    from glm5_jax.train.state import abstract_batch, abstract_state, init_train_state
-    from glm5_jax.train.step import make_loss_fn, make_train_step
+    from glm5_jax.train.step import make_loss_fn
     assert len(jax.devices()) == 8
     B, T = 4, 32
     r = np.random.default_rng(0)
@@ -125,7 +124,7 @@ SCRIPT = textwrap.dedent("""
     seg[3, 5:] = 2; pos[3, 5:] = np.arange(T - 5)
     mask = np.ones((B, T), np.float32); mask[1, -3:] = 0
     batch = {"tokens": tok, "targets": np.roll(tok, -1, 1), "positions": pos, "segment_ids": seg, "loss_mask": mask}
-    base = dict(num_experts=8, num_layers=2, first_k_dense=1, index_topk=8, mtp_depth=1, param_dtype="float32",
+    base = dict(num_experts=4, num_layers=2, first_k_dense=1, index_topk=8, mtp_depth=1, param_dtype="float32",
                 dtype="float32", attn_chunk=4, dsa_short_dense=0, moe_impl="a2a", d_model=64)
     # (attention, indexer loss, settings of the context-parallel run only: the LM head and CE per chunk
     # of tokens, the MoE dispatch per chunk of a device's 16 tokens; the unsharded run has neither)
@@ -141,7 +140,8 @@ SCRIPT = textwrap.dedent("""
         for mesh, m_cfg, t in ((single, cfg, tc), (cp, cp_cfg, cp_tc)):
             vg = jax.jit(jax.value_and_grad(make_loss_fn(m_cfg, t), has_aux=True))
             with sharding.use_mesh(mesh):
-                (loss, (m, _)), g = vg(params, batch)
+                compiled = vg.lower(params, batch).compile()
+            (loss, (m, _)), g = compiled(params, batch)
             out.append(jax.device_get((m, g)))
         (m1, g1), (m2, g2) = out
         assert set(m1) == set(m2)
@@ -154,12 +154,9 @@ SCRIPT = textwrap.dedent("""
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-5 * scale,
                                        err_msg=f"{attn}/{iloss}: {jax.tree_util.keystr(path)}")
         print("equal", attn, iloss, {k: float(v) for k, v in m1.items()})
-    # the compiled step splits the sequence of its [B, T, D] activations over context (4 devices):
-    # the per-device residual stream is [B/2, T/4, D] = [2, 8, 64]
-    cfg = ModelConfig(attention="dsa", **base)
-    tc = TrainConfig(batch_size=B, seq_len=T, steps=2, warmup_steps=0)
-    state, tx = abstract_state(cfg, tc, cp)
-    text = make_train_step(cfg, tc, tx, cp).lower(state, abstract_batch(B, T, cp)).compile().as_text()
+    # the compiled loss-and-gradient program of the last (DSA) case splits the sequence of its [B, T, D]
+    # activations over context (4 devices): the per-device residual stream is [B/2, T/4, D] = [2, 8, 64]
+    text = compiled.as_text()
     split = len(re.findall(r"f32\\[2,8,64\\]", text))
     unsplit = len(re.findall(r"f32\\[2,32,64\\]", text))
     print("sequence-split activations:", split, "unsplit:", unsplit)
@@ -171,8 +168,9 @@ SCRIPT = textwrap.dedent("""
 def test_context_parallel_train_step_equals_unsharded_and_splits_the_sequence():
     """On 8 CPU devices, data:2,context:4: the LM loss's value, metrics (CE, MTP, indexer KL and
     recall) and gradients equal the unsharded ones (float32, rtol 1e-5) for MLA, DSA's dense warm-up
-    and DSA's sparse stage, with packed documents, a loss mask, MTP and a2a MoE; and the compiled step
-    holds its [B, T, D] activations as [B/2, T/4, D] shards (fails if the context sharding is dropped)."""
+    and DSA's sparse stage, with packed documents, a loss mask, MTP and a2a MoE; and the compiled
+    loss-and-gradient program holds its [B, T, D] activations as [B/2, T/4, D] shards (fails if the
+    context sharding is dropped)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,

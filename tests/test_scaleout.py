@@ -132,7 +132,7 @@ def test_checkpoint_restores_exactly_on_other_meshes_and_saves_async(tmp_path):
     # non-trivial optimizer moments (mu, nu) and step, keeping every leaf's sharding
     state = jax.tree_util.tree_map(lambda a: a * 0.5 + 0.25 if a.dtype == jnp.float32 else a, state)
     state["step"] = state["step"] + 5
-    assert leaf_spec(state["params"], "gate_proj")[-3:-1] == ("expert", "fsdp")
+    assert leaf_spec(state["params"], "gate_proj")[-3:-1] == ("expert", ("fsdp", "context"))   # context joins fsdp
     host = jax.tree_util.tree_map(np.asarray, state)
     ck = Checkpointer({str(tmp_path / 'ck')!r}, keep=3)
     ck.save(5, state); ck.wait()
@@ -187,7 +187,7 @@ def test_train_loop_on_a_mesh_resumes_resharded_on_another(tmp_path):
     want = np.array([r["loss"] for r in ref["history"]])
     got = np.array([r["loss"] for r in out["history"]])
     assert np.max(np.abs(got - want) / np.abs(want)) <= 1e-5, (got, want)
-    assert leaf_spec(out["params"], "gate_proj")[-3:-1] == ("expert", "fsdp")   # lives on mesh b
+    assert leaf_spec(out["params"], "gate_proj")[-3:-1] == ("expert", ("fsdp", "context"))   # lives on mesh b
     assert dict(jax.tree_util.tree_leaves(out["params"])[0].sharding.mesh.shape)["fsdp"] == 4
     print("OK")
     """)

@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent("""
     text = step.lower(abstract_state(cfg, tc, mesh, tx)[0], abstract_batch(8, 16, mesh)).as_text()
     # [B, T, D] activations constrained with the batch dim over (data, fsdp, expert): Shardy
     # (sdy.sharding_constraint) or GSPMD (custom_call @Sharding, 8 tiles on dim 0)
-    sdy = re.findall(r'sdy\\.sharding_constraint .*<@mesh, \\[\\{"data", "fsdp", "expert"\\}, \\{\\}, \\{\\}\\]>', text)
+    sdy = re.findall(r'sdy\\.sharding_constraint .*<@mesh, \\[\\{"data", "fsdp", "expert"\\}, \\{("context")?\\}, \\{\\}\\]>', text)
     gspmd = re.findall(r'@Sharding\\(.*devices=\\[8,1,1\\]', text)
     n = len(sdy) + len(gspmd)
     print("batch-sharded activation constraints:", n)
