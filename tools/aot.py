@@ -50,6 +50,11 @@ DEFAULTS: dict[tuple, dict] = {
     # all 78 layers, 128 x 4096 tokens per step; why each choice: docs/scaleout.md
     ("glm5", "v5p:4x4x8"): {"mesh": "fsdp:4,expert:32", "batch_size": 128, "seq_len": 4096, "remat": "full",
                             "set": ("model.moe_impl=a2a",)},
+    # 128K: 16 x 131072 tokens, each sequence over context 8, the batch over expert 16 (16K tokens a chip);
+    # compiled at 112.6 GiB by the strict formula (peak 86.4 GiB): docs/scaleout.md, long-context table
+    ("glm5", "v5p:4x4x8", 131072): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 131072,
+                                    "remat": "full", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
+                                                             "train.logits_chunk=1024")},
 }
 
 

@@ -109,6 +109,8 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     gathered copy, the copy the backward recomputes with, its gradient before the reduce-scatter and the
     gradient's accumulation. The compiled glm5 step shows exactly these four per layer (tools.aot,
     docs/scaleout.md); they are per-token-independent, so they dominate at small batch per device.
+    Both add 3*c*V*D for the vocabulary tables held whole (embedding table gathered for the lookup, its
+    scatter-add gradient, the gathered LM-head kernel).
     Both also add the LM-head kernel's gradient as one float32 [D, ceil(V/tensor)] buffer, f*D*ceil(V/tensor),
     summed over the main and MTP heads before its reduce-scatter over the batch axes (the compiled
     glm5 step holds it at its peak, 3.5 GiB: docs/scaleout.md).
@@ -181,7 +183,11 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     gathered = (4 * 3 * math.ceil(cfg.num_experts / sizes["expert"]) * d * math.ceil(cfg.moe_ffn_dim / tp) * c
                 if cfg.num_experts else 0)
     head_grad = f * d * vl
-    fixed = tile + gathered + head_grad + dispatch_block     # per-token-independent
+    # the vocabulary tables as a chip holds them whole: the embedding table all-gathered for the lookup,
+    # its scatter-add gradient before the reduce-scatter, the LM-head kernel all-gathered (the compiled
+    # glm5 128K step shows these bf16 [V, D] buffers, 1.77 GiB each: docs/scaleout.md)
+    tables = 3 * c * cfg.vocab_size * d
+    fixed = tile + gathered + head_grad + dispatch_block + tables     # per-token-independent
     if remat == "none":
         total = n * sum(per_layer) + len(per_layer) * gathered_keys + gathered_index_keys + n * logits + fixed
     elif remat == "layer":
@@ -194,7 +200,8 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
             "gathered_key_bytes_per_layer": int(gathered_keys), "gathered_index_key_bytes": int(gathered_index_keys),
             "score_tile_bytes": int(tile), "logits_chunk_bytes": int(logits_block),
             "moe_dispatch_chunk_bytes": int(dispatch_block),
-            "gathered_expert_weight_bytes": int(gathered), "head_gradient_bytes": int(head_grad), "remat": remat}
+            "gathered_expert_weight_bytes": int(gathered), "head_gradient_bytes": int(head_grad),
+            "vocab_table_bytes": int(tables), "remat": remat}
 
 
 def _fits(total: int) -> dict:
