@@ -334,9 +334,10 @@ def test_scripts_know_the_mesh_axes_and_pass_context_through(empty_path):
     """Each script's axis list is glm5_jax.sharding.MESH_AXES, and a context-parallel mesh reaches
     experiments.run unchanged."""
     from glm5_jax.sharding import MESH_AXES
-    for p in (TPU, GPU):
-        m = re.search(r'^MESH_AXES="([^"]*)"$', open(p).read(), re.M)
-        assert m and tuple(m.group(1).split()) == MESH_AXES, p
+    for p in (TPU, GPU):        # both source the shared check
+        assert 'source "${BASH_SOURCE[0]%/*}/launch_mesh.sh"' in open(p).read(), p
+    m = re.search(r'^MESH_AXES="([^"]*)"$', open(os.path.join(os.path.dirname(TPU), "launch_mesh.sh")).read(), re.M)
+    assert m and tuple(m.group(1).split()) == MESH_AXES
     r = run(TPU, "train", "--name", "a", "--zone", "us-east5-a", "--config", "x", "--mesh", "expert:16,context:8",
             "--dry_run", path=empty_path)
     assert r.returncode == 0, r.stderr

@@ -63,22 +63,8 @@ die() {
   exit 2
 }
 
-# The mesh axes of glm5_jax.sharding.MESH_AXES (tests/test_launch_scripts.py checks they agree), so a
-# misspelt axis fails here, before any worker starts, rather than in experiments.run on every worker.
-MESH_AXES="data fsdp expert context tensor"
-
-check_mesh() {  # spec, example; builtins only
-  local spec=$1 rest part
-  [[ $spec =~ ^[a-z]+:-?[0-9]+(,[a-z]+:-?[0-9]+)*$ ]] ||
-    die "bad --mesh '$spec': AXIS:N,... over ${MESH_AXES// /, } (e.g. $2)"
-  rest=$spec,
-  while [[ -n $rest ]]; do
-    part=${rest%%,*}
-    rest=${rest#*,}
-    [[ " $MESH_AXES " == *" ${part%%:*} "* ]] ||
-      die "bad --mesh '$spec': unknown axis '${part%%:*}'; allowed: ${MESH_AXES// /, }"
-  done
-}
+# check_mesh and MESH_AXES, shared with the other launch script (builtins only: `source`, no dirname)
+source "${BASH_SOURCE[0]%/*}/launch_mesh.sh"
 
 # Print one argument shell-quoted (single quotes only when needed), builtins only.
 quote() {
