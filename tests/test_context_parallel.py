@@ -128,7 +128,9 @@ SCRIPT = textwrap.dedent("""
                 dtype="float32", attn_chunk=4, dsa_short_dense=0, moe_impl="a2a", d_model=64)
     # (attention, indexer loss, settings of the context-parallel run only: the LM head and CE per chunk
     # of tokens, the MoE dispatch per chunk of a device's 16 tokens; the unsharded run has neither)
-    cases = [("mla", None, {}), ("dsa", "dense", {"moe_token_chunk": 8}), ("dsa", "sparse", {"logits_chunk": 4})]
+    cases = {"mla": ("mla", None, {}), "dsa_dense": ("dsa", "dense", {"moe_token_chunk": 8}),
+             "dsa_sparse": ("dsa", "sparse", {"logits_chunk": 4})}
+    cases = [cases[CASE]]
     single, cp = sharding.single_device_mesh(), sharding.make_mesh("data:2,context:4")
     for attn, iloss, chunks in cases:
         cfg = ModelConfig(attention=attn, **base)
@@ -154,8 +156,8 @@ SCRIPT = textwrap.dedent("""
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-5 * scale,
                                        err_msg=f"{attn}/{iloss}: {jax.tree_util.keystr(path)}")
         print("equal", attn, iloss, {k: float(v) for k, v in m1.items()})
-    # the compiled loss-and-gradient program of the last (DSA) case splits the sequence of its [B, T, D]
-    # activations over context (4 devices): the per-device residual stream is [B/2, T/4, D] = [2, 8, 64]
+    # the compiled loss-and-gradient program splits the sequence of its [B, T, D] activations over
+    # context (4 devices): the per-device residual stream is [B/2, T/4, D] = [2, 8, 64]
     text = compiled.as_text()
     split = len(re.findall(r"f32\\[2,8,64\\]", text))
     unsplit = len(re.findall(r"f32\\[2,32,64\\]", text))
@@ -165,15 +167,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_context_parallel_train_step_equals_unsharded_and_splits_the_sequence():
+@pytest.mark.parametrize("case", ["mla", "dsa_dense", "dsa_sparse"])
+def test_context_parallel_train_step_equals_unsharded_and_splits_the_sequence(case):
     """On 8 CPU devices, data:2,context:4: the LM loss's value, metrics (CE, MTP, indexer KL and
     recall) and gradients equal the unsharded ones (float32, rtol 1e-5) for MLA, DSA's dense warm-up
-    and DSA's sparse stage, with packed documents, a loss mask, MTP and a2a MoE; and the compiled
+    (with the MoE dispatched per chunk) and DSA's sparse stage (with the LM head per chunk), with packed documents, a loss mask, MTP and a2a MoE; and the compiled
     loss-and-gradient program holds its [B, T, D] activations as [B/2, T/4, D] shards (fails if the
     context sharding is dropped)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,
-                         cwd=ROOT)
+    res = subprocess.run([sys.executable, "-c", f"CASE = {case!r}\n" + SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr[-6000:]
     assert "OK" in res.stdout
