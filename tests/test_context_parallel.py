@@ -124,7 +124,7 @@ SCRIPT = textwrap.dedent("""
     seg[3, 5:] = 2; pos[3, 5:] = np.arange(T - 5)
     mask = np.ones((B, T), np.float32); mask[1, -3:] = 0
     batch = {"tokens": tok, "targets": np.roll(tok, -1, 1), "positions": pos, "segment_ids": seg, "loss_mask": mask}
-    base = dict(num_experts=4, num_layers=2, first_k_dense=1, index_topk=8, mtp_depth=1, param_dtype="float32",
+    base = dict(num_experts=4, num_layers=1, first_k_dense=0, index_topk=8, mtp_depth=1, param_dtype="float32",
                 dtype="float32", attn_chunk=4, dsa_short_dense=0, moe_impl="a2a", d_model=64)
     # (attention, indexer loss, settings of the context-parallel run only: the LM head and CE per chunk
     # of tokens, the MoE dispatch per chunk of a device's 16 tokens; the unsharded run has neither)

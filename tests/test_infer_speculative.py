@@ -98,6 +98,7 @@ def test_speculative_errors():
         speculative_generate(cfg.replace(mtp_depth=1), params, [[1, 2]], max_new_tokens=3, temperature=1.0)
 
 
+@pytest.mark.slow  # suite budget: 15 min on 2 cores
 def test_chunked_mtp_prefill_equals_one_chunk():
     """_spec_prefill in chunks of 3 (trunk and MTP depths) == in one chunk, on every cache entry
     the first round reads before rewriting it: trunk slots < len, MTP slots q <= e + 1 - num_draft
