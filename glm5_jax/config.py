@@ -17,7 +17,13 @@ INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("xla", "pallas")
 MOE_IMPLS = ("ragged", "dense", "a2a")
-ROPE_SCALING_TYPES = ("linear",)
+ROPE_SCALING_TYPES = ("default", "linear", "yarn")   # rope_scaling None is "default" (glm5_jax.layers.rope)
+# Per scaled type: (required keys, optional keys) besides "type", as HF rope_parameters spells them.
+ROPE_SCALING_KEYS = {
+    "linear": (("factor",), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")   # see glm5_jax.model.REMAT
 
 
@@ -102,7 +108,7 @@ class ModelConfig:
     mtp_share: bool = True                # one MTP layer reused at every depth (GLM-5)
     # RoPE.
     rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None   # e.g. (("type", "linear"), ("factor", 4.0))
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None   # None (default) | e.g. (("factor", 4.0), ("type", "linear")); ROPE_SCALING_KEYS
     # Numerics / implementation.
     param_dtype: str = "float32"
     dtype: str = "float32"                # compute dtype; softmax, router and norms stay float32
@@ -120,8 +126,7 @@ class ModelConfig:
             object.__setattr__(self, "indexer_types", None)    # canonical form of "every layer full"
         if isinstance(self.remat, bool):                        # the first version's on/off switch
             object.__setattr__(self, "remat", "full" if self.remat else "none")
-        if isinstance(self.rope_scaling, Mapping):
-            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        object.__setattr__(self, "rope_scaling", _canonical_rope_scaling(self.rope_scaling))
         self.validate()
 
     # ----------------------------------------------------------------- derived
@@ -248,11 +253,7 @@ class ModelConfig:
         if self.mtp_depth < 0:
             _fail("mtp_depth", self.mtp_depth, "must be >= 0 (0 = no MTP)")
         if self.rope_scaling is not None:
-            rs = self.rope_scaling_dict
-            if rs.get("type") not in ROPE_SCALING_TYPES:
-                _fail("rope_scaling", rs, f"'type' must be one of {ROPE_SCALING_TYPES}")
-            if not float(rs.get("factor", 0)) > 0:
-                _fail("rope_scaling", rs, "'factor' must be > 0")
+            _validate_rope_scaling(self.rope_scaling_dict)
 
     # ----------------------------------------------------------------- HF interop
     @classmethod
@@ -271,14 +272,7 @@ class ModelConfig:
         mt = hf.get("model_type", "glm_moe_dsa")
         if mt not in ("glm_moe_dsa", "glm5_jax"):
             raise ConfigError(f"config.json model_type={mt!r} is not supported; expected 'glm_moe_dsa'")
-        rope = hf.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", "default")
-        scaling = None
-        if rope_type == "linear":
-            scaling = (("factor", float(rope["factor"])), ("type", "linear"))
-        elif rope_type != "default":
-            raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported; allowed: default, linear")
+        theta, scaling = rope_from_hf(hf)
         n_layers = hf["num_hidden_layers"]
         first_dense = hf.get("first_k_dense_replace", 3)
         mlp_types = hf.get("mlp_layer_types")
@@ -316,9 +310,7 @@ class ModelConfig:
 
     def to_hf(self) -> dict:
         """The HF `config.json` dict (model_type glm_moe_dsa). Non-HF variants keep glm5_jax_* keys."""
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling:
-            rope = {"rope_type": "linear", "rope_theta": self.rope_theta, "factor": self.rope_scaling_dict["factor"]}
+        rope = rope_to_hf(self.rope_theta, self.rope_scaling_dict)
         hf = {
             "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
             "vocab_size": self.vocab_size, "hidden_size": self.d_model, "num_hidden_layers": self.num_layers,
@@ -339,6 +331,8 @@ class ModelConfig:
             "num_nextn_predict_layers": self.mtp_depth if not self.mtp_share else min(self.mtp_depth, 1),
             "attention_bias": False, "torch_dtype": self.param_dtype,
         }
+        if rope["rope_type"] == "yarn":   # HF: the post-YaRN length, factor x the original
+            hf["max_position_embeddings"] = int(round(rope["factor"] * rope["original_max_position_embeddings"]))
         if self.attention == "dsa":
             hf["indexer_types"] = list(self.layer_indexer_types)
         if self.attention != "dsa":
@@ -348,6 +342,101 @@ class ModelConfig:
             hf["glm5_jax_mtp_share"] = self.mtp_share
             hf["glm5_jax_mtp_depth"] = self.mtp_depth
         return hf
+
+
+# ----------------------------------------------------------------------------- RoPE scaling
+def _canonical_rope_scaling(value):
+    """rope_scaling as stored: None for plain RoPE, else a sorted tuple of (key, value) items with
+    the type under "type" (HF's "rope_type" is accepted for it) and None-valued keys dropped."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        items = dict(value)
+    else:
+        try:
+            items = dict(value)
+        except (TypeError, ValueError):
+            _fail("rope_scaling", value, "must be None or a mapping / (key, value) pairs, e.g. {'type': 'linear', 'factor': 4.0}")
+    if "rope_type" in items:
+        kind = items.pop("rope_type")
+        if items.setdefault("type", kind) != kind:
+            _fail("rope_scaling", value, "'type' and 'rope_type' disagree")
+    items = {k: v for k, v in items.items() if v is not None}
+    if items.get("type") == "default" and len(items) == 1:
+        return None                                   # {"type": "default"} is plain RoPE
+    return tuple(sorted(items.items()))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _validate_rope_scaling(rs: dict) -> None:
+    kind = rs.get("type")
+    if kind not in ROPE_SCALING_KEYS:
+        _fail("rope_scaling", rs, f"'type' must be one of {ROPE_SCALING_TYPES} "
+              f"('default' = plain RoPE with rope_theta, no other keys)")
+    required, optional = ROPE_SCALING_KEYS[kind]
+    missing = [k for k in required if k not in rs]
+    if missing:
+        _fail("rope_scaling", rs, f"type {kind!r} needs keys {list(required)}; missing {missing}")
+    unknown = sorted(set(rs) - {"type", *required, *optional})
+    if unknown:
+        _fail("rope_scaling", rs, f"unknown key(s) {unknown} for type {kind!r}; allowed: {list(required + optional)}")
+    if not (_is_number(rs["factor"]) and rs["factor"] > 0):
+        _fail("rope_scaling", rs, "'factor' must be a number > 0")
+    if kind != "yarn":
+        return
+    omax = rs["original_max_position_embeddings"]
+    if isinstance(omax, bool) or not isinstance(omax, int) or omax < 1:
+        _fail("rope_scaling", rs, "'original_max_position_embeddings' must be an integer >= 1 (the pre-extension context)")
+    for k in ("beta_fast", "beta_slow", "attention_factor"):
+        if k in rs and not (_is_number(rs[k]) and rs[k] > 0):
+            _fail("rope_scaling", rs, f"{k!r} must be a number > 0")
+    if rs.get("beta_fast", 32) < rs.get("beta_slow", 1):
+        _fail("rope_scaling", rs, "'beta_fast' (default 32) must be >= 'beta_slow' (default 1)")
+    for k in ("mscale", "mscale_all_dim"):
+        if k in rs and not (_is_number(rs[k]) and rs[k] >= 0):
+            _fail("rope_scaling", rs, f"{k!r} must be a number >= 0")
+    if "truncate" in rs and not isinstance(rs["truncate"], bool):
+        _fail("rope_scaling", rs, "'truncate' must be true or false")
+
+
+def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling dict or None) from a HF config.json dict, read as transformers
+    reads it: `rope_scaling` (older spelling) before `rope_parameters`, "type" for "rope_type",
+    rope_theta inside that dict or top-level; yarn's original_max_position_embeddings from a
+    top-level key first, else the dict, else max_position_embeddings; a null factor is
+    max_position_embeddings / original_max_position_embeddings."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    prf = rope.pop("partial_rotary_factor", None)
+    if prf not in (None, 1, 1.0):
+        raise ConfigError(f"rope partial_rotary_factor={prf!r} is not supported (GLM-5 rotates the whole rope slice)")
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALING_KEYS:
+        raise ConfigError(f"rope_parameters.rope_type={kind!r} is not supported; allowed: {', '.join(ROPE_SCALING_TYPES)}")
+    if kind == "yarn":
+        if hf.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 202752))
+        if rope.get("factor") is None and hf.get("max_position_embeddings"):
+            rope["factor"] = hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    scaling = {"type": kind, **{k: v for k, v in rope.items() if v is not None}}
+    if _is_number(scaling.get("factor")):
+        scaling["factor"] = float(scaling["factor"])
+    return theta, scaling
+
+
+def rope_to_hf(theta: float, scaling: Mapping[str, Any] | None) -> dict:
+    """HF config.json `rope_parameters` for rope_theta + a rope_scaling dict (inverse of rope_from_hf)."""
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if scaling:
+        rope.update({k: v for k, v in scaling.items() if k != "type"}, rope_type=scaling["type"])
+    return rope
 
 
 # ----------------------------------------------------------------------------- presets

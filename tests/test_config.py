@@ -50,7 +50,7 @@ def test_from_hf_rejects_other_model_types_and_rope_types():
     with pytest.raises(ConfigError, match="model_type"):
         ModelConfig.from_hf({**base, "model_type": "llama"})
     with pytest.raises(ConfigError, match="rope_type"):
-        ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+        ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
     scaled = ModelConfig(rope_scaling={"type": "linear", "factor": 4.0})
     assert ModelConfig.from_hf(scaled.to_hf()) == scaled
 

@@ -153,6 +153,35 @@ FIXTURES = {
             "dense MLP layer 0 + MoE layers 1..3; non-zero e_score_correction_bias; perturbed norms",
         ],
     ),
+    "hf_yarn": dict(
+        seed=5005,
+        seq_len=96,
+        config=dict(
+            qk_rope_head_dim=16,
+            index_head_dim=32,
+            max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 8.0,
+                "beta_slow": 0.5,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+            indexer_types=["full", "shared", "full", "full"],
+        ),
+        exercises=[
+            "YaRN RoPE (DeepSeek-V3 style): factor 4, original_max_position_embeddings=32, T=96 = 3x that",
+            "non-default beta_fast=8 / beta_slow=0.5: the ramp blends pairs 1..2 of the 8 rope pairs "
+            "(pair 0 keeps its frequency, pairs 3..7 are divided by 4)",
+            "mscale=1.0 != mscale_all_dim=0.8: cos/sin scaled by mscale(4,1)/mscale(4,0.8) (MLA and "
+            "indexer rope slices) and the MLA softmax scale by mscale(4,0.8)^2 (the indexer's not)",
+            "qk_rope_head_dim=16 (rope slice), index_head_dim=32 (indexer rope on its first 16 dims)",
+            "DSA sparse attention: T=96 is 12x index_topk=8; one 'shared' indexer layer (layer 1)",
+        ],
+    ),
 }
 
 
@@ -314,6 +343,15 @@ def build_one(name, spec, out_dir, verbose=False):
     for m, k in zip(idx_mods, saved_k):
         m.index_topk = k
 
+    # How much the RoPE scaling matters: the same weights under plain RoPE (same theta).
+    rope_diff = None
+    if cfg.rope_parameters.get("rope_type", "default") != "default":
+        plain = _build_config({"config": {**spec["config"], "rope_parameters": {
+            "rope_type": "default", "rope_theta": cfg.rope_parameters["rope_theta"]}}})
+        other = GlmMoeDsaForCausalLM(plain).eval()
+        other.load_state_dict(model.state_dict())
+        rope_diff = (_forward(other, input_ids) - logits).abs().max().item()
+
     # Sanity: the saved checkpoint reproduces the logits.
     re = GlmMoeDsaForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
     for mod in re.modules():
@@ -359,6 +397,7 @@ def build_one(name, spec, out_dir, verbose=False):
         logits_std=float(logits.std()),
         reload_max_abs_diff=reload_diff,
         dense_attention_logits_max_abs_diff=dense_diff,
+        **({} if rope_diff is None else {"default_rope_logits_max_abs_diff": rope_diff}),
         suggested_tolerance=dict(atol=1e-4, rtol=1e-4),
         num_params=int(sum(p.numel() for p in model.parameters())),
         torch_version=torch.__version__,

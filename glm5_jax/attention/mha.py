@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from glm5_jax.attention.context import over_context
 from glm5_jax.attention.core import cached_attention, causal_attention, write_cache
 from glm5_jax.layers.common import Dense, constrain, dtype_of
-from glm5_jax.layers.rope import apply_rope
+from glm5_jax.layers.rope import apply_rope, softmax_scale
 from glm5_jax.attention.monitor import max_attention_logit
 
 
@@ -28,7 +28,7 @@ class GQAttention(nn.Module):
         v = Dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), name="v_proj", **kw)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
-        scale = c.head_dim ** -0.5
+        scale = softmax_scale(c.head_dim, c.rope_scaling_dict)  # x YaRN mscale^2 (layers.rope)
         if cache is not None:
             if monitor_logits:
                 raise ValueError("monitor_logits is for training forwards, not attention over a cache")

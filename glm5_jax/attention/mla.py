@@ -25,7 +25,7 @@ from glm5_jax.attention.indexer import Indexer, indexer_kl_dense, indexer_kl_spa
 from glm5_jax.attention.kernels import indexer_topk, sparse_attention
 from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
-from glm5_jax.layers.rope import apply_rope
+from glm5_jax.layers.rope import apply_rope, softmax_scale
 from pallas_kernels.dense import topk_key_mask
 
 
@@ -58,7 +58,7 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin)                       # [B, T, dr]
         kv_b = Dense(h * (dn + dv), ("kv_lora", "heads"), name="kv_b_proj", **kw)
         o_proj = Dense(d, ("heads", "embed"), name="o_proj", **kw)
-        scale = (dn + dr) ** -0.5
+        scale = softmax_scale(dn + dr, c.rope_scaling_dict)     # x YaRN mscale^2 (layers.rope)
         if cache is not None:
             return self._cached(x, q, q_latent, latent, k_rope, kv_b, o_proj, cos, sin, prev_indices, positions,
                                 positions if write_positions is None else write_positions, cache, scale)
@@ -213,7 +213,7 @@ def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale,
 
     q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], w_uk [r,H,dn], w_uv [r,H,dv],
     indices [B,T,K] (key slots, -1 = none) -> [B,T,H,dv]: each head attends the selected
-    [latent | k_rope] rows (scale is MLA's (dn + dr)^-0.5), W_UV is applied after attention."""
+    [latent | k_rope] rows (scale: softmax_scale(dn + dr, ...), layers.rope), W_UV is applied after attention."""
     q, k, _ = mqa_operands(q_nope, q_rope, latent, k_rope, w_uk)
     return mqa_sparse_attention(q, k, w_uv, indices, scale=scale, impl=impl, chunk=chunk)
 
