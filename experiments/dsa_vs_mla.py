@@ -32,6 +32,7 @@ from glm5_jax.data.retrieval import EVAL_TAG, TEST_TAG, retrieval_correct, retri
 from glm5_jax.layers.rope import rope_angles
 from glm5_jax.model import GLM5, init_params
 from glm5_jax.train import TrainConfig, evaluate, train
+from glm5_jax.train.stages import graft
 from glm5_jax.train.step import make_eval_step
 
 
@@ -125,23 +126,6 @@ def model_configs(model: ModelConfig) -> dict[str, ModelConfig]:
     mha = model.replace(attention="mha", indexer_types=None, num_kv_heads=model.num_heads,
                         head_dim=model.qk_nope_head_dim + model.qk_rope_head_dim)
     return {"mla": mla, "dsa": model, "mha": mha}
-
-
-def graft(dst, src):
-    """Copy every parameter `src` has into `dst` (DSA params = MLA params + a fresh indexer), by path.
-
-    With scanned layers both trees hold the same stacks (dense_layers, moe_layers, ...) as long as the
-    DSA layout has one indexer type per stack (every layer "full"); a shared-indexer layout stacks its
-    layers in blocks, so the MLA paths would not exist in it and this refuses."""
-    flat_dst, flat_src = traverse_util.flatten_dict(dst), traverse_util.flatten_dict(src)
-    missing = ["/".join(k) for k in flat_src if k not in flat_dst]
-    if missing:
-        raise ValueError(f"graft: {len(missing)} source parameters have no place in the target, e.g. {missing[:3]}")
-    bad = ["/".join(k) for k, v in flat_src.items() if flat_dst[k].shape != v.shape]
-    if bad:
-        raise ValueError(f"graft: shapes differ for {bad[:3]}")
-    flat_dst.update(flat_src)
-    return traverse_util.unflatten_dict(flat_dst)
 
 
 def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches):

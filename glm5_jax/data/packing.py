@@ -16,6 +16,18 @@ Packing scheme (documented contract):
   token of the next document). Predicting the eos itself (from the document's last token)
   is trained.
 All arrays are int32 of shape [T].
+
+Long documents and context extension (glm5_jax.train.stages): each stage packs the same stream at its
+own T (LMData.train_iter(B, stage.seq_len)). A document longer than T is split into consecutive pieces,
+one per window; every piece is its own segment and its positions count from 0 at the piece's first
+token (0 .. T-1 for a full piece), not from the document's start. Decision: restart, not continue.
+Reason: attention never crosses windows, so a piece is a context of at most T tokens whatever came
+before it, and RoPE makes attention depend only on position differences, which are the same either
+way; continuing would only feed positions up to the document's length (200K for a long document at
+any stage length), where float32 angles lose precision (ulp of 2e5 rad is 0.016 rad) and positions
+leave the range a stage's RoPE settings (e.g. yarn's original_max_position_embeddings) and its eval
+at length T describe. A longer stage then sees longer pieces of the same documents, which is the
+extension. Tested: tests/test_data_packing.py::test_long_documents_split_per_stage_length.
 """
 
 from __future__ import annotations

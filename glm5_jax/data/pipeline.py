@@ -29,6 +29,8 @@ Eval: packed windows 0.. of the eval split in order, batched; the last batch is 
 rows with all-padding rows (loss_mask 0, segment_ids 0) so shapes stay static.
 
 Batch dict (all np.int32, shape [B, T]): tokens, targets, loss_mask, segment_ids, positions.
+Staged training (context extension) builds one iterator per stage at that stage's T
+(`train_iter(B, stage.seq_len)`); its state (fingerprinted with T) lives in that stage's checkpoints.
 """
 
 from __future__ import annotations

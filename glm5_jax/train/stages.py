@@ -1,0 +1,261 @@
+"""Staged training (context extension) as one program: a list of `Stage`s run in order by the one loop.
+
+    stages = [Stage("base", seq_len=4096, steps=..., learning_rate=3e-4),
+              Stage("32k", seq_len=32768, steps=..., model={"rope_theta": 1e6}),
+              Stage("dsa_warmup", seq_len=32768, steps=..., model={"attention": "dsa"},
+                    train={"indexer_loss": "dense", "trainable_pattern": "indexer"}),
+              Stage("dsa", seq_len=32768, steps=..., train={"indexer_loss": "sparse"})]
+    out = train_stages(model_cfg, tcfg, stages, make_iter, workdir)
+
+Stage i runs glm5_jax.train.loop.train in workdir/stage_<i>_<name>, starting from stage i-1's final params.
+* Model overrides are cumulative (the model is what carries): each stage's ModelConfig is the previous
+  stage's with `Stage.model` applied. Only fields that keep the carried parameters may change: the RoPE
+  settings (frequencies only: the params pytree is the same), attention 'mla' -> 'dsa' with the indexer
+  fields (DSA by continued pre-training: the indexer is added, freshly initialised, and every other
+  parameter is carried bit-exactly by `graft`), and runtime fields that change how, not what, the model
+  computes.
+* Train settings are per stage from the base TrainConfig: seq_len and steps from the stage, the learning
+  rate schedule fields where the stage sets them, plus `Stage.train` overrides (indexer_loss, ...).
+* The optimizer state does not carry: each stage starts a fresh optimizer (moments, step 0, its own
+  warmup + cosine). Reason: a stage is its own schedule (a new warmup re-estimates the moments, which
+  is what the fresh stage's warmup is for), a DSA stage has parameters the previous optimizer never saw
+  (its state would need a graft of its own), and the loop then needs no second way to start a state.
+* Resume: a stage writes stage.json (its definition; done + final eval when it ends). A rerun skips
+  done stages, resumes the unfinished stage from its latest checkpoint (the loop's exact resume) and
+  starts a fresh stage from the previous stage's final params (in memory, or read back from its final
+  checkpoint after a restart), so a killed run ends with exactly the losses of an uninterrupted one.
+  A stage.json whose definition differs from the stage now given is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from etils import epath
+from flax import traverse_util
+
+from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.model import init_params as fresh_params
+from glm5_jax.train.checkpoint import Checkpointer
+from glm5_jax.train.config import TrainConfig
+from glm5_jax.train.loop import _read_metrics, train
+from glm5_jax.train.state import abstract_param_shapes, abstract_state
+from glm5_jax.sharding import single_device_mesh
+
+ROPE_FIELDS = ("rope_theta", "rope_scaling")
+DSA_FIELDS = ("attention", "index_topk", "index_n_heads", "index_head_dim", "indexer_types")
+RUNTIME_FIELDS = ("attention_impl", "attn_chunk", "remat", "dsa_short_dense")
+MODEL_FIELDS = ROPE_FIELDS + DSA_FIELDS + RUNTIME_FIELDS
+SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "min_lr_ratio")
+STAGE_OWNED = ("seq_len", "steps") + SCHEDULE_FIELDS        # set on the Stage itself, not in Stage.train
+TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in STAGE_OWNED)
+STAGE_FILE = "stage.json"
+
+
+def _frozen(v):
+    return tuple(sorted((k, _frozen(x)) for k, x in v.items())) if isinstance(v, Mapping) else v
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage: its sequence length, steps, learning-rate schedule (None: the base TrainConfig's),
+    `model` overrides (MODEL_FIELDS; cumulative over stages), `train` overrides (TrainConfig fields
+    other than the stage's own; per stage) and an optional data-mix name for make_iter."""
+    name: str
+    seq_len: int
+    steps: int
+    learning_rate: float | None = None
+    warmup_steps: int | None = None
+    min_lr_ratio: float | None = None
+    model: Any = ()          # a dict or a tuple of (field, value) items
+    train: Any = ()
+    data: str | None = None
+
+    def __post_init__(self):
+        def bad(field, value, allowed):
+            raise ConfigError(f"Stage {self.name!r}: {field}={value!r} is invalid: {allowed}")
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ConfigError(f"Stage.name={self.name!r} is invalid: a non-empty string of letters, digits, "
+                              "'_', '.', '-' (it names the stage's folder)")
+        for f in ("seq_len", "steps"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(f, v, "must be an integer >= 1")
+        for f, allowed in (("model", MODEL_FIELDS), ("train", TRAIN_FIELDS)):
+            items = dict(getattr(self, f))
+            for k in items:
+                if k in STAGE_OWNED:
+                    bad(f"{f}[{k!r}]", items[k], f"{k} is a Stage field: set Stage.{k}")
+                if k not in allowed:
+                    what = ("fields that may change between stages (RoPE, adding DSA, runtime)"
+                            if f == "model" else "TrainConfig fields")
+                    bad(f"{f}[{k!r}]", items[k], f"{k!r} is not one of the {what}; allowed: {', '.join(allowed)}")
+            object.__setattr__(self, f, _frozen(items))
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def graft(dst, src):
+    """Copy every parameter `src` has into `dst` (DSA params = MLA params + a fresh indexer), by path.
+
+    With scanned layers both trees hold the same stacks (dense_layers, moe_layers, ...) as long as the
+    DSA layout has one indexer type per stack (every layer "full"); a shared-indexer layout stacks its
+    layers in blocks, so the MLA paths would not exist in it and this refuses."""
+    flat_dst, flat_src = traverse_util.flatten_dict(dst), traverse_util.flatten_dict(src)
+    missing = ["/".join(k) for k in flat_src if k not in flat_dst]
+    if missing:
+        raise ValueError(f"graft: {len(missing)} source parameters have no place in the target, e.g. {missing[:3]}")
+    bad = ["/".join(k) for k, v in flat_src.items() if flat_dst[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"graft: shapes differ for {bad[:3]}")
+    flat_dst.update(flat_src)
+    return traverse_util.unflatten_dict(flat_dst)
+
+
+def _check_carry(prev: ModelConfig, cfg: ModelConfig, where: str) -> None:
+    """Refuse a model change that would not carry every parameter of `prev` unchanged into `cfg`."""
+    if all(getattr(cfg, f) == getattr(prev, f) for f in DSA_FIELDS):
+        return                                   # RoPE / runtime only: the same parameters by construction
+    old, new = _shapes(prev), _shapes(cfg)
+    lost = ["/".join(k) for k in old if new.get(k) != old[k]]
+    added = [k for k in new if k not in old]
+    if lost or (added and prev.attention == cfg.attention):
+        changed = {f: getattr(cfg, f) for f in DSA_FIELDS if getattr(cfg, f) != getattr(prev, f)}
+        raise ConfigError(f"{where}: model overrides {changed} change the parameters carried from the previous "
+                          f"stage (e.g. {(lost or ['/'.join(k) for k in added])[:3]}); between stages only the "
+                          "RoPE settings may change, or attention 'mla' -> 'dsa' with an indexer layout whose "
+                          "stacks match the MLA model's (every layer 'full')")
+
+
+def plan_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Stage]):
+    """[(ModelConfig, TrainConfig)] of each stage, or a ConfigError naming the stage and field (before
+    anything is compiled)."""
+    if not stages or not all(isinstance(s, Stage) for s in stages):
+        raise ConfigError(f"stages={stages!r} is invalid: a non-empty list of Stage")
+    out, prev = [], model_cfg
+    for i, s in enumerate(stages):
+        where = f"stage {i} {s.name!r}"
+        sched = {f: getattr(s, f) for f in SCHEDULE_FIELDS if getattr(s, f) is not None}
+        attention = dict(s.model).get("attention", prev.attention)
+        if i and attention != prev.attention and (prev.attention, attention) != ("mla", "dsa"):
+            raise ConfigError(f"{where}: model['attention']={attention!r} is invalid after {prev.attention!r}: "
+                              "between stages attention may change only from 'mla' to 'dsa' (DSA added by "
+                              "continued pre-training)")
+        try:
+            cfg = dataclasses.replace(prev, **dict(s.model))
+            tc = dataclasses.replace(tcfg, seq_len=s.seq_len, steps=s.steps, **sched, **dict(s.train))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if i:
+            _check_carry(prev, cfg, where)
+        out.append((cfg, tc))
+        prev = cfg
+    return out
+
+
+def stage_dir(workdir, i: int, stage: Stage) -> epath.Path:
+    return epath.Path(workdir) / f"stage_{i}_{stage.name}"
+
+
+def _read_record(wd: epath.Path, stage: Stage, where: str) -> dict | None:
+    path = wd / STAGE_FILE
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    if rec["stage"] != stage.to_json():
+        raise ConfigError(f"{where}: {path} was written for {rec['stage']} but the stage is now "
+                          f"{stage.to_json()}; a started stage cannot change (use another workdir)")
+    return rec
+
+
+def _shapes(cfg: ModelConfig) -> dict:
+    return {k: v.shape for k, v in traverse_util.flatten_dict(abstract_param_shapes(cfg)).items()}
+
+
+def _latest_step(wd: epath.Path, tcfg: TrainConfig) -> int | None:
+    ckpt = Checkpointer(wd / "checkpoints", keep=tcfg.keep_checkpoints, async_save=False)
+    try:
+        return ckpt.latest_step()
+    finally:
+        ckpt.close()
+
+
+def _final_params(model_cfg, tcfg, wd: epath.Path, mesh):
+    """A finished stage's final params, read back from its last checkpoint (after a restart)."""
+    ckpt = Checkpointer(wd / "checkpoints", keep=tcfg.keep_checkpoints, async_save=False)
+    try:
+        state, _ = ckpt.restore(tcfg.steps, abstract_state(model_cfg, tcfg, mesh)[0])
+    finally:
+        ckpt.close()
+    return state["params"]
+
+
+def _carry(prev_cfg, cfg, params, key):
+    """Stage i's starting params from stage i-1's: the same tree when the parameters are the same (RoPE
+    / runtime changes), else the new model's fresh init (seeded by `key`) with every carried one grafted."""
+    if _shapes(prev_cfg) == _shapes(cfg):
+        return params
+    return graft(fresh_params(cfg, key), params)
+
+
+def train_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Stage],
+                 make_iter: Callable[[Stage, int], Any], workdir, *, init_params=None,
+                 eval_fn_for_stage: Callable[[Stage, int, ModelConfig], Callable | None] | None = None,
+                 mesh=None, log=None, loss_fn=None) -> dict:
+    """Run `stages` in order (module docstring), resuming a killed run where it stopped.
+
+    make_iter(stage, i): a fresh train iterator of stage i's batches ([tcfg.batch_size, stage.seq_len];
+    e.g. LMData.train_iter(B, stage.seq_len), or a mix chosen by stage.data); the loop restores its state
+    from the stage's checkpoint. eval_fn_for_stage(stage, i, model_cfg) -> eval_fn for that stage's
+    train() (or None). init_params: stage 0's starting params (default: the seed, or `init_from`).
+    Returns {"params" (the last stage's), "model_cfg" (the last stage's), "stages": [{"name", "workdir",
+    "model_cfg", "train_cfg", "history", "final"}]}.
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    mesh = single_device_mesh() if mesh is None else mesh
+    plan = plan_stages(model_cfg, tcfg, stages)
+    primary = jax.process_index() == 0
+    params, results = init_params, []
+    for i, (stage, (cfg, tc)) in enumerate(zip(stages, plan)):
+        wd = stage_dir(workdir, i, stage)
+        where = f"stage {i} {stage.name!r}"
+        rec = _read_record(wd, stage, where)
+        if rec is not None and rec["done"]:
+            log(f"[stages] {where} already done ({wd})")
+            results.append({"name": stage.name, "workdir": str(wd), "model_cfg": cfg, "train_cfg": tc,
+                            "history": _read_metrics(wd / "metrics.jsonl", None), "final": rec["final"]})
+            params = None                        # read back only if the next stage starts fresh
+            continue
+        wd.mkdir(parents=True, exist_ok=True)
+        start = None                             # a stage with a checkpoint resumes from it (the loop)
+        if _latest_step(wd, tc) is None:
+            start = params
+            if i:
+                prev_cfg, prev_tc = plan[i - 1]
+                if params is None:
+                    params = _final_params(prev_cfg, prev_tc, stage_dir(workdir, i - 1, stages[i - 1]), mesh)
+                start = _carry(prev_cfg, cfg, params, jax.random.fold_in(jax.random.PRNGKey(tc.seed), i))
+        if primary and rec is None:
+            (wd / STAGE_FILE).write_text(json.dumps({"stage": stage.to_json(), "done": False, "final": None}))
+        log(f"[stages] {where}: T={stage.seq_len}, {stage.steps} steps, rope_theta={cfg.rope_theta}, "
+            f"rope_scaling={cfg.rope_scaling}, attention={cfg.attention} ({wd})")
+        eval_fn = eval_fn_for_stage(stage, i, cfg) if eval_fn_for_stage is not None else None
+        out = train(cfg, tc, make_iter(stage, i), wd, init_params=start, eval_fn=eval_fn, log=log,
+                    name=f"stage{i}-{stage.name}", mesh=mesh, loss_fn=loss_fn)
+        if primary:
+            (wd / STAGE_FILE).write_text(json.dumps({"stage": stage.to_json(), "done": True, "final": out["final"]}))
+        params = out["params"]
+        results.append({"name": stage.name, "workdir": str(wd), "model_cfg": cfg, "train_cfg": tc,
+                        "history": out["history"], "final": out["final"]})
+    if params is None:                           # every stage was already done
+        params = _final_params(*plan[-1], stage_dir(workdir, len(stages) - 1, stages[-1]), mesh)
+    return {"params": params, "model_cfg": plan[-1][0], "stages": results}
+
+
+__all__ = ["MODEL_FIELDS", "Stage", "TRAIN_FIELDS", "graft", "plan_stages", "stage_dir", "train_stages"]
