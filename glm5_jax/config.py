@@ -24,7 +24,7 @@ ROPE_SCALING_KEYS = {
     "yarn": (("factor", "original_max_position_embeddings"),
              ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
 }
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")   # see glm5_jax.model.REMAT
+REMAT_POLICIES = ("none", "full", "offload", "dots", "dots_no_batch")   # see glm5_jax.model.REMAT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ class ModelConfig:
     attention_impl: str = "xla"           # xla | pallas (DSA kernels)
     attn_chunk: int = 256                 # query chunk for attention paths (bounds [chunk, S] memory)
     dsa_short_dense: int = 8              # CPU, xla: DSA's sparse stage as top-k-masked dense attention at T <= this * index_topk (0: never)
-    remat: str = "none"                   # none | full (keep layer inputs only) | dots | dots_no_batch
+    remat: str = "none"                   # none | full (keep layer inputs only) | offload (full, inputs on host) | dots | dots_no_batch
     scan_layers: bool = True              # nn.scan over each layer stack (False: the same stacks unrolled)
 
     def __post_init__(self):

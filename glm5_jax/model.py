@@ -19,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.attention.context import context_size
 from glm5_jax.attention.mha import GQAttention
@@ -31,12 +32,20 @@ from glm5_jax.layers.rope import rope_angles
 
 ACT = ("activation_batch", "activation_seq", "activation_embed")
 
+LAYER_INPUT = "decoder_layer_input"     # checkpoint_name of a scan step's input (see REMAT["offload"])
+
 # ModelConfig.remat -> jax checkpoint policy (None: no rematerialisation at all).
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # as "full", but each scanned layer's input (the one value "full" keeps per layer, B*T*D) is
+    # moved to host memory after the forward and brought back for the backward (TPU/GPU pinned host
+    # memory; on CPU it stays where it is). Only the scan's saved inputs move: the MTP blocks keep theirs.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -80,6 +89,7 @@ class Block(nn.Module):
     def __call__(self, carry, cache, cos, sin, segment_ids, positions, write_positions, indexer_loss,
                  monitor_logits):
         x, indices = carry
+        x = checkpoint_name(x, LAYER_INPUT)
         new_cache = {} if cache is not None else None
         for j, itype in enumerate(self.stack.indexer_types):
             lc = None if cache is None else cache[f"layer_{j}"]

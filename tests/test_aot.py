@@ -46,6 +46,31 @@ def test_tiny_train_step_compiles_for_v5p_2x2x1():
     assert r["plan_estimate"]["per_device_bytes"]["total"] > 0
 
 
+def _aot_json(*flags):
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+    env.pop("JAX_PLATFORMS", None)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run([sys.executable, "-m", "tools.aot", "--preset=tiny", "--topology=v5p:2x2x1", "--json",
+                          "--no_plan", *flags], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow   # two TPU compiles (~1.5 min on 2 cores)
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
+def test_offload_remat_moves_each_scanned_layer_input_to_host_memory():
+    """remat="offload": the TPU compiler places the saved input of every scan step in host memory,
+    exactly layers * b * T * D * 4 bytes (one MoE stack of 4 layers, float32, D = 128 so that TPU
+    tiling adds no padding), and the device's temporaries shrink against remat="full", which keeps
+    them on the device."""
+    flags = ("--mesh=data:4", "--batch_size=8", "--seq_len=64", "--set", "model.num_layers=4",
+             "--set", "model.first_k_dense=0", "--set", "model.d_model=128")
+    full, off = _aot_json(*flags, "--remat=full"), _aot_json(*flags, "--remat=offload")
+    assert full["per_device_bytes"].get("host_temporaries", 0) == 0
+    assert off["per_device_bytes"]["host_temporaries"] == 4 * (8 // 4) * 64 * 128 * 4, off["per_device_bytes"]
+    assert off["per_device_bytes"]["temporaries"] < full["per_device_bytes"]["temporaries"]
+
+
 def test_bad_topology_mesh_and_preset_fail_before_compiling():
     with pytest.raises(AotError, match="allowed: " + ", ".join(CHIPS)):
         parse_topology("v9:2x2x2")

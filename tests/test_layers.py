@@ -192,7 +192,7 @@ def test_remat_gives_identical_loss_and_gradients():
             {"params": p}, tok, indexer_loss="sparse", mutable=["intermediates"])[0]["logits"] ** 2)))(params)
 
     l0, g0 = loss(cfg)
-    for policy in ("full", "dots", True):
+    for policy in ("full", "offload", "dots", True):   # offload: on CPU the saved inputs stay put
         l1, g1 = loss(cfg.replace(remat=policy))
         np.testing.assert_allclose(l0, l1, rtol=1e-6)
         for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):

@@ -34,6 +34,8 @@ import os
 import sys
 import time
 
+from glm5_jax.config import REMAT_POLICIES
+
 # chip kind -> (HBM bytes per chip, chips per host bounds of the kind's hosts)
 CHIPS = {
     "v5p": (95 * 2**30, (2, 2, 1)),
@@ -41,7 +43,6 @@ CHIPS = {
     "v6e": (32 * 2**30, (2, 4, 1)),
     "v5e": (16 * 2**30, (2, 4, 1)),
 }
-REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")
 
 # (preset, topology) or (preset, topology, seq_len) -> flag defaults that were compiled and fit (see
 # docs/scaleout.md). With --seq_len the (preset, topology, seq_len) entry wins over (preset, topology).
@@ -51,9 +52,10 @@ DEFAULTS: dict[tuple, dict] = {
     ("glm5", "v5p:4x4x8"): {"mesh": "fsdp:4,expert:32", "batch_size": 128, "seq_len": 4096, "remat": "full",
                             "set": ("model.moe_impl=a2a",)},
     # 128K: 16 x 131072 tokens, each sequence over context 8, the batch over expert 16 (16K tokens a chip);
-    # compiled at 112.6 GiB by the strict formula (peak 86.4 GiB): docs/scaleout.md, long-context table
+    # the scanned layers' saved inputs in host memory (remat offload): 69.4 GiB by the strict formula
+    # (remat full: 112.6 GiB): docs/scaleout.md, long-context table
     ("glm5", "v5p:4x4x8", 131072): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 131072,
-                                    "remat": "full", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
+                                    "remat": "offload", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
                                                              "train.logits_chunk=1024")},
     # GLM-5's full context: 16 x 202752 tokens on 256 chips (12,672 tokens a chip) fits at 85.7 GiB; on
     # v5p:4x4x8 it would be 25K tokens a chip where 16K already exceeds 95 GiB (docs/scaleout.md)
@@ -143,8 +145,8 @@ def resolve(preset_name: str, topology: str, mesh: str | None = None, batch_size
     d = defaults_for(preset_name, topology, seq_len)
     mesh = mesh or d.get("mesh") or f"fsdp:{n_dev}"
     remat = remat or d.get("remat")
-    if remat is not None and remat not in REMAT_CHOICES:
-        raise AotError(f"--remat={remat!r}; allowed: {', '.join(REMAT_CHOICES)}")
+    if remat is not None and remat not in REMAT_POLICIES:
+        raise AotError(f"--remat={remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
     try:
         sizes = resolve_mesh_shape(parse_mesh_spec(mesh), n_dev)
     except MeshError as e:
@@ -174,7 +176,8 @@ def plan_estimate(model_cfg, tcfg, sizes) -> dict:
     from glm5_jax.parallel.plan import plan
     p = plan(model_cfg, sizes, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, optimizer=tcfg.optimizer,
              activations="estimate", logits_chunk=tcfg.logits_chunk)
-    return {"per_device_bytes": p["per_device_bytes"], "activations_source": p["sources"]["activations"]}
+    return {"per_device_bytes": p["per_device_bytes"], "activations_source": p["sources"]["activations"],
+            **({"host_bytes": p["host_bytes"]} if "host_bytes" in p else {})}
 
 
 def compile_step(r: dict, *, log=None) -> dict:
@@ -212,9 +215,11 @@ def compile_step(r: dict, *, log=None) -> dict:
     tmp, alias = int(ma.temp_size_in_bytes), int(getattr(ma, "alias_size_in_bytes", 0) or 0)
     total = arg + out + tmp - alias
     peak = getattr(ma, "peak_memory_in_bytes", None)
+    host = int(getattr(ma, "host_temp_size_in_bytes", 0) or 0)   # remat="offload": layer inputs on the host
     return {
         "per_device_bytes": {"arguments": arg, "outputs": out, "temporaries": tmp, "aliased": alias,
-                             "total": total, **({"peak_memory": int(peak)} if peak else {})},
+                             "total": total, **({"peak_memory": int(peak)} if peak else {}),
+                             **({"host_temporaries": host} if host else {})},
         "total_formula": "arguments + outputs + temporaries - aliased" if alias else
                          "arguments + outputs + temporaries (memory_analysis reports no aliasing)",
         "state_bytes": {"params": per_device_bytes(state["params"]),
@@ -257,7 +262,7 @@ def format_report(p: dict) -> str:
              f"moe_impl {m['moe_impl']}",
              f"compiled in {p['compile_seconds']:.1f}s (lowered in {p['lower_seconds']:.1f}s)",
              "per-device memory (compiled.memory_analysis()):"]
-    for k in ("arguments", "outputs", "temporaries", "aliased", "total", "peak_memory"):
+    for k in ("arguments", "outputs", "temporaries", "aliased", "total", "peak_memory", "host_temporaries"):
         if k in pd:
             lines.append(f"  {k:<12}{gib(pd[k])}")
     lines.append(f"  ({p['total_formula']})")
@@ -277,7 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh", default=None, help="AXIS:N,... over data, fsdp, expert, context, tensor (-1 = fill)")
     ap.add_argument("--batch_size", type=int, default=None)
     ap.add_argument("--seq_len", type=int, default=None)
-    ap.add_argument("--remat", default=None, help="ModelConfig.remat: " + " | ".join(REMAT_CHOICES))
+    ap.add_argument("--remat", default=None, help="ModelConfig.remat: " + " | ".join(REMAT_POLICIES))
     ap.add_argument("--grad_accum", type=int, default=None, help="TrainConfig.grad_accum: micro-batches per step")
     ap.add_argument("--optimizer", default=None, help="TrainConfig.optimizer: adamw | muon | muon_split")
     ap.add_argument("--set", action="append", default=[], metavar="model.FIELD=V",

@@ -1,7 +1,7 @@
 """Per-device memory of the train step on a mesh, without the devices.
 
     python -m tools.plan --preset=glm5 --mesh=fsdp:64,expert:4 [--batch_size N] [--seq_len N]
-        [--remat=none|full|dots|dots_no_batch] [--json]
+        [--remat=none|full|offload|dots|dots_no_batch] [--json]
     python -m tools.plan --preset=glm5 --mesh=expert:16,context:8 --batch_size=16 --seq_len=131072 --remat
 
 The mesh has five axes, data, fsdp, expert, context, tensor (glm5_jax.sharding.MESH_AXES): the batch is

@@ -38,8 +38,9 @@ from glm5_jax.train.config import TrainConfig
 TARGETS = {"TPU v5p (95 GB)": 95e9, "H200 (141 GB)": 141e9}
 # ModelConfig.remat policy -> the estimate's formula. "full" keeps only each layer's input ("layer");
 # the dots policies keep every matmul output, which is most of a layer's saved values, so they are
-# estimated with the no-remat formula (an upper bound for them).
-ESTIMATE_MODE = {"none": "none", "full": "layer", "dots": "none", "dots_no_batch": "none"}
+# estimated with the no-remat formula (an upper bound for them). "offload" is "full" with the scanned
+# layers' inputs in host memory ("layer_offload": the layer formula without them; host bytes reported).
+ESTIMATE_MODE = {"none": "none", "full": "layer", "offload": "layer_offload", "dots": "none", "dots_no_batch": "none"}
 _DT = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TILE_BYTES = 4 * 2 ** 20   # the reference kernels' cache-sized tile bound (pallas_kernels.reference)
 
@@ -104,14 +105,16 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
       (its gathered keys live only during that layer's recompute and backward: counted once):
       n * c * D * (L + mtp_depth) + 2 * (n * max per-layer bytes + gathered keys) [its values and their
       gradients] + gathered index keys + tile + n * logits.
-    Both add 4 x one MoE layer's routed-expert weights as a device holds them inside the a2a dispatch
+    remat="layer_offload" (ModelConfig.remat="offload"): as "layer", but the n * c * D * L inputs of the
+      L scanned layers live in host memory (reported as host_bytes); the MTP layers' inputs stay.
+    All add 4 x one MoE layer's routed-expert weights as a device holds them inside the a2a dispatch
     (E/expert experts, all-gathered over fsdp x context: 3 * E/expert * D * ceil(F_moe/tensor) * c): the
     gathered copy, the copy the backward recomputes with, its gradient before the reduce-scatter and the
     gradient's accumulation. The compiled glm5 step shows exactly these four per layer (tools.aot,
     docs/scaleout.md); they are per-token-independent, so they dominate at small batch per device.
-    Both add 3*c*V*D for the vocabulary tables held whole (embedding table gathered for the lookup, its
+    All add 3*c*V*D for the vocabulary tables held whole (embedding table gathered for the lookup, its
     scatter-add gradient, the gathered LM-head kernel).
-    Both also add the LM-head kernel's gradient as one float32 [D, ceil(V/tensor)] buffer, f*D*ceil(V/tensor),
+    All also add the LM-head kernel's gradient as one float32 [D, ceil(V/tensor)] buffer, f*D*ceil(V/tensor),
     summed over the main and MTP heads before its reduce-scatter over the batch axes (the compiled
     glm5 step holds it at its peak, 3.5 GiB: docs/scaleout.md).
     ModelConfig.moe_token_chunk > 0 (a2a, fewer than n tokens a chunk): the dispatch terms
@@ -190,18 +193,20 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
     fixed = tile + gathered + head_grad + dispatch_block + tables     # per-token-independent
     if remat == "none":
         total = n * sum(per_layer) + len(per_layer) * gathered_keys + gathered_index_keys + n * logits + fixed
-    elif remat == "layer":
-        total = (n * c * d * len(per_layer) + 2 * (n * max(per_layer) + gathered_keys) + gathered_index_keys
-                 + n * logits + fixed)
+    elif remat in ("layer", "layer_offload"):
+        saved = cfg.num_layers if remat == "layer" else 0       # scanned layers' inputs kept on the device
+        total = (n * c * d * (saved + cfg.mtp_depth) + 2 * (n * max(per_layer) + gathered_keys)
+                 + gathered_index_keys + n * logits + fixed)
     else:
-        raise ValueError(f"remat={remat!r}: allowed none, layer")
+        raise ValueError(f"remat={remat!r}: allowed none, layer, layer_offload")
+    host = n * c * d * cfg.num_layers if remat == "layer_offload" else 0
     return {"bytes": int(total), "tokens_per_device": n, "sequences_per_device": seqs, "keys_per_sequence": seq_len,
             "per_token_layer_bytes_max": int(max(per_layer)), "logits_bytes_per_token": int(logits),
             "gathered_key_bytes_per_layer": int(gathered_keys), "gathered_index_key_bytes": int(gathered_index_keys),
             "score_tile_bytes": int(tile), "logits_chunk_bytes": int(logits_block),
             "moe_dispatch_chunk_bytes": int(dispatch_block),
             "gathered_expert_weight_bytes": int(gathered), "head_gradient_bytes": int(head_grad),
-            "vocab_table_bytes": int(tables), "remat": remat}
+            "vocab_table_bytes": int(tables), "host_bytes": int(host), "remat": remat}
 
 
 def _fits(total: int) -> dict:
@@ -234,7 +239,8 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
     p_bytes = per_device_bytes(state["params"])
     o_bytes = per_device_bytes(state["opt_state"])
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))
-    est = {r: estimate_activation_bytes(cfg, batch_size, seq_len, sizes, r, logits_chunk) for r in ("none", "layer")}
+    modes = ("none", "layer") + (("layer_offload",) if cfg.remat == "offload" else ())
+    est = {r: estimate_activation_bytes(cfg, batch_size, seq_len, sizes, r, logits_chunk) for r in modes}
     for e in est.values():         # the gradient tree (param-sized) is scratch too, as in the measured figure
         e["gradient_bytes"] = p_bytes
         e["bytes"] += p_bytes
@@ -262,6 +268,8 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
         a_bytes = est[mode]["bytes"]
         sources["activations"] = (f"estimated: estimate_activation_bytes(remat='{mode}') "
                                   f"(ModelConfig.remat={cfg.remat}; see glm5_jax/parallel/plan.py for the formula)")
+        if est[mode]["host_bytes"]:
+            out["host_bytes"] = est[mode]["host_bytes"]     # the offloaded layer inputs, not in the total
     total = p_bytes + o_bytes + a_bytes
     out["per_device_bytes"] = {"params": p_bytes, "optimizer": o_bytes, "activations": a_bytes, "total": total}
     out["sources"] = sources
@@ -284,6 +292,8 @@ def format_plan(p: dict) -> str:
     for k in ("params", "optimizer", "activations", "total"):
         src = p["sources"].get(k, "sum")
         lines.append(f"  {k:<12}{gb(pd[k]):>14}   {src.split(':')[0]}")
+    if p.get("host_bytes"):
+        lines.append(f"  {'host':<12}{gb(p['host_bytes']):>14}   estimated: scanned layers' inputs (remat=offload)")
     for name, ok in p["fits"].items():
         lines.append(f"{'fits' if ok else 'does not fit'}: {name}  (total {gb(pd['total'])})")
     r = p["with_layer_remat"]
