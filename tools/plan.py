@@ -2,7 +2,8 @@
 
     python -m tools.plan --preset=glm5 --mesh=fsdp:64,expert:4 [--batch_size N] [--seq_len N]
         [--remat=none|full|offload|dots|dots_no_batch] [--json]
-    python -m tools.plan --preset=glm5 --mesh=expert:16,context:8 --batch_size=16 --seq_len=131072 --remat
+    python -m tools.plan --preset=glm5 --mesh=expert:16,context:8 --batch_size=16 --seq_len=131072 \
+        --remat=offload --logits_chunk=1024 --moe_impl=a2a --moe_token_chunk=2048     # tools.aot's 128K row
 
 The mesh has five axes, data, fsdp, expert, context, tensor (glm5_jax.sharding.MESH_AXES): the batch is
 split over data*fsdp*expert, each sequence over `context` (seq_len must divide by 2*context), weights'
@@ -41,6 +42,9 @@ def define_flags() -> None:
     flags.DEFINE_string("optimizer", "adamw", "adamw | muon | muon_split.")
     flags.DEFINE_enum("activations", "auto", ["auto", "measure", "estimate"], "Measure (compile) or estimate.")
     flags.DEFINE_enum("remat", "none", REMAT_POLICIES, "ModelConfig.remat policy to plan with (see glm5_jax.model).")
+    flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl (default: the preset's).")
+    flags.DEFINE_integer("moe_token_chunk", 0, "ModelConfig.moe_token_chunk: a2a MoE dispatch per chunk of this many "
+                         "tokens (0 = all at once).")
     flags.DEFINE_integer("max_fake_devices", 64, "Force up to this many CPU devices to measure activations.")
     flags.DEFINE_bool("json", False, "Print JSON.")
 
@@ -76,7 +80,8 @@ def main(argv):
     from glm5_jax.parallel.plan import format_plan, plan
     from glm5_jax.sharding import MeshError
     try:
-        cfg = preset(FLAGS.preset, remat=FLAGS.remat)
+        cfg = preset(FLAGS.preset, remat=FLAGS.remat, moe_token_chunk=FLAGS.moe_token_chunk,
+                     **({"moe_impl": FLAGS.moe_impl} if FLAGS.moe_impl else {}))
         p = plan(cfg, FLAGS.mesh, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, optimizer=FLAGS.optimizer,
                  logits_chunk=FLAGS.logits_chunk,
                  activations=FLAGS.activations, preset_name=FLAGS.preset)
