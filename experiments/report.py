@@ -42,6 +42,32 @@ def plot_curves(path: str, series: dict[str, tuple[list, list]], *, title: str, 
     return path
 
 
+def plot_heatmap(path: str, grids: dict[str, list[list]], *, rows: list[str], cols: list[str], title: str,
+                 xlabel: str, ylabel: str, vmin: float = 0.0, vmax: float = 1.0) -> str:
+    """One annotated heatmap panel per named grid ([len(rows)][len(cols)] values in [vmin, vmax])."""
+    n = len(grids)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 3.4), dpi=110, squeeze=False)
+    for ax, (name, grid) in zip(axes[0], grids.items()):
+        im = ax.imshow(grid, vmin=vmin, vmax=vmax, cmap="viridis", aspect="auto", origin="lower")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if v < (vmin + vmax) / 2 else "black")
+        ax.set_xticks(range(len(cols)), cols, fontsize=7)
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel)
+    axes[0][0].set_ylabel(ylabel)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    if _primary():
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        epath.Path(path).write_bytes(buf.getvalue())
+    plt.close(fig)
+    return path
+
+
 def write_report(workdir: str, report: dict, markdown: str) -> None:
     if not _primary():
         return

@@ -162,8 +162,11 @@ class RetrievalTask:
         digits = self.digits[[int(c) for c in f"{value:0{self.value_digits}d}"]]
         return np.concatenate([self.key_ids[[key]], digits])
 
-    def example(self, seed: int, tag: int, index: int, mode: str = "eval"
+    def example(self, seed: int, tag: int, index: int, mode: str = "eval", offset: int | None = None
                 ) -> Tuple[Dict[str, np.ndarray], RetrievalInfo]:
+        """One example; `offset` (None: drawn) places the record block at that window index, in
+        [0, self.max_offset] for an eval example (a passkey probe at a chosen depth); the random draws are the
+        same either way."""
         if mode not in ("eval", "train"):
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'eval', 'train'")
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, tag, index])))
@@ -175,7 +178,13 @@ class RetrievalTask:
         keys = rng.choice(len(self.key_ids), size=n, replace=False)
         values = rng.integers(0, 10 ** self.value_digits, size=n)
         q = int(rng.integers(0, n))
-        offset = int(rng.integers(0, max_offset + 1))
+        drawn = int(rng.integers(0, max_offset + 1))
+        if offset is None:
+            offset = drawn
+        elif not 0 <= int(offset) <= max_offset:
+            raise ValueError(f"offset={offset!r} is invalid; allowed: 0 <= offset <= {max_offset} (seq_len="
+                             f"{self.seq_len}, {n} records, min_distance={self.min_distance})")
+        offset = int(offset)
         block = np.concatenate([self._record(int(k), int(v)) for k, v in zip(keys, values)])
         others = [int(i) for i in rng.permutation(n) if i != q][:n_queries - 1]
         queries = np.concatenate([self._record(int(keys[i]), int(values[i])) for i in others + [q]])

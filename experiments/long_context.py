@@ -1,0 +1,623 @@
+"""long_context: extend a short-context MLA model in stages (RoPE base raised), then add DSA; what is kept at long range?
+
+Phases (glm5_jax.train.stages; each stage its own resumable folder):
+  base            MLA at T = train.seq_len (128), RoPE base model.rope_theta (theta0); passkeys in the mix
+  mla             base -> ext_seq_lens[0] (1024) -> ext_seq_lens[1] (4096), the RoPE adjusted per stage
+                  (rope_adjust "theta": base raised to ext_rope_thetas; "yarn": theta0 with YaRN scaling)
+  mla_no_adjust   the same stages, data and schedule with the RoPE unchanged (the control)
+  dsa             the mla arm's stages continued at the last length: indexer warm-up (base frozen, dense
+                  KL), then sparse adaptation; it branches from the mla arm's extended params (its stages
+                  run in the mla arm's folder after the mla stages), so it has trained dsa_warmup_steps +
+                  dsa_steps more steps than mla
+Then: held-out loss per position bucket at T = the last length before extension (the base model) and
+after each arm's last stage, with bootstrap intervals over held-out windows; a passkey probe by context
+length and key depth (and for dsa the indexer's recall of the key's value tokens); attention time and
+FLOPs of DSA vs dense MLA per stage length; step time per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.dsa_vs_mla import answer_key_hits, time_attention, topk_indices_fn
+from experiments.registry import register
+from experiments.report import fmt_interval, md_table, plot_curves, plot_heatmap, write_report
+from glm5_jax.config import ConfigError, ModelConfig, preset
+from glm5_jax.data import DataConfig, build_lm_data
+from glm5_jax.data.retrieval import TEST_TAG, RetrievalTask
+from glm5_jax.flops import estimate
+from glm5_jax.model import GLM5
+from glm5_jax.train import Stage, TrainConfig, train_stages
+from glm5_jax.train.stages import stage_dir
+
+PRIMARY_METRIC = ("held-out LM loss over positions >= 128 (token mean, at T = the last stage length) after the "
+                  "extension stages minus before them (the base model), per arm, with a paired bootstrap interval "
+                  "over held-out windows; secondary: the dsa - mla difference of that loss after the last stage")
+BUCKETS = ((0, 128), (128, 512), (512, 1024), (1024, 2048), (2048, 4096))
+ROPE_ADJUST = ("theta", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LongContextConfig:
+    """model: the MLA model of the base stage (attention "mla"; rope_theta = theta0; the index_* fields are
+    the indexer the dsa arm adds). train: the base stage (train.seq_len, train.steps, schedule) and what
+    every stage shares. data: the corpus and the passkeys mixed into training from the first step
+    (retrieval_pairs = 1: one planted key and value, asked for at the end). ext_*: the extension stages,
+    one entry per stage (lengths, steps, batch sizes, the raised RoPE bases). dsa_*: the two DSA stages at
+    the last length. Evaluation: eval_windows held-out windows at the last length (the eval split, never
+    trained on, nothing tuned on it); passkey probes (held-out filler, TEST_TAG) at passkey_lengths x
+    passkey_depths, passkey_per_cell each."""
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+    ext_seq_lens: tuple[int, ...] = (1024, 4096)
+    ext_steps: tuple[int, ...] = (60, 40)
+    ext_batch_sizes: tuple[int, ...] = (2, 1)
+    ext_rope_thetas: tuple[float, ...] = (1e5, 1e6)     # rope_adjust "theta": the base per extension stage
+    rope_adjust: str = "theta"                          # theta | yarn (theta0 kept, YaRN factor T / train.seq_len)
+    ext_learning_rate: float = 1e-3
+    ext_warmup_steps: int = 5
+    dsa_warmup_steps: int = 6
+    dsa_warmup_learning_rate: float = 1e-2
+    dsa_steps: int = 15
+    dsa_learning_rate: float = 5e-4
+    eval_windows: int = 24
+    eval_batch: int = 2
+    passkey_lengths: tuple[int, ...] = (128, 1024, 4096)
+    passkey_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    passkey_per_cell: int = 4
+    bench_lengths: tuple[int, ...] = (128, 1024, 4096)
+    bootstrap_reps: int = 2000
+
+    STEPS_KEY: ClassVar[str] = "train.steps"
+    DERIVED: ClassVar[dict] = {"model.vocab_size": "data.vocab_size", "data.seq_len": "train.seq_len"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", self.model.replace(vocab_size=self.data.vocab_size))
+        object.__setattr__(self, "data", dataclasses.replace(self.data, seq_len=self.train.seq_len))
+        bad = lambda f, allowed: ConfigError(f"LongContextConfig.{f}={getattr(self, f)!r} is invalid: {allowed}")  # noqa: E731
+        if self.model.attention != "mla":
+            raise bad("model", "model.attention must be 'mla' (the dsa arm adds the indexer by continued pre-training)")
+        if self.model.indexer_types is not None:
+            raise bad("model", "model.indexer_types must be None (every layer 'full'), so the MLA stacks graft onto DSA")
+        n = len(self.ext_seq_lens)
+        if n < 1 or len(self.ext_steps) != n or len(self.ext_batch_sizes) != n or len(self.ext_rope_thetas) != n:
+            raise bad("ext_seq_lens", "ext_seq_lens, ext_steps, ext_batch_sizes and ext_rope_thetas need one "
+                      "entry per extension stage (>= 1)")
+        lens = (self.train.seq_len,) + tuple(self.ext_seq_lens)
+        if any(b <= a for a, b in zip(lens, lens[1:])):
+            raise bad("ext_seq_lens", f"lengths must grow from train.seq_len={self.train.seq_len}")
+        for f in ("ext_steps", "ext_batch_sizes"):
+            if any(not isinstance(v, int) or v < 1 for v in getattr(self, f)):
+                raise bad(f, "integers >= 1")
+        if any(t <= 0 for t in self.ext_rope_thetas):
+            raise bad("ext_rope_thetas", "bases > 0")
+        if self.rope_adjust not in ROPE_ADJUST:
+            raise bad("rope_adjust", f"allowed: {', '.join(ROPE_ADJUST)}")
+        for f in ("dsa_warmup_steps", "dsa_steps", "eval_windows", "eval_batch", "passkey_per_cell",
+                  "bootstrap_reps", "ext_warmup_steps"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < (0 if f == "ext_warmup_steps" else 1):
+                raise bad(f, "an integer >= 1")
+        for f in ("ext_learning_rate", "dsa_warmup_learning_rate", "dsa_learning_rate"):
+            if not getattr(self, f) > 0:
+                raise bad(f, "must be > 0")
+        if not self.passkey_lengths or any(L < 16 or L > self.last_len for L in self.passkey_lengths):
+            raise bad("passkey_lengths", f"lengths in [16, the last stage length {self.last_len}]")
+        if not self.passkey_depths or any(not 0.0 <= d <= 1.0 for d in self.passkey_depths):
+            raise bad("passkey_depths", "depths in [0, 1] (the key's place as a fraction of the filler before it)")
+        if any(L < 8 for L in self.bench_lengths):
+            raise bad("bench_lengths", "lengths >= 8")
+        d = self.data
+        if d.retrieval_fraction <= 0 or d.retrieval_pairs != 1 or (d.retrieval_min_distance or 0) != 0:
+            raise ConfigError("LongContextConfig.data: the passkey mix needs retrieval_fraction > 0, retrieval_pairs=1 "
+                              f"and retrieval_min_distance=0 (got {d.retrieval_fraction}, {d.retrieval_pairs}, "
+                              f"{d.retrieval_min_distance})")
+
+    @property
+    def last_len(self) -> int:
+        return self.ext_seq_lens[-1]
+
+    @property
+    def buckets(self) -> tuple[tuple[int, int], ...]:
+        """BUCKETS cut at the last length (every position of a window is in one bucket)."""
+        out = [(lo, min(hi, self.last_len)) for lo, hi in BUCKETS if lo < self.last_len]
+        return tuple(out[:-1]) + ((out[-1][0], self.last_len),)
+
+
+# A tiny MLA model (the tiny preset, dense FFN, no MTP) sized so base + two arms x two extension stages + the
+# DSA stages + the evaluations fit 20 minutes on 2 CPU cores. 52 one-token keys, 3-digit values.
+TINY = LongContextConfig(
+    model=preset("tiny", vocab_size=2048, d_model=64, num_layers=2, ffn_dim=192, num_experts=0, mtp_depth=0,
+                 attention="mla", num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                 qk_rope_head_dim=16, v_head_dim=16, index_topk=256, index_n_heads=2, index_head_dim=32,
+                 rope_theta=1e4, attn_chunk=256),
+    train=TrainConfig(steps=500, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1,
+                      eval_every=100000, log_every=50, ckpt_every=100, eval_batches=1, seed=0),
+    data=DataConfig(vocab_size=2048, seq_len=128, seed=0, eval_fraction=0.1, retrieval_fraction=0.5,
+                    retrieval_pairs=1, retrieval_key_digits=2, retrieval_value_digits=3, retrieval_min_distance=0),
+)
+SMALL = dataclasses.replace(
+    TINY,
+    model=preset("small", vocab_size=32768, mtp_depth=0, attention="mla", index_topk=2048, rope_theta=1e4),
+    train=TINY.train.replace(steps=4000, batch_size=64, seq_len=4096, learning_rate=1e-3, warmup_steps=200,
+                             log_every=100, ckpt_every=500),
+    data=dataclasses.replace(TINY.data, vocab_size=32768, retrieval_fraction=0.2),
+    ext_seq_lens=(32768, 131072), ext_steps=(1000, 500), ext_batch_sizes=(8, 2), ext_rope_thetas=(1e5, 1e6),
+    ext_learning_rate=3e-4, ext_warmup_steps=50, dsa_warmup_steps=100, dsa_warmup_learning_rate=1e-3, dsa_steps=500,
+    dsa_learning_rate=3e-4, eval_windows=16, eval_batch=1, passkey_lengths=(4096, 32768, 131072), passkey_per_cell=8,
+    bench_lengths=(4096, 32768, 131072))
+
+
+# ---- stages ----------------------------------------------------------------------------------------------
+
+def rope_override(cfg: LongContextConfig, i: int) -> dict:
+    """The RoPE settings of extension stage i of the adjusted arm."""
+    if cfg.rope_adjust == "theta":
+        return {"rope_theta": float(cfg.ext_rope_thetas[i])}
+    T0 = cfg.train.seq_len
+    return {"rope_scaling": {"type": "yarn", "factor": cfg.ext_seq_lens[i] / T0,
+                             "original_max_position_embeddings": T0}}
+
+
+def base_stage(cfg: LongContextConfig) -> Stage:
+    return Stage("base", seq_len=cfg.train.seq_len, steps=cfg.train.steps)
+
+
+def extension_stages(cfg: LongContextConfig, adjust: bool) -> list[Stage]:
+    return [Stage(f"ext{T}", seq_len=T, steps=s, learning_rate=cfg.ext_learning_rate,
+                  warmup_steps=cfg.ext_warmup_steps, model=rope_override(cfg, i) if adjust else {},
+                  train={"batch_size": B})
+            for i, (T, s, B) in enumerate(zip(cfg.ext_seq_lens, cfg.ext_steps, cfg.ext_batch_sizes))]
+
+
+def dsa_stages(cfg: LongContextConfig) -> list[Stage]:
+    T, B = cfg.last_len, cfg.ext_batch_sizes[-1]
+    return [Stage("dsa_warmup", seq_len=T, steps=cfg.dsa_warmup_steps, learning_rate=cfg.dsa_warmup_learning_rate,
+                  warmup_steps=min(2, cfg.dsa_warmup_steps), model={"attention": "dsa"},
+                  train={"indexer_loss": "dense", "trainable_pattern": "indexer", "batch_size": B}),
+            Stage("dsa", seq_len=T, steps=cfg.dsa_steps, learning_rate=cfg.dsa_learning_rate,
+                  warmup_steps=min(cfg.ext_warmup_steps, cfg.dsa_steps), train={"indexer_loss": "sparse", "batch_size": B})]
+
+
+class _TimedIter:
+    """The stage's train iterator, recording when each batch is asked for: the loop keeps one step in flight,
+    so the gaps between requests are the step times once it runs steadily (the median leaves out the
+    compile and checkpoint steps)."""
+
+    def __init__(self, it, times: list):
+        self.it, self.times = it, times
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.times.append(time.perf_counter())
+        return next(self.it)
+
+    def get_state(self):
+        return self.it.get_state()
+
+    def set_state(self, state):
+        self.it.set_state(state)
+
+    def select_rows(self, rows):
+        self.it.select_rows(rows)
+
+
+# ---- measurements ----------------------------------------------------------------------------------------
+
+def eval_fn(cfg: ModelConfig):
+    """jit (params, batch) -> ([B, T] next-token loss, 0 where loss_mask is 0; [B, T] argmax prediction): one
+    program per model serves both the position losses and the passkey probes."""
+    model = GLM5(cfg)
+
+    def f(params, b):
+        logits = model.apply({"params": params}, b["tokens"], b["positions"], b["segment_ids"])["logits"]
+        logits = logits.astype(jnp.float32)
+        tgt = jnp.take_along_axis(logits, b["targets"][..., None], axis=-1)[..., 0]
+        nll = (jax.nn.logsumexp(logits, axis=-1) - tgt) * b["loss_mask"].astype(jnp.float32)
+        return nll, jnp.argmax(logits, axis=-1)
+    return jax.jit(f)
+
+
+def bucket_sums(nll: np.ndarray, mask: np.ndarray, positions: np.ndarray, buckets) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the summed loss and the token count of each position bucket [lo, hi) (a token's position is
+    its offset in its document within the window: the context it sees) -> ([rows, buckets], [rows, buckets])."""
+    nll, mask, positions = np.asarray(nll, np.float64), np.asarray(mask) > 0, np.asarray(positions)
+    sums = np.zeros((nll.shape[0], len(buckets)))
+    counts = np.zeros((nll.shape[0], len(buckets)))
+    for j, (lo, hi) in enumerate(buckets):
+        m = mask & (positions >= lo) & (positions < hi)
+        sums[:, j] = np.where(m, nll, 0.0).sum(-1)
+        counts[:, j] = m.sum(-1)
+    return sums, counts
+
+
+def _ratio(sums, counts):
+    s, c = sums.sum(0), counts.sum(0)
+    return np.where(c > 0, s / np.maximum(c, 1), np.nan)
+
+
+def bucket_means_interval(sums, counts, reps: int, seed: int = 0) -> dict:
+    """Token-mean loss per bucket with a 95% percentile bootstrap interval over rows (windows)."""
+    idx = np.random.default_rng(seed).integers(0, len(sums), size=(reps, len(sums)))
+    boots = np.stack([_ratio(sums[i], counts[i]) for i in idx])
+    with np.errstate(all="ignore"):
+        lo, hi = np.nanpercentile(boots, 2.5, axis=0), np.nanpercentile(boots, 97.5, axis=0)
+    clean = lambda a: [None if not np.isfinite(x) else float(x) for x in a]  # noqa: E731
+    return {"mean": clean(_ratio(sums, counts)), "lo": clean(lo), "hi": clean(hi),
+            "tokens": [int(x) for x in counts.sum(0)]}
+
+
+def beyond(sums, counts, cols) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row sums and counts over the buckets `cols` (e.g. every position >= 128)."""
+    return sums[:, cols].sum(1, keepdims=True), counts[:, cols].sum(1, keepdims=True)
+
+
+def paired_difference(a: tuple, b: tuple, reps: int, seed: int = 0) -> dict:
+    """Token-mean loss of a minus that of b on the same rows (each (sums, counts) of shape [rows, 1]), with a
+    95% paired bootstrap interval over rows."""
+    (sa, ca), (sb, cb) = a, b
+    diff = float(_ratio(sa, ca)[0] - _ratio(sb, cb)[0])
+    idx = np.random.default_rng(seed).integers(0, len(sa), size=(reps, len(sa)))
+    boots = np.array([_ratio(sa[i], ca[i])[0] - _ratio(sb[i], cb[i])[0] for i in idx])
+    return {"diff": diff, "lo": float(np.nanpercentile(boots, 2.5)), "hi": float(np.nanpercentile(boots, 97.5)),
+            "a": float(_ratio(sa, ca)[0]), "b": float(_ratio(sb, cb)[0])}
+
+
+def position_losses(f, params, batches, buckets) -> tuple[np.ndarray, np.ndarray]:
+    """([windows, buckets] summed loss, token counts) of the model `f` (eval_fn) on the batches."""
+    out = [bucket_sums(np.asarray(f(params, {k: jnp.asarray(v) for k, v in b.items()})[0]), b["loss_mask"],
+                       b["positions"], buckets) for b in batches]
+    return np.concatenate([s for s, _ in out]), np.concatenate([c for _, c in out])
+
+
+def passkey_offset(task: RetrievalTask, depth: float) -> int:
+    """The record's window index for a key at `depth` (0: the first token, 1: as late as the layout allows)."""
+    return int(round(depth * task.max_offset))
+
+
+def passkey_probes(tokenizer, filler: np.ndarray, cfg: LongContextConfig, seed: int) -> tuple[list, list]:
+    """passkey_per_cell probes per (length L, depth): one planted key and value in held-out filler (TEST_TAG),
+    asked for at the end; scored on the value's digits, exact match. Probes are packed into windows of the
+    last stage length as separate segments (positions from 0, attention never crosses a segment), so one
+    program per model scores every length -> (batches [eval_batch, T_last], placements [(row in the
+    concatenated batches, start, L, depth, RetrievalInfo)])."""
+    d, TL = cfg.data, cfg.last_len
+    probes = []
+    for L in cfg.passkey_lengths:
+        task = RetrievalTask(tokenizer, filler, L, n_pairs=1, key_digits=d.retrieval_key_digits,
+                             value_digits=d.retrieval_value_digits, min_distance=0)
+        for j, depth in enumerate(cfg.passkey_depths):
+            for r in range(cfg.passkey_per_cell):
+                ex, info = task.example(seed, TEST_TAG, 10_000 * L + j * cfg.passkey_per_cell + r, "eval",
+                                        offset=passkey_offset(task, depth))
+                probes.append((L, depth, ex, info))
+    rows, placements, fill = [], [], None
+    for L, depth, ex, info in probes:                      # first fit, in order
+        if fill is None or fill + L > TL:
+            rows.append({k: np.zeros([TL], np.int32) for k in ex})
+            fill = 0
+        row = rows[-1]
+        for k, v in ex.items():
+            row[k][fill:fill + L] = v
+        row["segment_ids"][fill:fill + L] = 1 + (row["segment_ids"].max() if fill else 0)
+        placements.append((len(rows) - 1, fill, L, depth, info))
+        fill += L
+    B = cfg.eval_batch
+    while len(rows) % B:
+        rows.append({k: np.zeros([TL], np.int32) for k in rows[0]})
+    batches = [{k: np.stack([r[k] for r in rows[s:s + B]]) for k in rows[0]} for s in range(0, len(rows), B)]
+    return batches, placements
+
+
+def passkey_scores(placements, preds: np.ndarray, targets: np.ndarray, indices: dict | None, value_digits: int):
+    """Per probe: exact match of its value (the argmax at its answer positions) and, given the DSA layers'
+    top-k key indices [rows, T, K], the fraction of the value's digits whose planted token is selected at
+    the position that predicts it (dsa_vs_mla.answer_key_hits on the probe's slice, indices shifted)."""
+    correct = np.array([all(preds[r, s + a] == targets[r, s + a] for a in info.answer_positions)
+                        for r, s, _, _, info in placements], np.float64)
+    recall = {}
+    for layer, idx in (indices or {}).items():
+        recall[layer] = np.concatenate([answer_key_hits(idx[r:r + 1, s:s + L] - s, [info], value_digits)
+                                        for r, s, L, _, info in placements])
+    return correct, recall
+
+
+def score_passkey(model_cfg: ModelConfig, f, params, batches, placements, cfg: LongContextConfig) -> dict:
+    """Passkey accuracy [length][depth] (and for DSA the indexer's recall of the key's value tokens)."""
+    preds = np.concatenate([np.asarray(f(params, {k: jnp.asarray(v) for k, v in b.items()})[1]) for b in batches])
+    targets = np.concatenate([b["targets"] for b in batches])
+    indices = None
+    if model_cfg.attention == "dsa":
+        sel = topk_indices_fn(model_cfg)
+        per = [sel(params, b) for b in batches]
+        indices = {layer: np.concatenate([p[layer] for p in per]) for layer in per[0]}
+    correct, recall = passkey_scores(placements, preds, targets, indices, cfg.data.retrieval_value_digits)
+    lens = np.array([L for _, _, L, _, _ in placements])
+    deps = np.array([d for _, _, _, d, _ in placements])
+
+    def grid(v):
+        return [[float(v[(lens == L) & np.isclose(deps, d)].mean()) for d in cfg.passkey_depths]
+                for L in cfg.passkey_lengths]
+    out = {"lengths": list(cfg.passkey_lengths), "depths": list(cfg.passkey_depths), "n_per_cell": cfg.passkey_per_cell,
+           "accuracy": grid(correct), "overall": float(correct.mean()),
+           "by_length": [float(correct[lens == L].mean()) for L in cfg.passkey_lengths],
+           "by_depth": [float(correct[np.isclose(deps, d)].mean()) for d in cfg.passkey_depths],
+           "chance": 10.0 ** -cfg.data.retrieval_value_digits}
+    if recall:
+        out["indexer_key_recall"] = {layer: grid(v) for layer, v in recall.items()}
+        out["indexer_key_recall_by_length"] = {layer: [float(v[lens == L].mean()) for L in cfg.passkey_lengths]
+                                               for layer, v in recall.items()}
+    return out
+
+
+def _cached(workdir: str, name: str, key, fn):
+    """fn() once per (name, key): the result is kept as JSON in workdir/evals (a rerun skips it)."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = os.path.join(workdir, "evals", f"{name}-{digest}.json")
+    if os.path.exists(path):
+        return json.load(open(path))
+    out = fn()
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        json.dump(out, open(tmp, "w"))
+        os.replace(tmp, path)
+    return out
+
+
+class _Progress:
+    """Experiment-level progress: phases weighted by an estimate of their cost (steps x tokens x (1 + T/1024))."""
+
+    def __init__(self, log, t0: float, weights: dict):
+        self.log, self.t0, self.weights, self.done = log, t0, weights, 0.0
+
+    def finished(self, phase: str) -> None:
+        self.done += self.weights.get(phase, 0.0)
+        el = time.time() - self.t0
+        total = sum(self.weights.values())
+        eta = el / self.done * (total - self.done) if self.done else float("nan")
+        self.log(f"[long_context] {phase} done; elapsed {el:.0f} s, {100 * self.done / total:.0f}% of the estimated "
+                 f"work, ETA ~{eta:.0f} s")
+
+
+def _cost(steps, B, T):
+    return steps * B * T * (1.0 + T / 1024.0)
+
+
+@register("long_context", "context extension in stages (T=128 -> 1024 -> 4096, RoPE base raised vs unchanged), "
+          "then DSA added at the last length: held-out loss by position, passkey by length and depth, indexer recall",
+          {"tiny": TINY, "small": SMALL})
+def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
+    t_start = time.time()
+    load_start = os.getloadavg()
+    log(f"primary metric (named before the run): {PRIMARY_METRIC}")
+    data = build_lm_data(cfg.data)
+    if data.tokenizer.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer vocab {data.tokenizer.vocab_size} != data.vocab_size {cfg.model.vocab_size}")
+    tc, T0, TL, reps = cfg.train, cfg.train.seq_len, cfg.last_len, cfg.bootstrap_reps
+    buckets = cfg.buckets
+    far = [j for j, (lo, _) in enumerate(buckets) if lo >= T0]
+    step_times: dict[str, list] = {}
+
+    def iters(arm):
+        def make_iter(stage, i):
+            times = step_times.setdefault(f"{arm}/{stage.name}", [])
+            B = dict(stage.train).get("batch_size", tc.batch_size)
+            return _TimedIter(data.train_iter(B, stage.seq_len, seed=cfg.data.seed + 100 * i), times)
+        return make_iter
+
+    w = {"base": _cost(tc.steps, tc.batch_size, T0)}
+    ext = sum(_cost(s, B, T) for s, B, T in zip(cfg.ext_steps, cfg.ext_batch_sizes, cfg.ext_seq_lens))
+    w.update({"mla": ext, "mla_no_adjust": ext,
+              "dsa": _cost(3 * cfg.dsa_warmup_steps + 2 * cfg.dsa_steps, cfg.ext_batch_sizes[-1], TL),
+              "evaluation": 0.25 * ext})
+    prog = _Progress(log, t_start, w)
+    runs = {}
+    base = train_stages(cfg.model, tc, [base_stage(cfg)], iters("base"), os.path.join(workdir, "base"), mesh=mesh, log=log)
+    prog.finished("base")
+    ext_adj, ext_none = extension_stages(cfg, True), extension_stages(cfg, False)
+    # the base stage's params start each arm; its folder is shared, so the arms' stages are numbered from 0
+    runs["mla"] = train_stages(base["model_cfg"], tc, ext_adj, iters("mla"), os.path.join(workdir, "mla"),
+                               init_params=base["params"], mesh=mesh, log=log)
+    prog.finished("mla")
+    runs["mla_no_adjust"] = train_stages(base["model_cfg"], tc, ext_none, iters("mla_no_adjust"),
+                                         os.path.join(workdir, "mla_no_adjust"), init_params=base["params"],
+                                         mesh=mesh, log=log)
+    prog.finished("mla_no_adjust")
+    # dsa: the mla arm's stages (already done: skipped, its final params read back) + the two DSA stages
+    runs["dsa"] = train_stages(base["model_cfg"], tc, ext_adj + dsa_stages(cfg), iters("mla"), os.path.join(workdir, "mla"),
+                               init_params=base["params"], mesh=mesh, log=log)
+    prog.finished("dsa")
+
+    log("[long_context] evaluating: held-out loss by position, passkey probes ...")
+    eval_batches = list(data.eval_batches(cfg.eval_batch, TL, max_batches=-(-cfg.eval_windows // cfg.eval_batch)))
+    filler = data.eval_stream.stream
+    pk_batches, placements = passkey_probes(data.tokenizer, filler, cfg, cfg.data.seed)
+    ekey = {"windows": cfg.eval_windows, "T": TL, "buckets": buckets, "data": data.data_key}
+    pkey = {"lengths": cfg.passkey_lengths, "depths": cfg.passkey_depths, "n": cfg.passkey_per_cell,
+            "data": data.data_key}
+
+    def pos_eval(name, f, params):
+        def go():
+            s, c = position_losses(f, params, eval_batches, buckets)
+            return {"sums": s.tolist(), "counts": c.tolist()}
+        r = _cached(workdir, f"position_loss-{name}", ekey, go)
+        return np.asarray(r["sums"]), np.asarray(r["counts"])
+
+    models = {"base": (base["model_cfg"], base["params"])}
+    models.update({a: (r["model_cfg"], r["params"]) for a, r in runs.items()})
+    pos, passkey = {}, {}
+    for name, (m, p) in models.items():
+        f = eval_fn(m)
+        pos[name] = pos_eval(name, f, p)
+        passkey[name] = _cached(workdir, f"passkey-{name}", pkey,
+                                lambda m=m, f=f, p=p: score_passkey(m, f, p, pk_batches, placements, cfg))
+
+    log("[long_context] timing attention dense vs DSA per stage length ...")
+    mla_cfg, dsa_cfg = runs["mla"]["model_cfg"].replace(attention="mla"), runs["dsa"]["model_cfg"]
+    timing, flops = {}, {}
+    for T in cfg.bench_lengths:
+        timing[f"T={T}"] = _cached(workdir, f"attention_time-{T}", {"T": T, "topk": dsa_cfg.index_topk},
+                                   lambda T=T: time_attention(mla_cfg, dsa_cfg, T, 1, reps=2 if T <= 1024 else 1))
+        em, ed = estimate(mla_cfg, T), estimate(dsa_cfg, T)
+        flops[f"T={T}"] = {"dense_mla_attention_fwd_per_token": em["attention_flops_per_token_fwd"],
+                           "dsa_attention_fwd_per_token": ed["attention_flops_per_token_fwd"],
+                           "dsa_indexer_fwd_per_token": ed["indexer_flops_per_token_fwd"],
+                           "dense_over_dsa": em["attention_flops_per_token_fwd"] /
+                           (ed["attention_flops_per_token_fwd"] + ed["indexer_flops_per_token_fwd"]),
+                           "train_flops_per_token_mla": em["train_flops_per_token"],
+                           "train_flops_per_token_dsa": ed["train_flops_per_token"]}
+    prog.finished("evaluation")
+
+    # step time per stage: this run's measured gaps, else (a stage done by an earlier run) that run's record
+    st_path = os.path.join(workdir, "step_times.json")
+    recorded = json.load(open(st_path)) if os.path.exists(st_path) else {}
+    for name, ts in step_times.items():
+        gaps = np.diff(ts)[1:]                       # leave out the first gap (compilation)
+        if len(gaps):
+            recorded[name] = {"median_s": float(np.median(gaps)), "steps_timed": int(len(gaps))}
+    if jax.process_index() == 0:
+        json.dump(recorded, open(st_path, "w"), indent=2)
+
+    arms, before = {}, pos["base"]
+    bucket_list = [list(b) for b in buckets]
+    for arm in runs:
+        after = pos[arm]
+        pb, pa = bucket_means_interval(*before, reps), bucket_means_interval(*after, reps)
+        arms[arm] = {
+            "position_loss": {"buckets": bucket_list, "before": pb["mean"], "after": pa["mean"],
+                              "before_interval": [pb["lo"], pb["hi"]], "after_interval": [pa["lo"], pa["hi"]],
+                              "tokens": pa["tokens"]},
+            "beyond_base_after_minus_before": paired_difference(beyond(*after, far), beyond(*before, far), reps),
+            "passkey": passkey[arm],
+            "stages": [{"name": s["name"], "seq_len": s["train_cfg"].seq_len, "steps": s["train_cfg"].steps,
+                        "batch_size": s["train_cfg"].batch_size, "rope_theta": s["model_cfg"].rope_theta,
+                        "rope_scaling": s["model_cfg"].rope_scaling_dict or None,
+                        "attention": s["model_cfg"].attention,
+                        "final_train_loss": s["history"][-1]["loss"] if s["history"] else None,
+                        "step_time_s": recorded.get(f"{'mla' if arm == 'dsa' else arm}/{s['name']}", {}).get("median_s")}
+                       for s in runs[arm]["stages"]]}
+    gap = paired_difference(beyond(*pos["dsa"], far), beyond(*pos["mla"], far), reps)
+    ctrl = paired_difference(beyond(*pos["mla"], far), beyond(*pos["mla_no_adjust"], far), reps)
+    report = {"primary_metric": PRIMARY_METRIC, "arms": arms, "buckets": bucket_list,
+              "base": {"passkey": passkey["base"], "position_loss": bucket_means_interval(*before, reps)["mean"],
+                       "final_train_loss": base["stages"][0]["history"][-1]["loss"],
+                       "step_time_s": recorded.get("base/base", {}).get("median_s")},
+              "dsa_minus_mla_beyond_base": gap, "mla_minus_no_adjust_beyond_base": ctrl,
+              "attention_time_s": timing, "attention_flops": flops, "step_time_s": recorded,
+              "eval_windows": int(len(before[0])), "eval_tokens_per_bucket": [int(x) for x in before[1].sum(0)],
+              "index_topk": dsa_cfg.index_topk, "rope_adjust": cfg.rope_adjust,
+              "dsa_branches_from_mla": True, "load_average_start": list(load_start)}
+
+    # plots
+    mids = [(lo + hi) / 2 for lo, hi in buckets]
+    for arm, a in arms.items():
+        pl = a["position_loss"]
+        plot_curves(os.path.join(workdir, f"position_loss_{arm}.png"),
+                    {"before (base, T=%d)" % T0: (mids, pl["before"]), f"after ({arm})": (mids, pl["after"])},
+                    title=f"long_context {arm}: held-out loss by position (eval at T={TL})",
+                    xlabel="position in the document (bucket centre)", ylabel="loss")
+    names = ["base"] + list(runs)
+    plot_heatmap(os.path.join(workdir, "passkey.png"),
+                 {n: passkey[n]["accuracy"] for n in names}, rows=[str(L) for L in cfg.passkey_lengths],
+                 cols=[f"{d:.2f}" for d in cfg.passkey_depths], title="passkey accuracy by context length and key depth",
+                 xlabel="key depth", ylabel="context length")
+    if "indexer_key_recall" in passkey["dsa"]:
+        plot_heatmap(os.path.join(workdir, "passkey_indexer_recall.png"), passkey["dsa"]["indexer_key_recall"],
+                     rows=[str(L) for L in cfg.passkey_lengths], cols=[f"{d:.2f}" for d in cfg.passkey_depths],
+                     title=f"dsa: indexer recall of the key's value tokens (top-{dsa_cfg.index_topk})",
+                     xlabel="key depth", ylabel="context length")
+    report["wall_time_s"] = time.time() - t_start
+    report["load_average_end"] = list(os.getloadavg())
+    write_report(workdir, report, _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorded))
+    return report
+
+
+def _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorded) -> str:
+    T0, TL = cfg.train.seq_len, cfg.last_len
+    ci = lambda m, lo, hi: "n/a" if m is None else fmt_interval(m, lo, hi)  # noqa: E731
+    prow = []
+    for arm, a in arms.items():
+        pl = a["position_loss"]
+        prow.append([f"{arm} before"] + [ci(m, lo, hi) for m, lo, hi in zip(pl["before"], *pl["before_interval"])])
+        prow.append([f"{arm} after"] + [ci(m, lo, hi) for m, lo, hi in zip(pl["after"], *pl["after_interval"])])
+    hdr = ["arm"] + [f"[{lo},{hi})" for lo, hi in buckets]
+    primary = [[arm, fmt_interval(a["beyond_base_after_minus_before"]["diff"], a["beyond_base_after_minus_before"]["lo"],
+                                  a["beyond_base_after_minus_before"]["hi"]),
+                a["beyond_base_after_minus_before"]["b"], a["beyond_base_after_minus_before"]["a"]] for arm, a in arms.items()]
+    pk = [[n] + [f"{x:.2f}" for x in passkey[n]["by_length"]] + [f"{passkey[n]['overall']:.3f}"] for n in names]
+    rec = passkey["dsa"].get("indexer_key_recall_by_length", {})
+    rrow = [[layer] + [f"{x:.2f}" for x in v] for layer, v in rec.items()]
+    trow = [[k, v["dense_mla"], v["sparse_dsa"], f"{v['dense_over_sparse']:.2f}x",
+             f"{flops[k]['dense_mla_attention_fwd_per_token']:.3g}",
+             f"{flops[k]['dsa_attention_fwd_per_token'] + flops[k]['dsa_indexer_fwd_per_token']:.3g}"]
+            for k, v in timing.items()]
+    srow = [[n, v["median_s"], v["steps_timed"]] for n, v in recorded.items()]
+    g, c = report["dsa_minus_mla_beyond_base"], report["mla_minus_no_adjust_beyond_base"]
+    stages = arms["dsa"]["stages"]
+    plan = ", ".join(f"{s['name']} (T={s['seq_len']}, {s['steps']} steps x B={s['batch_size']}, theta "
+                     f"{s['rope_theta']:g}{', yarn' if s['rope_scaling'] else ''}, {s['attention']})" for s in stages)
+    return f"""# long_context
+
+**Primary metric (named before the run):** {PRIMARY_METRIC}.
+
+Base: MLA at T={T0} for {cfg.train.steps} steps x B={cfg.train.batch_size} (RoPE theta {cfg.model.rope_theta:g}),
+passkeys ({cfg.data.retrieval_fraction:.0%} of training sequences: one key letter + {cfg.data.retrieval_value_digits}-digit
+value planted in text, asked for at the end) in the mix from the first step. Stages of the mla / dsa arms: {plan}.
+mla_no_adjust: the same extension stages with the RoPE unchanged. dsa branches from the mla arm's extended params.
+Held-out: {report['eval_windows']} windows of T={TL} from the eval split (files never trained on; nothing tuned on
+them); "before" = the base model (the same for every arm). Intervals: 95% bootstrap over windows.
+
+## Primary: loss over positions >= {T0}, after - before
+
+{md_table(["arm", "after - before [95% CI]", "before", "after"], primary)}
+
+DSA - MLA after the last stage (positions >= {T0}): **{fmt_interval(g['diff'], g['lo'], g['hi'])}**;
+mla - mla_no_adjust (the RoPE adjustment's effect): **{fmt_interval(c['diff'], c['lo'], c['hi'])}**.
+
+## Held-out loss per position bucket (eval at T={TL})
+
+{md_table(hdr, prow)}
+
+Tokens per bucket: {report['eval_tokens_per_bucket']}.
+
+## Passkey accuracy by context length (all depths; heatmap: passkey.png)
+
+{md_table(["model"] + [f"L={L}" for L in cfg.passkey_lengths] + ["overall"], pk)}
+
+{cfg.passkey_per_cell} probes per (length, depth) cell, depths {list(cfg.passkey_depths)}; chance
+{10.0 ** -cfg.data.retrieval_value_digits:g} (exact match of the value).
+
+DSA indexer recall of the key's value tokens (the planted digits among the top-{report['index_topk']} keys at the
+positions that predict them), by length:
+
+{md_table(["layer"] + [f"L={L}" for L in cfg.passkey_lengths], rrow)}
+
+## Attention time (one layer, forward + backward, CPU) and FLOPs per token (forward)
+
+{md_table(["shape", "dense MLA s", "DSA (indexer + sparse) s", "dense / DSA", "dense FLOPs", "DSA FLOPs"], trow)}
+
+## Step time per stage (median)
+
+{md_table(["stage", "s / step", "steps timed"], srow)}
+
+Wall time {report['wall_time_s']:.0f} s; load average at start {report['load_average_start'][0]:.2f}, at end
+{report['load_average_end'][0]:.2f}.
+
+{"".join(f"![{a}](position_loss_{a}.png)" + chr(10) + chr(10) for a in arms)}![passkey](passkey.png)
+"""
+
+
+__all__ = ["BUCKETS", "LongContextConfig", "PRIMARY_METRIC", "bucket_means_interval", "bucket_sums", "eval_fn",
+           "paired_difference", "passkey_probes", "passkey_scores", "score_passkey"]
