@@ -70,7 +70,7 @@ class LongContextConfig:
     dsa_warmup_learning_rate: float = 1e-2
     dsa_steps: int = 15
     dsa_learning_rate: float = 5e-4
-    eval_windows: int = 24
+    eval_windows: int = 32
     eval_batch: int = 2
     passkey_lengths: tuple[int, ...] = (128, 1024, 4096)
     passkey_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -128,9 +128,16 @@ class LongContextConfig:
 
     @property
     def buckets(self) -> tuple[tuple[int, int], ...]:
-        """BUCKETS cut at the last length (every position of a window is in one bucket)."""
-        out = [(lo, min(hi, self.last_len)) for lo, hi in BUCKETS if lo < self.last_len]
-        return tuple(out[:-1]) + ((out[-1][0], self.last_len),)
+        """BUCKETS cut at the last length (every position of a window is in one bucket), with a boundary at
+        the base length train.seq_len (the primary metric's 'beyond the base length')."""
+        T0, TL = self.train.seq_len, self.last_len
+        out = []
+        for lo, hi in BUCKETS:
+            if lo >= TL:
+                break
+            hi = min(hi, TL)
+            out += [(lo, T0), (T0, hi)] if lo < T0 < hi else [(lo, hi)]
+        return tuple(out[:-1]) + ((out[-1][0], TL),)
 
 
 # A tiny MLA model (the tiny preset, dense FFN, no MTP) sized so base + two arms x two extension stages + the
