@@ -451,9 +451,8 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     eval_batches = list(data.eval_batches(cfg.eval_batch, TL, max_batches=-(-cfg.eval_windows // cfg.eval_batch)))
     filler = data.eval_stream.stream
     pk_batches, placements = passkey_probes(data.tokenizer, filler, cfg, cfg.data.seed)
-    ekey = {"windows": cfg.eval_windows, "T": TL, "buckets": buckets, "data": data.data_key}
-    pkey = {"lengths": cfg.passkey_lengths, "depths": cfg.passkey_depths, "n": cfg.passkey_per_cell,
-            "data": data.data_key}
+    # an evaluation is reused only by a rerun of the same settings (the whole config) on the same tokens
+    ekey = pkey = {"config": dataclasses.asdict(cfg), "data": data.data_key}
 
     def pos_eval(name, f, params):
         def go():
@@ -475,7 +474,7 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     mla_cfg, dsa_cfg = runs["mla"]["model_cfg"].replace(attention="mla"), runs["dsa"]["model_cfg"]
     timing, flops = {}, {}
     for T in cfg.bench_lengths:
-        timing[f"T={T}"] = _cached(workdir, f"attention_time-{T}", {"T": T, "topk": dsa_cfg.index_topk},
+        timing[f"T={T}"] = _cached(workdir, f"attention_time-{T}", {"T": T, "model": dataclasses.asdict(dsa_cfg)},
                                    lambda T=T: time_attention(mla_cfg, dsa_cfg, T, 1, reps=2 if T <= 1024 else 1))
         em, ed = estimate(mla_cfg, T), estimate(dsa_cfg, T)
         flops[f"T={T}"] = {"dense_mla_attention_fwd_per_token": em["attention_flops_per_token_fwd"],
