@@ -25,6 +25,7 @@ def test_tiny_train_step_compiles_for_v5p_2x2x1():
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
     env.pop("JAX_PLATFORMS", None)           # the TPU plugin must load (compile-only client)
     env.pop("XLA_FLAGS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)   # TPU compiles: not through the test cache
     res = subprocess.run([sys.executable, "-m", "tools.aot", "--preset=tiny", "--topology=v5p:2x2x1",
                           "--mesh=data:2,expert:2", "--batch_size=4", "--seq_len=64", "--json"],
                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -50,6 +51,7 @@ def _aot_json(*flags):
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
     env.pop("JAX_PLATFORMS", None)
     env.pop("XLA_FLAGS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)   # TPU compiles: not through the test cache
     res = subprocess.run([sys.executable, "-m", "tools.aot", "--preset=tiny", "--topology=v5p:2x2x1", "--json",
                           "--no_plan", *flags], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]

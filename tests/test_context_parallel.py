@@ -174,7 +174,7 @@ def test_context_parallel_train_step_equals_unsharded_and_splits_the_sequence(ca
     (with the MoE dispatched per chunk) and DSA's sparse stage (with the LM head per chunk), with packed documents, a loss mask, MTP and a2a MoE; and the compiled
     loss-and-gradient program holds its [B, T, D] activations as [B/2, T/4, D] shards (fails if the
     context sharding is dropped)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", f"CASE = {case!r}\n" + SCRIPT], env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)

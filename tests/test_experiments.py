@@ -132,7 +132,7 @@ def loss_trajectories(workdir: str) -> dict[str, list[float]]:
 
 
 def run_on_one_and_eight_devices(name: str, tmp_path) -> tuple[dict, dict]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_MESH_SCRIPT), name, str(tmp_path),
                           json.dumps(MESH_MICRO[name]), MESH], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1500)

@@ -144,7 +144,7 @@ def test_fp8_checkpoint_loads_as_its_dequantised_values(tmp_path):
 def _stream_load(tmp_path, size: str, timeout: int):
     pytest.importorskip("torch")                          # the checkpoint is written by torch's safetensors writer
     out = tmp_path / "result.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "tests.stream_load_worker", size, str(tmp_path / "ckpt"), str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -20,6 +20,7 @@ def _compile(*flags):
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
     env.pop("JAX_PLATFORMS", None)           # the TPU plugin must load (compile-only client)
     env.pop("XLA_FLAGS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)   # TPU compiles: not through the test cache
     res = subprocess.run([sys.executable, "-m", "tools.compile_kernels", "--json", *flags], env=env,
                          capture_output=True, text=True, timeout=3000, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]

@@ -30,7 +30,7 @@ def _port() -> int:
 
 def _env(devices, tmp_path):
     return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
                 # the killed and the resumed run compile the same programs: compile them once
                 JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run8(script: str, timeout: int = 600) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
                          timeout=timeout, cwd=ROOT)
@@ -293,6 +293,7 @@ def test_plan_tiny_equals_hand_count():
     sizes = {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)   # TPU compiles: not through the test cache
     res = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=tiny", "--mesh=fsdp:2,expert:2,tensor:2",
                           "--batch_size=8", "--seq_len=16", "--json"],
                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow  # minutes on 2 cores (the default suite stays under 15 min); run with -m slow
 def test_expert_sharded_logits_equal_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -88,7 +88,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
 def test_train_step_constrains_activations_over_batch_axes():
     """Fails when the model's logical constraints are dropped (e.g. a mesh context flax does not see)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                          cwd=ROOT)
