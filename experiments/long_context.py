@@ -341,9 +341,14 @@ def passkey_scores(placements, preds: np.ndarray, targets: np.ndarray, indices: 
 
 
 def score_passkey(model_cfg: ModelConfig, f, params, batches, placements, cfg: LongContextConfig) -> dict:
-    """Passkey accuracy [length][depth] (and for DSA the indexer's recall of the key's value tokens)."""
-    preds = np.concatenate([np.asarray(f(params, {k: jnp.asarray(v) for k, v in b.items()})[1]) for b in batches])
+    """Passkey accuracy [length][depth], the loss on the value's digits by length (ln 10 = 2.303 is a uniform
+    guess among digits: below it, the model uses the planted value), and for DSA the indexer's recall of the
+    key's value tokens."""
+    outs = [f(params, {k: jnp.asarray(v) for k, v in b.items()}) for b in batches]
+    nll = np.concatenate([np.asarray(o[0]) for o in outs])
+    preds = np.concatenate([np.asarray(o[1]) for o in outs])
     targets = np.concatenate([b["targets"] for b in batches])
+    value_loss = np.array([np.mean([nll[r, s + a] for a in info.answer_positions]) for r, s, _, _, info in placements])
     indices = None
     if model_cfg.attention == "dsa":
         sel = topk_indices_fn(model_cfg)
@@ -360,6 +365,7 @@ def score_passkey(model_cfg: ModelConfig, f, params, batches, placements, cfg: L
            "accuracy": grid(correct), "overall": float(correct.mean()),
            "by_length": [float(correct[lens == L].mean()) for L in cfg.passkey_lengths],
            "by_depth": [float(correct[np.isclose(deps, d)].mean()) for d in cfg.passkey_depths],
+           "value_digit_loss_by_length": [float(value_loss[lens == L].mean()) for L in cfg.passkey_lengths],
            "chance": 10.0 ** -cfg.data.retrieval_value_digits}
     if recall:
         out["indexer_key_recall"] = {layer: grid(v) for layer, v in recall.items()}
@@ -427,8 +433,8 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     w = {"base": _cost(tc.steps, tc.batch_size, T0)}
     ext = sum(_cost(s, B, T) for s, B, T in zip(cfg.ext_steps, cfg.ext_batch_sizes, cfg.ext_seq_lens))
     w.update({"mla": ext, "mla_no_adjust": ext,
-              "dsa": _cost(3 * cfg.dsa_warmup_steps + 2 * cfg.dsa_steps, cfg.ext_batch_sizes[-1], TL),
-              "evaluation": 0.25 * ext})
+              "dsa": _cost(6 * cfg.dsa_warmup_steps + 3 * cfg.dsa_steps, cfg.ext_batch_sizes[-1], TL),
+              "evaluation": 2.0 * ext})                    # weights as measured at the tiny defaults
     prog = _Progress(log, t_start, w)
     runs = {}
     base = train_stages(cfg.model, tc, [base_stage(cfg)], iters("base"), os.path.join(workdir, "base"), mesh=mesh, log=log)
@@ -546,6 +552,16 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
                      xlabel="key depth", ylabel="context length")
     report["wall_time_s"] = time.time() - t_start
     report["load_average_end"] = list(os.getloadavg())
+    # every invocation's wall time and load (a resumed run's own wall time leaves out what earlier ones did)
+    inv_path = os.path.join(workdir, "invocations.json")
+    invocations = json.load(open(inv_path)) if os.path.exists(inv_path) else []
+    invocations.append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+                        "wall_time_s": report["wall_time_s"], "load_average_start": list(load_start),
+                        "load_average_end": report["load_average_end"],
+                        "trained": sorted(k for k, v in step_times.items() if v)})
+    report["invocations"] = invocations
+    if jax.process_index() == 0:
+        json.dump(invocations, open(inv_path, "w"), indent=2)
     write_report(workdir, report, _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorded))
     return report
 
@@ -562,7 +578,8 @@ def _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorde
     primary = [[arm, fmt_interval(a["beyond_base_after_minus_before"]["diff"], a["beyond_base_after_minus_before"]["lo"],
                                   a["beyond_base_after_minus_before"]["hi"]),
                 a["beyond_base_after_minus_before"]["b"], a["beyond_base_after_minus_before"]["a"]] for arm, a in arms.items()]
-    pk = [[n] + [f"{x:.2f}" for x in passkey[n]["by_length"]] + [f"{passkey[n]['overall']:.3f}"] for n in names]
+    pk = [[n] + [f"{x:.2f}" for x in passkey[n]["by_length"]] + [f"{passkey[n]['overall']:.3f}"]
+          + [f"{x:.2f}" for x in passkey[n]["value_digit_loss_by_length"]] for n in names]
     rec = passkey["dsa"].get("indexer_key_recall_by_length", {})
     rrow = [[layer] + [f"{x:.2f}" for x in v] for layer, v in rec.items()]
     trow = [[k, v["dense_mla"], v["sparse_dsa"], f"{v['dense_over_sparse']:.2f}x",
@@ -600,10 +617,12 @@ Tokens per bucket: {report['eval_tokens_per_bucket']}.
 
 ## Passkey accuracy by context length (all depths; heatmap: passkey.png)
 
-{md_table(["model"] + [f"L={L}" for L in cfg.passkey_lengths] + ["overall"], pk)}
+{md_table(["model"] + [f"acc. L={L}" for L in cfg.passkey_lengths] + ["acc. overall"]
+         + [f"value-digit loss L={L}" for L in cfg.passkey_lengths], pk)}
 
 {cfg.passkey_per_cell} probes per (length, depth) cell, depths {list(cfg.passkey_depths)}; chance
-{10.0 ** -cfg.data.retrieval_value_digits:g} (exact match of the value).
+{10.0 ** -cfg.data.retrieval_value_digits:g} (exact match of the value). Value-digit loss: the mean loss on the
+value's digits; a uniform guess among the 10 digits is ln 10 = 2.303.
 
 DSA indexer recall of the key's value tokens (the planted digits among the top-{report['index_topk']} keys at the
 positions that predict them), by length:
@@ -618,8 +637,11 @@ positions that predict them), by length:
 
 {md_table(["stage", "s / step", "steps timed"], srow)}
 
-Wall time {report['wall_time_s']:.0f} s; load average at start {report['load_average_start'][0]:.2f}, at end
-{report['load_average_end'][0]:.2f}.
+Wall time of this invocation {report['wall_time_s']:.0f} s; load average at start {report['load_average_start'][0]:.2f},
+at end {report['load_average_end'][0]:.2f}. Every invocation on this workdir (a rerun resumes, skipping
+finished stages and cached evaluations): {", ".join(f"{i['started']} {i['wall_time_s']:.0f} s (load "
+f"{i['load_average_start'][0]:.1f}-{i['load_average_end'][0]:.1f}, trained: {', '.join(i['trained']) or 'nothing'})"
+for i in report['invocations'])}.
 
 {"".join(f"![{a}](position_loss_{a}.png)" + chr(10) + chr(10) for a in arms)}![passkey](passkey.png)
 """
