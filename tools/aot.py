@@ -57,8 +57,11 @@ DEFAULTS: dict[tuple, dict] = {
     ("glm5", "v5p:4x4x8", 131072): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 131072,
                                     "remat": "offload", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
                                                              "train.logits_chunk=1024")},
-    # GLM-5's full context: 16 x 202752 tokens on 256 chips (12,672 tokens a chip) fits at 85.7 GiB; on
-    # v5p:4x4x8 it would be 25K tokens a chip where 16K already exceeds 95 GiB (docs/scaleout.md)
+    # GLM-5's full context: 16 x 202752 tokens on 128 chips (25,344 tokens a chip), the layer inputs on the
+    # host: 82.9 GiB strict (docs/scaleout.md); and on 256 chips (12,672 a chip) with remat full, 85.7 GiB
+    ("glm5", "v5p:4x4x8", 202752): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 202752,
+                                    "remat": "offload", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
+                                                                "train.logits_chunk=1024")},
     ("glm5", "v5p:4x8x8", 202752): {"mesh": "expert:16,context:16", "batch_size": 16, "seq_len": 202752,
                                     "remat": "full", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
                                                              "train.logits_chunk=1024")},
