@@ -1,4 +1,4 @@
-"""long_context (experiments/long_context.py): the position-bucket losses against a numpy reference, the
+"""long_context (experiments/long_context.py, long_context_eval.py): the position-bucket losses against a numpy reference, the
 passkey probe's construction and packing, and (slow) a micro run end to end and the same losses with a
 `context` mesh axis on 8 fake CPU devices."""
 
@@ -11,8 +11,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from experiments.long_context import (BUCKETS, LongContextConfig, TINY, bucket_means_interval, bucket_sums,
-                                      paired_difference, passkey_offset, passkey_probes, passkey_scores)
+from experiments.long_context import BUCKETS, TINY, LongContextConfig
+from experiments.long_context_eval import (bucket_means_interval, bucket_sums, paired_difference, passkey_offset,
+                                           passkey_probes, passkey_scores)
 from experiments.registry import get, resolve_config
 from glm5_jax.config import ConfigError
 from glm5_jax.data.retrieval import KEY_LETTERS, RetrievalTask
@@ -23,7 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bucket_losses_match_a_numpy_reference():
     """Loss per position bucket from logits, against log-softmax by hand per token in plain loops; the
     bootstrap interval holds the point estimate; the paired difference of a sample with itself is 0."""
-    from experiments.long_context import eval_fn  # noqa: F401  (the jitted loss is the model's; here: the math)
     import jax
     import jax.numpy as jnp
     rng = np.random.default_rng(0)
