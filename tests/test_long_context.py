@@ -189,7 +189,7 @@ def test_same_losses_with_a_context_mesh(tmp_path):
     """The whole experiment on data:2 x context:4 (each sequence split in 8 chunks: every stage length
     divides by 2*context) gives each stage's per-step losses of the run without a mesh."""
     micro = {**MICRO, "ext_batch_sizes": "2,2", "train.batch_size": "2", "passkey_lengths": "32"}
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_CP_SCRIPT), str(tmp_path), json.dumps(micro)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-4000:]
