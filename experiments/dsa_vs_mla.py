@@ -1,11 +1,21 @@
 """dsa_vs_mla: does DSA, added to a dense MLA model by continued pre-training, match MLA?
 
 Phases (each its own resumable workdir):
-  base         pre-train a dense MLA model
+  base         pre-train a dense MLA model (train.learning_rate, warm-up, cosine to min_lr_ratio x peak)
   mla          continue it densely                                   (arm "mla")
   dsa_warmup   add the lightning indexer; base frozen, indexer trained by the dense KL
   dsa          sparse adaptation: everything trains, top-k attention  (arm "dsa")
   mha          an MHA model of the same width trained from scratch on as many tokens (arm "mha")
+Learning rates (DeepSeek-V3.2's recipe: indexer warm-up at its own rate with the rest frozen, then
+adaptation at 7.3e-6, DeepSeek-V3's final pre-training rate): the continued phases (mla, dsa) do not
+restart the base's schedule at its peak; they run at the base's final rate (train.learning_rate x
+min_lr_ratio, what the base's cosine ended at), constant after `continued_warmup_steps` of linear
+warm-up (their optimizer moments start fresh). The indexer warm-up trains only the new indexer, at
+`indexer_learning_rate`. `phase_plan` gives every phase's TrainConfig.
+`--steps N` (the `steps` field) scales every phase by N / train.steps: the continued phases run N
+steps; base, indexer warm-up, the mha arm, the warm-ups of the schedules and eval_every / log_every
+are scaled by the same factor (rounded, at least 1 step), so `--steps=2` is a quick smoke run.
+`--set train.steps=N` changes only the continued phases, as before.
 Then: eval-loss curves, final eval loss and retrieval accuracy per arm, the DSA-vs-MLA gap, indexer
 recall of the true attention top-k, and measured attention time per step, dense vs sparse.
 """
@@ -23,14 +33,15 @@ import numpy as np
 from flax import traverse_util
 
 from experiments.registry import register
-from experiments.report import (eval_series, fmt_interval, md_table, mean_interval, paired_bootstrap_interval,
-                                plot_curves, wilson_interval, write_report)
+from experiments.report import (chain_series, eval_series, fmt_interval, md_table, mean_interval,
+                                paired_bootstrap_interval, plot_curves, wilson_interval, write_report)
 from glm5_jax.attention.mla import MLAttention
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data, retrieval_accuracy
 from glm5_jax.data.retrieval import EVAL_TAG, TEST_TAG, retrieval_correct, retrieval_probe_batches
 from glm5_jax.layers.rope import rope_angles
 from glm5_jax.model import GLM5, init_params
+from glm5_jax.optim.schedules import warmup_cosine
 from glm5_jax.train import TrainConfig, evaluate, train
 from glm5_jax.train.stages import graft
 from glm5_jax.train.step import make_eval_step
@@ -43,12 +54,15 @@ PRIMARY_METRIC = ("test retrieval accuracy of dsa vs mla (exact match of the val
 @dataclasses.dataclass(frozen=True)
 class DsaVsMlaConfig:
     """model: the DSA model (attention "dsa"); the mla arm is the same model without the indexer and
-    the mha arm has num_kv_heads = num_heads and head_dim = qk_nope + qk_rope. train: the continued
-    (mla / dsa) phases; train.steps is the main step count. data: the LM corpus and retrieval records
-    mixed into training from the first step (model.vocab_size and data.seq_len follow data.vocab_size
-    and train.seq_len). Probes: `dev_probe_batches` dev probes (EVAL_TAG) are scored during training
-    and may be used to choose settings; `test_probe_batches` test probes (TEST_TAG) and the second
-    half of the held-out LM batches are scored once at the end and give the headline figures.
+    the mha arm has num_kv_heads = num_heads and head_dim = qk_nope + qk_rope. train: every phase's
+    settings; its schedule (learning_rate, warmup_steps, min_lr_ratio) is the base's, the continued
+    (mla / dsa) phases run at the base's final rate (phase_plan); train.steps: the continued phases'
+    steps. steps (--steps): scale every phase by steps / train.steps (None: as configured). data: the
+    LM corpus and retrieval records mixed into training from the first step (model.vocab_size and
+    data.seq_len follow data.vocab_size and train.seq_len). Probes: `dev_probe_batches` dev probes
+    (EVAL_TAG) are scored during training and may be used to choose settings; `test_probe_batches`
+    test probes (TEST_TAG) and the second half of the held-out LM batches are scored once at the end
+    and give the headline figures.
     seeds: every phase runs once per seed (train.seed + s, data stream seed + s); the report gives
     the mean with a 95% t interval over seeds, and Wilson intervals over probes per seed."""
     model: ModelConfig
@@ -63,8 +77,10 @@ class DsaVsMlaConfig:
     mha_arm: bool = False                  # also train an MHA model from scratch on as many tokens
     seeds: tuple[int, ...] = (0,)
     bench_seq_len: int = 4096              # second attention-timing shape (batch 1)
+    continued_warmup_steps: int = 10       # mla / dsa: linear warm-up to the base's final rate (fresh moments)
+    steps: int | None = None               # --steps N: continued phases N steps, every phase x N / train.steps
 
-    STEPS_KEY: ClassVar[str] = "train.steps"
+    STEPS_KEY: ClassVar[str] = "steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "data.vocab_size", "data.seq_len": "train.seq_len"}
 
     def __post_init__(self):
@@ -80,6 +96,12 @@ class DsaVsMlaConfig:
                   "distance_bins", "bench_seq_len"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"DsaVsMlaConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise ConfigError(f"DsaVsMlaConfig.steps={self.steps!r} is invalid: an integer >= 1 (every phase scaled by "
+                              "steps / train.steps) or None (the configured step counts)")
+        if not isinstance(self.continued_warmup_steps, int) or self.continued_warmup_steps < 0:
+            raise ConfigError(f"DsaVsMlaConfig.continued_warmup_steps={self.continued_warmup_steps!r} is invalid: "
+                              "must be an integer >= 0")
         if not self.indexer_learning_rate > 0:
             raise ConfigError(f"DsaVsMlaConfig.indexer_learning_rate={self.indexer_learning_rate!r} is invalid: must be > 0")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
@@ -126,6 +148,36 @@ def model_configs(model: ModelConfig) -> dict[str, ModelConfig]:
     mha = model.replace(attention="mha", indexer_types=None, num_kv_heads=model.num_heads,
                         head_dim=model.qk_nope_head_dim + model.qk_rope_head_dim)
     return {"mla": mla, "dsa": model, "mha": mha}
+
+
+def lr_schedule(tc: TrainConfig):
+    """The learning-rate schedule train() builds for `tc` (glm5_jax.train.state.build_optimizer)."""
+    return warmup_cosine(tc.learning_rate, min(tc.warmup_steps, tc.steps), tc.steps, tc.min_lr_ratio)
+
+
+def phase_plan(cfg: DsaVsMlaConfig) -> dict:
+    """{"scale": factor, "base" | "mla" | "dsa_warmup" | "dsa" | "mha": TrainConfig} of every phase
+    (seed offset 0). scale = cfg.steps / train.steps (1 without --steps); every step count (phase
+    lengths, schedule warm-ups, eval_every, log_every) is multiplied by it, rounded, at least 1 (a
+    warm-up of 0 stays 0). base: train's schedule over its own steps (cosine to min_lr_ratio x peak);
+    mla / dsa: the base's final rate, constant after a linear warm-up (no restart at the peak)."""
+    tc = cfg.train
+    f = cfg.steps / tc.steps if cfg.steps is not None else 1.0
+    n = lambda k: max(1, int(round(k * f)))                      # noqa: E731
+    w = lambda k: 0 if k == 0 else n(k)                          # noqa: E731
+    common = dict(eval_every=n(tc.eval_every), log_every=n(tc.log_every))
+    P, C, W = n(cfg.pretrain_steps), cfg.steps if cfg.steps is not None else tc.steps, n(cfg.indexer_warmup_steps)
+    base = tc.replace(steps=P, warmup_steps=w(tc.warmup_steps), **common)
+    final_lr = float(f"{float(lr_schedule(base)(P)):.6g}")      # where the base's schedule ended (float32: 6 digits)
+    cont = tc.replace(steps=C, learning_rate=final_lr, warmup_steps=min(w(cfg.continued_warmup_steps), C),
+                      min_lr_ratio=1.0, **common)
+    plan = {"scale": f, "base": base, "mla": cont, "dsa": cont.replace(indexer_loss="sparse"),
+            "dsa_warmup": tc.replace(steps=W, indexer_loss="dense", trainable_pattern="indexer",
+                                     learning_rate=cfg.indexer_learning_rate, warmup_steps=min(5, W), eval_every=W,
+                                     log_every=n(tc.log_every))}
+    if cfg.mha_arm:
+        plan["mha"] = base.replace(steps=P + C)
+    return plan
 
 
 def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches):
@@ -253,27 +305,26 @@ def time_attention(cfg_dense: ModelConfig, cfg_sparse: ModelConfig, seq_len: int
 def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes: dict, lm: dict) -> dict:
     """Every phase for one seed; returns the trained arms' runs, test scores and indexer figures."""
     cfgs = model_configs(cfg.model)
-    tc = cfg.train.replace(seed=cfg.train.seed + s)
+    seed = cfg.train.seed + s
+    plan = {k: v.replace(seed=seed) for k, v in phase_plan(cfg).items() if k != "scale"}
+    tc = plan["mla"]
     B, T = tc.batch_size, tc.seq_len
     it = lambda offset: data.train_iter(B, T, seed=cfg.data.seed + 1000 * s + offset)  # noqa: E731
     evals = {k: make_eval_fn(c, lm["dev"], probes["dev"]) for k, c in cfgs.items()}
     wd = lambda name: os.path.join(workdir, f"seed_{s}", name)  # noqa: E731
     tag = f"s{s}"
     runs = {}
-    base = train(cfgs["mla"], tc.replace(steps=cfg.pretrain_steps), it(0), wd("base"),
+    base = train(cfgs["mla"], plan["base"], it(0), wd("base"),
                  eval_fn=evals["mla"], log=log, name=f"base-mla-{tag}", mesh=mesh)
-    runs["mla"] = train(cfgs["mla"], tc, it(1), wd("mla"), init_params=base["params"], eval_fn=evals["mla"],
+    runs["mla"] = train(cfgs["mla"], plan["mla"], it(1), wd("mla"), init_params=base["params"], eval_fn=evals["mla"],
                         log=log, name=f"mla-{tag}", mesh=mesh)
     dsa_init = graft(init_params(cfgs["dsa"], jax.random.PRNGKey(tc.seed + 7)), base["params"])
-    w = cfg.indexer_warmup_steps
-    warm = train(cfgs["dsa"], tc.replace(steps=w, indexer_loss="dense", trainable_pattern="indexer",
-                                         learning_rate=cfg.indexer_learning_rate, warmup_steps=min(5, w), eval_every=w),
-                 it(2), wd("dsa_warmup"), init_params=dsa_init, eval_fn=evals["dsa"], log=log,
-                 name=f"dsa-warmup-{tag}", mesh=mesh)
-    runs["dsa"] = train(cfgs["dsa"], tc.replace(indexer_loss="sparse"), it(1), wd("dsa"),
+    warm = train(cfgs["dsa"], plan["dsa_warmup"], it(2), wd("dsa_warmup"), init_params=dsa_init, eval_fn=evals["dsa"],
+                 log=log, name=f"dsa-warmup-{tag}", mesh=mesh)
+    runs["dsa"] = train(cfgs["dsa"], plan["dsa"], it(1), wd("dsa"),
                         init_params=warm["params"], eval_fn=evals["dsa"], log=log, name=f"dsa-{tag}", mesh=mesh)
     if cfg.mha_arm:
-        runs["mha"] = train(cfgs["mha"], tc.replace(steps=cfg.pretrain_steps + tc.steps), it(0), wd("mha"),
+        runs["mha"] = train(cfgs["mha"], plan["mha"], it(0), wd("mha"),
                             eval_fn=evals["mha"], log=log, name=f"mha-{tag}", mesh=mesh)
     log(f"[{tag}] scoring test probes ...")
     vd = cfg.data.retrieval_value_digits
@@ -287,6 +338,20 @@ def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes:
             "indexer_recall_final": indexer_recall(cfgs["dsa"], runs["dsa"]["params"], lm["dev"][:2])}
 
 
+def continued_vs_base(seeds: dict) -> dict:
+    """Dev LM loss (the eval batches watched in training) at the end of the base and after the
+    continued MLA phase, per seed and averaged; at_or_below: the continued arm ended at or below its
+    base's dev loss in every seed (the continued phases must not jolt the base off its schedule)."""
+    per = {str(s): {"base": float(r["base"]["final"]["eval_loss"]),
+                    "continued_mla": float(r["runs"]["mla"]["final"]["eval_loss"]),
+                    "dsa_after_warmup": float(r["warm"]["final"]["eval_loss"]),
+                    "dsa": float(r["runs"]["dsa"]["final"]["eval_loss"])} for s, r in seeds.items()}
+    base = float(np.mean([v["base"] for v in per.values()]))
+    cont = float(np.mean([v["continued_mla"] for v in per.values()]))
+    return {"base_dev_loss": base, "continued_mla_dev_loss": cont, "diff": cont - base,
+            "at_or_below": all(v["continued_mla"] <= v["base"] for v in per.values()), "per_seed": per}
+
+
 @register("dsa_vs_mla", "DSA added to a dense MLA model by continued pre-training vs continued MLA: long-range "
           "retrieval beyond the top-k, indexer recall of the answer-bearing key, eval loss",
           {"tiny": TINY, "small": SMALL})
@@ -296,7 +361,9 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
     if data.tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"tokenizer vocab {data.tokenizer.vocab_size} != data.vocab_size {cfg.model.vocab_size}")
     cfgs = model_configs(cfg.model)
-    tc = cfg.train
+    plan = phase_plan(cfg)
+    tc = plan["mla"]
+    P, C, W = plan["base"].steps, tc.steps, plan["dsa_warmup"].steps
     B, T, K, vd = tc.batch_size, tc.seq_len, cfgs["dsa"].index_topk, cfg.data.retrieval_value_digits
     log(f"primary metric (named before the run): {PRIMARY_METRIC}")
     # LM: first half of the held-out batches = dev (watched in training), second half = test (scored once).
@@ -358,23 +425,37 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
               "test_probes_per_seed": n_probes, "probe_distance_range": [int(dists.min()), int(dists.max())],
               "chance_accuracy": chance, "one_of_pairs_accuracy": one_of_pairs,
               "train_queries_per_retrieval_sequence": task.n_queries, "key_space": len(task.key_ids),
+              "phase_steps": {k: v.steps for k, v in plan.items() if k != "scale"}, "steps_scale": plan["scale"],
+              "learning_rates": {k: {"peak": v.learning_rate, "warmup_steps": min(v.warmup_steps, v.steps),
+                                     "final": float(f"{float(lr_schedule(v)(v.steps)):.6g}")}
+                                 for k, v in plan.items() if k != "scale"},
+              "continued_mla_vs_base_dev_loss": continued_vs_base(seeds),
               "wall_time_s": None}
 
     # plots (seed 0 / first seed for the curves; the distance plot pools every seed)
     first = next(iter(seeds.values()))
-    P = cfg.pretrain_steps
     bx, by = eval_series(first["base"]["history"])
-    mx, my = eval_series(first["runs"]["mla"]["history"], offset=P)
-    series = {"mla (base + continued)": (bx + mx, by + my),
-              "dsa (base + warm-up + sparse)": eval_series(first["runs"]["dsa"]["history"], offset=P)}
+    b0 = ([P], [by[-1]]) if by else ([], [])        # the continued phases start from the base's last eval
+    mx, my = chain_series([(first["runs"]["mla"]["history"], C)], start=P)
+    dx, dy = chain_series([(first["warm"]["history"], W), (first["runs"]["dsa"]["history"], C)], start=P)
+    series = {"base (dense MLA)": (bx, by), "mla continued": (b0[0] + mx, b0[1] + my),
+              "dsa: indexer warm-up + sparse": (b0[0] + dx, b0[1] + dy)}
     if "mha" in first["runs"]:
         series["mha (from scratch)"] = eval_series(first["runs"]["mha"]["history"])
     plot_curves(os.path.join(workdir, "eval_loss.png"), series,
-                title=f"dsa_vs_mla: dev eval loss (T={T}, top-k={K})", xlabel="LM training step")
+                title=f"dsa_vs_mla: dev eval loss through the phases (T={T}, top-k={K})",
+                xlabel="training step (base, then each arm's phases in order)")
+    lr = lambda k: np.asarray(lr_schedule(plan[k])(np.arange(plan[k].steps)), np.float64).tolist()  # noqa: E731
+    lseries = {"base": (list(range(1, P + 1)), lr("base")),
+               "mla continued": (list(range(P + 1, P + C + 1)), lr("mla")),
+               "dsa warm-up (indexer only)": (list(range(P + 1, P + W + 1)), lr("dsa_warmup")),
+               "dsa sparse": (list(range(P + W + 1, P + W + C + 1)), lr("dsa"))}
+    plot_curves(os.path.join(workdir, "lr_schedule.png"), lseries, title="learning rate per update",
+                xlabel="training step", ylabel="learning rate", logy=True)
     rx, ry = eval_series(first["base"]["history"], "retrieval_accuracy")
     mx, my = eval_series(first["runs"]["mla"]["history"], "retrieval_accuracy", offset=P)
     rseries = {"mla (base + continued)": (rx + mx, ry + my),
-               "dsa": eval_series(first["runs"]["dsa"]["history"], "retrieval_accuracy", offset=P)}
+               "dsa": eval_series(first["runs"]["dsa"]["history"], "retrieval_accuracy", offset=P + W)}
     plot_curves(os.path.join(workdir, "retrieval_curve.png"), rseries, title="dev retrieval accuracy during training",
                 xlabel="LM training step", ylabel="exact-match accuracy")
     bins = np.linspace(dists.min(), dists.max() + 1, cfg.distance_bins + 1)
@@ -404,6 +485,11 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
         iv = arms[n]["final_eval_loss_interval"]
         return fmt_interval(iv["mean"], iv["lo"], iv["hi"], 4)
 
+    cvb = report["continued_mla_vs_base_dev_loss"]
+    scaled = f" Every phase scaled by --steps={cfg.steps}: x{plan['scale']:.4g} (phase_plan)." if cfg.steps else ""
+    cvb_line = (f"Continued MLA ends {'at or below' if cvb['at_or_below'] else 'ABOVE'} its base's dev LM loss "
+                f"{'in every seed' if cvb['at_or_below'] else 'in at least one seed'}: {cvb['base_dev_loss']:.4f} -> "
+                f"{cvb['continued_mla_dev_loss']:.4f} (mean over seeds, change {cvb['diff']:+.4f}).")
     rows = [[n, acc_cell(n), loss_cell(n), arms[n]["final_eval_accuracy"], arms[n]["dev_retrieval_accuracy"]]
             for n in names]
     rec = arms["dsa"]["answer_key_recall"]
@@ -421,9 +507,9 @@ Dense MLA pre-trained for {P} steps with retrieval records mixed into training f
 ({cfg.data.retrieval_fraction:.0%} of sequences: {cfg.data.retrieval_pairs} planted records `K v` (a one-token letter key
 of {len(task.key_ids)} directly followed by its {vd}-digit value), filler text, then
 {task.n_queries} of them restated at the end, each a supervised lookup),
-then continued {tc.steps} steps two ways: densely (**mla**) and as DSA (**dsa**: {cfg.indexer_warmup_steps} indexer
-warm-up steps with the base frozen, then {tc.steps} sparse-adaptation steps) with top-k = {K} of T = {T}.
-{"**mha** is trained from scratch for " + str(P + tc.steps) + " steps. " if cfg.mha_arm else ""}{B * T} tokens per step;
+then continued {C} steps two ways: densely (**mla**) and as DSA (**dsa**: {W} indexer
+warm-up steps with the base frozen, then {C} sparse-adaptation steps) with top-k = {K} of T = {T}.
+{"**mha** is trained from scratch for " + str(P + C) + " steps. " if cfg.mha_arm else ""}{B * T} tokens per step;
 seeds {list(cfg.seeds)}.
 
 Test probes: {n_probes} per seed (TEST_TAG, filler from held-out files, never used to choose settings), laid out
@@ -435,6 +521,24 @@ held-out batches not used during training (dev: {len(lm['dev'])} other batches a
 {md_table(["arm", "test retrieval acc. (" + iv_kind + ")", "test LM loss", "test token acc.", "dev retrieval acc."], rows)}
 
 DSA vs MLA test LM-loss gap: **{fmt_interval(gap['mean'], gap['lo'], gap['hi'], 2)} %** of MLA's (negative = DSA lower).
+
+## Through the phases: dev LM loss and learning rate
+
+The base pre-trains at peak lr {plan['base'].learning_rate:g} ({plan['base'].warmup_steps} warm-up steps, cosine to
+{plan['base'].min_lr_ratio:g} x peak). The continued phases do not restart that schedule: **mla** and **dsa** run at the
+base's final rate {tc.learning_rate:.3g} ({tc.warmup_steps} linear warm-up steps for their fresh optimizer moments, then
+constant; DeepSeek-V3.2 adapts at DeepSeek-V3's final pre-training rate); the indexer warm-up trains only the new
+indexer at {plan['dsa_warmup'].learning_rate:g}.{scaled}
+
+{md_table(["seed", "base end", "mla continued end", "dsa after warm-up", "dsa end"],
+          [[s, v["base"], v["continued_mla"], v["dsa_after_warmup"], v["dsa"]]
+           for s, v in report["continued_mla_vs_base_dev_loss"]["per_seed"].items()])}
+
+{cvb_line}
+
+![eval loss](eval_loss.png)
+
+![learning rate](lr_schedule.png)
 
 ## Indexer recall
 
@@ -449,8 +553,6 @@ Recall of the true attention top-{K} (head-summed dense attention, dev LM batche
 ![retrieval vs distance](retrieval_vs_distance.png)
 
 ![dev retrieval during training](retrieval_curve.png)
-
-![eval loss](eval_loss.png)
 
 ![indexer warm-up](indexer_warmup.png)
 

@@ -88,6 +88,18 @@ def eval_series(history: list[dict], key: str = "eval_loss", offset: int = 0) ->
     return [r["step"] + offset for r in rows], [r[key] for r in rows]
 
 
+def chain_series(phases: list[tuple[list[dict], int]], key: str = "eval_loss", start: int = 0) -> tuple[list, list]:
+    """Phases run one after another, [(history, steps)] -> (xs, ys): phase i's rows at start + the
+    steps of the phases before it + their own step."""
+    xs, ys, offset = [], [], start
+    for history, steps in phases:
+        x, y = eval_series(history, key, offset)
+        xs += x
+        ys += y
+        offset += steps
+    return xs, ys
+
+
 # ---- intervals (shared by every experiment's report) -------------------------------------------
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom (scipy is not a dependency)

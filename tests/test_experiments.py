@@ -91,8 +91,13 @@ def test_dsa_vs_mla_micro_run_writes_complete_report(tmp_path):
     settings = json.load(open(tmp_path / "settings.json"))
     assert settings["config"] == saved["config"] and settings["config"]["model"]["vocab_size"] == 512
     assert settings["config"]["train"]["steps"] == 2 and settings["config"]["data"]["max_files"] == 60
-    for f in ("report.md", "eval_loss.png", "indexer_warmup.png", "retrieval_vs_distance.png", "settings.json"):
+    for f in ("report.md", "eval_loss.png", "lr_schedule.png", "indexer_warmup.png", "retrieval_vs_distance.png",
+              "settings.json"):
         assert os.path.getsize(tmp_path / f) > 0
+    cvb = saved["continued_mla_vs_base_dev_loss"]
+    assert isinstance(cvb["at_or_below"], bool) and cvb["at_or_below"] == (cvb["per_seed"]["0"]["continued_mla"]
+                                                                           <= cvb["per_seed"]["0"]["base"])
+    assert saved["phase_steps"] == {"base": 2, "mla": 2, "dsa_warmup": 2, "dsa": 2, "mha": 4}
     for phase in ("base", "mla", "dsa_warmup", "dsa", "mha"):
         assert os.path.exists(tmp_path / "seed_0" / phase / "metrics.jsonl")
     md = open(tmp_path / "report.md").read()
