@@ -107,12 +107,18 @@ def mtp_targets(targets, mask, segment_ids, depth: int):
     return t, m
 
 
+def mtp_depth_targets(targets, mask, segment_ids, k: int, shifted=None):
+    """(targets, mask) of the k-th MTP depth (0-based): `shifted`'s [k] when the caller built them
+    (context parallelism: glm5_jax.attention.context.layout_batch), else mtp_targets(..., k + 1)."""
+    return mtp_targets(targets, mask, segment_ids, k + 1) if shifted is None else (shifted[0][k], shifted[1][k])
+
+
 def mtp_loss(mtp_logits, targets, mask, segment_ids=None, shifted=None):
     """Mean over depths of the masked cross-entropy; mtp_logits [depth, B, T, V]. shifted: the
     per-depth (targets, mask) [depth, B, T] already built (context parallelism:
     glm5_jax.attention.context.layout_batch), instead of mtp_targets here."""
     losses = []
     for k in range(mtp_logits.shape[0]):
-        t, m = mtp_targets(targets, mask, segment_ids, k + 1) if shifted is None else (shifted[0][k], shifted[1][k])
+        t, m = mtp_depth_targets(targets, mask, segment_ids, k, shifted)
         losses.append(cross_entropy(mtp_logits[k], t, m)[1])
     return jnp.mean(jnp.stack(losses)), losses

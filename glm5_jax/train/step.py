@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.attention.context import context_size, layout_batch
 from glm5_jax.config import ModelConfig
-from glm5_jax.losses import chunked_cross_entropy, cross_entropy, mtp_loss, mtp_targets
+from glm5_jax.losses import chunked_cross_entropy, cross_entropy, mtp_depth_targets, mtp_loss
 from glm5_jax.model import GLM5, per_layer
 from glm5_jax.config import ConfigError
 from glm5_jax.parallel.ep import BATCH_AXES
@@ -87,8 +87,7 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
         if chunked:   # the head per chunk of tokens for the main head and every MTP depth in one scan
             hs, tg, mk = [out["hidden"]], [batch["targets"]], [batch["loss_mask"]]
             for k in range(model_cfg.mtp_depth if use_mtp else 0):
-                t_k, m_k = (mtp_targets(batch["targets"], batch["loss_mask"], batch["segment_ids"], k + 1)
-                            if shifted is None else (shifted[0][k], shifted[1][k]))
+                t_k, m_k = mtp_depth_targets(batch["targets"], batch["loss_mask"], batch["segment_ids"], k, shifted)
                 hs.append(out["mtp_hidden"][k])
                 tg.append(t_k)
                 mk.append(m_k.astype(batch["loss_mask"].dtype))
