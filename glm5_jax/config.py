@@ -102,6 +102,8 @@ class ModelConfig:
     moe_impl: str = "ragged"              # ragged (sorted dispatch, dropless) | dense (all experts)
                                           # | a2a (shard_map expert parallelism, glm5_jax.parallel.ep)
     moe_capacity_factor: float = 1.25     # a2a only: slots per device pair = cf * n*k/ep; <= 0 = dropless
+    moe_round_capacity_factor: float = 1.25   # a2a dropless: slots per device pair per all-to-all round = this * n*k/ep,
+                                          # rounds until every slot is sent; <= 0: one round of n*k (worst-case buffers)
     moe_token_chunk: int = 0              # a2a only: > 0 dispatches each device's tokens in chunks of at most this many (recomputed in the backward)
     # Multi-token prediction.
     mtp_depth: int = 1
@@ -243,6 +245,10 @@ class ModelConfig:
             cf = self.moe_capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf != cf or cf in (float("inf"), float("-inf")):
                 _fail("moe_capacity_factor", cf, "must be a finite number (<= 0 means dropless)")
+            rf = self.moe_round_capacity_factor
+            if isinstance(rf, bool) or not isinstance(rf, (int, float)) or rf != rf or rf in (float("inf"), float("-inf")):
+                _fail("moe_round_capacity_factor", rf, "must be a finite number (> 0: dropless a2a in rounds of "
+                      "this x the mean pair load; <= 0: one round sized for the worst case)")
             if self.routed_scaling_factor <= 0:
                 _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
             mc = self.moe_token_chunk

@@ -81,6 +81,7 @@ def test_sharded_train_steps_match_single_device():
         assert leaf_spec(state["params"], "gate_proj")[-3] == "expert"        # [..., E, D, F]
         if c.moe_impl == "a2a":
             assert all(m["moe_dropped_fraction"] == 0.0 for m in got), got   # dropless
+            assert all(m["moe_a2a_rounds"] >= 1.0 for m in got), got
         print(c.moe_impl, spec, "rel", rel, f"{time.time() - t0:.1f}s")
     print("OK")
     """)
@@ -100,13 +101,13 @@ def test_a2a_capacity_drops_tokens_and_reports_fraction():
     w = jnp.full((n, k), 0.5)
     gate, up = (jax.random.normal(kk, (e, d, f)) * 0.3 for kk in ks[2:])
     down = jax.random.normal(ks[3], (e, f, d)) * 0.3
-    ref, drop0 = a2a_moe(x, w, ids, gate, up, down, num_experts=e, capacity_factor=0.0)
+    ref, drop0, _ = a2a_moe(x, w, ids, gate, up, down, num_experts=e, capacity_factor=0.0)
     assert float(drop0) == 0.0
     mesh = sharding.make_mesh("data:2,expert:4")
     with sharding.use_mesh(mesh):
         f_ = jax.jit(lambda *a, cf: a2a_moe(*a, num_experts=e, capacity_factor=cf), static_argnames="cf")
-        full, dz = f_(x, w, ids, gate, up, down, cf=0.0)
-        part, dp = f_(x, w, ids, gate, up, down, cf=1.0)
+        full, dz, _ = f_(x, w, ids, gate, up, down, cf=0.0)
+        part, dp, _ = f_(x, w, ids, gate, up, down, cf=1.0)
     np.testing.assert_allclose(np.asarray(full), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert float(dz) == 0.0 and 0.0 < float(dp) < 1.0, (dz, dp)
     # gradients through the all_to_all equal the single-device ones (dropless)

@@ -117,6 +117,7 @@ class Experts(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     capacity_factor: float = 1.25          # a2a only (<= 0: dropless)
     token_chunk: int = 0                   # a2a only (> 0: dispatch per chunk of this many local tokens)
+    round_factor: float = 1.25             # a2a dropless only: round capacity (<= 0: one worst-case round)
 
     @nn.compact
     def __call__(self, x, weights, ids):
@@ -133,9 +134,11 @@ class Experts(nn.Module):
             return jnp.einsum("enf,efd,ne->nd", h, down, combine.astype(self.dtype))
         if self.impl == "a2a":     # explicit expert parallelism: shard_map + all_to_all over `expert`
             from glm5_jax.parallel.ep import a2a_moe
-            out, dropped = a2a_moe(x, weights, ids, gate, up, down, num_experts=e,
-                                   capacity_factor=self.capacity_factor, token_chunk=self.token_chunk)
+            out, dropped, rounds = a2a_moe(x, weights, ids, gate, up, down, num_experts=e,
+                                           capacity_factor=self.capacity_factor, token_chunk=self.token_chunk,
+                                           round_factor=self.round_factor)
             self.sow("intermediates", "dropped_fraction", dropped)
+            self.sow("intermediates", "a2a_rounds", rounds)
             return out
         # XLA:CPU has no grouped matmul: it expands ragged_dot into E masked dense dots (E x the
         # FLOPs; 8 experts made the routed experts a third of the tiny model's train step,
@@ -160,6 +163,7 @@ class MoE(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     capacity_factor: float = 1.25
     token_chunk: int = 0
+    round_factor: float = 1.25
 
     @nn.compact
     def __call__(self, x):
@@ -171,7 +175,7 @@ class MoE(nn.Module):
         weights, ids, _ = Router(self.num_experts, router_cfg, self.stddev, name="router")(xf)
         self.sow("intermediates", "expert_load", jnp.bincount(ids.reshape(-1), length=self.num_experts))
         out = Experts(self.num_experts, self.moe_ffn_dim, self.impl, self.stddev, self.dtype, self.param_dtype,
-                      self.capacity_factor, self.token_chunk, name="experts")(xf, weights, ids)
+                      self.capacity_factor, self.token_chunk, self.round_factor, name="experts")(xf, weights, ids)
         out = constrain(out.reshape(b, t, d).astype(x.dtype), ("activation_batch", "activation_seq", "activation_embed"))
         if self.num_shared_experts:
             out = out + SwiGLU(self.moe_ffn_dim * self.num_shared_experts, self.stddev, self.dtype,

@@ -13,12 +13,20 @@ out inside `jax.shard_map`:
 
 Capacity C per (source device, destination device) is ceil(capacity_factor * n * k / ep) slots for n
 local tokens with k choices; slots beyond C are dropped (their output is 0, the residual carries the
-token) and the dropped fraction is returned. capacity_factor <= 0 means dropless: C = n * k, the worst
-case, so nothing is ever dropped (exactly the ragged path's numbers, at ep x the buffer memory).
+token) and the dropped fraction is returned.
+
+capacity_factor <= 0 means dropless, in rounds (issue 34): C = ceil(round_factor * n * k / ep), and the
+all-to-all pair of steps 2-4 repeats, round r sending the slots ranked [r*C, (r+1)*C) in their
+destination row, until every slot is sent: ceil(max pair load / C) rounds, the max taken over the whole
+mesh (pmax) so every device runs the same loop. Balanced routing costs one round; the buffers are those
+of one round. The rounds run in a lax.while_loop inside a custom_vjp whose backward runs the same rounds
+again (each recomputing its forward), so no round's activations outlive it. round_factor <= 0 gives the
+old worst-case form: one round of C = n * k (ep x the buffer memory).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -30,7 +38,7 @@ TOKEN_AXES = BATCH_AXES + ("context",)   # [B, T] flattened to N = B*T: batch ax
 
 
 def capacity(n_slots: int, ep: int, capacity_factor: float) -> int:
-    """Slots each device may send to each device on the expert axis."""
+    """Slots each device may send to each device on the expert axis (in one all-to-all round)."""
     if capacity_factor <= 0:
         return n_slots
     return max(1, min(n_slots, math.ceil(capacity_factor * n_slots / ep)))
@@ -41,48 +49,123 @@ def _swiglu(xs, gate, up, down, sizes):
     return dot(jax.nn.silu(dot(xs, gate)) * dot(xs, up), down)
 
 
-def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float,
-                   expert_axis: str | None = None, ep: int = 1, tensor_axis: str | None = None):
-    """Per-device body. x [n, D], weights/ids [n, k]; gate/up [E/ep, D, F_l], down [E/ep, F_l, D].
-
-    Returns (out [n, D], dropped slots (int32 scalar), total slots (int32 scalar)) for this device.
-    """
-    n, d = x.shape
-    k = ids.shape[-1]
-    el = num_experts // ep
-    s = n * k
-    c = capacity(s, ep, capacity_factor)
+def _plan(ids, el: int, ep: int):
+    """Where each slot (token, choice) goes: ids [n, k] -> (order [s]: slots sorted by expert, so by
+    destination device; local [s]: the sorted slot's expert on its device; start, per_dest [ep]: the
+    destination rows' first sorted position and length). A slot of rank q in row j sits at sorted
+    position start[j] + q."""
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)                       # slots grouped by expert (so by device)
+    order = jnp.argsort(flat, stable=True)
     sorted_ids = flat[order]
-    dest = sorted_ids // el
-    per_dest = jnp.bincount(flat // el, length=ep)
+    per_dest = jnp.bincount(flat // el, length=ep).astype(jnp.int32)
     start = jnp.cumsum(per_dest) - per_dest
-    rank = jnp.arange(s) - start[dest]                           # position inside the destination's row
-    keep = rank < c
-    row = jnp.where(keep, dest, ep)                              # out of range -> dropped by scatter
-    xs = x[order // k]
-    send = jnp.zeros((ep, c, d), x.dtype).at[row, rank].set(xs, mode="drop")
-    send_ids = jnp.full((ep, c), el, jnp.int32).at[row, rank].set(sorted_ids - dest * el, mode="drop")
+    return order.astype(jnp.int32), (sorted_ids % el).astype(jnp.int32), start, per_dest
+
+
+def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, expert_axis, tensor_axis):
+    """One all-to-all round: the slots of rank [r*c, (r+1)*c) in every destination row are gathered into
+    a send buffer [ep, c, D], exchanged over `expert_axis`, run through the local experts (ragged_dot,
+    F over `tensor_axis`), sent back and added to their tokens with their router weights.
+    Returns the round's contribution [n, D] (float32)."""
+    order, local, start, per_dest = plan
+    (n, d), k = x.shape, weights.shape[-1]
+    s = n * k
+    q = r * c + jnp.arange(c, dtype=jnp.int32)                            # rank inside the row
+    valid = q[None, :] < per_dest[:, None]                               # [ep, c]
+    pos = jnp.minimum(start[:, None] + q[None, :], s - 1)                # sorted position
+    slot = jnp.where(valid, order[pos], s)                               # s: empty
+    tok = slot // k                                                      # n: empty (dropped by the scatter)
+    send = jnp.where(valid[..., None], x[jnp.minimum(tok, n - 1)], 0)
+    send_ids = jnp.where(valid, local[pos], el)
     if expert_axis is not None and ep > 1:
         recv = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)
         recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0, tiled=True)
     else:
         recv, recv_ids = send, send_ids
     recv, recv_ids = recv.reshape(ep * c, d), recv_ids.reshape(ep * c)
-    r_order = jnp.argsort(recv_ids, stable=True)                 # empty slots (id el) go last
+    r_order = jnp.argsort(recv_ids, stable=True)                         # empty slots (id el) go last
     sizes = jnp.bincount(recv_ids, length=el + 1)[:el].astype(jnp.int32)
     ys = _swiglu(recv[r_order], gate, up, down, sizes)
     ys = jnp.where((recv_ids[r_order] < el)[:, None], ys, 0)
     if tensor_axis is not None:
-        ys = jax.lax.psum(ys, tensor_axis)                       # F was sharded: sum the partial products
+        ys = jax.lax.psum(ys, tensor_axis)                               # F was sharded: sum the partial products
     ys = jnp.zeros_like(ys).at[r_order].set(ys).reshape(ep, c, d)
     if expert_axis is not None and ep > 1:
         ys = jax.lax.all_to_all(ys, expert_axis, 0, 0, tiled=True)
-    back = jnp.where(keep[:, None], ys[jnp.minimum(row, ep - 1), jnp.minimum(rank, c - 1)], 0)
-    out_slots = jnp.zeros((s, d), ys.dtype).at[order].set(back).reshape(n, k, d)
-    out = jnp.einsum("nkd,nk->nd", out_slots, weights.astype(out_slots.dtype))
-    return out, jnp.sum(~keep).astype(jnp.int32), jnp.asarray(s, jnp.int32)
+    w = jnp.where(valid, weights.reshape(-1)[jnp.minimum(slot, s - 1)], 0).astype(jnp.float32)
+    return jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32) * w[..., None], mode="drop")
+
+
+def _rounds(plan, *, c: int, ep: int, expert_axis, sync_axes):
+    """Rounds a dropless dispatch needs: ceil(max pair load / c), the max taken over every device whose
+    collectives meet this one's (`sync_axes`), so that all of them run the same number of all-to-alls."""
+    m = jnp.max(plan[3])
+    if sync_axes:
+        m = jax.lax.pmax(m, sync_axes)
+    return jnp.maximum((m + c - 1) // c, 1).astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _dropless(x, weights, gate, up, down, plan, n_rounds, kw):
+    """sum over rounds r < n_rounds of _round(...): every slot is sent in exactly one round. A while_loop
+    (one round's buffers live at a time); the backward runs the same rounds again, each round's vjp
+    recomputing its forward, so no round's activations are kept."""
+    return _dropless_fwd(x, weights, gate, up, down, plan, n_rounds, kw)[0]
+
+
+def _dropless_fwd(x, weights, gate, up, down, plan, n_rounds, kw):
+    kw = dict(kw)
+    body = lambda r, acc: acc + _round(x, weights, gate, up, down, plan, r, **kw)
+    out = jax.lax.fori_loop(0, n_rounds, body, jnp.zeros(x.shape, jnp.float32))   # traced bound: a while_loop
+    return out, (x, weights, gate, up, down, plan, n_rounds)
+
+
+def _dropless_bwd(kw, res, ct):
+    x, weights, gate, up, down, plan, n_rounds = res
+    kw = dict(kw)
+
+    def body(r, acc):
+        _, vjp = jax.vjp(lambda *a: _round(*a, plan, r, **kw), x, weights, gate, up, down)
+        return jax.tree_util.tree_map(lambda s, g: s + g.astype(s.dtype), acc, vjp(ct))
+
+    primals = (x, weights, gate, up, down)
+    f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))   # sums over rounds in float32
+    grads = jax.lax.fori_loop(0, n_rounds, body, jax.tree_util.tree_map(f32, primals))
+    return (*jax.tree_util.tree_map(lambda g, a: g.astype(a.dtype), grads, primals), None, None)
+
+
+_dropless.defvjp(_dropless_fwd, _dropless_bwd)
+
+
+def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float,
+                   round_factor: float = 0.0, expert_axis: str | None = None, ep: int = 1,
+                   tensor_axis: str | None = None, sync_axes: tuple[str, ...] = ()):
+    """Per-device body. x [n, D], weights/ids [n, k]; gate/up [E/ep, D, F_l], down [E/ep, F_l, D].
+
+    capacity_factor > 0: one all-to-all round of C = capacity(n*k, ep, capacity_factor) slots per
+    device pair; slots ranked beyond C in their destination row are dropped.
+    capacity_factor <= 0 (dropless): rounds of C = capacity(n*k, ep, round_factor) slots per pair until
+    every slot is sent (ceil(max pair load / C) rounds, the max over `sync_axes`); round_factor <= 0
+    gives C = n*k, one round sized for the worst case.
+
+    Returns (out [n, D], dropped slots, total slots, rounds) for this device (int32 scalars).
+    """
+    n, d = x.shape
+    k = ids.shape[-1]
+    el = num_experts // ep
+    s = n * k
+    plan = _plan(ids, el, ep)
+    kw = dict(el=el, ep=ep, expert_axis=expert_axis, tensor_axis=tensor_axis)
+    total = jnp.asarray(s, jnp.int32)
+    if capacity_factor > 0 or round_factor <= 0:    # one round: finite capacity, or dropless worst case
+        c = capacity(s, ep, capacity_factor)
+        out = _round(x, weights, gate, up, down, plan, jnp.int32(0), c=c, **kw)
+        dropped = jnp.sum(jnp.maximum(plan[3] - c, 0)).astype(jnp.int32)
+        return out.astype(x.dtype), dropped, total, jnp.int32(1)
+    c = capacity(s, ep, round_factor)
+    n_rounds = _rounds(plan, c=c, ep=ep, expert_axis=expert_axis, sync_axes=sync_axes)
+    out = _dropless(x, weights, gate, up, down, plan, n_rounds, tuple(sorted(dict(c=c, **kw).items())))
+    return out.astype(x.dtype), jnp.int32(0), total, n_rounds
 
 
 def dispatch_chunked(x, weights, ids, gate, up, down, *, token_chunk: int = 0, **kw):
@@ -90,10 +173,11 @@ def dispatch_chunked(x, weights, ids, gate, up, down, *, token_chunk: int = 0, *
     (lax.map, each chunk under jax.checkpoint: the backward recomputes a chunk's dispatch, so its send /
     receive buffers and expert activations live for one chunk at a time, not for all n tokens).
     Capacity is per chunk (capacity_factor * chunk slots / ep); dropless dispatch is unchanged.
-    token_chunk <= 0 or >= n: one dispatch."""
+    token_chunk <= 0 or >= n: one dispatch. Returns (out, dropped, total, rounds summed over chunks,
+    number of dispatches)."""
     n, d = x.shape
     if token_chunk <= 0 or token_chunk >= n:
-        return dispatch_local(x, weights, ids, gate, up, down, **kw)
+        return *dispatch_local(x, weights, ids, gate, up, down, **kw), 1
     c = max(t for t in range(1, token_chunk + 1) if n % t == 0)   # chunks tile the tokens exactly
     m, k = n // c, ids.shape[-1]
 
@@ -101,8 +185,9 @@ def dispatch_chunked(x, weights, ids, gate, up, down, *, token_chunk: int = 0, *
     def one(args):
         return dispatch_local(*args, gate, up, down, **kw)
 
-    out, dropped, total = jax.lax.map(one, (x.reshape(m, c, d), weights.reshape(m, c, k), ids.reshape(m, c, k)))
-    return out.reshape(n, d), jnp.sum(dropped), jnp.sum(total)
+    out, dropped, total, rounds = jax.lax.map(one, (x.reshape(m, c, d), weights.reshape(m, c, k),
+                                                    ids.reshape(m, c, k)))
+    return out.reshape(n, d), jnp.sum(dropped), jnp.sum(total), jnp.sum(rounds), m
 
 
 def _context_mesh():
@@ -114,8 +199,10 @@ def _context_mesh():
     return mesh
 
 
-def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float, token_chunk: int = 0):
-    """x [N, D] (N = batch * seq), weights/ids [N, k] -> (out [N, D], dropped fraction float32).
+def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float, token_chunk: int = 0,
+            round_factor: float = 0.0):
+    """x [N, D] (N = batch * seq), weights/ids [N, k] -> (out [N, D], dropped fraction float32,
+    all-to-all rounds per dispatch float32).
 
     Under a mesh with axes (data, fsdp, expert, context, tensor) (glm5_jax.sharding.use_mesh) this runs
     as a shard_map with all-to-all over `expert`; without one it runs the same code on one device.
@@ -123,12 +210,15 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
     activation whose batch is on the batch axes and sequence on `context`), so each device routes the
     tokens of its own sequence shard. token_chunk > 0: each device dispatches its tokens in chunks
     (dispatch_chunked), bounding the dispatch buffers at long context (glm5 at 128K: 16K tokens a chip).
+    capacity_factor <= 0: dropless, in rounds of round_factor x the mean pair load (dispatch_local);
+    every device runs the rounds the most loaded pair of the whole mesh needs.
     """
+    kw = dict(num_experts=num_experts, capacity_factor=capacity_factor, round_factor=round_factor,
+              token_chunk=token_chunk)
     mesh = _context_mesh()
     if mesh is None:
-        out, dropped, total = dispatch_chunked(x, weights, ids, gate, up, down, num_experts=num_experts,
-                                               capacity_factor=capacity_factor, token_chunk=token_chunk)
-        return out, dropped.astype(jnp.float32) / total
+        out, dropped, total, rounds, m = dispatch_chunked(x, weights, ids, gate, up, down, **kw)
+        return out, dropped.astype(jnp.float32) / total, rounds.astype(jnp.float32) / m
     sizes = dict(mesh.shape)
     ep = sizes["expert"]
     tok_axes = tuple(a for a in TOKEN_AXES if a in sizes)
@@ -144,13 +234,12 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
     w_out = P("expert", tensor, None)
 
     def body(x, weights, ids, gate, up, down):
-        out, dropped, total = dispatch_chunked(x, weights, ids, gate, up, down, num_experts=num_experts,
-                                               capacity_factor=capacity_factor, expert_axis="expert", ep=ep,
-                                               tensor_axis=tensor, token_chunk=token_chunk)
+        out, dropped, total, rounds, m = dispatch_chunked(x, weights, ids, gate, up, down, **kw, expert_axis="expert",
+                                                          ep=ep, tensor_axis=tensor, sync_axes=tok_axes)
         dropped = jax.lax.psum(dropped, tok_axes)
         total = jax.lax.psum(total, tok_axes)
-        return out, dropped.astype(jnp.float32) / total
+        return out, dropped.astype(jnp.float32) / total, rounds.astype(jnp.float32) / m   # rounds: same on every device
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, P()),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, P(), P()),
                        check_vma=False)
     return fn(x, weights, ids, gate, up, down)

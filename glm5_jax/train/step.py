@@ -118,6 +118,10 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
         dropped = _collect(inter, "dropped_fraction")     # moe_impl="a2a" with a finite capacity
         if dropped:
             metrics["moe_dropped_fraction"] = _layer_mean(dropped.values())
+        rounds = _collect(inter, "a2a_rounds")            # all-to-all rounds per dispatch (dropless a2a: >= 1)
+        if rounds:
+            metrics["moe_a2a_rounds"] = _layer_mean(rounds.values())
+            metrics["moe_a2a_rounds_max"] = jnp.max(jnp.concatenate([jnp.ravel(v) for v in rounds.values()]))
         loads = _collect(inter, "expert_load")
         metrics["loss"] = loss
         return loss, (metrics, loads)
