@@ -1,28 +1,37 @@
-"""dsa_vs_mla: does DSA, added to a dense MLA model by continued pre-training, match MLA?
+"""dsa_vs_mla: is DSA, added to a dense MLA model by continued pre-training, lossless against MLA?
 
-Phases (each its own resumable workdir):
+Primary metric (fixed before the run): the test LM-loss gap DSA - MLA in % of MLA's, on held-out
+real text (the eval split of data.path; None -> the stdlib sources), paired by seed (both arms
+continue the same base on the same data order), mean with a 95% t interval over the seeds. "Lossless"
+is read against a margin fixed here too (`lossless_margin_pct`): the interval must lie inside it.
+
+Phases per seed (each its own resumable workdir under seed_<s>/):
   base         pre-train a dense MLA model (train.learning_rate, warm-up, cosine to min_lr_ratio x peak)
-  mla          continue it densely                                   (arm "mla")
-  dsa_warmup   add the lightning indexer; base frozen, indexer trained by the dense KL
-  dsa          sparse adaptation: everything trains, top-k attention  (arm "dsa")
-  mha          an MHA model of the same width trained from scratch on as many tokens (arm "mha")
+  mla          continue it densely for train.steps                  (arm "mla")
+  dsa_warmup   add the lightning indexer; base frozen, indexer trained by the dense KL (top-k free:
+               attention stays dense, so one warm-up serves every top-k below)
+  dsa          sparse adaptation at model.index_topk: everything trains, top-k attention  (arm "dsa")
+  dsa_topk<k>  the same sparse adaptation at the other `topk_fractions` of T, for
+               `short_adaptation_steps` steps (the gap against k/T)
+  mha          optional: an MHA model of the same width trained from scratch on as many tokens
+The continued phases evaluate dev and test LM loss every `short_adaptation_steps` steps, so the gap
+at the short and the full adaptation length comes from the same runs (their schedule is constant
+after its warm-up, so a run's state at step n is a run of n steps). Nothing is chosen on test data.
 Learning rates (DeepSeek-V3.2's recipe: indexer warm-up at its own rate with the rest frozen, then
-adaptation at 7.3e-6, DeepSeek-V3's final pre-training rate): the continued phases (mla, dsa) do not
-restart the base's schedule at its peak; they run at the base's final rate (train.learning_rate x
-min_lr_ratio, what the base's cosine ended at), constant after `continued_warmup_steps` of linear
-warm-up (their optimizer moments start fresh). The indexer warm-up trains only the new indexer, at
-`indexer_learning_rate`. `phase_plan` gives every phase's TrainConfig.
-`--steps N` (the `steps` field) scales every phase by N / train.steps: the continued phases run N
-steps; base, indexer warm-up, the mha arm, the warm-ups of the schedules and eval_every / log_every
-are scaled by the same factor (rounded, at least 1 step), so `--steps=2` is a quick smoke run.
-`--set train.steps=N` changes only the continued phases, as before.
-Then: eval-loss curves, final eval loss and retrieval accuracy per arm, the DSA-vs-MLA gap, indexer
-recall of the true attention top-k, and measured attention time per step, dense vs sparse.
+adaptation at DeepSeek-V3's final pre-training rate): the continued phases do not restart the base's
+schedule at its peak; they run at the base's final rate (train.learning_rate x min_lr_ratio),
+constant after `continued_warmup_steps` of linear warm-up (their optimizer moments start fresh).
+`phase_plan` gives every phase's TrainConfig. `--steps N` (the `steps` field) scales every phase by
+N / train.steps (base, warm-ups, both adaptation lengths, eval/log intervals; rounded, at least 1), so
+`--steps=2` is a quick smoke run; `--set train.steps=N` changes only the continued phases.
+Secondary: retrieval records (a minor share of training) scored on held-out probes with chance and
+copy levels, indexer recall, and measured attention time dense vs sparse.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import ClassVar
@@ -47,8 +56,8 @@ from glm5_jax.train.stages import graft
 from glm5_jax.train.step import make_eval_step
 
 
-PRIMARY_METRIC = ("test retrieval accuracy of dsa vs mla (exact match of the value on held-out test probes "
-                  "whose record lies further back than index_topk; paired difference with a bootstrap interval)")
+PRIMARY_METRIC = ("test LM-loss gap of dsa vs mla, 100 x (loss_dsa - loss_mla) / loss_mla on held-out real text after "
+                  "the full adaptation at top-k = model.index_topk, paired by seed; mean with a 95% t interval over seeds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,25 +66,33 @@ class DsaVsMlaConfig:
     the mha arm has num_kv_heads = num_heads and head_dim = qk_nope + qk_rope. train: every phase's
     settings; its schedule (learning_rate, warmup_steps, min_lr_ratio) is the base's, the continued
     (mla / dsa) phases run at the base's final rate (phase_plan); train.steps: the continued phases'
-    steps. steps (--steps): scale every phase by steps / train.steps (None: as configured). data: the
-    LM corpus and retrieval records mixed into training from the first step (model.vocab_size and
-    data.seq_len follow data.vocab_size and train.seq_len). Probes: `dev_probe_batches` dev probes
-    (EVAL_TAG) are scored during training and may be used to choose settings; `test_probe_batches`
-    test probes (TEST_TAG) and the second half of the held-out LM batches are scored once at the end
-    and give the headline figures.
+    (full adaptation) steps. steps (--steps): scale every phase by steps / train.steps (None: as
+    configured). data: the LM corpus with retrieval records mixed into training from the first step
+    (model.vocab_size and data.seq_len follow data.vocab_size and train.seq_len).
+    Held-out data: `train.eval_batches` dev LM batches and `dev_probe_batches` dev probes (EVAL_TAG)
+    are scored during training and may be used to choose settings; `test_lm_batches` other held-out
+    LM batches and `test_probe_batches` test probes (TEST_TAG) give the reported figures.
+    topk_fractions: the gap against k/T (each fraction x T an integer top-k), each after
+    `short_adaptation_steps`; the continued phases are evaluated every short_adaptation_steps, which
+    gives the gap against adaptation length. lossless_margin_pct: "lossless" means the 95% interval
+    of the primary gap lies within +-margin (fixed before the run).
     seeds: every phase runs once per seed (train.seed + s, data stream seed + s); the report gives
     the mean with a 95% t interval over seeds, and Wilson intervals over probes per seed."""
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
-    pretrain_steps: int = 160              # dense MLA base; the mha arm trains pretrain_steps + train.steps
+    pretrain_steps: int = 400              # dense MLA base; the mha arm trains pretrain_steps + train.steps
     indexer_warmup_steps: int = 30         # dense indexer warm-up, base frozen
     indexer_learning_rate: float = 1e-2
+    short_adaptation_steps: int = 50       # the shorter adaptation length, and the continued phases' eval interval
+    topk_fractions: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
+    lossless_margin_pct: float = 1.0
+    test_lm_batches: int = 8               # held-out LM batches for the test figures (dev: train.eval_batches)
     dev_probe_batches: int = 2             # retrieval probes watched during training (dev)
-    test_probe_batches: int = 16           # retrieval probes for the headline (test), batches of train.batch_size
+    test_probe_batches: int = 16           # retrieval probes for the secondary figures (test), batches of train.batch_size
     distance_bins: int = 4                 # accuracy-vs-distance plot
     mha_arm: bool = False                  # also train an MHA model from scratch on as many tokens
-    seeds: tuple[int, ...] = (0,)
+    seeds: tuple[int, ...] = (0, 1, 2)
     bench_seq_len: int = 4096              # second attention-timing shape (batch 1)
     continued_warmup_steps: int = 10       # mla / dsa: linear warm-up to the base's final rate (fresh moments)
     steps: int | None = None               # --steps N: continued phases N steps, every phase x N / train.steps
@@ -93,9 +110,12 @@ class DsaVsMlaConfig:
             raise ConfigError(f"DsaVsMlaConfig.model.indexer_types={self.model.indexer_types!r} is invalid: must be "
                               "None (every layer 'full'), so the MLA base's layer stacks graft onto the DSA model")
         for f in ("pretrain_steps", "indexer_warmup_steps", "dev_probe_batches", "test_probe_batches",
-                  "distance_bins", "bench_seq_len"):
-            if getattr(self, f) < 1:
+                  "distance_bins", "bench_seq_len", "short_adaptation_steps", "test_lm_batches"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"DsaVsMlaConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        if self.short_adaptation_steps > self.train.steps:
+            raise ConfigError(f"DsaVsMlaConfig.short_adaptation_steps={self.short_adaptation_steps} is invalid: must "
+                              f"be <= train.steps={self.train.steps} (the full adaptation length)")
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
             raise ConfigError(f"DsaVsMlaConfig.steps={self.steps!r} is invalid: an integer >= 1 (every phase scaled by "
                               "steps / train.steps) or None (the configured step counts)")
@@ -104,11 +124,22 @@ class DsaVsMlaConfig:
                               "must be an integer >= 0")
         if not self.indexer_learning_rate > 0:
             raise ConfigError(f"DsaVsMlaConfig.indexer_learning_rate={self.indexer_learning_rate!r} is invalid: must be > 0")
+        if not self.lossless_margin_pct > 0:
+            raise ConfigError(f"DsaVsMlaConfig.lossless_margin_pct={self.lossless_margin_pct!r} is invalid: must be > 0")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ConfigError(f"DsaVsMlaConfig.seeds={self.seeds!r} is invalid: a non-empty tuple of distinct ints >= 0")
+        T = self.train.seq_len
+        for fr in self.topk_fractions:
+            k = fr * T
+            if not 0 < fr <= 1 or abs(k - round(k)) > 1e-6:
+                raise ConfigError(f"DsaVsMlaConfig.topk_fractions has {fr!r}: each must be in (0, 1] with fraction x "
+                                  f"train.seq_len ({T}) a whole number of keys")
+        if len(set(topk_list(self))) != len(self.topk_fractions):
+            raise ConfigError(f"DsaVsMlaConfig.topk_fractions={self.topk_fractions!r} is invalid: the fractions must "
+                              "be distinct")
         if self.data.retrieval_fraction <= 0:
             raise ConfigError(f"DsaVsMlaConfig.data.retrieval_fraction={self.data.retrieval_fraction!r} is invalid: "
-                              "must be > 0 (the retrieval records are what the arms are compared on)")
+                              "must be > 0 (the retrieval probe is the secondary figure)")
         md = self.data.min_distance(self.train.seq_len)
         if md < self.model.index_topk:
             raise ConfigError(f"DsaVsMlaConfig.data.retrieval_min_distance={md} is invalid: must be >= "
@@ -116,30 +147,35 @@ class DsaVsMlaConfig:
                               "local top-k window could cover and DSA must select it")
 
 
+def topk_list(cfg: DsaVsMlaConfig) -> list[int]:
+    """The top-k of every fraction in cfg.topk_fractions (fraction x train.seq_len keys)."""
+    return [int(round(fr * cfg.train.seq_len)) for fr in cfg.topk_fractions]
+
+
 TINY = DsaVsMlaConfig(
     model=ModelConfig(vocab_size=2048, d_model=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=64,
                       qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, ffn_dim=384, num_experts=4,
                       moe_ffn_dim=128, first_k_dense=1, attention="dsa", index_topk=16, index_n_heads=2,
                       index_head_dim=32, mtp_depth=0, attn_chunk=128),
+    # T=128 with top-k 16 = T/8 (the longest T whose three seeds x (base + 2 full + 3 short adaptations) fit
+    # 15 minutes on 2 cores; docs/experiments.md "dsa_vs_mla"); base 400 steps at 1e-2 cosine to 1e-3.
     train=TrainConfig(steps=150, batch_size=16, seq_len=128, learning_rate=1e-2, warmup_steps=50, min_lr_ratio=0.1,
-                      eval_every=200, log_every=50, ckpt_every=200, eval_batches=4, seed=0),
-    # MQAR-style records (B1, glm5_jax/data/retrieval.py): 16 one-token keys each directly followed by a 1-digit
-    # value, all 16 restated at the end, so 16 supervised lookups per 128 tokens; T=128 halves the span the copy
-    # head searches (top-k 16 = 1/8 of it, records > 24 tokens back). Earlier formats stayed at chance
-    # (docs/experiments.md).
-    data=DataConfig(vocab_size=2048, seq_len=128, seed=0, retrieval_fraction=0.9, retrieval_pairs=16,
+                      eval_every=100, log_every=50, ckpt_every=200, eval_batches=4, seed=0),
+    # LM text from the stdlib sources; 10% of training sequences are MQAR-style retrieval records (16 one-token
+    # keys each directly followed by a 1-digit value, restated at the end): the secondary probe.
+    data=DataConfig(vocab_size=2048, seq_len=128, seed=0, retrieval_fraction=0.1, retrieval_pairs=16,
                     retrieval_key_digits=2, retrieval_value_digits=1, retrieval_min_distance=24),
-    pretrain_steps=1200, indexer_warmup_steps=30,
+    pretrain_steps=400, indexer_warmup_steps=30, short_adaptation_steps=50,
 )
 SMALL = dataclasses.replace(
     TINY,
     model=preset("small", vocab_size=32768, mtp_depth=0, index_topk=512),
     train=TINY.train.replace(steps=2000, batch_size=16, seq_len=4096, learning_rate=1e-3, eval_every=250,
                              log_every=125, ckpt_every=250, eval_batches=16),
-    data=dataclasses.replace(TINY.data, vocab_size=32768, retrieval_fraction=0.25, retrieval_pairs=16,
+    data=dataclasses.replace(TINY.data, vocab_size=32768, retrieval_fraction=0.1, retrieval_pairs=16,
                              retrieval_key_digits=3, retrieval_value_digits=3, retrieval_min_distance=1024),
-    pretrain_steps=4000, indexer_warmup_steps=200, indexer_learning_rate=3e-3, test_probe_batches=32,
-    mha_arm=True, seeds=(0, 1), bench_seq_len=32768)
+    pretrain_steps=4000, indexer_warmup_steps=200, indexer_learning_rate=3e-3, short_adaptation_steps=500,
+    test_lm_batches=16, test_probe_batches=32, mha_arm=True, bench_seq_len=32768)
 
 
 def model_configs(model: ModelConfig) -> dict[str, ModelConfig]:
@@ -156,22 +192,25 @@ def lr_schedule(tc: TrainConfig):
 
 
 def phase_plan(cfg: DsaVsMlaConfig) -> dict:
-    """{"scale": factor, "base" | "mla" | "dsa_warmup" | "dsa" | "mha": TrainConfig} of every phase
-    (seed offset 0). scale = cfg.steps / train.steps (1 without --steps); every step count (phase
-    lengths, schedule warm-ups, eval_every, log_every) is multiplied by it, rounded, at least 1 (a
-    warm-up of 0 stays 0). base: train's schedule over its own steps (cosine to min_lr_ratio x peak);
-    mla / dsa: the base's final rate, constant after a linear warm-up (no restart at the peak)."""
+    """{"scale": factor, "base" | "mla" | "dsa_warmup" | "dsa" | "dsa_short" | "mha": TrainConfig} of
+    every phase (seed offset 0). scale = cfg.steps / train.steps (1 without --steps); every step count
+    (phase lengths, short_adaptation_steps, schedule warm-ups, eval_every, log_every) is multiplied by
+    it, rounded, at least 1 (a warm-up of 0 stays 0). base: train's schedule over its own steps
+    (cosine to min_lr_ratio x peak); mla / dsa: the base's final rate, constant after a linear
+    warm-up (no restart at the peak), evaluated every short adaptation length; dsa_short: the dsa
+    phase cut at the short adaptation length (the other top-k fractions)."""
     tc = cfg.train
     f = cfg.steps / tc.steps if cfg.steps is not None else 1.0
     n = lambda k: max(1, int(round(k * f)))                      # noqa: E731
     w = lambda k: 0 if k == 0 else n(k)                          # noqa: E731
-    common = dict(eval_every=n(tc.eval_every), log_every=n(tc.log_every))
     P, C, W = n(cfg.pretrain_steps), cfg.steps if cfg.steps is not None else tc.steps, n(cfg.indexer_warmup_steps)
-    base = tc.replace(steps=P, warmup_steps=w(tc.warmup_steps), **common)
+    S = min(n(cfg.short_adaptation_steps), C)
+    base = tc.replace(steps=P, warmup_steps=w(tc.warmup_steps), eval_every=n(tc.eval_every), log_every=n(tc.log_every))
     final_lr = float(f"{float(lr_schedule(base)(P)):.6g}")      # where the base's schedule ended (float32: 6 digits)
-    cont = tc.replace(steps=C, learning_rate=final_lr, warmup_steps=min(w(cfg.continued_warmup_steps), C),
-                      min_lr_ratio=1.0, **common)
-    plan = {"scale": f, "base": base, "mla": cont, "dsa": cont.replace(indexer_loss="sparse"),
+    cont = tc.replace(steps=C, learning_rate=final_lr, warmup_steps=min(w(cfg.continued_warmup_steps), S),
+                      min_lr_ratio=1.0, eval_every=S, log_every=n(tc.log_every))
+    dsa = cont.replace(indexer_loss="sparse")
+    plan = {"scale": f, "base": base, "mla": cont, "dsa": dsa, "dsa_short": dsa.replace(steps=S),
             "dsa_warmup": tc.replace(steps=W, indexer_loss="dense", trainable_pattern="indexer",
                                      learning_rate=cfg.indexer_learning_rate, warmup_steps=min(5, W), eval_every=W,
                                      log_every=n(tc.log_every))}
@@ -180,15 +219,21 @@ def phase_plan(cfg: DsaVsMlaConfig) -> dict:
     return plan
 
 
-def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches):
-    """Eval during training (dev data only): LM loss on the dev LM batches, dev retrieval accuracy."""
-    eval_step = make_eval_step(cfg)
+def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches, test_lm=None):
+    """Eval during training: LM loss on the dev LM batches and dev retrieval accuracy (if probes are
+    given); with test_lm, the test LM loss too ("test_loss", "test_accuracy"), recorded for the report
+    and never used to choose anything."""
+    eval_step = _eval_step(cfg)
     fwd = _forward(cfg)
 
     def eval_fn(params):
         out = evaluate(cfg, params, lm_batches, eval_step)
-        accs = [retrieval_accuracy(np.asarray(fwd(params, _dev(b))), b) for b in ret_batches]
-        out["retrieval_accuracy"] = float(np.mean(accs))
+        if ret_batches:
+            accs = [retrieval_accuracy(np.asarray(fwd(params, _dev(b))), b) for b in ret_batches]
+            out["retrieval_accuracy"] = float(np.mean(accs))
+        if test_lm:
+            t = evaluate(cfg, params, test_lm, eval_step)
+            out["test_loss"], out["test_accuracy"] = t["eval_loss"], t["eval_accuracy"]
         return out
 
     return eval_fn
@@ -198,7 +243,12 @@ def _dev(b):
     return {k: jnp.asarray(v) for k, v in b.items()}
 
 
+_eval_step = functools.lru_cache(maxsize=None)(make_eval_step)   # one jit per config for the whole run
+
+
+@functools.lru_cache(maxsize=None)
 def _forward(cfg: ModelConfig):
+    """jit fn(params, batch) -> logits; one per config for the whole run (seeds reuse the trace)."""
     return jax.jit(lambda p, b: GLM5(cfg).apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"])["logits"])
 
 
@@ -206,6 +256,7 @@ def _is_attention(mdl, method_name: str) -> bool:
     return method_name == "__call__" and isinstance(mdl, MLAttention)
 
 
+@functools.lru_cache(maxsize=None)
 def topk_indices_fn(cfg: ModelConfig):
     """jit fn(params, batch) -> {layer path: [B, T, K] top-k key indices the indexer selected}, one per
     DSA attention layer (a scanned stack gives [repeats, B, T, K] under one path; split here). Read
@@ -260,14 +311,19 @@ def score_probes(cfg: ModelConfig, params, probes, value_digits: int) -> dict:
 
 def indexer_recall(cfg: ModelConfig, params, batches) -> float:
     """Mean recall of the true (head-summed main attention) top-k keys by the indexer's top-k."""
+    f = _indexer_recall_fn(cfg)
+    return float(np.mean([float(f(params, _dev(b))) for b in batches]))
+
+
+@functools.lru_cache(maxsize=None)
+def _indexer_recall_fn(cfg: ModelConfig):
     def f(p, b):
         _, st = GLM5(cfg).apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"],
                                 indexer_loss="dense", mutable=["intermediates"])
         flat = traverse_util.flatten_dict(st["intermediates"])
         # one value per layer; a scanned stack sows [repeats] values under one path
         return jnp.mean(jnp.concatenate([jnp.ravel(v[0]) for k, v in flat.items() if k[-1] == "indexer_recall"]))
-    f = jax.jit(f)
-    return float(np.mean([float(f(params, _dev(b))) for b in batches]))
+    return jax.jit(f)
 
 
 def distance_curve(scores: list[dict], key, bins: np.ndarray) -> tuple[list, list]:
@@ -302,40 +358,95 @@ def time_attention(cfg_dense: ModelConfig, cfg_sparse: ModelConfig, seq_len: int
     return out
 
 
-def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes: dict, lm: dict) -> dict:
-    """Every phase for one seed; returns the trained arms' runs, test scores and indexer figures."""
+def eval_fns(cfg: DsaVsMlaConfig, probes: dict, lm: dict) -> dict:
+    """The eval functions of every phase, built once per run (every seed reuses their traces):
+    "mla" / "dsa" / "mha": dev LM + dev retrieval; "mla_cont" / "dsa_cont": also the test LM loss
+    (continued phases); k (int): the top-k sweep's DSA model at k, dev + test LM."""
+    cfgs = model_configs(cfg.model)
+    out = {k: make_eval_fn(c, lm["dev"], probes["dev"]) for k, c in cfgs.items()}
+    out.update({f"{k}_cont": make_eval_fn(cfgs[k], lm["dev"], probes["dev"], lm["test"]) for k in ("mla", "dsa")})
+    out.update({k: make_eval_fn(cfgs["dsa"].replace(index_topk=k), lm["dev"], None, lm["test"])
+                for k in topk_list(cfg) if k != cfgs["dsa"].index_topk})
+    return out
+
+
+def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes: dict, lm: dict,
+             evals: dict) -> dict:
+    """Every phase for one seed; returns the trained arms' runs, the top-k sweep's runs, test probe
+    scores and indexer figures. evals: eval_fns(...). The continued phases' histories hold the test
+    LM loss at every short_adaptation_steps (make_eval_fn with test_lm)."""
     cfgs = model_configs(cfg.model)
     seed = cfg.train.seed + s
     plan = {k: v.replace(seed=seed) for k, v in phase_plan(cfg).items() if k != "scale"}
     tc = plan["mla"]
     B, T = tc.batch_size, tc.seq_len
     it = lambda offset: data.train_iter(B, T, seed=cfg.data.seed + 1000 * s + offset)  # noqa: E731
-    evals = {k: make_eval_fn(c, lm["dev"], probes["dev"]) for k, c in cfgs.items()}
     wd = lambda name: os.path.join(workdir, f"seed_{s}", name)  # noqa: E731
     tag = f"s{s}"
     runs = {}
     base = train(cfgs["mla"], plan["base"], it(0), wd("base"),
                  eval_fn=evals["mla"], log=log, name=f"base-mla-{tag}", mesh=mesh)
-    runs["mla"] = train(cfgs["mla"], plan["mla"], it(1), wd("mla"), init_params=base["params"], eval_fn=evals["mla"],
-                        log=log, name=f"mla-{tag}", mesh=mesh)
+    runs["mla"] = train(cfgs["mla"], plan["mla"], it(1), wd("mla"), init_params=base["params"],
+                        eval_fn=evals["mla_cont"], log=log, name=f"mla-{tag}", mesh=mesh)
     dsa_init = graft(init_params(cfgs["dsa"], jax.random.PRNGKey(tc.seed + 7)), base["params"])
     warm = train(cfgs["dsa"], plan["dsa_warmup"], it(2), wd("dsa_warmup"), init_params=dsa_init, eval_fn=evals["dsa"],
                  log=log, name=f"dsa-warmup-{tag}", mesh=mesh)
-    runs["dsa"] = train(cfgs["dsa"], plan["dsa"], it(1), wd("dsa"),
-                        init_params=warm["params"], eval_fn=evals["dsa"], log=log, name=f"dsa-{tag}", mesh=mesh)
+    runs["dsa"] = train(cfgs["dsa"], plan["dsa"], it(1), wd("dsa"), init_params=warm["params"],
+                        eval_fn=evals["dsa_cont"], log=log, name=f"dsa-{tag}", mesh=mesh)
+    sweep = {}                 # top-k -> history of the short sparse adaptation at that k (the primary k: its run)
+    for k in topk_list(cfg):
+        if k == cfgs["dsa"].index_topk:
+            sweep[k] = runs["dsa"]["history"]
+            continue
+        ck = cfgs["dsa"].replace(index_topk=k)
+        sweep[k] = train(ck, plan["dsa_short"], it(1), wd(f"dsa_topk{k}"), init_params=warm["params"],
+                         eval_fn=evals[k], log=log,
+                         name=f"dsa-topk{k}-{tag}", mesh=mesh)["history"]
     if cfg.mha_arm:
         runs["mha"] = train(cfgs["mha"], plan["mha"], it(0), wd("mha"),
                             eval_fn=evals["mha"], log=log, name=f"mha-{tag}", mesh=mesh)
     log(f"[{tag}] scoring test probes ...")
     vd = cfg.data.retrieval_value_digits
     test = {name: score_probes(cfgs[name], r["params"], probes["test"], vd) for name, r in runs.items()}
-    test_lm = {name: evaluate(cfgs[name], r["params"], lm["test"], make_eval_step(cfgs[name]))
+    test_lm = {name: evaluate(cfgs[name], r["params"], lm["test"], _eval_step(cfgs[name]))
                for name, r in runs.items()}
     warm_scores = score_probes(cfgs["dsa"], warm["params"], probes["test"], vd)
-    return {"base": base, "runs": runs, "warm": warm, "test": test, "test_lm": test_lm,
+    return {"base": base, "runs": runs, "warm": warm, "test": test, "test_lm": test_lm, "sweep": sweep,
             "answer_key_recall_after_warmup": {k: float(v.mean()) for k, v in warm_scores["answer_key_recall"].items()},
             "indexer_recall_after_warmup": indexer_recall(cfgs["dsa"], warm["params"], lm["dev"][:2]),
             "indexer_recall_final": indexer_recall(cfgs["dsa"], runs["dsa"]["params"], lm["dev"][:2])}
+
+
+def recorded_test_loss(history: list[dict], step: int) -> float:
+    """The test LM loss a continued phase recorded at `step` (its eval rows, make_eval_fn with test_lm)."""
+    for row in history:
+        if row.get("step") == step and "test_loss" in row:
+            return float(row["test_loss"])
+    raise KeyError(f"no test_loss recorded at step {step} (eval steps: "
+                   f"{[r['step'] for r in history if 'test_loss' in r]})")
+
+
+def gap_pct(dsa_loss: float, mla_loss: float) -> float:
+    return 100.0 * (dsa_loss - mla_loss) / mla_loss
+
+
+def lossless_verdict(gap: dict, margin: float) -> tuple[str, str]:
+    """(verdict, one sentence) for the primary gap's interval against the +-margin fixed before the run."""
+    m, lo, hi = gap["mean"], gap["lo"], gap["hi"]
+    if lo is None:
+        return "undetermined", (f"With one seed there is no interval, so this run cannot say whether DSA is lossless "
+                                f"(gap {m:+.2f}%).")
+    iv = f"{m:+.2f}% [{lo:+.2f}, {hi:+.2f}] over {gap['n']} seeds"
+    if -margin <= lo and hi <= margin:
+        return "lossless", (f"DSA is lossless here within the +-{margin:g}% margin fixed before the run: its test "
+                            f"LM loss is {iv} from continued MLA's.")
+    if lo > 0:
+        return "worse", (f"DSA is not lossless here: its test LM loss is above continued MLA's by {iv} "
+                         f"(the interval excludes 0{' and exceeds the margin' if lo > margin else ''}).")
+    if hi < 0:
+        return "better", f"DSA's test LM loss is below continued MLA's by {iv} (the interval excludes 0)."
+    return "inconclusive", (f"Inconclusive: the gap {iv} includes 0 but reaches beyond the +-{margin:g}% margin, so "
+                            "this run neither shows DSA lossless nor shows a loss.")
 
 
 def continued_vs_base(seeds: dict) -> dict:
@@ -352,8 +463,8 @@ def continued_vs_base(seeds: dict) -> dict:
             "at_or_below": all(v["continued_mla"] <= v["base"] for v in per.values()), "per_seed": per}
 
 
-@register("dsa_vs_mla", "DSA added to a dense MLA model by continued pre-training vs continued MLA: long-range "
-          "retrieval beyond the top-k, indexer recall of the answer-bearing key, eval loss",
+@register("dsa_vs_mla", "DSA added to a dense MLA model by continued pre-training vs continued MLA: test LM-loss "
+          "gap on real text over seeds, against top-k / T and adaptation length; retrieval and indexer recall",
           {"tiny": TINY, "small": SMALL})
 def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
     t_start = time.time()
@@ -363,25 +474,55 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
     cfgs = model_configs(cfg.model)
     plan = phase_plan(cfg)
     tc = plan["mla"]
-    P, C, W = plan["base"].steps, tc.steps, plan["dsa_warmup"].steps
+    P, C, W, S = plan["base"].steps, tc.steps, plan["dsa_warmup"].steps, plan["dsa_short"].steps
     B, T, K, vd = tc.batch_size, tc.seq_len, cfgs["dsa"].index_topk, cfg.data.retrieval_value_digits
-    log(f"primary metric (named before the run): {PRIMARY_METRIC}")
-    # LM: first half of the held-out batches = dev (watched in training), second half = test (scored once).
-    lm_all = list(data.eval_batches(B, T, max_batches=2 * tc.eval_batches))
-    half = len(lm_all) // 2
-    if half < 1:
-        raise ConfigError(f"the eval split gives {len(lm_all)} batches of {B}x{T}; need >= 2 for dev + test halves")
-    lm = {"dev": lm_all[:half], "test": lm_all[half:]}
+    log(f"primary metric (named before the run): {PRIMARY_METRIC}; lossless = its 95% interval within "
+        f"+-{cfg.lossless_margin_pct:g}%")
+    # held-out LM batches: the first train.eval_batches = dev (watched in training), the next
+    # test_lm_batches = test (the reported figures)
+    n_dev = cfg.train.eval_batches
+    lm_all = list(data.eval_batches(B, T, max_batches=n_dev + cfg.test_lm_batches))
+    if len(lm_all) < n_dev + 1:
+        raise ConfigError(f"the eval split gives {len(lm_all)} batches of {B}x{T}; need > train.eval_batches="
+                          f"{n_dev} for dev + test (more held-out text: data.eval_fraction / data.max_files)")
+    lm = {"dev": lm_all[:n_dev], "test": lm_all[n_dev:]}
     task = data.retrieval_task("eval", T)
     probes = {"dev": list(retrieval_probe_batches(task, B, cfg.dev_probe_batches, cfg.data.seed, EVAL_TAG)),
               "test": list(retrieval_probe_batches(task, B, cfg.test_probe_batches, cfg.data.seed, TEST_TAG))}
     probes_dev_batches = [b for b, _ in probes["dev"]]
-    seeds = {s: run_seed(cfg, data, s, workdir, log, mesh, {"dev": probes_dev_batches, "test": probes["test"]}, lm)
-             for s in cfg.seeds}
+    seeds = {}
+    evals = eval_fns(cfg, {"dev": probes_dev_batches}, lm)
+    for i, s in enumerate(cfg.seeds):
+        log(f"== seed {s} ({i + 1}/{len(cfg.seeds)})" + (
+            f", {(time.time() - t_start) / i * (len(cfg.seeds) - i):.0f} s left (ETA)" if i else ""))
+        seeds[s] = run_seed(cfg, data, s, workdir, log, mesh, {"dev": probes_dev_batches, "test": probes["test"]}, lm,
+                            evals)
 
     log("timing attention dense vs sparse ...")
     timing = {f"T={T}": time_attention(cfgs["mla"], cfgs["dsa"], T, B),
               f"T={cfg.bench_seq_len}": time_attention(cfgs["mla"], cfgs["dsa"], cfg.bench_seq_len, 1, reps=1)}
+
+    # ---- primary: the test LM-loss gap, paired by seed, after the full adaptation at top-k = K
+    per_seed_gap = {str(s): gap_pct(r["test_lm"]["dsa"]["eval_loss"], r["test_lm"]["mla"]["eval_loss"])
+                    for s, r in seeds.items()}
+    gap = mean_interval(list(per_seed_gap.values()))
+    verdict, sentence = lossless_verdict(gap, cfg.lossless_margin_pct)
+    # ---- what it depends on: k / T after the short adaptation, and adaptation length at K
+    gap_vs_topk = []
+    for fr, k in zip(cfg.topk_fractions, topk_list(cfg)):
+        g = [gap_pct(recorded_test_loss(r["sweep"][k], S), recorded_test_loss(r["runs"]["mla"]["history"], S))
+             for r in seeds.values()]
+        iv = mean_interval(g)
+        gap_vs_topk.append({"topk_fraction": fr, "topk": k, "gap_pct": iv["mean"], "interval": iv,
+                            "adaptation_steps": S, "per_seed": g})
+    lengths = sorted({st for st in range(S, C + 1, S)} | {C})
+    gap_vs_adaptation = []
+    for L in lengths:
+        g = [gap_pct(recorded_test_loss(r["runs"]["dsa"]["history"], L), recorded_test_loss(r["runs"]["mla"]["history"], L))
+             for r in seeds.values()]
+        iv = mean_interval(g)
+        gap_vs_adaptation.append({"adaptation_steps": L, "ratio_to_base": L / P, "topk_fraction": K / T,
+                                  "gap_pct": iv["mean"], "interval": iv, "per_seed": g})
 
     names = list(next(iter(seeds.values()))["runs"])
     n_probes = len(probes["test"]) * B
@@ -405,23 +546,28 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
                                    "retrieval_wilson_95": wilson_interval(int(r["test"][name]["correct"].sum()), n_probes),
                                    "final_eval_loss": float(r["test_lm"][name]["eval_loss"])}
                           for s, r in seeds.items()}
-    # primary: paired over (seed, probe)
+    # secondary: retrieval, paired over (seed, probe), with chance and copy levels
     pa = np.concatenate([r["test"]["dsa"]["correct"] for r in seeds.values()])
     pb = np.concatenate([r["test"]["mla"]["correct"] for r in seeds.values()])
     diff, dlo, dhi = paired_bootstrap_interval(pa, pb)
-    gaps = [100.0 * (r["test_lm"]["dsa"]["eval_loss"] - r["test_lm"]["mla"]["eval_loss"]) / r["test_lm"]["mla"]["eval_loss"]
-            for r in seeds.values()]
-    gap = mean_interval(gaps)
     dists = np.concatenate([r["test"]["mla"]["distance"] for r in seeds.values()])
     # copying the value of a random one of the planted records is right when it is the queried one, or by chance
     P_, chance = cfg.data.retrieval_pairs, 10.0 ** -vd
     one_of_pairs = 1.0 / P_ + (1.0 - 1.0 / P_) * chance
+    retrieval = {"mla": arms["mla"]["retrieval_accuracy"], "dsa": arms["dsa"]["retrieval_accuracy"],
+                 "dsa_minus_mla": {"diff": diff, "lo": dlo, "hi": dhi}, "chance_accuracy": chance,
+                 "copy_accuracy": one_of_pairs, "test_probes_per_seed": n_probes,
+                 "train_sequence_fraction": cfg.data.retrieval_fraction}
     report = {"primary_metric": PRIMARY_METRIC, "arms": arms, "per_seed": per_seed, "seeds": list(cfg.seeds),
-              "dsa_minus_mla_retrieval_accuracy": {"diff": diff, "lo": dlo, "hi": dhi},
               "dsa_vs_mla_gap_pct": gap["mean"], "dsa_vs_mla_gap_pct_interval": gap,
+              "dsa_vs_mla_gap_pct_per_seed": per_seed_gap,
+              "lossless": {"margin_pct": cfg.lossless_margin_pct, "verdict": verdict, "sentence": sentence},
+              "gap_vs_topk": gap_vs_topk, "gap_vs_adaptation": gap_vs_adaptation,
+              "retrieval": retrieval, "dsa_minus_mla_retrieval_accuracy": {"diff": diff, "lo": dlo, "hi": dhi},
               "indexer_recall_after_warmup": float(np.mean([r["indexer_recall_after_warmup"] for r in seeds.values()])),
               "indexer_recall_final": float(np.mean([r["indexer_recall_final"] for r in seeds.values()])),
-              "attention_time_s": timing, "seq_len": T, "index_topk": K, "tokens_per_step": B * T,
+              "attention_time_s": timing, "seq_len": T, "index_topk": K, "topk_fraction": K / T,
+              "tokens_per_step": B * T, "test_lm_tokens": sum(int(b["loss_mask"].sum()) for b in lm["test"]),
               "test_probes_per_seed": n_probes, "probe_distance_range": [int(dists.min()), int(dists.max())],
               "chance_accuracy": chance, "one_of_pairs_accuracy": one_of_pairs,
               "train_queries_per_retrieval_sequence": task.n_queries, "key_space": len(task.key_ids),
@@ -443,7 +589,7 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
     if "mha" in first["runs"]:
         series["mha (from scratch)"] = eval_series(first["runs"]["mha"]["history"])
     plot_curves(os.path.join(workdir, "eval_loss.png"), series,
-                title=f"dsa_vs_mla: dev eval loss through the phases (T={T}, top-k={K})",
+                title=f"dsa_vs_mla: dev eval loss through the phases (seed {cfg.seeds[0]}, T={T}, top-k={K})",
                 xlabel="training step (base, then each arm's phases in order)")
     lr = lambda k: np.asarray(lr_schedule(plan[k])(np.arange(plan[k].steps)), np.float64).tolist()  # noqa: E731
     lseries = {"base": (list(range(1, P + 1)), lr("base")),
@@ -452,12 +598,20 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
                "dsa sparse": (list(range(P + W + 1, P + W + C + 1)), lr("dsa"))}
     plot_curves(os.path.join(workdir, "lr_schedule.png"), lseries, title="learning rate per update",
                 xlabel="training step", ylabel="learning rate", logy=True)
-    rx, ry = eval_series(first["base"]["history"], "retrieval_accuracy")
-    mx, my = eval_series(first["runs"]["mla"]["history"], "retrieval_accuracy", offset=P)
-    rseries = {"mla (base + continued)": (rx + mx, ry + my),
-               "dsa": eval_series(first["runs"]["dsa"]["history"], "retrieval_accuracy", offset=P + W)}
-    plot_curves(os.path.join(workdir, "retrieval_curve.png"), rseries, title="dev retrieval accuracy during training",
-                xlabel="LM training step", ylabel="exact-match accuracy")
+    band = lambda rows: ([r["interval"]["lo"] if r["interval"]["lo"] is not None else r["gap_pct"] for r in rows],  # noqa: E731
+                         [r["interval"]["hi"] if r["interval"]["hi"] is not None else r["gap_pct"] for r in rows])
+    plot_curves(os.path.join(workdir, "gap_vs_topk.png"),
+                {f"DSA - MLA after {S} adaptation steps": ([r["topk_fraction"] for r in gap_vs_topk],
+                                                            [r["gap_pct"] for r in gap_vs_topk])},
+                bands={f"DSA - MLA after {S} adaptation steps": band(gap_vs_topk)}, hline=0.0, logx=True,
+                title=f"test LM-loss gap vs top-k / T (T={T}; band: 95% t interval over {len(cfg.seeds)} seeds)",
+                xlabel="top-k / T", ylabel="gap (% of MLA's test loss)")
+    plot_curves(os.path.join(workdir, "gap_vs_adaptation.png"),
+                {f"top-k {K} = T/{T // K}": ([r["adaptation_steps"] for r in gap_vs_adaptation],
+                                            [r["gap_pct"] for r in gap_vs_adaptation])},
+                bands={f"top-k {K} = T/{T // K}": band(gap_vs_adaptation)}, hline=0.0,
+                title=f"test LM-loss gap vs adaptation length (base: {P} steps)",
+                xlabel="sparse adaptation steps (indexer warm-up before)", ylabel="gap (% of MLA's test loss)")
     bins = np.linspace(dists.min(), dists.max() + 1, cfg.distance_bins + 1)
     dseries = {f"{n} accuracy": distance_curve([r["test"][n] for r in seeds.values()], lambda s: s["correct"], bins)
                for n in names}
@@ -485,42 +639,56 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
         iv = arms[n]["final_eval_loss_interval"]
         return fmt_interval(iv["mean"], iv["lo"], iv["hi"], 4)
 
+    def gap_cell(r):
+        return fmt_interval(r["gap_pct"], r["interval"]["lo"], r["interval"]["hi"], 2)
+
     cvb = report["continued_mla_vs_base_dev_loss"]
     scaled = f" Every phase scaled by --steps={cfg.steps}: x{plan['scale']:.4g} (phase_plan)." if cfg.steps else ""
     cvb_line = (f"Continued MLA ends {'at or below' if cvb['at_or_below'] else 'ABOVE'} its base's dev LM loss "
                 f"{'in every seed' if cvb['at_or_below'] else 'in at least one seed'}: {cvb['base_dev_loss']:.4f} -> "
                 f"{cvb['continued_mla_dev_loss']:.4f} (mean over seeds, change {cvb['diff']:+.4f}).")
-    rows = [[n, acc_cell(n), loss_cell(n), arms[n]["final_eval_accuracy"], arms[n]["dev_retrieval_accuracy"]]
-            for n in names]
+    rows = [[n, loss_cell(n), arms[n]["final_eval_accuracy"], acc_cell(n)] for n in names]
     rec = arms["dsa"]["answer_key_recall"]
     rrows = [[layer, arms["dsa"]["answer_key_recall_after_warmup"][layer], v] for layer, v in rec.items()]
     trows = [[k, v["dense_mla"], v["sparse_dsa"], f"{v['dense_over_sparse']:.2f}x"] for k, v in timing.items()]
-    iv_kind = ("95% t interval over seeds" if len(cfg.seeds) > 1
-               else f"95% Wilson interval over the {n_probes} test probes (one seed)")
+    iv_kind = "95% t interval over seeds" if len(cfg.seeds) > 1 else "one seed: no interval"
     md = f"""# dsa_vs_mla
 
-**Primary metric (named before the run):** {PRIMARY_METRIC}.
+**Primary metric (named before the run):** {PRIMARY_METRIC}. "Lossless" = that interval within
++-{cfg.lossless_margin_pct:g}% (fixed before the run).
 
-**DSA - MLA test retrieval accuracy: {fmt_interval(diff, dlo, dhi)}** (paired bootstrap over seeds x probes).
+**DSA - MLA test LM-loss gap: {fmt_interval(gap['mean'], gap['lo'], gap['hi'], 2)} %** ({iv_kind}; per seed
+{", ".join(f"{v:+.2f}" for v in per_seed_gap.values())}).
 
-Dense MLA pre-trained for {P} steps with retrieval records mixed into training from the first step
-({cfg.data.retrieval_fraction:.0%} of sequences: {cfg.data.retrieval_pairs} planted records `K v` (a one-token letter key
-of {len(task.key_ids)} directly followed by its {vd}-digit value), filler text, then
-{task.n_queries} of them restated at the end, each a supervised lookup),
-then continued {C} steps two ways: densely (**mla**) and as DSA (**dsa**: {W} indexer
-warm-up steps with the base frozen, then {C} sparse-adaptation steps) with top-k = {K} of T = {T}.
-{"**mha** is trained from scratch for " + str(P + C) + " steps. " if cfg.mha_arm else ""}{B * T} tokens per step;
-seeds {list(cfg.seeds)}.
+**{sentence}**
 
-Test probes: {n_probes} per seed (TEST_TAG, filler from held-out files, never used to choose settings), laid out
-as the training sequences; the last query is scored, its record ends {report['probe_distance_range'][0]}-{report['probe_distance_range'][1]} tokens
-earlier (all > top-k = {K}); exact match of the {vd}-digit value. Chance {chance:.3g}; copying a random
-one of the {cfg.data.retrieval_pairs} planted values {one_of_pairs:.3g}. Test LM loss: {len(lm['test'])}
-held-out batches not used during training (dev: {len(lm['dev'])} other batches and {len(probes['dev']) * B} dev probes).
+A dense MLA model pre-trained for {P} steps on real text (the eval split of the corpus is held out),
+then continued {C} steps two ways from the same state on the same data: densely (**mla**) and as DSA
+(**dsa**: {W} indexer warm-up steps with the base frozen, then {C} sparse-adaptation steps) with
+top-k = {K} of T = {T} (k/T = 1/{T // K}). {B * T} tokens per step; seeds {list(cfg.seeds)}.
+{"**mha** is trained from scratch for " + str(P + C) + " steps. " if cfg.mha_arm else ""}Test LM loss:
+{len(lm['test'])} held-out batches ({report['test_lm_tokens']} tokens) never used during training
+(dev: {len(lm['dev'])} other batches).
 
-{md_table(["arm", "test retrieval acc. (" + iv_kind + ")", "test LM loss", "test token acc.", "dev retrieval acc."], rows)}
+{md_table(["arm", "test LM loss (" + iv_kind + ")", "test token acc.", "test retrieval acc. (secondary)"], rows)}
 
-DSA vs MLA test LM-loss gap: **{fmt_interval(gap['mean'], gap['lo'], gap['hi'], 2)} %** of MLA's (negative = DSA lower).
+## What the gap depends on
+
+Top-k / T, each after {S} sparse-adaptation steps ({S / P:.3g} x the base's {P} steps), the same
+indexer warm-up before each:
+
+{md_table(["top-k / T", "top-k", "gap % (95% t interval over seeds)"],
+          [[f"1/{round(1 / r['topk_fraction'])}", r["topk"], gap_cell(r)] for r in gap_vs_topk])}
+
+![gap vs top-k](gap_vs_topk.png)
+
+Adaptation length at top-k {K} (the report warms the indexer up ~1,000 steps and adapts on 20B
+tokens, a small fraction of its pre-training; here the ratio to the base phase is given):
+
+{md_table(["adaptation steps", "x base steps", "gap % (95% t interval over seeds)"],
+          [[r["adaptation_steps"], f"{r['ratio_to_base']:.3g}", gap_cell(r)] for r in gap_vs_adaptation])}
+
+![gap vs adaptation length](gap_vs_adaptation.png)
 
 ## Through the phases: dev LM loss and learning rate
 
@@ -540,7 +708,15 @@ indexer at {plan['dsa_warmup'].learning_rate:g}.{scaled}
 
 ![learning rate](lr_schedule.png)
 
-## Indexer recall
+## Secondary: retrieval probe and indexer recall
+
+{cfg.data.retrieval_fraction:.0%} of training sequences are retrieval records: {cfg.data.retrieval_pairs} planted records
+`K v` (a one-token letter key of {len(task.key_ids)} directly followed by its {vd}-digit value), filler text, then
+{task.n_queries} of them restated at the end. Test probes: {n_probes} per seed (TEST_TAG, filler from held-out files),
+the last query scored, its record {report['probe_distance_range'][0]}-{report['probe_distance_range'][1]} tokens back
+(all > top-k = {K}). **Chance {chance:.3g}; copying a random one of the {P_} planted values {one_of_pairs:.3g}.**
+Test retrieval accuracy: mla {retrieval['mla']:.3f}, dsa {retrieval['dsa']:.3f}; DSA - MLA
+{fmt_interval(diff, dlo, dhi)} (paired bootstrap over seeds x probes).
 
 Answer-key recall: the fraction of test probes whose answer-bearing key (the planted value token the
 query must copy) is among the top-{K} keys the layer's indexer selects at the predicting position.
@@ -551,8 +727,6 @@ Recall of the true attention top-{K} (head-summed dense attention, dev LM batche
 {report['indexer_recall_after_warmup']:.3f} after warm-up, {report['indexer_recall_final']:.3f} after sparse adaptation.
 
 ![retrieval vs distance](retrieval_vs_distance.png)
-
-![dev retrieval during training](retrieval_curve.png)
 
 ![indexer warm-up](indexer_warmup.png)
 

@@ -21,16 +21,26 @@ def _primary() -> bool:
 
 
 def plot_curves(path: str, series: dict[str, tuple[list, list]], *, title: str, xlabel: str = "step",
-                ylabel: str = "eval loss", logy: bool = False) -> str:
+                ylabel: str = "eval loss", logy: bool = False, logx: bool = False,
+                bands: dict[str, tuple[list, list]] | None = None, hline: float | None = None) -> str:
+    """One line per series; bands[label] = (lo, hi) shades an interval around that series' points;
+    hline draws a reference level (e.g. 0 for a difference)."""
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, (xs, ys) in series.items():
         if xs:
-            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            line, = ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            if bands and label in bands:
+                lo, hi = bands[label]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
+    if hline is not None:
+        ax.axhline(hline, color="gray", linewidth=0.8)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
+    if logx:
+        ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -28,7 +28,9 @@ the experiment's model must be the checkpoint's (else exit 2 naming the `--set m
 
 Every run writes settings.json (the full resolved config), metrics.jsonl (per phase), report.json
 (with the resolved config under "config"), report.md and PNG plots into its workdir (default
-runs/<config>). Re-running the same command resumes from the checkpoints there.
+runs/<config>). Re-running the same command resumes from the checkpoints there. Compiled programs go
+to JAX's persistent cache in WORKDIR/jax_cache (`--compile_cache=DIR|none`), so seeds and resumed
+runs do not compile the same step again.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes) (or $GLM5_PROCESS_ID).")
     flags.DEFINE_string("init_from", None, "Start from these weights: a Hugging Face folder (config.json + "
                         "safetensors) or a tools.convert_hf params checkpoint.")
+    flags.DEFINE_string("compile_cache", "", "JAX persistent compilation cache: a directory, 'none' (off), or empty "
+                        "(default: WORKDIR/jax_cache for a local workdir; JAX_COMPILATION_CACHE_DIR wins).")
     flags.DEFINE_bool("list", False, "List the registered experiments and exit.")
     flags.DEFINE_bool("show", False, "Print the resolved config (every settable key) and exit.")
 
@@ -186,6 +190,20 @@ def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), s
     return report
 
 
+def use_compile_cache(spec: str, workdir: str) -> str | None:
+    """JAX's persistent compilation cache for this run: `spec` "" -> WORKDIR/jax_cache (local workdirs
+    only), "none" -> off, else that directory; an already set JAX_COMPILATION_CACHE_DIR wins. An
+    experiment compiles the same programs once per seed and per resumed run; with the cache each is
+    compiled once (CPU compiles of the tiny configs take seconds each). Returns the directory used."""
+    import jax
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or spec == "none" or (not spec and "://" in workdir):
+        return os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    path = spec or os.path.join(workdir, "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
 def main(argv):
     logging.set_verbosity(logging.WARNING)        # orbax logs every save at INFO
     if len(argv) > 1:
@@ -207,8 +225,9 @@ def main(argv):
             for key, value in flat_items(cfg):
                 print(f"{key} = {json.dumps(value, default=str)}")
             return
-        run_experiment(FLAGS.config, FLAGS.workdir or os.path.join("runs", FLAGS.config), FLAGS.preset,
-                       overrides, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
+        workdir = FLAGS.workdir or os.path.join("runs", FLAGS.config)
+        use_compile_cache(FLAGS.compile_cache, workdir)
+        run_experiment(FLAGS.config, workdir, FLAGS.preset, overrides, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
     except USAGE_ERRORS + (MeshError,) + _init_from_errors() as e:
         log(f"error: {e}")
         sys.exit(2)

@@ -1,13 +1,15 @@
-"""dsa_vs_mla's phase plan (no training): `--steps N` scales every phase by N / train.steps with a
-floor of one step, and the continued phases run at the base's final learning rate instead of
-restarting the schedule at its peak. Closed forms: round(k * N / 150) steps for the tiny config's
-1200 / 30 / 150 phases; cosine end = peak * min_lr_ratio."""
+"""dsa_vs_mla's phase plan and report logic (no training): `--steps N` scales every phase by
+N / train.steps with a floor of one step, the continued phases run at the base's final learning rate
+instead of restarting the schedule at its peak, and the short adaptation is the full one's prefix.
+Closed forms: round(k * N / 150) steps for the tiny config's 400 / 30 / 150 / 50 phases; cosine end =
+peak * min_lr_ratio."""
 
 import numpy as np
 import pytest
 
 from experiments import registry
-from experiments.dsa_vs_mla import TINY, lr_schedule, phase_plan
+from experiments.dsa_vs_mla import (TINY, gap_pct, lossless_verdict, lr_schedule, phase_plan, recorded_test_loss,
+                                    topk_list)
 from experiments.report import chain_series
 from glm5_jax.config import ConfigError
 
@@ -20,8 +22,10 @@ def test_default_plan_keeps_the_configured_phase_lengths():
     plan = phase_plan(_resolve(mha_arm="true"))
     assert plan["scale"] == 1.0
     assert {k: v.steps for k, v in plan.items() if k != "scale"} == {
-        "base": 1200, "mla": 150, "dsa_warmup": 30, "dsa": 150, "mha": 1350}
-    assert plan["base"].warmup_steps == 50 and plan["base"].eval_every == 200
+        "base": 400, "mla": 150, "dsa_warmup": 30, "dsa": 150, "dsa_short": 50, "mha": 550}
+    assert plan["base"].warmup_steps == 50 and plan["base"].eval_every == 100
+    # the continued phases are evaluated at every short adaptation length (the gap vs adaptation length)
+    assert plan["mla"].eval_every == plan["dsa"].eval_every == 50
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 300])
@@ -30,24 +34,27 @@ def test_steps_flag_scales_every_phase_by_n_over_train_steps_with_floor_1(n):
     plan = phase_plan(cfg)
     f = n / 150
     assert plan["scale"] == pytest.approx(f)
-    want = {"base": max(1, round(1200 * f)), "mla": n, "dsa": n, "dsa_warmup": max(1, round(30 * f))}
+    short = min(max(1, round(50 * f)), n)
+    want = {"base": max(1, round(400 * f)), "mla": n, "dsa": n, "dsa_warmup": max(1, round(30 * f)),
+            "dsa_short": short}
     want["mha"] = want["base"] + n
     assert {k: v.steps for k, v in plan.items() if k != "scale"} == want
     assert plan["base"].warmup_steps == max(1, round(50 * f))
-    assert plan["base"].eval_every == max(1, round(200 * f)) and plan["mla"].eval_every == max(1, round(200 * f))
-    assert plan["mla"].warmup_steps == min(max(1, round(10 * f)), n)
+    assert plan["base"].eval_every == max(1, round(100 * f)) and plan["mla"].eval_every == short
+    assert plan["mla"].warmup_steps == min(max(1, round(10 * f)), short)
     assert all(v.steps >= 1 for k, v in plan.items() if k != "scale")
 
 
 def test_steps_2_smoke_run_is_short():
     plan = phase_plan(_resolve(steps=2))
-    assert plan["base"].steps == 16 and plan["dsa_warmup"].steps == 1 and plan["mla"].steps == plan["dsa"].steps == 2
+    assert plan["base"].steps == 5 and plan["dsa_warmup"].steps == 1 and plan["mla"].steps == plan["dsa"].steps == 2
+    assert plan["dsa_short"].steps == 1
 
 
 def test_set_train_steps_changes_only_the_continued_phases():
     plan = phase_plan(_resolve(**{"train.steps": "300"}))
-    assert plan["scale"] == 1.0 and plan["base"].steps == 1200 and plan["dsa_warmup"].steps == 30
-    assert plan["mla"].steps == plan["dsa"].steps == 300
+    assert plan["scale"] == 1.0 and plan["base"].steps == 400 and plan["dsa_warmup"].steps == 30
+    assert plan["mla"].steps == plan["dsa"].steps == 300 and plan["dsa_short"].steps == 50
 
 
 def test_steps_field_rejects_zero():
@@ -73,6 +80,48 @@ def test_continued_phases_run_at_the_base_final_rate_not_the_peak():
     assert plan["dsa"].indexer_loss == "sparse" and plan["mla"].indexer_loss is None
     w = plan["dsa_warmup"]
     assert w.trainable_pattern == "indexer" and w.learning_rate == TINY.indexer_learning_rate
+
+
+def test_short_adaptation_is_the_prefix_of_the_full_one():
+    # the top-k sweep's short runs and the full runs' step-S evaluations are the same measurement only if
+    # the schedule of S steps equals the first S steps of the full schedule (constant after the warm-up)
+    plan = phase_plan(TINY)
+    full, short = plan["dsa"], plan["dsa_short"]
+    assert short.replace(steps=full.steps) == full
+    np.testing.assert_array_equal(np.asarray(lr_schedule(short)(np.arange(short.steps))),
+                                  np.asarray(lr_schedule(full)(np.arange(short.steps))))
+
+
+def test_topk_sweep_fractions_of_t():
+    assert topk_list(TINY) == [8, 16, 32, 64]                        # 1/16 .. 1/2 of T = 128
+    assert TINY.model.index_topk * 8 <= TINY.train.seq_len            # the primary top-k is at most T/8
+    with pytest.raises(ConfigError, match="topk_fractions"):
+        _resolve(topk_fractions="0.3")                                # 0.3 x 128 is not a whole number of keys
+    with pytest.raises(ConfigError, match="topk_fractions"):
+        _resolve(topk_fractions="0.125,0.125")
+    with pytest.raises(ConfigError, match="short_adaptation_steps"):
+        _resolve(short_adaptation_steps="151")                       # longer than the full adaptation
+
+
+@pytest.mark.parametrize("gap, verdict", [
+    ({"mean": 0.2, "lo": -0.5, "hi": 0.9, "n": 3}, "lossless"),         # inside +-1
+    ({"mean": 2.0, "lo": 1.5, "hi": 2.5, "n": 3}, "worse"),             # excludes 0, above
+    ({"mean": 0.6, "lo": 0.1, "hi": 1.1, "n": 3}, "worse"),             # excludes 0 though partly in the margin
+    ({"mean": -2.0, "lo": -2.5, "hi": -1.5, "n": 3}, "better"),
+    ({"mean": 0.5, "lo": -1.5, "hi": 2.5, "n": 3}, "inconclusive"),     # includes 0, exceeds the margin
+    ({"mean": 0.5, "lo": None, "hi": None, "n": 1}, "undetermined"),
+])
+def test_lossless_verdict_reads_the_interval_against_the_margin(gap, verdict):
+    v, sentence = lossless_verdict(gap, 1.0)
+    assert v == verdict and sentence.count(".") >= 1
+
+
+def test_gap_and_test_loss_lookup():
+    assert gap_pct(4.1, 4.0) == pytest.approx(2.5)
+    hist = [{"step": 50, "loss": 1.0}, {"step": 50, "test_loss": 3.0, "eval_loss": 2.9}, {"step": 100, "test_loss": 2.5}]
+    assert recorded_test_loss(hist, 50) == 3.0 and recorded_test_loss(hist, 100) == 2.5
+    with pytest.raises(KeyError, match="no test_loss recorded at step 75"):
+        recorded_test_loss(hist, 75)
 
 
 def test_chain_series_lays_phases_end_to_end():

@@ -28,7 +28,8 @@ MICRO = {
                    "train.seq_len": "128", "model.index_topk": "16", "train.batch_size": "2", "bench_seq_len": "256",
                    "data.max_files": "60", "train.eval_batches": "1", "dev_probe_batches": "1",
                    "test_probe_batches": "2", "mha_arm": "true", "data.vocab_size": "512", "model.d_model": "32",
-                   "model.ffn_dim": "64", "model.moe_ffn_dim": "32", "data.retrieval_min_distance": "24"},
+                   "model.ffn_dim": "64", "model.moe_ffn_dim": "32", "data.retrieval_min_distance": "24",
+                   "seeds": "0,1", "short_adaptation_steps": "1"},
     "muon_split": {"train.steps": "2", "train.batch_size": "2", "train.seq_len": "32", "train.eval_every": "2",
                    "train.eval_batches": "1", "train.monitor_every": "1", "model.num_layers": "1", "model.d_model": "32",
                    "model.ffn_dim": "64", "train.warmup_steps": "1", "muon_lr_sweep": "", "seeds": "0"},
@@ -49,7 +50,8 @@ MESH_MICRO = {
     "muon_split": {**MICRO["muon_split"], "arms": "mla_adamw", "train.batch_size": "8", "train.steps": "3",
                    "train.monitor_every": "0", "train.eval_every": "3"},
     "dsa_vs_mla": {**MICRO["dsa_vs_mla"], "train.batch_size": "8", "train.seq_len": "64", "model.index_topk": "8",
-                   "bench_seq_len": "64", "data.retrieval_pairs": "2", "data.retrieval_min_distance": "8"},
+                   "bench_seq_len": "64", "data.retrieval_pairs": "2", "data.retrieval_min_distance": "8",
+                   "seeds": "0", "topk_fractions": "0.125,0.25"},
     "mtp_sharing": {**MICRO["mtp_sharing"], "arms": "shared3", "train.batch_size": "8", "train.steps": "3",
                     "train.eval_every": "3"},
     "grpo_icepop": {**MICRO["grpo_icepop"], "train.batch_size": "8", "rl.prompts_per_step": "4",
@@ -67,7 +69,7 @@ def test_every_registered_experiment_has_a_micro_run():
         registry.resolve_config(registry.get(name), "tiny", MESH_MICRO[name])
 
 
-@pytest.mark.slow   # ~20 jit compiles (5 phases, evals, attention timing): 373 s on 2 busy cores
+@pytest.mark.slow   # two seeds x 8 phases, evals, attention timing: ~400 s on 2 busy cores
 def test_dsa_vs_mla_micro_run_writes_complete_report(tmp_path):
     from experiments.run import run_experiment
     report = run_experiment("dsa_vs_mla", str(tmp_path), "tiny", {**MICRO["dsa_vs_mla"], "model.index_topk": "24"})
@@ -83,25 +85,41 @@ def test_dsa_vs_mla_micro_run_writes_complete_report(tmp_path):
     recall = saved["arms"]["dsa"]["answer_key_recall"]
     assert len(recall) == 2 and all(0.0 <= v <= 1.0 for v in recall.values())
     assert saved["test_probes_per_seed"] == 2 * 2 and saved["probe_distance_range"][0] > 24
-    assert saved["primary_metric"].startswith("test retrieval accuracy")
+    assert saved["primary_metric"].startswith("test LM-loss gap")
     assert isinstance(saved["dsa_vs_mla_gap_pct"], float)
     assert report["dsa_vs_mla_gap_pct"] == saved["dsa_vs_mla_gap_pct"]
+    # the primary gap is the mean over seeds of each seed's paired gap, recomputed from the arms' test losses
+    per = saved["per_seed"]
+    gaps = [100 * (per["dsa"][s]["final_eval_loss"] - per["mla"][s]["final_eval_loss"]) / per["mla"][s]["final_eval_loss"]
+            for s in ("0", "1")]
+    iv = saved["dsa_vs_mla_gap_pct_interval"]
+    assert iv["n"] == 2 and iv["mean"] == pytest.approx(np.mean(gaps)) and iv["lo"] < iv["mean"] < iv["hi"]
+    assert [r["topk_fraction"] for r in saved["gap_vs_topk"]] == [1 / 16, 1 / 8, 1 / 4, 1 / 2]
+    assert [r["topk"] for r in saved["gap_vs_topk"]] == [8, 16, 32, 64]
+    assert all(r["interval"]["n"] == 2 and r["adaptation_steps"] == 1 for r in saved["gap_vs_topk"])
+    assert [r["adaptation_steps"] for r in saved["gap_vs_adaptation"]] == [1, 2]
+    # the full adaptation's entry is the primary gap itself
+    assert saved["gap_vs_adaptation"][-1]["gap_pct"] == pytest.approx(saved["dsa_vs_mla_gap_pct"])
+    ret = saved["retrieval"]
+    assert ret["chance_accuracy"] == 0.1 and ret["copy_accuracy"] == pytest.approx(1 / 16 + 15 / 16 * 0.1)
+    assert saved["lossless"]["verdict"] in {"lossless", "worse", "better", "inconclusive"}
     # the override reached the model and both records carry the full resolved config
     assert saved["index_topk"] == 24 and saved["config"]["model"]["index_topk"] == 24
     settings = json.load(open(tmp_path / "settings.json"))
     assert settings["config"] == saved["config"] and settings["config"]["model"]["vocab_size"] == 512
     assert settings["config"]["train"]["steps"] == 2 and settings["config"]["data"]["max_files"] == 60
     for f in ("report.md", "eval_loss.png", "lr_schedule.png", "indexer_warmup.png", "retrieval_vs_distance.png",
-              "settings.json"):
+              "gap_vs_topk.png", "gap_vs_adaptation.png", "settings.json"):
         assert os.path.getsize(tmp_path / f) > 0
     cvb = saved["continued_mla_vs_base_dev_loss"]
     assert isinstance(cvb["at_or_below"], bool) and cvb["at_or_below"] == (cvb["per_seed"]["0"]["continued_mla"]
                                                                            <= cvb["per_seed"]["0"]["base"])
-    assert saved["phase_steps"] == {"base": 2, "mla": 2, "dsa_warmup": 2, "dsa": 2, "mha": 4}
-    for phase in ("base", "mla", "dsa_warmup", "dsa", "mha"):
-        assert os.path.exists(tmp_path / "seed_0" / phase / "metrics.jsonl")
+    assert saved["phase_steps"] == {"base": 2, "mla": 2, "dsa_warmup": 2, "dsa": 2, "dsa_short": 1, "mha": 4}
+    for phase in ("base", "mla", "dsa_warmup", "dsa", "mha", "dsa_topk8", "dsa_topk64"):
+        assert os.path.exists(tmp_path / "seed_1" / phase / "metrics.jsonl")
     md = open(tmp_path / "report.md").read()
-    assert "DSA vs MLA test LM-loss gap" in md and "Primary metric" in md and "Answer-key recall" in md
+    assert "DSA - MLA test LM-loss gap" in md and "Primary metric" in md and "Answer-key recall" in md
+    assert saved["lossless"]["sentence"] in md
 
 
 _MESH_SCRIPT = """
