@@ -19,8 +19,9 @@ capacity_factor <= 0 means dropless, in rounds (issue 34): C = ceil(round_factor
 all-to-all pair of steps 2-4 repeats, round r sending the slots ranked [r*C, (r+1)*C) in their
 destination row, until every slot is sent: ceil(max pair load / C) rounds, the max taken over the whole
 mesh (pmax) so every device runs the same loop. Balanced routing costs one round; the buffers are those
-of one round. The rounds run in a lax.while_loop inside a custom_vjp whose backward runs the same rounds
-again (each recomputing its forward), so no round's activations outlive it. round_factor <= 0 gives the
+of one round. Inside a custom_vjp, the first round keeps its residuals (as the capacity path does) and
+the others run in a lax.while_loop whose backward runs the same rounds again (each recomputing its
+forward), so no later round's activations outlive it. round_factor <= 0 gives the
 old worst-case form: one round of C = n * k (ep x the buffer memory).
 """
 
@@ -107,30 +108,32 @@ def _rounds(plan, *, c: int, ep: int, expert_axis, sync_axes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _dropless(x, weights, gate, up, down, plan, n_rounds, kw):
-    """sum over rounds r < n_rounds of _round(...): every slot is sent in exactly one round. A while_loop
-    (one round's buffers live at a time); the backward runs the same rounds again, each round's vjp
-    recomputing its forward, so no round's activations are kept."""
+    """sum over rounds r < n_rounds of _round(...): every slot is sent in exactly one round. Rounds
+    after the first run in a while_loop (one round's buffers live at a time). The first round keeps its
+    residuals as plain autodiff would (balanced routing: one round, the cost of the capacity path); the
+    backward applies them, then runs rounds 1.. again, each round's vjp recomputing its forward."""
     return _dropless_fwd(x, weights, gate, up, down, plan, n_rounds, kw)[0]
 
 
 def _dropless_fwd(x, weights, gate, up, down, plan, n_rounds, kw):
     kw = dict(kw)
-    body = lambda r, acc: acc + _round(x, weights, gate, up, down, plan, r, **kw)
-    out = jax.lax.fori_loop(0, n_rounds, body, jnp.zeros(x.shape, jnp.float32))   # traced bound: a while_loop
-    return out, (x, weights, gate, up, down, plan, n_rounds)
+    primals = (x, weights, gate, up, down)
+    out, vjp0 = jax.vjp(lambda *a: _round(*a, plan, jnp.int32(0), **kw), *primals)
+    body = lambda r, acc: acc + _round(*primals, plan, r, **kw)
+    out = jax.lax.fori_loop(1, n_rounds, body, out)               # traced bound: a while_loop
+    return out, (vjp0, primals, plan, n_rounds)
 
 
 def _dropless_bwd(kw, res, ct):
-    x, weights, gate, up, down, plan, n_rounds = res
+    vjp0, primals, plan, n_rounds = res
     kw = dict(kw)
 
     def body(r, acc):
-        _, vjp = jax.vjp(lambda *a: _round(*a, plan, r, **kw), x, weights, gate, up, down)
+        _, vjp = jax.vjp(lambda *a: _round(*a, plan, r, **kw), *primals)
         return jax.tree_util.tree_map(lambda s, g: s + g.astype(s.dtype), acc, vjp(ct))
 
-    primals = (x, weights, gate, up, down)
-    f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))   # sums over rounds in float32
-    grads = jax.lax.fori_loop(0, n_rounds, body, jax.tree_util.tree_map(f32, primals))
+    f32 = lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))     # sums over rounds in float32
+    grads = jax.lax.fori_loop(1, n_rounds, body, jax.tree_util.tree_map(f32, vjp0(ct)))
     return (*jax.tree_util.tree_map(lambda g, a: g.astype(a.dtype), grads, primals), None, None)
 
 
