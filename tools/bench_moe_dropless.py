@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from glm5_jax import hugepages, sharding  # noqa: E402
 from glm5_jax.parallel.ep import TOKEN_AXES, a2a_moe  # noqa: E402
+from tools.bench_dsa import _time  # noqa: E402  (best wall seconds, CPU seconds of that run)
 
 
 def programs(capacity: float, round_factor: float) -> dict:
@@ -59,18 +60,6 @@ def routings(n_dev: int, tokens: int, k: int, experts: int, ep: int, skew: float
     r = np.random.default_rng(seed)
     skewed = np.where(r.random((n, k)) < skew, r.integers(0, el, (n, k)), r.integers(0, experts, (n, k)))
     return {"balanced": balanced.astype(np.int32), "skewed": skewed.astype(np.int32)}
-
-
-def _time(compiled, args, reps, warmup):
-    """-> (best wall seconds, process CPU seconds of that run)."""
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    best = (float("inf"), float("nan"))
-    for _ in range(reps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        jax.block_until_ready(compiled(*args))
-        best = min(best, (time.perf_counter() - t0, time.process_time() - c0))
-    return best
 
 
 def run(args) -> tuple[dict, list]:
