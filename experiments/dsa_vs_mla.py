@@ -81,10 +81,10 @@ class DsaVsMlaConfig:
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
-    pretrain_steps: int = 400              # dense MLA base; the mha arm trains pretrain_steps + train.steps
+    pretrain_steps: int = 320              # dense MLA base; the mha arm trains pretrain_steps + train.steps
     indexer_warmup_steps: int = 30         # dense indexer warm-up, base frozen
     indexer_learning_rate: float = 1e-2
-    short_adaptation_steps: int = 50       # the shorter adaptation length, and the continued phases' eval interval
+    short_adaptation_steps: int = 40       # the shorter adaptation length, and the continued phases' eval interval
     topk_fractions: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
     lossless_margin_pct: float = 1.0
     test_lm_batches: int = 8               # held-out LM batches for the test figures (dev: train.eval_batches)
@@ -158,14 +158,14 @@ TINY = DsaVsMlaConfig(
                       moe_ffn_dim=128, first_k_dense=1, attention="dsa", index_topk=16, index_n_heads=2,
                       index_head_dim=32, mtp_depth=0, attn_chunk=128),
     # T=128 with top-k 16 = T/8 (the longest T whose three seeds x (base + 2 full + 3 short adaptations) fit
-    # 15 minutes on 2 cores; docs/experiments.md "dsa_vs_mla"); base 400 steps at 1e-2 cosine to 1e-3.
-    train=TrainConfig(steps=150, batch_size=16, seq_len=128, learning_rate=1e-2, warmup_steps=50, min_lr_ratio=0.1,
-                      eval_every=100, log_every=50, ckpt_every=200, eval_batches=4, seed=0),
+    # 15 minutes on 2 cores; docs/experiments.md "dsa_vs_mla"); base 320 steps at 1e-2 cosine to 1e-3.
+    train=TrainConfig(steps=120, batch_size=16, seq_len=128, learning_rate=1e-2, warmup_steps=50, min_lr_ratio=0.1,
+                      eval_every=80, log_every=40, ckpt_every=200, eval_batches=4, seed=0),
     # LM text from the stdlib sources; 10% of training sequences are MQAR-style retrieval records (16 one-token
     # keys each directly followed by a 1-digit value, restated at the end): the secondary probe.
     data=DataConfig(vocab_size=2048, seq_len=128, seed=0, retrieval_fraction=0.1, retrieval_pairs=16,
                     retrieval_key_digits=2, retrieval_value_digits=1, retrieval_min_distance=24),
-    pretrain_steps=400, indexer_warmup_steps=30, short_adaptation_steps=50,
+    pretrain_steps=320, indexer_warmup_steps=30, short_adaptation_steps=40,
 )
 SMALL = dataclasses.replace(
     TINY,

@@ -1,7 +1,7 @@
 """dsa_vs_mla's phase plan and report logic (no training): `--steps N` scales every phase by
 N / train.steps with a floor of one step, the continued phases run at the base's final learning rate
 instead of restarting the schedule at its peak, and the short adaptation is the full one's prefix.
-Closed forms: round(k * N / 150) steps for the tiny config's 400 / 30 / 150 / 50 phases; cosine end =
+Closed forms: round(k * N / 120) steps for the tiny config's 320 / 30 / 120 / 40 phases; cosine end =
 peak * min_lr_ratio."""
 
 import numpy as np
@@ -22,25 +22,25 @@ def test_default_plan_keeps_the_configured_phase_lengths():
     plan = phase_plan(_resolve(mha_arm="true"))
     assert plan["scale"] == 1.0
     assert {k: v.steps for k, v in plan.items() if k != "scale"} == {
-        "base": 400, "mla": 150, "dsa_warmup": 30, "dsa": 150, "dsa_short": 50, "mha": 550}
-    assert plan["base"].warmup_steps == 50 and plan["base"].eval_every == 100
+        "base": 320, "mla": 120, "dsa_warmup": 30, "dsa": 120, "dsa_short": 40, "mha": 440}
+    assert plan["base"].warmup_steps == 50 and plan["base"].eval_every == 80
     # the continued phases are evaluated at every short adaptation length (the gap vs adaptation length)
-    assert plan["mla"].eval_every == plan["dsa"].eval_every == 50
+    assert plan["mla"].eval_every == plan["dsa"].eval_every == 40
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 300])
 def test_steps_flag_scales_every_phase_by_n_over_train_steps_with_floor_1(n):
     cfg = _resolve(steps=n, mha_arm="true")
     plan = phase_plan(cfg)
-    f = n / 150
+    f = n / 120
     assert plan["scale"] == pytest.approx(f)
-    short = min(max(1, round(50 * f)), n)
-    want = {"base": max(1, round(400 * f)), "mla": n, "dsa": n, "dsa_warmup": max(1, round(30 * f)),
+    short = min(max(1, round(40 * f)), n)
+    want = {"base": max(1, round(320 * f)), "mla": n, "dsa": n, "dsa_warmup": max(1, round(30 * f)),
             "dsa_short": short}
     want["mha"] = want["base"] + n
     assert {k: v.steps for k, v in plan.items() if k != "scale"} == want
     assert plan["base"].warmup_steps == max(1, round(50 * f))
-    assert plan["base"].eval_every == max(1, round(100 * f)) and plan["mla"].eval_every == short
+    assert plan["base"].eval_every == max(1, round(80 * f)) and plan["mla"].eval_every == short
     assert plan["mla"].warmup_steps == min(max(1, round(10 * f)), short)
     assert all(v.steps >= 1 for k, v in plan.items() if k != "scale")
 
@@ -53,8 +53,8 @@ def test_steps_2_smoke_run_is_short():
 
 def test_set_train_steps_changes_only_the_continued_phases():
     plan = phase_plan(_resolve(**{"train.steps": "300"}))
-    assert plan["scale"] == 1.0 and plan["base"].steps == 400 and plan["dsa_warmup"].steps == 30
-    assert plan["mla"].steps == plan["dsa"].steps == 300 and plan["dsa_short"].steps == 50
+    assert plan["scale"] == 1.0 and plan["base"].steps == 320 and plan["dsa_warmup"].steps == 30
+    assert plan["mla"].steps == plan["dsa"].steps == 300 and plan["dsa_short"].steps == 40
 
 
 def test_steps_field_rejects_zero():
@@ -100,7 +100,7 @@ def test_topk_sweep_fractions_of_t():
     with pytest.raises(ConfigError, match="topk_fractions"):
         _resolve(topk_fractions="0.125,0.125")
     with pytest.raises(ConfigError, match="short_adaptation_steps"):
-        _resolve(short_adaptation_steps="151")                       # longer than the full adaptation
+        _resolve(short_adaptation_steps="121")                       # longer than the full adaptation
 
 
 @pytest.mark.parametrize("gap, verdict", [
