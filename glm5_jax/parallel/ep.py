@@ -97,7 +97,7 @@ def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, exp
     return jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32) * w[..., None], mode="drop")
 
 
-def _rounds(plan, *, c: int, ep: int, expert_axis, sync_axes):
+def _rounds(plan, *, c: int, sync_axes):
     """Rounds a dropless dispatch needs: ceil(max pair load / c), the max taken over every device whose
     collectives meet this one's (`sync_axes`), so that all of them run the same number of all-to-alls."""
     m = jnp.max(plan[3])
@@ -166,7 +166,7 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
         dropped = jnp.sum(jnp.maximum(plan[3] - c, 0)).astype(jnp.int32)
         return out.astype(x.dtype), dropped, total, jnp.int32(1)
     c = capacity(s, ep, round_factor)
-    n_rounds = _rounds(plan, c=c, ep=ep, expert_axis=expert_axis, sync_axes=sync_axes)
+    n_rounds = _rounds(plan, c=c, sync_axes=sync_axes)
     out = _dropless(x, weights, gate, up, down, plan, n_rounds, tuple(sorted(dict(c=c, **kw).items())))
     return out.astype(x.dtype), jnp.int32(0), total, n_rounds
 
