@@ -247,6 +247,18 @@ def test_init_from_starts_from_the_checkpoint_exactly(tmp_path, bf16_mtp_checkpo
             init_train_state(cfg, tcfg)
 
 
+def test_check_compatible_ignores_runtime_fields_and_names_model_fields():
+    # how a run executes (chunking, remat, dispatch, dense-vs-gather DSA) may differ from the checkpoint's
+    # run; what shapes or computes the model (num_layers) may not, and the error names the --set to add
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.train.checkpoint import InitFromError, check_compatible
+    ckpt = ModelConfig(num_layers=2, first_k_dense=1, num_experts=4, mtp_depth=0)
+    check_compatible(ckpt.replace(moe_token_chunk=64, dsa_short_dense=0, remat="full", attn_chunk=64,
+                                  moe_impl="dense"), ckpt, "ckpt")
+    with pytest.raises(InitFromError, match=r"num_layers=3 \(checkpoint: 2\).*--set model\.num_layers=2"):
+        check_compatible(ckpt.replace(num_layers=3), ckpt, "ckpt")
+
+
 class _RandomBatches:
     def __init__(self, cfg, b=2, t=16):
         self.cfg, self.b, self.t, self.i = cfg, b, t, 0

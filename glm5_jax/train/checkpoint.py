@@ -120,7 +120,8 @@ class Checkpointer:
 # ----------------------------------------------------------------------------- starting weights
 # fields that change how the model runs, not what its weights mean: they may differ from the checkpoint's
 _RUNTIME_FIELDS = ("param_dtype", "dtype", "attention_impl", "attn_chunk", "remat", "scan_layers", "moe_impl",
-                   "moe_capacity_factor", "moe_round_capacity_factor", "initializer_range", "mtp_depth")
+                   "moe_capacity_factor", "moe_round_capacity_factor", "moe_token_chunk", "dsa_short_dense",
+                   "initializer_range", "mtp_depth")
 
 
 MODEL_CONFIG = "model_config.json"      # in a run's workdir: its ModelConfig.to_hf(), written by the loop
