@@ -119,8 +119,11 @@ class _Encoder:
 
 
 def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[Callable[[str], None]] = None,
-                 quiet: bool = False, extra: Optional[dict] = None) -> dict:
-    """Tokenize every document of `corpus` once into `out_dir` (layout above); returns the index."""
+                 quiet: bool = False, extra: Optional[dict] = None,
+                 drop: Optional[Callable[[Document], Optional[str]]] = None) -> dict:
+    """Tokenize every document of `corpus` once into `out_dir` (layout above); returns the index.
+    drop(document) -> None (keep) or a reason: documents with a reason are not written (in corpus
+    order, so a cleaner that keeps the first of each duplicate cluster sees them in that order)."""
     dtype = token_dtype(tok.vocab_size)
     bins = {s: open(os.path.join(out_dir, f"{s}.tokens.bin"), "wb") for s in SPLITS}
     lengths: Dict[str, List[int]] = {s: [] for s in SPLITS}
@@ -128,7 +131,7 @@ def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[
     encode = _Encoder(tok)
     progress = Progress(corpus.num_documents(), "tokenizing", quiet=quiet)
     t0 = time.perf_counter()
-    done = tokens = 0
+    done = tokens = skipped = 0
     pending: List[Tuple[str, Document]] = []
 
     def flush():
@@ -144,10 +147,13 @@ def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[
             tokens += arr.size
         done += len(pending)
         pending.clear()
-        progress.update(done, tokens)
+        progress.update(done + skipped, tokens)
 
     try:
         for item in corpus.documents():
+            if drop is not None and drop(item[1]) is not None:
+                skipped += 1
+                continue
             pending.append(item)
             if len(pending) >= _ENCODE_CHUNK:
                 flush()
@@ -155,7 +161,7 @@ def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[
     finally:
         for fh in bins.values():
             fh.close()
-    progress.update(done, tokens, final=True)
+    progress.update(done + skipped, tokens, final=True)
     index = {"format": _FORMAT_VERSION, "dtype": dtype.name, "tokenizer": tok.model_path,
              "tokenizer_kind": tok.kind, "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
              "root": corpus.root, "corpus": corpus.fingerprint(), "num_files": len(corpus.files),
