@@ -45,6 +45,17 @@ def test_tiny_train_step_compiles_for_v5p_2x2x1():
     assert r["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "context": 1, "tensor": 1}
     assert r["config"]["model"]["num_layers"] == 3 and r["tokens_per_step"] == 4 * 64
     assert r["plan_estimate"]["per_device_bytes"]["total"] > 0
+    # the step budget (estimates read off the compiled HLO: tools/budget.py, tests/test_aot_budget.py)
+    b = r["budget"]
+    from glm5_jax.config import preset
+    from glm5_jax.flops import train_flops_per_token
+    assert b["model_flops"] == pytest.approx(train_flops_per_token(preset("tiny"), 64) * 4 * 64 / 4)
+    assert b["compiled_flops"] > 0 and b["bytes_accessed"] > 0 and b["collective_bytes"] > 0
+    assert b["useful_flops_fraction"] == pytest.approx(b["model_flops"] / b["compiled_flops"], rel=1e-3)
+    assert 0 < b["useful_flops_fraction"] <= 1.5 and 0 < b["estimated_mfu"] <= 1
+    assert b["estimated_step_seconds"] == max(b["seconds_by_bound"].values()) > 0
+    assert 2 in b["while_trip_counts"].values()      # the scanned stack of 2 MoE layers, counted twice
+    assert "not measurements" in b["budget_note"]
 
 
 def _aot_json(*flags):

@@ -1,4 +1,4 @@
-"""Compile the train step for a TPU topology without the TPU, and report its per-device memory.
+"""Compile the train step for a TPU topology without the TPU, and report its per-device memory and budget.
 
     python -m tools.aot --preset=glm5 --topology=v5p:4x4x8 [--mesh=fsdp:32,expert:4] [--batch_size=N]
         [--seq_len=T] [--remat=none|full|dots|dots_no_batch] [--grad_accum=K]
@@ -12,6 +12,14 @@ topology, no TPU needed). Printed: compile seconds, `compiled.memory_analysis()`
 (arguments, outputs, temporaries, aliased) against the chip's HBM, and tools.plan's estimate beside it.
 Per-device total = arguments + outputs + temporaries - aliased (the donated state's outputs reuse
 its argument buffers; memory_analysis reports the aliased bytes, and they are subtracted).
+
+The report's `budget` (per device, ESTIMATES read off the compiled HLO, not measurements; tools/budget.py):
+compiled_flops (dot/convolution FLOPs, each while body x its trip count: XLA's cost_analysis counts a
+loop body once), model_flops (glm5_jax.flops.train_flops_per_token x tokens per step / devices),
+useful_flops_fraction = model / compiled, bytes_accessed, collective_bytes, and the roofline
+estimated_step_seconds = max(compiled_flops / peak, bytes_accessed / HBM bw, collective_bytes / ICI bw)
+with estimated_mfu = model_flops / (estimated_step_seconds x peak); the chip figures and their sources
+are tools/budget.py's CHIP_PEAKS.
 
 Progress lines go to stderr; with --json the last stdout line is one JSON object. `--dump_dir`
 sets XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text (buffer assignment and memory-usage report
@@ -193,6 +201,7 @@ def compile_step(r: dict, *, log=None) -> dict:
     from glm5_jax.sharding import MESH_AXES
     from glm5_jax.train.state import abstract_batch, abstract_state, per_device_bytes
     from glm5_jax.train.step import make_train_step
+    from tools.budget import model_flops_per_device, step_budget
 
     log = log or (lambda msg: None)
     devices = topology_devices(r["topology"])
@@ -219,6 +228,10 @@ def compile_step(r: dict, *, log=None) -> dict:
     total = arg + out + tmp - alias
     peak = getattr(ma, "peak_memory_in_bytes", None)
     host = int(getattr(ma, "host_temp_size_in_bytes", 0) or 0)   # remat="offload": layer inputs on the host
+    t = time.time()
+    budget = step_budget(compiled, r["chip"], model_flops_per_device(cfg, tcfg.batch_size, tcfg.seq_len,
+                                                                     r["devices"]))
+    log(f"budget read off the compiled HLO in {time.time() - t:.1f}s")
     return {
         "per_device_bytes": {"arguments": arg, "outputs": out, "temporaries": tmp, "aliased": alias,
                              "total": total, **({"peak_memory": int(peak)} if peak else {}),
@@ -230,6 +243,7 @@ def compile_step(r: dict, *, log=None) -> dict:
         "generated_code_bytes": int(getattr(ma, "generated_code_size_in_bytes", 0) or 0),
         "lower_seconds": round(lower_s, 1), "compile_seconds": round(compile_s, 1),
         "num_params": int(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))),
+        "budget": budget,
     }
 
 
@@ -275,6 +289,18 @@ def format_report(p: dict) -> str:
         lines.append(f"tools.plan estimate: params {gib(e['params'])}, optimizer {gib(e['optimizer'])}, "
                      f"activations {gib(e['activations'])}, total {gib(e['total'])}"
                      f" (compiled / plan = {p.get('compiled_over_plan')})")
+    if "budget" in p:
+        b = p["budget"]
+        t = b["seconds_by_bound"]
+        lines += ["per-device step budget (ESTIMATES from the compiled HLO, not measurements; tools/budget.py):",
+                  f"  compiled FLOPs {b['compiled_flops']:.4g} (dot/conv x loop trips), model FLOPs "
+                  f"{b['model_flops']:.4g} (glm5_jax.flops), useful fraction {b['useful_flops_fraction']}",
+                  f"  bytes accessed {gib(b['bytes_accessed']).strip()}, collectives {gib(b['collective_bytes']).strip()}",
+                  f"  roofline: compute {t['compute']:.3f}s, HBM {t['hbm']:.3f}s, ICI {t['ici']:.3f}s -> step "
+                  f"~{b['estimated_step_seconds']:.3f}s ({b['bound']}-bound, perfect overlap; serial "
+                  f"{b['serial_seconds']:.3f}s), MFU ~{b['estimated_mfu']}"]
+        if b["unknown_trip_loops"]:
+            lines.append(f"  {len(b['unknown_trip_loops'])} while loop(s) of unknown trip count counted once")
     return "\n".join(lines)
 
 

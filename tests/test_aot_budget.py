@@ -1,0 +1,121 @@
+"""tools.budget (the compiled step's budget in tools.aot --json): the HLO walk against closed forms.
+
+- a hand-written HLO module: collective bytes, dot and (dilated) convolution FLOPs, each while body
+  times the trip count its condition states;
+- a jitted matmul and a scanned matmul compiled for CPU: 2*M*N*K (x layers), and XLA's own
+  cost_analysis, which agrees without loops and counts a while body once (why the walk exists);
+- model_flops per device = glm5_jax.flops.train_flops_per_token x tokens / devices.
+The TPU budget fields of a real train step are checked in tests/test_aot.py's tiny v5p:2x2x1 compile.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tools.budget import CHIP_PEAKS, hlo_budget, model_flops_per_device, shape_bytes, step_budget
+
+# a 5-step while loop (trip count in its condition, as the TPU compiler leaves it) around an async
+# all-gather, an all-reduce and a dot; in the entry a collective-permute and a batched dot the TPU
+# compiler wrote as a dilated convolution (4 heads of [64,24] x [64,24]^T)
+HLO = """HloModule m, entry_computation_layout={()->f32[8,16]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%cond (p: (s32[], f32[8,16], f32[16,16], bf16[1,16,16])) -> pred[] {
+  %n = s32[]{:T(128)} constant(5)
+  %p = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p.1: (s32[], f32[8,16], f32[16,16], bf16[1,16,16])) -> (s32[], f32[8,16], f32[16,16], bf16[1,16,16]) {
+  %p.1 = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %x = f32[8,16]{1,0:T(8,128)} get-tuple-element(%p.1), index=1
+  %w = f32[16,16]{1,0} get-tuple-element(%p.1), index=2
+  %y = bf16[1,16,16]{2,1,0} get-tuple-element(%p.1), index=3
+  %ag-start = (bf16[1,16,16]{2,1,0}, bf16[4,16,16]{2,1,0}) all-gather-start(%y), dimensions={0}, replica_groups={{0,1,2,3}}
+  %ag-done = bf16[4,16,16]{2,1,0} all-gather-done(%ag-start)
+  %ar = f32[8,16]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %d = f32[8,16]{1,0} dot(%ar, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/while/body/layer/mlp/dot_general"}
+  %one = s32[] constant(1)
+  %i.2 = s32[] add(%i.1, %one)
+  ROOT %t = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) tuple(%i.2, %d, %w, %y)
+}
+
+ENTRY %main (x.0: f32[8,16], w.0: f32[16,16], y.0: bf16[1,16,16], q: f32[4,64,24], k: f32[4,64,24], c: bf16[2,8]) -> f32[8,16] {
+  %x.0 = f32[8,16]{1,0} parameter(0)
+  %w.0 = f32[16,16]{1,0} parameter(1)
+  %y.0 = bf16[1,16,16]{2,1,0} parameter(2)
+  %q = f32[4,64,24]{2,1,0} parameter(3)
+  %k = f32[4,64,24]{2,1,0} parameter(4)
+  %c = bf16[2,8]{1,0} parameter(5)
+  %cp = bf16[2,8]{1,0} collective-permute(%c), source_target_pairs={{0,1},{1,0}}
+  %scores = f32[4,64,64]{2,1,0} convolution(%q, %k), window={size=4 stride=3 lhs_dilate=4}, dim_labels=0bf_0oi->0bf
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) tuple(%zero, %x.0, %w.0, %y.0)
+  %loop = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_hlo_walk_counts_collectives_and_flops_times_trip_counts():
+    h = hlo_budget(HLO)
+    assert h["while_trip_counts"] == {"loop": 5} and h["unknown_trip_loops"] == []
+    assert shape_bytes("(bf16[1,16,16]{2,1,0}, f32[8,16]{1,0:T(8,128)})") == 16 * 16 * 2 + 8 * 16 * 4
+    ag, ar, cp = 4 * 16 * 16 * 2, 8 * 16 * 4, 2 * 8 * 2       # output bytes; the async start is not counted
+    assert h["collective_bytes_by_op"] == {"all-gather": 5 * ag, "all-reduce": 5 * ar, "collective-permute": cp}
+    assert h["collective_bytes"] == 5 * (ag + ar) + cp
+    # the loop's dot 5 x 2*8*16*16; the convolution: per head 2*64*64*24 (one real tap in each window)
+    assert h["flops"] == 5 * 2 * 8 * 16 * 16 + 4 * 2 * 64 * 64 * 24
+    assert h["flops_by_source"]["f/layer/mlp"] == 5 * 2 * 8 * 16 * 16
+
+
+def test_a_data_dependent_loop_counts_once_and_is_listed():
+    h = hlo_budget(HLO.replace("direction=LT", "direction=NE"))
+    assert h["unknown_trip_loops"] == ["loop"] and h["flops"] == 2 * 8 * 16 * 16 + 4 * 2 * 64 * 64 * 24
+
+
+def _compile(f, *shapes):
+    return jax.jit(f).lower(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)).compile()
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 128, 32), (48, 80, 24)])
+def test_matmul_compiled_flops_is_2mnk_on_cpu(m, k, n):
+    c = _compile(lambda a, b: a @ b, (m, k), (k, n))
+    b = step_budget(c, "v5p", model_flops=2 * m * n * k)
+    assert b["compiled_flops"] == 2 * m * n * k
+    assert b["xla_cost_analysis"]["flops"] == 2 * m * n * k           # no loop: XLA's own count agrees
+    assert b["useful_flops_fraction"] == 1.0
+    assert b["bytes_accessed"] == 4 * (m * k + k * n + m * n) == b["xla_cost_analysis"]["bytes_accessed"]
+    assert b["collective_bytes"] == 0 and "not measurements" in b["budget_note"]
+    p = CHIP_PEAKS["v5p"]
+    t = max(2 * m * n * k / p["peak_flops"], b["bytes_accessed"] / p["hbm_bytes_per_s"])
+    assert b["estimated_step_seconds"] == pytest.approx(t) and b["bound"] == "hbm"
+    assert b["estimated_mfu"] == pytest.approx(2 * m * n * k / (t * p["peak_flops"]), abs=1e-4)
+
+
+def test_scanned_matmul_counts_every_layer():
+    layers, m, k = 6, 64, 128
+
+    def f(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    b = step_budget(_compile(f, (m, k), (layers, k, k)), "v5p", model_flops=layers * 2 * m * k * k)
+    assert b["compiled_flops"] == layers * 2 * m * k * k and b["useful_flops_fraction"] == 1.0
+    assert list(b["while_trip_counts"].values()) == [layers]
+    # XLA's cost analysis counts the while body once (jax 0.10.2): the reason tools.budget walks the HLO
+    assert b["xla_cost_analysis"]["flops"] < b["compiled_flops"]
+
+
+def test_model_flops_per_device_is_train_flops_per_token_times_tokens_over_devices():
+    from glm5_jax.config import preset
+    from glm5_jax.flops import train_flops_per_token
+    cfg = preset("tiny")
+    assert model_flops_per_device(cfg, 8, 64, 4) == train_flops_per_token(cfg, 64) * 8 * 64 / 4
+    assert model_flops_per_device(cfg, 8, 64, 1) == 4 * model_flops_per_device(cfg, 8, 64, 4)

@@ -1,0 +1,320 @@
+"""The compiled step's FLOP / byte / collective budget and a roofline step-time estimate (tools.aot --json).
+
+    from tools.budget import hlo_budget, step_budget
+    hlo_budget(compiled.as_text())       # dot FLOPs, bytes accessed, collective bytes of the compiled HLO
+    step_budget(compiled, chip="v5p", model_flops=...)   # + cost_analysis, roofline seconds, MFU
+
+Everything here is an ESTIMATE read off the compiled program, not a measurement of a run.
+
+Why not just `compiled.cost_analysis()`: XLA's cost analysis (CPU and the TPU compiler alike, checked
+with jax 0.10.2 / libtpu: tests/test_aot_budget.py) counts a while loop's body ONCE, whatever its trip
+count, and the train step runs its layers in a `scan` (a while loop): for a 78-layer stack it would
+report about one layer. So the budget walks the compiled HLO text instead and multiplies each
+instruction by the trip counts of the while loops around it:
+- trip count: the `known_trip_count` backend config when the compiler writes it (CPU), otherwise
+  the loop condition `compare(counter, constant(N)), direction=LT` (scan / fori_loop with static
+  bounds, counter from 0 by 1: what the TPU compiler leaves). A data-dependent loop (a while_loop
+  such as the dropless a2a rounds) counts once and is listed in `unknown_trip_loops`.
+- FLOPs: 2 x output elements x contracted elements of every dot and convolution (also those inside
+  fusions): matmul FLOPs, what MFU counts. Elementwise work is left out.
+- bytes accessed: operands + outputs of every instruction that runs as a kernel (not the fused
+  computations' insides, nor tuples, parameters, get-tuple-element, bitcasts, constants); a fusion
+  parameter read only through dynamic-slice counts the slices, a fusion whose root is a
+  dynamic-update-slice counts the update, not the whole buffer (as XLA's cost analysis does).
+- collective bytes: output bytes of all-gather / all-reduce / reduce-scatter / all-to-all /
+  collective-permute (the `-done` half of async pairs), a proxy for what each chip moves over ICI.
+
+Roofline: estimated_step_seconds = max(compiled_flops / peak FLOP/s, bytes_accessed / HBM bandwidth,
+collective_bytes / ICI bandwidth): the bound if compute, HBM traffic and ICI traffic overlapped
+perfectly (XLA overlaps async collectives with compute); the sum of the three (`serial_seconds`, no
+overlap at all) is reported beside it as the pessimistic end. estimated_mfu = model_flops /
+(estimated_step_seconds x peak FLOP/s).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# chip kind -> per-chip bf16 peak FLOP/s, HBM bytes/s, ICI bytes/s (one direction). Google Cloud's published
+# figures (docs/scaleout.md "Compiled step budget"):
+#   v5p: 459 TFLOP/s bf16, HBM2e 2765 GB/s, ICI 4800 Gbps = 600 GB/s per direction (1200 GB/s bidirectional)
+#        https://cloud.google.com/tpu/docs/v5p-training, https://docs.cloud.google.com/tpu/docs/v5p
+#   v5e: 197 TFLOP/s, 819 GB/s, ICI 1600 Gbps = 200 GB/s (400 GB/s bidirectional)  https://cloud.google.com/tpu/docs/v5e
+#   v6e: 918 TFLOP/s, 1638 GB/s, ICI 800 GB/s bidirectional = 400 GB/s  https://docs.cloud.google.com/tpu/docs/v6e
+#   v4:  275 TFLOP/s, 1200 GB/s; the page gives no per-chip ICI figure: None (the ICI term is left out)
+#        https://cloud.google.com/tpu/docs/v4
+CHIP_PEAKS = {
+    "v5p": {"peak_flops": 459e12, "hbm_bytes_per_s": 2765e9, "ici_bytes_per_s": 4800e9 / 8},
+    "v5e": {"peak_flops": 197e12, "hbm_bytes_per_s": 819e9, "ici_bytes_per_s": 1600e9 / 8},
+    "v6e": {"peak_flops": 918e12, "hbm_bytes_per_s": 1638e9, "ici_bytes_per_s": 400e9},
+    "v4": {"peak_flops": 275e12, "hbm_bytes_per_s": 1200e9, "ici_bytes_per_s": None},
+}
+
+BUDGET_NOTE = ("estimates from the compiled HLO, not measurements: compiled_flops = dot/convolution FLOPs x "
+               "while-loop trip counts; bytes_accessed = kernel operands + outputs; collective_bytes = "
+               "collective outputs; estimated_step_seconds = max(flops / peak, bytes / HBM bw, collective "
+               "bytes / ICI bw) with the chip's published peaks (perfect overlap); see tools/budget.py")
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "ragged-all-to-all")
+_NO_KERNEL = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
+              "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain"}
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+
+
+def _dtype_bytes(dt: str) -> float:
+    return _BYTES.get(dt, 1 if dt.startswith("f8") else 0)
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (an array or a tuple of arrays; layouts ignored)."""
+    return int(sum(_dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
+                   for dt, dims in _ARRAY.findall(shape)))
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _attr(rest: str, key: str) -> str | None:
+    m = re.search(rf"\b{key}=(%?[\w.\-]+|\{{[^}}]*\}})", rest)
+    return m.group(1) if m else None
+
+
+def parse_hlo(text: str) -> dict:
+    """{computation: [instr]} of an HLO module's text; instr = dict(name, shape, op, operands, rest, root)."""
+    comps, cur, entry = {}, None, None
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            m = _HEADER.match(line)
+            if m:
+                cur = comps.setdefault(m.group(1), [])
+                entry = m.group(1) if line.startswith("ENTRY") else entry
+            continue
+        m = _INSTR.match(line)
+        if m is None or cur is None:
+            continue
+        name, shape, op, rest = m.groups()
+        depth, i = 1, 0              # the operand list ends at the ')' matching the opcode's '('
+        while i < len(rest) and depth:
+            depth += {"(": 1, ")": -1}.get(rest[i], 0)
+            i += 1
+        args = rest[:i - 1]
+        cur.append({"name": name, "shape": shape, "op": op, "operands": re.findall(r"%([\w.\-]+)", args),
+                    "args": args, "rest": rest[i:], "root": line.lstrip().startswith("ROOT")})
+    return {"computations": comps, "entry": entry}
+
+
+def _trip_count(instr: dict, comps: dict) -> int | None:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr["rest"])
+    if m:
+        return int(m.group(1))
+    cond = comps.get((_attr(instr["rest"], "condition") or "").lstrip("%"), [])
+    consts = {i["name"]: i for i in cond if i["op"] == "constant"}
+    root = next((i for i in cond if i["root"]), None)
+    if root is None or root["op"] != "compare" or len(root["operands"]) != 2:
+        return None
+    direction = _attr(root["rest"], "direction")
+    a, b = root["operands"]
+    c = consts.get(b) if direction == "LT" else consts.get(a) if direction == "GT" else None
+    return int(c["args"]) if c is not None and re.fullmatch(r"\d+", c["args"].strip()) else None
+
+
+_NOISE = re.compile(r"^(while|body|cond|closed_call|dot_general|convolution|checkpoint|rematted_computation|"
+                    r"remat|layer_\d+|pjit|jit\(.*\)|shard_map|custom_vjp_call.*)$")
+
+
+def flops_source(ins: dict) -> str:
+    """A dot's op_name metadata without the loop / remat / transform wrappers: the module path
+    (e.g. 'GLM5/moe_layers/attn/q_b_proj'), for the FLOPs breakdown."""
+    m = re.search(r'op_name="([^"]*)"', ins["rest"])
+    if not m:
+        return "?"
+    parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in m.group(1).split("/")]
+    return "/".join(p for p in parts if p and not _NOISE.match(p)) or "?"
+
+
+def _valid_taps(n: int, out: int, size: int, stride: int, lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """(output position, window tap) pairs of one spatial dim that land on a real input element (not
+    padding, not a hole of lhs dilation): what a convolution multiplies along that dim."""
+    if out * size > 1 << 20:                 # too many to enumerate: every tap counted
+        return out * size
+    hi = (n - 1) * lhs_dil
+    return sum(1 for o in range(out) for w in range(size)
+               if 0 <= (p := o * stride + w * rhs_dil - lo) <= hi and p % lhs_dil == 0)
+
+
+def _conv_flops(ins: dict, shapes: dict) -> float:
+    """2 x batch x output features x input features (per group) x valid window taps. Dots the TPU
+    compiler rewrote as convolutions have no spatial dims; ragged dots become dilated convolutions
+    over the groups, where only one tap in each window is real."""
+    lhs, rhs, out = (_dims(shapes.get(ins["operands"][0], "")), _dims(shapes.get(ins["operands"][1], "")),
+                     _dims(ins["shape"]))
+    lab = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins["rest"])
+    if not (lab and lhs and rhs and out) or any(len(x) != len(l) for x, l in zip((lhs, rhs, out), lab.groups())):
+        return 0.0
+    ll, rl, ol = lab.groups()
+    w = re.search(r"window=\{([^}]*)\}", ins["rest"])
+    win = dict(kv.split("=") for kv in re.findall(r"\w+=[\dx_\-]+", w.group(1) if w else ""))
+    spatial = sorted(c for c in ol if c.isdigit())
+    taps = 1
+    for j, d in enumerate(spatial):
+        get = lambda k, default: int(win[k].split("x")[j]) if k in win else default
+        lo = int(win["pad"].split("x")[j].split("_")[0]) if "pad" in win else 0
+        taps *= _valid_taps(lhs[ll.index(d)], out[ol.index(d)], get("size", 1), get("stride", 1), lo,
+                            get("lhs_dilate", 1), get("rhs_dilate", 1))
+    return 2.0 * out[ol.index("b")] * out[ol.index("f")] * rhs[rl.index("i")] * taps
+
+
+def hlo_budget(text: str) -> dict:
+    """dot FLOPs, bytes accessed and collective bytes of a compiled HLO module's text, each instruction
+    counted as many times as the while loops around it run (module docstring)."""
+    mod = parse_hlo(text)
+    comps = mod["computations"]
+    mult: dict[str, float] = {}
+    kernel_comps: set[str] = set()      # computations whose instructions run as kernels (not fused bodies)
+    unknown: list[str] = []
+    trips: dict[str, int] = {}
+
+    def visit(comp: str, m: float, kernels: bool):
+        mult[comp] = mult.get(comp, 0) + m
+        if kernels:
+            kernel_comps.add(comp)
+        for ins in comps.get(comp, []):
+            if ins["op"] == "while":
+                n = _trip_count(ins, comps)
+                if n is None:
+                    unknown.append(ins["name"])
+                trips[ins["name"]] = n if n is not None else 1
+                for key in ("body", "condition"):
+                    c = _attr(ins["rest"], key)
+                    if c:
+                        visit(c.lstrip("%"), m * (n if n is not None else 1), True)
+            elif ins["op"] in ("call", "async-start") or ins["op"] == "conditional":
+                for c in re.findall(r"%([\w.\-]+)", _attr(ins["rest"], "to_apply") or _attr(ins["rest"], "calls")
+                                    or _attr(ins["rest"], "branch_computations") or ""):
+                    visit(c, m, True)
+            elif ins["op"] == "fusion":
+                c = _attr(ins["rest"], "calls")
+                if c:
+                    visit(c.lstrip("%"), m, False)
+
+    visit(mod["entry"], 1.0, True)
+    flops = bytes_ = 0.0
+    coll: dict[str, float] = {}
+    by_source: dict[str, float] = {}
+    for comp, m in mult.items():
+        instrs = comps.get(comp, [])
+        shapes = {i["name"]: i["shape"] for i in instrs}
+        for ins in instrs:
+            op = ins["op"]
+            if op == "dot" and len(ins["operands"]) == 2:
+                lhs = _dims(shapes.get(ins["operands"][0], ""))
+                cdims = _attr(ins["rest"], "lhs_contracting_dims") or "{}"
+                k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", cdims)) if lhs else 0
+                f = m * 2 * math.prod(_dims(ins["shape"])) * k
+            elif op == "convolution" and len(ins["operands"]) == 2:
+                f = m * _conv_flops(ins, shapes)
+            else:
+                f = 0.0
+            if f:
+                flops += f
+                src = flops_source(ins)
+                by_source[src] = by_source.get(src, 0.0) + f
+            if comp not in kernel_comps:
+                continue
+            base = op[:-5] if op.endswith("-done") else op
+            if base in COLLECTIVES and not op.endswith("-start"):
+                coll[base] = coll.get(base, 0) + m * shape_bytes(ins["shape"])
+            if op in _NO_KERNEL or op.endswith("-start") or op.endswith("-done"):
+                continue
+            bytes_ += m * _kernel_bytes(ins, shapes, comps)
+    top = dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:16])
+    return {"flops": flops, "flops_by_source": top, "bytes_accessed": bytes_, "collective_bytes": sum(coll.values()),
+            "collective_bytes_by_op": coll, "while_trip_counts": trips, "unknown_trip_loops": unknown}
+
+
+def _kernel_bytes(ins: dict, shapes: dict, comps: dict) -> float:
+    """Operand + output bytes of one kernel; slices of a fusion's dynamic-slice / dynamic-update-slice
+    buffers count as the slice, as XLA's cost analysis counts them."""
+    out = shape_bytes(ins["shape"])
+    operands = [shape_bytes(shapes.get(o, "")) for o in ins["operands"]]
+    if ins["op"] == "dynamic-slice":
+        return 2 * out
+    if ins["op"] == "dynamic-update-slice" and len(operands) > 1:
+        return 2 * operands[1]
+    if ins["op"] != "fusion":
+        return out + sum(operands)
+    body = comps.get((_attr(ins["rest"], "calls") or "").lstrip("%"), [])
+    params = {int(i["args"]): i["name"] for i in body if i["op"] == "parameter" and i["args"].strip().isdigit()}
+    users: dict[str, list[dict]] = {}
+    for i in body:
+        for o in i["operands"]:
+            users.setdefault(o, []).append(i)
+    root = next((i for i in body if i["root"]), None)
+    inner = {i["name"]: i["shape"] for i in body}
+    total = 0.0
+    if root is not None and root["op"] == "dynamic-update-slice" and len(root["operands"]) > 1:
+        total += shape_bytes(inner.get(root["operands"][1], ""))      # written in place: the update only
+        in_place = root["operands"][0]
+    else:
+        total += out
+        in_place = None
+    for idx, nbytes in enumerate(operands):
+        p = params.get(idx)
+        us = users.get(p, []) if p else []
+        if p is not None and p == in_place:
+            continue
+        if us and all(u["op"] == "dynamic-slice" and u["operands"][0] == p for u in us):
+            total += sum(shape_bytes(u["shape"]) for u in us)
+        else:
+            total += nbytes
+    return total
+
+
+def cost_analysis(compiled) -> dict:
+    """XLA's own figures (while bodies counted once): {'flops', 'bytes_accessed'} of device 0."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:          # pragma: no cover - a backend without cost analysis
+        return {}
+    ca = ca[0] if isinstance(ca, (list, tuple)) and ca else ca
+    if not isinstance(ca, dict):
+        return {}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+
+
+def model_flops_per_device(model_cfg, batch_size: int, seq_len: int, devices: int) -> float:
+    """glm5_jax.flops.train_flops_per_token (6 x active matmul params + attention for the configured
+    attention / top-k; MTP layers not counted) x tokens per optimizer step / devices."""
+    from glm5_jax.flops import train_flops_per_token
+    return train_flops_per_token(model_cfg, seq_len) * batch_size * seq_len / devices
+
+
+def step_budget(compiled, chip: str, model_flops: float) -> dict:
+    """The `budget` section of tools.aot's report for one compiled step (per device, estimates)."""
+    h = hlo_budget(compiled.as_text())
+    peaks = CHIP_PEAKS[chip]
+    t_flops = h["flops"] / peaks["peak_flops"]
+    t_hbm = h["bytes_accessed"] / peaks["hbm_bytes_per_s"]
+    t_ici = h["collective_bytes"] / peaks["ici_bytes_per_s"] if peaks["ici_bytes_per_s"] else 0.0
+    est = max(t_flops, t_hbm, t_ici)
+    bound = {t_flops: "compute", t_hbm: "hbm", t_ici: "ici"}[est]
+    return {
+        "compiled_flops": h["flops"], "model_flops": float(model_flops),
+        "useful_flops_fraction": round(model_flops / h["flops"], 4) if h["flops"] else None,
+        "bytes_accessed": h["bytes_accessed"], "collective_bytes": h["collective_bytes"],
+        "collective_bytes_by_op": h["collective_bytes_by_op"],
+        "estimated_step_seconds": est, "serial_seconds": t_flops + t_hbm + t_ici,
+        "seconds_by_bound": {"compute": t_flops, "hbm": t_hbm, "ici": t_ici}, "bound": bound,
+        "estimated_mfu": round(model_flops / (est * peaks["peak_flops"]), 4) if est else None,
+        "flops_by_source": h["flops_by_source"], "chip_peaks": peaks, "while_trip_counts": h["while_trip_counts"],
+        "unknown_trip_loops": h["unknown_trip_loops"], "xla_cost_analysis": cost_analysis(compiled),
+        "budget_note": BUDGET_NOTE,
+    }
