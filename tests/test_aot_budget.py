@@ -1,6 +1,6 @@
 """tools.budget (the compiled step's budget in tools.aot --json): the HLO walk against closed forms.
 
-- a hand-written HLO module: collective bytes, dot and (dilated) convolution FLOPs, each while body
+- a hand-written HLO module: collective bytes, dot, (dilated) convolution and ragged-dot kernel FLOPs, each while body
   times the trip count its condition states;
 - a jitted matmul and a scanned matmul compiled for CPU: 2*M*N*K (x layers), and XLA's own
   cost_analysis, which agrees without loops and counts a while body once (why the walk exists);
@@ -16,7 +16,8 @@ from tools.budget import CHIP_PEAKS, hlo_budget, model_flops_per_device, shape_b
 
 # a 5-step while loop (trip count in its condition, as the TPU compiler leaves it) around an async
 # all-gather, an all-reduce and a dot; in the entry a collective-permute and a batched dot the TPU
-# compiler wrote as a dilated convolution (4 heads of [64,24] x [64,24]^T)
+# compiler wrote as a dilated convolution (4 heads of [64,24] x [64,24]^T) and its ragged_dot kernel
+# (40 rows of 24, each against one of 8 groups' [24, 32])
 HLO = """HloModule m, entry_computation_layout={()->f32[8,16]{1,0}}
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -47,7 +48,7 @@ HLO = """HloModule m, entry_computation_layout={()->f32[8,16]{1,0}}
   ROOT %t = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) tuple(%i.2, %d, %w, %y)
 }
 
-ENTRY %main (x.0: f32[8,16], w.0: f32[16,16], y.0: bf16[1,16,16], q: f32[4,64,24], k: f32[4,64,24], c: bf16[2,8]) -> f32[8,16] {
+ENTRY %main (x.0: f32[8,16], w.0: f32[16,16], y.0: bf16[1,16,16], q: f32[4,64,24], k: f32[4,64,24], c: bf16[2,8], g: s32[9], rows: bf16[40,24], experts: bf16[8,24,32]) -> f32[8,16] {
   %x.0 = f32[8,16]{1,0} parameter(0)
   %w.0 = f32[16,16]{1,0} parameter(1)
   %y.0 = bf16[1,16,16]{2,1,0} parameter(2)
@@ -56,6 +57,10 @@ ENTRY %main (x.0: f32[8,16], w.0: f32[16,16], y.0: bf16[1,16,16], q: f32[4,64,24
   %c = bf16[2,8]{1,0} parameter(5)
   %cp = bf16[2,8]{1,0} collective-permute(%c), source_target_pairs={{0,1},{1,0}}
   %scores = f32[4,64,64]{2,1,0} convolution(%q, %k), window={size=4 stride=3 lhs_dilate=4}, dim_labels=0bf_0oi->0bf
+  %g = s32[9]{0} parameter(6)
+  %rows = bf16[40,24]{1,0} parameter(7)
+  %experts = bf16[8,24,32]{2,1,0} parameter(8)
+  %ragged-dot-none.3 = bf16[40,32]{1,0} custom-call(%g, %rows, %experts), custom_call_target="tpu_custom_call"
   %zero = s32[] constant(0)
   %init = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) tuple(%zero, %x.0, %w.0, %y.0)
   %loop = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}, bf16[1,16,16]{2,1,0}) while(%init), condition=%cond, body=%body
@@ -72,13 +77,14 @@ def test_hlo_walk_counts_collectives_and_flops_times_trip_counts():
     assert h["collective_bytes_by_op"] == {"all-gather": 5 * ag, "all-reduce": 5 * ar, "collective-permute": cp}
     assert h["collective_bytes"] == 5 * (ag + ar) + cp
     # the loop's dot 5 x 2*8*16*16; the convolution: per head 2*64*64*24 (one real tap in each window)
-    assert h["flops"] == 5 * 2 * 8 * 16 * 16 + 4 * 2 * 64 * 64 * 24
+    assert h["flops"] == 5 * 2 * 8 * 16 * 16 + 4 * 2 * 64 * 64 * 24 + 2 * 40 * 24 * 32
     assert h["flops_by_source"]["f/layer/mlp"] == 5 * 2 * 8 * 16 * 16
 
 
 def test_a_data_dependent_loop_counts_once_and_is_listed():
     h = hlo_budget(HLO.replace("direction=LT", "direction=NE"))
-    assert h["unknown_trip_loops"] == ["loop"] and h["flops"] == 2 * 8 * 16 * 16 + 4 * 2 * 64 * 64 * 24
+    assert h["unknown_trip_loops"] == ["loop"]
+    assert h["flops"] == 2 * 8 * 16 * 16 + 4 * 2 * 64 * 64 * 24 + 2 * 40 * 24 * 32
 
 
 def _compile(f, *shapes):

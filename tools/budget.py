@@ -16,7 +16,9 @@ instruction by the trip counts of the while loops around it:
   bounds, counter from 0 by 1: what the TPU compiler leaves). A data-dependent loop (a while_loop
   such as the dropless a2a rounds) counts once and is listed in `unknown_trip_loops`.
 - FLOPs: 2 x output elements x contracted elements of every dot and convolution (also those inside
-  fusions): matmul FLOPs, what MFU counts. Elementwise work is left out.
+  fusions), and 2 M K N of each `ragged-dot` custom call (the TPU compiler's kernel for the forward
+  and dX of `ragged_dot`, [M, K] rows x [G, K, N] groups): matmul FLOPs, what MFU counts.
+  Elementwise work and other custom calls (Pallas kernels) are left out.
 - bytes accessed: operands + outputs of every instruction that runs as a kernel (not the fused
   computations' insides, nor tuples, parameters, get-tuple-element, bitcasts, constants); a fusion
   parameter read only through dynamic-slice counts the slices, a fusion whose root is a
@@ -221,6 +223,11 @@ def hlo_budget(text: str) -> dict:
                 f = m * 2 * math.prod(_dims(ins["shape"])) * k
             elif op == "convolution" and len(ins["operands"]) == 2:
                 f = m * _conv_flops(ins, shapes)
+            elif op == "custom-call" and ins["name"].startswith("ragged-dot") and len(ins["operands"]) >= 2:
+                # the TPU compiler's ragged_dot kernel (forward and dX of the routed experts): every
+                # row [M, K] meets one group's [K, N] -> 2 M K N; invisible to XLA's cost analysis
+                lhs, out = _dims(shapes.get(ins["operands"][-2], "")), _dims(ins["shape"])
+                f = m * 2 * math.prod(out) * lhs[-1] if len(lhs) == 2 and len(out) == 2 else 0.0
             else:
                 f = 0.0
             if f:
