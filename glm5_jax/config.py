@@ -108,6 +108,7 @@ class ModelConfig:
     # Multi-token prediction.
     mtp_depth: int = 1
     mtp_share: bool = True                # one MTP layer reused at every depth (GLM-5)
+    reward_head: bool = False             # + a scalar head on the final-normed hidden state (reward model, glm5_jax.rl.reward_model)
     # RoPE.
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None   # None (default) | e.g. (("factor", 4.0), ("type", "linear")); ROPE_SCALING_KEYS
@@ -307,7 +308,7 @@ class ModelConfig:
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)), first_k_dense=first_dense,
             mtp_depth=hf.get("glm5_jax_mtp_depth", hf.get("num_nextn_predict_layers", 0)), mtp_share=bool(hf.get("glm5_jax_mtp_share", True)),
-            rope_theta=float(theta), rope_scaling=scaling,
+            rope_theta=float(theta), rope_scaling=scaling, reward_head=bool(hf.get("glm5_jax_reward_head", False)),
         )
         if attention in ("mha", "gqa"):
             kw.update(indexer_types=None)
@@ -347,6 +348,8 @@ class ModelConfig:
         if self.mtp_depth:
             hf["glm5_jax_mtp_share"] = self.mtp_share
             hf["glm5_jax_mtp_depth"] = self.mtp_depth
+        if self.reward_head:
+            hf["glm5_jax_reward_head"] = True
         return hf
 
 

@@ -170,6 +170,8 @@ class GLM5(nn.Module):
             self.lm_head = Dense(c.vocab_size, ("embed", "vocab"), c.initializer_range,
                                  jnp.promote_types(pdt, dtype_of(c.dtype)), pdt, out_dtype=jnp.float32,
                                  nn_kernel_grad=True)
+        if c.reward_head:   # reward model: one scalar per position from the final-normed hidden state
+            self.reward_head = Dense(1, ("embed", None), c.initializer_range, jnp.float32, pdt, out_dtype=jnp.float32)
         n_mtp = (1 if c.mtp_share else c.mtp_depth) if c.mtp_depth else 0
         # the MTP blocks run outside the scanned stacks: they take the same remat policy, or their
         # attention and MoE residuals (3 depths) dominate the step's peak memory (tools.aot, glm5)
@@ -204,7 +206,7 @@ class GLM5(nn.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, indexer_loss=None, mtp: bool = False,
                  return_hidden: bool = False, monitor_logits: bool = False, cache=None, write_positions=None,
-                 logits: bool = True, mtp_tokens=None) -> dict[str, Any]:
+                 logits: bool = True, mtp_tokens=None, reward: bool = False) -> dict[str, Any]:
         """tokens [B, T] int -> {"logits": [B, T, V] float32, "mtp_logits": [depth, B, T, V] if mtp,
         "hidden": [B, T, D] final-normed and "trunk": [B, T, D] before the final norm if return_hidden,
         "mtp_hidden": [depth, B, T, D] final-normed MTP states instead of mtp_logits if mtp and not logits,
@@ -219,6 +221,8 @@ class GLM5(nn.Module):
         mtp_tokens [depth, B, T]: the input token k steps ahead for MTP depth k (default: tokens shifted
         left by k); needed under context parallelism, where the sequence is in the context layout
         (glm5_jax.attention.context.layout_batch builds it).
+        reward=True (needs cfg.reward_head): "reward" [B, T] float32, the reward head's scalar at every position
+        (a reward model reads it at a sequence's last token, glm5_jax.rl.reward_model).
         """
         c = self.cfg
         b, t = tokens.shape
@@ -252,6 +256,10 @@ class GLM5(nn.Module):
                 new_cache[stack.name] = sc
         hidden = self.final_norm(x)
         out = {"logits": self.head(hidden)} if logits else {}
+        if reward and not c.reward_head:
+            raise ValueError("reward=True needs ModelConfig.reward_head=True (the scalar reward head)")
+        if c.reward_head and (reward or self.is_initializing()):
+            out["reward"] = self.reward_head(hidden)[..., 0]
         if return_hidden:
             out["hidden"], out["trunk"] = hidden, x
         if new_cache is not None:
