@@ -26,6 +26,7 @@ from experiments.report import eval_series, fmt_interval, md_table, mean_interva
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.train import TrainConfig, evaluate, train
+from glm5_jax.train.loop import TrainingDiverged
 from glm5_jax.train.step import make_eval_step
 
 ARMS = (("mla_adamw", "mla", "adamw"), ("mla_muon", "mla", "muon"), ("mla_muon_split", "mla", "muon_split"),
@@ -57,7 +58,12 @@ class MuonSplitConfig:
     # muon_learning_rate for the headline arms. Empty: no sweep, muon_learning_rate as given.
     muon_lr_sweep: tuple[float, ...] = ()
     sweep_steps: int = 80
-    seeds: tuple[int, ...] = (0,)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    # stability without QK-clip, counted per run (fixed before the run): a "loss spike" is a step after
+    # warm-up whose train loss exceeds the minimum over the previous `spike_window` steps by more than
+    # `spike_nats`; a non-finite loss stops that run (counted as diverged, left out of the intervals)
+    spike_nats: float = 0.5
+    spike_window: int = 20
 
     PRIMARY: ClassVar[str] = ("max_attn_logit of mla_muon vs mla_muon_split at the end of training (secondary: test "
                               "LM loss relative to gqa_muon)")
@@ -85,6 +91,9 @@ class MuonSplitConfig:
                               "are invalid: learning rates > 0, sweep_steps >= 1")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ConfigError(f"MuonSplitConfig.seeds={self.seeds!r} is invalid: a non-empty tuple of distinct ints >= 0")
+        if not self.spike_nats > 0 or self.spike_window < 1:
+            raise ConfigError(f"MuonSplitConfig.spike_nats={self.spike_nats!r} / spike_window={self.spike_window!r} "
+                              "are invalid: spike_nats > 0, spike_window >= 1")
         model_configs(self.model, self.gqa_kv_heads, self.gqa_head_dim)     # the gqa arm validates too
 
 
@@ -95,7 +104,7 @@ TINY = MuonSplitConfig(
     train=TrainConfig(steps=160, batch_size=8, seq_len=128, learning_rate=3e-3, warmup_steps=16, weight_decay=0.1,
                       eval_every=40, log_every=20, ckpt_every=40, monitor_every=10, eval_batches=4, seed=0),
     data=DataConfig(vocab_size=2048, seq_len=128, seed=0),
-    muon_lr_sweep=(3e-3, 1e-2, 3e-2), sweep_steps=80, seeds=(0, 1),
+    muon_lr_sweep=(3e-3, 1e-2, 3e-2), sweep_steps=80, seeds=(0, 1, 2, 3, 4),
 )
 # One accelerator: the "small" preset trunk (MoE, MLA dims from the preset) with 16 heads, GQA-8 (8 KV heads).
 SMALL = dataclasses.replace(
@@ -112,6 +121,52 @@ def _monitor_summary(history) -> dict:
             "max_attn_logit_peak": float(max((row["max_attn_logit"] for row in mon), default=float("nan"))),
             "max_attn_logit_per_layer": {k.split("/", 1)[1]: float(v) for k, v in last.items()
                                          if k.startswith("max_attn_logit/")}}
+
+
+def count_loss_spikes(losses, *, warmup: int, nats: float, window: int) -> int:
+    """Steps after `warmup` whose loss exceeds the minimum over the previous `window` steps by more than
+    `nats` (losses[i] is step i + 1's train loss). A non-finite loss counts as a spike."""
+    n = 0
+    for i in range(max(warmup, 1), len(losses)):
+        prev = [x for x in losses[max(0, i - window):i] if math.isfinite(x)]
+        if not math.isfinite(losses[i]) or (prev and losses[i] - min(prev) > nats):
+            n += 1
+    return n
+
+
+def trajectory_bands(histories: list[list[dict]], key: str = "max_attn_logit") -> tuple[list, list, list, list]:
+    """(steps, mean, lo, hi) of `key` at the steps every history recorded it: the mean over runs with a
+    95% t interval (lo = hi = mean for one run)."""
+    per = [{r["step"]: r[key] for r in h if key in r} for h in histories]
+    steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
+    ivs = [mean_interval([p[st] for p in per]) for st in steps]
+    return (steps, [iv["mean"] for iv in ivs], [iv["mean"] if iv["lo"] is None else iv["lo"] for iv in ivs],
+            [iv["mean"] if iv["hi"] is None else iv["hi"] for iv in ivs])
+
+
+def paired_difference(per_seed: dict, a: str, b: str, key: str) -> dict | None:
+    """per-seed a - b of `key` over the seeds where both ran and are finite, mean with a 95% t interval."""
+    if a not in per_seed or b not in per_seed:
+        return None
+    d = [per_seed[a][s][key] - per_seed[b][s][key] for s in per_seed[a]
+         if s in per_seed[b] and math.isfinite(per_seed[a][s][key]) and math.isfinite(per_seed[b][s][key])]
+    return {**mean_interval(d), "per_seed": d} if d else None
+
+
+def verdict(diff: dict | None) -> str:
+    """One sentence on the primary comparison: split - plain final max logit, paired by seed."""
+    if not diff:
+        return "The primary comparison needs both mla_muon and mla_muon_split (arms=...)."
+    m, lo, hi, n = diff["mean"], diff["lo"], diff["hi"], diff["n"]
+    if lo is None:
+        return f"Muon Split - Muon final max logit {m:+.2f} on one seed: no interval, no conclusion."
+    iv = f"{m:+.2f} [{lo:+.2f}, {hi:+.2f}] over {n} seeds"
+    if hi < 0:
+        return f"Muon Split lowers the final max attention logit against plain Muon: {iv} (the report's effect)."
+    if lo > 0:
+        return f"Muon Split RAISES the final max attention logit against plain Muon: {iv} (contrary to the report)."
+    return (f"Muon Split and plain Muon are not separated in final max attention logit: {iv} includes 0 (the "
+            "report's effect does not appear at this scale).")
 
 
 def choose_regime(sweep: list[dict]) -> float | None:
@@ -147,7 +202,7 @@ def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
     chosen = choose_regime(sweep)
     muon_lr = chosen if chosen is not None else cfg.muon_learning_rate
 
-    runs, per_seed = {}, {}
+    runs, per_seed, histories = {}, {}, {}
     for s in cfg.seeds:
         for arm, att, opt in ARMS:
             if arm not in cfg.arms:
@@ -156,21 +211,45 @@ def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
             lr = tc.learning_rate if opt == "adamw" else muon_lr
             t0 = time.time()
             wd = os.path.join(workdir, arm) if s == cfg.seeds[0] else os.path.join(workdir, f"seed_{s}", arm)
-            r = train(mcfg, tc.replace(optimizer=opt, learning_rate=lr, seed=tc.seed + s),
-                      data.train_iter(B, T, seed=cfg.data.seed + s), wd,
-                      eval_fn=lambda p, c=mcfg, e=steps_fns[att]: evaluate(c, p, lm_dev, e),
-                      log=log, name=f"{arm}-s{s}", mesh=mesh)
+            row = {"attention": att, "optimizer": opt, "learning_rate": lr}
+            try:
+                r = train(mcfg, tc.replace(optimizer=opt, learning_rate=lr, seed=tc.seed + s),
+                          data.train_iter(B, T, seed=cfg.data.seed + s), wd,
+                          eval_fn=lambda p, c=mcfg, e=steps_fns[att]: evaluate(c, p, lm_dev, e),
+                          log=log, name=f"{arm}-s{s}", mesh=mesh)
+            except TrainingDiverged as e:           # no QK-clip: a run may blow up; that is a result
+                log(f"[{arm}-s{s}] diverged: {e}")
+                row.update(test_eval_loss=float("nan"), test_eval_accuracy=float("nan"), max_attn_logit=float("nan"),
+                           max_attn_logit_peak=float("nan"), max_attn_logit_per_layer={}, diverged=True,
+                           loss_spikes=None, wall_time_s=time.time() - t0)
+                per_seed.setdefault(arm, {})[str(s)] = row
+                continue
             test = evaluate(mcfg, r["params"], lm_test, steps_fns[att])
-            per_seed.setdefault(arm, {})[str(s)] = {
-                "attention": att, "optimizer": opt, "learning_rate": lr, "test_eval_loss": float(test["eval_loss"]),
-                "test_eval_accuracy": float(test["eval_accuracy"]), **_monitor_summary(r["history"]),
-                "wall_time_s": time.time() - t0}
+            losses = [h["loss"] for h in r["history"] if "loss" in h]
+            row.update(test_eval_loss=float(test["eval_loss"]), test_eval_accuracy=float(test["eval_accuracy"]),
+                       **_monitor_summary(r["history"]), diverged=False,
+                       loss_spikes=count_loss_spikes(losses, warmup=tc.warmup_steps, nats=cfg.spike_nats,
+                                                     window=cfg.spike_window),
+                       max_train_loss_after_warmup=float(max(losses[tc.warmup_steps:] or losses)),
+                       wall_time_s=time.time() - t0)
+            per_seed.setdefault(arm, {})[str(s)] = row
+            histories.setdefault(arm, []).append(r["history"])
             if s == cfg.seeds[0]:
                 runs[arm] = r
 
     arms = {}
     for arm, by_seed in per_seed.items():
-        rows = list(by_seed.values())
+        all_rows = list(by_seed.values())
+        rows = [r for r in all_rows if not r["diverged"]]
+        if not rows:                                # every seed diverged: no interval to give
+            nan = {"mean": float("nan"), "lo": None, "hi": None, "n": 0}
+            arms[arm] = {"attention": all_rows[0]["attention"], "optimizer": all_rows[0]["optimizer"],
+                         "learning_rate": all_rows[0]["learning_rate"], "final_eval_loss": float("nan"),
+                         "final_eval_loss_interval": nan, "final_eval_accuracy": float("nan"),
+                         "max_attn_logit": float("nan"), "max_attn_logit_interval": nan,
+                         "max_attn_logit_peak": float("nan"), "max_attn_logit_per_layer": {},
+                         "diverged_seeds": len(all_rows), "loss_spikes": 0}
+            continue
         loss = mean_interval([r["test_eval_loss"] for r in rows])
         logit = mean_interval([r["max_attn_logit"] for r in rows])
         arms[arm] = {"attention": rows[0]["attention"], "optimizer": rows[0]["optimizer"],
@@ -179,24 +258,41 @@ def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
                      "final_eval_accuracy": float(np.mean([r["test_eval_accuracy"] for r in rows])),
                      "max_attn_logit": logit["mean"], "max_attn_logit_interval": logit,
                      "max_attn_logit_peak": float(max(r["max_attn_logit_peak"] for r in rows)),
-                     "max_attn_logit_per_layer": rows[0]["max_attn_logit_per_layer"]}
+                     "max_attn_logit_per_layer": rows[0]["max_attn_logit_per_layer"],
+                     "diverged_seeds": len(all_rows) - len(rows),
+                     "loss_spikes": int(sum(r["loss_spikes"] for r in rows))}
+    primary_diff = {"mla_muon_split - mla_muon": {
+        "max_attn_logit": paired_difference(per_seed, "mla_muon_split", "mla_muon", "max_attn_logit"),
+        "test_eval_loss": paired_difference(per_seed, "mla_muon_split", "mla_muon", "test_eval_loss")},
+        "mla_muon_split - gqa_muon": {
+        "test_eval_loss": paired_difference(per_seed, "mla_muon_split", "gqa_muon", "test_eval_loss")},
+        "mla_muon - gqa_muon": {
+        "test_eval_loss": paired_difference(per_seed, "mla_muon", "gqa_muon", "test_eval_loss")}}
 
     plot_curves(os.path.join(workdir, "eval_loss.png"), {a: eval_series(r["history"]) for a, r in runs.items()},
                 title=f"muon_split: dev eval loss (B={B}, T={T}, {tc.steps} steps, seed {cfg.seeds[0]})")
-    plot_curves(os.path.join(workdir, "max_attn_logit.png"),
-                {a: eval_series(r["history"], "max_attn_logit") for a, r in runs.items()},
-                title="muon_split: max |q.k|*scale over layers, heads, visible keys", ylabel="max attention logit")
+    bands = {a: trajectory_bands(h) for a, h in histories.items()}
+    plot_curves(os.path.join(workdir, "max_attn_logit.png"), {a: (b[0], b[1]) for a, b in bands.items()},
+                bands={a: (b[2], b[3]) for a, b in bands.items()},
+                title=f"muon_split: max |q.k|*scale (mean over {len(cfg.seeds)} seeds, band 95% t)",
+                ylabel="max attention logit")
     mla, gqa = cfgs["mla"], cfgs["gqa"]
     report = {"primary_metric": cfg.PRIMARY, "arms": arms, "per_seed": per_seed, "seeds": list(cfg.seeds),
+              "paired_differences": primary_diff, "logit_trajectory": {a: {"steps": b[0], "mean": b[1], "lo": b[2],
+                                                                            "hi": b[3]} for a, b in bands.items()},
+              "stability": {"spike_nats": cfg.spike_nats, "spike_window": cfg.spike_window, "qk_clip": False,
+                            "diverged_runs": sum(v["diverged_seeds"] for v in arms.values()),
+                            "loss_spikes": {a: v["loss_spikes"] for a, v in arms.items()}},
               "sweep": sweep, "chosen_muon_learning_rate": muon_lr, "regime_from_sweep": chosen is not None,
               "steps": tc.steps, "tokens_per_step": B * T, "tokens_total": B * T * tc.steps,
               "gqa_kv_heads": gqa.num_kv_heads, "num_heads": mla.num_heads, "wall_time_s": time.time() - t_start}
+    report["verdict"] = verdict(primary_diff["mla_muon_split - mla_muon"]["max_attn_logit"])
     ref = arms.get("gqa_muon", {}).get("final_eval_loss")
     rows = [[a, v["optimizer"], v["learning_rate"],
              fmt_interval(v["final_eval_loss"], v["final_eval_loss_interval"]["lo"], v["final_eval_loss_interval"]["hi"], 4),
              f"{100.0 * (v['final_eval_loss'] - ref) / ref:+.2f}%" if ref else "-", v["final_eval_accuracy"],
              fmt_interval(v["max_attn_logit"], v["max_attn_logit_interval"]["lo"], v["max_attn_logit_interval"]["hi"], 2),
-             v["max_attn_logit_peak"]] for a, v in arms.items()]
+             v["max_attn_logit_peak"], v["loss_spikes"], v["diverged_seeds"]] for a, v in arms.items()]
     srows = [[r["learning_rate"], r["dev_eval_loss"], r["max_attn_logit"], r["max_attn_logit_peak"]] for r in sweep]
     sweep_md = (f"""## Regime search (plain-Muon MLA, {cfg.sweep_steps} steps per LR, dev loss)
 
@@ -209,6 +305,8 @@ Chosen: muon_learning_rate = {muon_lr:g} (largest final max logit with a finite 
                   ", ".join(f"{k} {x:.1f}" for k, x in sorted(v["max_attn_logit_per_layer"].items()))]
                  for a, by_seed in per_seed.items() for s, v in by_seed.items()]
     iv = "95% t interval over seeds" if len(cfg.seeds) > 1 else "one seed, no interval"
+    cell = lambda d, k, n: "-" if not d or not d.get(k) else fmt_interval(d[k]["mean"], d[k]["lo"], d[k]["hi"], n)  # noqa: E731
+    diff_rows = [[name, cell(d, "max_attn_logit", 2), cell(d, "test_eval_loss", 4)] for name, d in primary_diff.items()]
     md = f"""# muon_split
 
 **Primary metric (named before the run):** {cfg.PRIMARY}.
@@ -226,7 +324,18 @@ every arm. Held-out Python standard-library files: {len(lm_dev)} dev batches (cu
 ## Arms (Muon arms at peak lr {muon_lr:g}; AdamW at {tc.learning_rate:g})
 
 {md_table(["arm", "optimizer", "peak lr", "test loss (" + iv + ")", "vs gqa_muon", "test token acc",
-           "final max logit (" + iv + ")", "peak max logit"], rows)}
+           "final max logit (" + iv + ")", "peak max logit", "loss spikes (all seeds)", "diverged seeds"], rows)}
+
+**{report['verdict']}**
+
+Paired by seed (same data stream and, for the MLA arms, the same initial weights), mean difference
+with a 95% t interval over seeds:
+
+{md_table(["difference", "final max logit", "test loss"], diff_rows)}
+
+Stability without QK-clip: {report['stability']['diverged_runs']} run(s) with a non-finite loss; a loss spike
+= a step after warm-up whose train loss exceeds the minimum of the previous {cfg.spike_window} steps by more
+than {cfg.spike_nats:g} nats (fixed before the run).
 
 Per seed (with few seeds the t interval is wide; these are the values it summarises):
 
