@@ -144,3 +144,42 @@ def test_muon_split_micro_run(tmp_path):
         assert os.path.exists(tmp_path / f)
     rows = [json.loads(l) for l in open(tmp_path / "mla_muon_split" / "metrics.jsonl")]
     assert all("max_attn_logit/layer_0" in r for r in rows)
+
+
+def test_loss_spike_count_against_hand_count():
+    """count_loss_spikes: a step after warm-up more than `nats` above the min of the previous window."""
+    from experiments.muon_split import count_loss_spikes
+    losses = [5.0, 4.0, 3.0, 3.4, 3.6, 2.9, 2.8, float("nan"), 2.7]
+    # after warm-up 2: step idx 3 (3.4 - 3.0 = 0.4 <= 0.5), idx 4 (3.6 - 3.0 = 0.6 > 0.5: spike), idx 7 nan: spike
+    assert count_loss_spikes(losses, warmup=2, nats=0.5, window=20) == 2
+    # window 1: idx 4 compares with 3.4 only (0.2): no spike; nan still counts
+    assert count_loss_spikes(losses, warmup=2, nats=0.5, window=1) == 1
+    # the warm-up is not counted: 5 -> 4 -> 3 are decreases anyway, and a spike inside it is ignored
+    assert count_loss_spikes([1.0, 9.0, 1.0], warmup=2, nats=0.5, window=5) == 0
+
+
+def test_paired_difference_and_verdict_closed_form():
+    """Per-seed differences split - plain with a t interval (t(2) = 4.303); the verdict follows its sign."""
+    from experiments.muon_split import paired_difference, trajectory_bands, verdict
+    per = {"mla_muon": {"0": {"max_attn_logit": 10.0}, "1": {"max_attn_logit": 20.0}, "2": {"max_attn_logit": 30.0}},
+           "mla_muon_split": {"0": {"max_attn_logit": 9.0}, "1": {"max_attn_logit": 18.0},
+                              "2": {"max_attn_logit": 27.0}}}
+    d = paired_difference(per, "mla_muon_split", "mla_muon", "max_attn_logit")
+    assert d["per_seed"] == [-1.0, -2.0, -3.0] and d["mean"] == pytest.approx(-2.0) and d["n"] == 3
+    assert d["hi"] == pytest.approx(-2.0 + 4.303 * 1.0 / math.sqrt(3))          # sd 1
+    assert "not separated" in verdict(d)                                          # [-4.48, +0.48] holds 0
+    assert "lowers" in verdict({"mean": -2.0, "lo": -3.0, "hi": -1.0, "n": 3})
+    assert "not separated" in verdict({"mean": 0.1, "lo": -1.0, "hi": 1.2, "n": 3})
+    assert "RAISES" in verdict({"mean": 2.0, "lo": 1.0, "hi": 3.0, "n": 3})
+    assert "one seed" in verdict({"mean": 2.0, "lo": None, "hi": None, "n": 1})
+    assert paired_difference(per, "mla_muon_split", "gqa_muon", "max_attn_logit") is None
+    # a diverged (nan) seed is left out of the pairing
+    per["mla_muon"]["2"]["max_attn_logit"] = float("nan")
+    assert paired_difference(per, "mla_muon_split", "mla_muon", "max_attn_logit")["n"] == 2
+    # trajectory bands: mean over runs at the shared monitor steps
+    h1 = [{"step": 10, "max_attn_logit": 1.0}, {"step": 20, "max_attn_logit": 3.0}, {"step": 25, "loss": 1.0}]
+    h2 = [{"step": 10, "max_attn_logit": 3.0}, {"step": 20, "max_attn_logit": 5.0}]
+    steps, mean, lo, hi = trajectory_bands([h1, h2])
+    assert steps == [10, 20] and mean == [2.0, 4.0] and lo[0] < 2.0 < hi[0]
+    steps, mean, lo, hi = trajectory_bands([h1])
+    assert lo == mean == hi == [1.0, 3.0]
