@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from glm5_jax.config import ConfigError
+from glm5_jax.optim.schedules import LR_SCHEDULES, lr_schedule
 
 INDEXER_LOSSES = (None, "dense", "sparse")
 OPTIMIZERS = ("adamw", "muon", "muon_split")
@@ -19,6 +20,8 @@ class TrainConfig:
     learning_rate: float = 3e-3
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
+    lr_schedule: str = "cosine"          # cosine | wsd (warmup-stable-decay: glm5_jax.optim.schedules)
+    decay_fraction: float = 0.2          # wsd: the last round(decay_fraction * steps) steps decay the LR
     optimizer: str = "adamw"
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -63,6 +66,13 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.learning_rate={self.learning_rate!r} is invalid: must be > 0")
         if self.warmup_steps < 0:
             raise ConfigError(f"TrainConfig.warmup_steps={self.warmup_steps!r} is invalid: must be >= 0 (clipped to steps)")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"TrainConfig.lr_schedule={self.lr_schedule!r} is invalid: allowed: {', '.join(LR_SCHEDULES)}")
+        if isinstance(self.decay_fraction, bool) or not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"TrainConfig.decay_fraction={self.decay_fraction!r} is invalid: must be in [0, 1] "
+                              "(the share of steps at the end of a wsd schedule that decay the LR)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"TrainConfig.min_lr_ratio={self.min_lr_ratio!r} is invalid: must be in [0, 1]")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"TrainConfig.optimizer={self.optimizer!r} is invalid: allowed: {', '.join(OPTIMIZERS)}")
         if self.indexer_loss not in INDEXER_LOSSES:
@@ -70,6 +80,11 @@ class TrainConfig:
         for f in ("mtp_weight", "z_loss", "indexer_loss_weight", "bias_update_rate", "weight_decay", "grad_clip"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"TrainConfig.{f}={getattr(self, f)!r} is invalid: must be >= 0")
+
+    def schedule(self):
+        """The learning rate as a function of the optimizer's step count (lr_schedule over `steps`)."""
+        return lr_schedule(self.lr_schedule, self.learning_rate, min(self.warmup_steps, self.steps), self.steps,
+                           self.min_lr_ratio, self.decay_fraction)
 
     def replace(self, **kw) -> "TrainConfig":
         return dataclasses.replace(self, **kw)

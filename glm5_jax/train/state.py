@@ -43,7 +43,7 @@ def build_optimizer(model_cfg: ModelConfig, tcfg: TrainConfig, params):
     if tcfg.trainable_pattern:
         pat = re.compile(tcfg.trainable_pattern)
         trainable = lambda path: bool(pat.search(path))
-    return make_optimizer(tcfg.optimizer, params, learning_rate=tcfg.learning_rate, weight_decay=tcfg.weight_decay,
+    return make_optimizer(tcfg.optimizer, params, learning_rate=tcfg.schedule(), weight_decay=tcfg.weight_decay,
                           split_spec=model_cfg if tcfg.optimizer == "muon_split" else None,
                           grad_clip=tcfg.grad_clip or None, warmup_steps=min(tcfg.warmup_steps, tcfg.steps),
                           total_steps=tcfg.steps, min_lr_ratio=tcfg.min_lr_ratio, trainable=trainable,
