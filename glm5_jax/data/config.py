@@ -10,13 +10,23 @@ All sizes are validated eagerly so that a bad value fails with a ConfigError nam
 the value and what is allowed, instead of failing deep inside sentencepiece or grain. Every field
 can be set from the command line of an experiment (`--set data.max_files=50`, `data.cache_dir=none`,
 `data.exclude_dirs=test,tests`, `data.path=corpus/*.jsonl.gz`, `data.tokenizer=glm5/tokenizer.json`).
+
+Mixtures: `sources` names several data sets, each with a weight (glm5_jax.data.mixture):
+`--set data.sources=web=corpus/web:0.6,code=data/prep_code:0.4` (`[NAME=]PATH[:WEIGHT]`, comma-separated;
+NAME defaults to the file name without extension, WEIGHT to 1; weights are normalised) or JSON,
+`--set 'data.sources=[{"name": "web", "path": "a.jsonl,b.jsonl", "weight": 0.6}, ...]'` (a path that holds
+commas or ends in `:<number>`). A mix (`parse_mix`, e.g. a stage's `Stage.data`) re-weights the sources by
+name: `web:0.2,code:0.8`; a source it leaves out is not read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
-from typing import Optional, Tuple
+import re
+from typing import Any, Mapping, Optional, Tuple
 
 from glm5_jax.config import ConfigError
 
@@ -42,6 +52,124 @@ def default_cache_dir() -> str:
     if env:
         return env
     return os.path.join(os.path.expanduser("~"), ".cache", "glm5_jax", "data")
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+SOURCES_SYNTAX = ("a comma list of [NAME=]PATH[:WEIGHT] (e.g. web=corpus/web:0.6,code=data/prep:0.4) or a JSON "
+                  "list of {\"name\", \"path\", \"weight\"} objects")
+MIX_SYNTAX = "a comma list of NAME:WEIGHT over the source names (e.g. web:0.2,code:0.8)"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixSource:
+    """One source of a mixture: `path` (as DataConfig.path: files, globs, a prepared directory) read with
+    the mixture's tokenizer, drawn with probability weight / sum(weights)."""
+    name: str
+    path: str
+    weight: float = 1.0
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.path}:{self.weight:g}"
+
+
+def _weight(field: str, value, where: str) -> float:
+    try:
+        w = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        w = math.nan
+    if not (math.isfinite(w) and w > 0):
+        raise ConfigError(f"DataConfig.{field}: {where}: weight {value!r} is invalid; allowed: a finite number > 0 "
+                          "(a source that should not be read is left out of the mix)")
+    return w
+
+
+def _source_from(item, i: int) -> MixSource:
+    if isinstance(item, MixSource):
+        return item
+    if isinstance(item, Mapping):
+        unknown = sorted(set(item) - {"name", "path", "weight"})
+        if unknown or "path" not in item:
+            raise _bad("sources", item, f"source {i}: an object with 'path' and optional 'name', 'weight' "
+                       f"(unknown keys {unknown})" if unknown else f"source {i}: 'path' is missing")
+        name, path, weight = item.get("name"), item["path"], item.get("weight", 1.0)
+    elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
+        name, path, weight = (item[0], item[1], item[2]) if len(item) == 3 else (item[0], item[1], 1.0)
+    elif isinstance(item, str):
+        text = item.strip()
+        name, _, rest = text.partition("=") if "=" in text else (None, "", text)
+        path, weight = rest, 1.0
+        head, sep, tail = rest.rpartition(":")
+        if sep and re.fullmatch(r"\s*[-+0-9.eE]+\s*|\s*(nan|inf|-inf)\s*", tail):
+            path, weight = head, tail
+    else:
+        raise _bad("sources", item, f"source {i}: {SOURCES_SYNTAX}")
+    if not (isinstance(path, str) and path.strip()):
+        raise _bad("sources", item, f"source {i}: the path is empty")
+    path = path.strip()
+    if name is None or (isinstance(name, str) and not name.strip()):
+        base = os.path.basename(path.rstrip("/").split(",")[0])
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", base.split(".")[0]) or f"source{i}"
+    if not (isinstance(name, str) and _NAME.fullmatch(name.strip())):
+        raise _bad("sources", item, f"source {i}: name {name!r} must be letters, digits, '_', '.', '-'")
+    return MixSource(name.strip(), path, _weight("sources", weight, f"source {i} ({name.strip()})"))
+
+
+def parse_sources(value) -> Tuple[MixSource, ...]:
+    """`DataConfig.sources` from its command-line string (`[NAME=]PATH[:WEIGHT],...` or JSON), a list of
+    dicts / (name, path[, weight]) tuples / MixSource; () for none. ConfigError naming what is wrong."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "null"):
+            return ()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except ValueError as e:
+                raise _bad("sources", value, f"{SOURCES_SYNTAX} (invalid JSON: {e})") from None
+        else:
+            value = [x for x in text.split(",") if x.strip()]
+    if isinstance(value, Mapping) or not isinstance(value, (tuple, list)):
+        raise _bad("sources", value, SOURCES_SYNTAX)
+    out = tuple(_source_from(x, i) for i, x in enumerate(value))
+    names = [s.name for s in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise _bad("sources", value, f"distinct source names; {dup} repeat (name them: NAME=PATH:WEIGHT)")
+    return out
+
+
+def parse_mix(spec, names) -> Tuple[Tuple[str, float], ...]:
+    """A mix over the sources `names`: ((name, weight), ...) in `names` order, from `NAME:WEIGHT,...`, a
+    {name: weight} mapping or pairs. A source left out is not drawn; ConfigError for an unknown name, a
+    repeated one or a weight that is not a finite number > 0."""
+    names = tuple(names)
+    if isinstance(spec, str):
+        items = []
+        for part in (p.strip() for p in spec.split(",")):
+            if not part:
+                continue
+            name, sep, w = part.rpartition(":")
+            if not sep or not name.strip():
+                raise _bad("mix", spec, f"{MIX_SYNTAX}; {part!r} has no NAME:WEIGHT form")
+            items.append((name.strip(), w.strip()))
+    elif isinstance(spec, Mapping):
+        items = list(spec.items())
+    elif isinstance(spec, (tuple, list)) and all(isinstance(x, (tuple, list)) and len(x) == 2 for x in spec):
+        items = [tuple(x) for x in spec]
+    else:
+        raise _bad("mix", spec, MIX_SYNTAX)
+    if not items:
+        raise _bad("mix", spec, f"{MIX_SYNTAX}: at least one source")
+    seen = {}
+    for name, w in items:
+        if name not in names:
+            raise _bad("mix", spec, f"{MIX_SYNTAX}; {name!r} is not a source (sources: {', '.join(names)})")
+        if name in seen:
+            raise _bad("mix", spec, f"{MIX_SYNTAX}; {name!r} is given twice")
+        seen[name] = _weight("mix", w, f"source {name}")
+    return tuple((n, seen[n]) for n in names if n in seen)
 
 
 def _bad(field: str, value, allowed: str) -> ConfigError:
@@ -88,6 +216,9 @@ class DataConfig:
       tokenizer_train_bytes: cap of training-split text fed to the tokenizer trainer.
       stdlib_root: corpus root override (None -> sysconfig stdlib).
       exclude_dirs: directory names skipped when walking the corpus root.
+      sources: () (train on `path`), or a weighted mixture of sources (MixSource; from the command
+        line `NAME=PATH:WEIGHT,...` or JSON: module docstring); `path` must then be None. Every source
+        shares the tokenizer and the other settings here; each keeps its own held-out split.
     """
 
     vocab_size: int = 2048
@@ -110,8 +241,16 @@ class DataConfig:
     tokenizer_train_bytes: int = 8_000_000
     stdlib_root: Optional[str] = None
     exclude_dirs: Tuple[str, ...] = DEFAULT_EXCLUDE_DIRS
+    sources: Any = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "sources", parse_sources(self.sources))
+        if self.sources and self.path is not None:
+            raise _bad("path", self.path, f"None when data.sources is set (sources: "
+                       f"{', '.join(map(str, self.sources))}); put this path in data.sources")
+        if self.sources and self.retrieval_fraction:
+            raise _bad("retrieval_fraction", self.retrieval_fraction,
+                       "0 when data.sources is set (the retrieval probe is built from one corpus)")
         if not _is_int(self.vocab_size) or not (320 <= self.vocab_size <= MAX_VOCAB):
             raise _bad("vocab_size", self.vocab_size, f"int in [320, {MAX_VOCAB}]")
         for f in ("path", "tokenizer"):

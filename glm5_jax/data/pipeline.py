@@ -36,6 +36,7 @@ Staged training (context extension) builds one iterator per stage at that stage'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -63,6 +64,10 @@ def _check_int(name: str, v, lo: int) -> int:
     return int(v)
 
 
+def _tagged(j: int, i) -> tuple:
+    return j, int(i)
+
+
 def _stack(rows: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
     return {k: np.stack([r[k] for r in rows]).astype(np.int32, copy=False) for k in BATCH_KEYS}
 
@@ -70,11 +75,26 @@ def _stack(rows: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
 class TrainIterator:
     """Infinite iterator of train batches with a JSON-serialisable, restorable state."""
 
-    def __init__(self, data: "LMData", batch_size: int, seq_len: int, seed: int,
-                 num_threads: int = 0):
+    def __init__(self, data: "LMData | MixtureData", batch_size: int, seq_len: int, seed: int,
+                 num_threads: int = 0, mix=None):
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.seq_len = _check_int("seq_len", seq_len, 2)
         self.seed = _check_int("seed", seed, 0)
+        self._num_threads = num_threads
+        self.rows: tuple[int, ...] = tuple(range(self.batch_size))
+        self._served = 0
+        self._ids = None                        # a mixture: MapDataset of (source index, window index)
+        self.sources: tuple[str, ...] = ()      # a mixture: the names of the sources drawn
+        if hasattr(data, "mixture_parts"):
+            self._init_mixture(data, mix)
+        else:
+            if mix is not None:
+                raise ConfigError(f"mix={mix!r} needs a mixture (data.sources); this data is one corpus "
+                                  f"({data.cfg.path or 'stdlib *.py sources'})")
+            self._init_single(data)
+        self._it = self._make_iter()
+
+    def _init_single(self, data: "LMData") -> None:
         cfg = data.cfg
         stream = data.train_stream
         T = self.seq_len
@@ -99,16 +119,38 @@ class TrainIterator:
 
         # element g of the global stream (random access: any process reads any element directly)
         self._elements = grain.MapDataset.range(n_items).shuffle(seed=self.seed).repeat(None).map_with_index(make)
-        self._num_threads = num_threads
-        self.rows: tuple[int, ...] = tuple(range(self.batch_size))
-        self._it = self._make_iter()
         self.fingerprint = settings_key({
             "tokens": data.data_key, "B": self.batch_size, "T": T,
             "seed": self.seed, "retrieval": [f, cfg.retrieval_pairs, cfg.retrieval_key_digits,
                                              cfg.retrieval_value_digits, cfg.min_distance(T),
                                              cfg.retrieval_min_pairs],
         })
-        self._served = 0
+
+    def _init_mixture(self, data: "MixtureData", mix) -> None:
+        """Each source: its train windows shuffled (a seed of its own, from `seed` and its name) and
+        repeated; grain's MapDataset.mix interleaves them in proportion to the weights (deterministic:
+        every prefix of the stream holds each source within one element of its share)."""
+        T = self.seq_len
+        parts = data.mixture_parts(mix)
+        self.sources = tuple(name for name, _, _ in parts)
+        self._streams = [d.train_stream for _, _, d in parts]
+        sets = []
+        for j, ((name, _, _), stream) in enumerate(zip(parts, self._streams)):
+            n = stream.num_windows(T)
+            if n == 0:
+                raise DataError(f"data.sources {name!r} has no train tokens (its train split is empty)")
+            seed_j = int(settings_key({"seed": self.seed, "source": name})[:8], 16)
+            sets.append(grain.MapDataset.range(n).shuffle(seed=seed_j).repeat(None)
+                        .map(functools.partial(_tagged, j)))
+        self.num_corpus_windows = sum(s.num_windows(T) for s in self._streams)
+        self.num_retrieval = 0
+        self._ids = grain.MapDataset.mix(sets, [w for _, w, _ in parts]) if len(sets) > 1 else sets[0]
+        streams = self._streams
+        self._elements = self._ids.map(lambda ji: streams[ji[0]].window(ji[1], T))
+        self._counts = {name: [0, 0] for name in self.sources}          # sequences, tokens
+        self.fingerprint = settings_key({
+            "sources": [[name, w, d.data_key] for name, w, d in parts],
+            "B": self.batch_size, "T": T, "seed": self.seed})
 
     def _make_iter(self):
         """An iterator over batches of this iterator's rows of each global batch (one batch per global
@@ -143,8 +185,26 @@ class TrainIterator:
 
     def __next__(self) -> Dict[str, np.ndarray]:
         batch = next(self._it)
+        if self._ids is not None:       # global batch k's sources, from the mixture's indices (every row)
+            B, T, k = self.batch_size, self.seq_len, self._served
+            for g in range(k * B, k * B + B):
+                j, i = self._ids[g]
+                c = self._counts[self.sources[j]]
+                c[0] += 1
+                c[1] += min(T, max(len(self._streams[j]) - i * T, 0))     # the window's real tokens
         self._served += 1
         return {k: np.asarray(batch[k], np.int32) for k in BATCH_KEYS}
+
+    def data_metrics(self) -> Dict[str, int]:
+        """A mixture's cumulative per-source counts over the global batches served so far (all rows, so
+        every process reports the same): `data_sequences/NAME` and `data_tokens/NAME` (non-padding
+        input tokens). {} for one corpus."""
+        out = {}
+        for name in self.sources:
+            n_seq, n_tok = self._counts[name]
+            out[f"data_sequences/{name}"] = n_seq
+            out[f"data_tokens/{name}"] = n_tok
+        return out
 
     @property
     def epoch_batches(self) -> int:
@@ -154,6 +214,8 @@ class TrainIterator:
     def get_state(self) -> Dict[str, Any]:
         state = {"version": _STATE_VERSION, "fingerprint": self.fingerprint,
                  "batches_served": self._served, "grain": self._it.get_state()}
+        if self.sources:
+            state["source_counts"] = {name: list(self._counts[name]) for name in self.sources}
         return json.loads(json.dumps(state))  # guarantees (and checks) JSON-serialisability
 
     def set_state(self, state: Dict[str, Any]) -> None:
@@ -167,6 +229,8 @@ class TrainIterator:
                 "seed/retrieval settings")
         self._it.set_state(state["grain"])
         self._served = int(state["batches_served"])
+        if self.sources:
+            self._counts = {name: [int(x) for x in state["source_counts"][name]] for name in self.sources}
 
 
 @dataclasses.dataclass
@@ -195,9 +259,10 @@ class LMData:
         return self.stream("eval")
 
     def train_iter(self, batch_size: int, seq_len: Optional[int] = None,
-                   seed: Optional[int] = None, num_threads: int = 0) -> TrainIterator:
+                   seed: Optional[int] = None, num_threads: int = 0, mix=None) -> TrainIterator:
+        """`mix` is for a mixture (MixtureData.train_iter); one corpus refuses it."""
         return TrainIterator(self, batch_size, self.cfg.seq_len if seq_len is None else seq_len,
-                             self.cfg.seed if seed is None else seed, num_threads)
+                             self.cfg.seed if seed is None else seed, num_threads, mix)
 
     def eval_batches(self, batch_size: int, seq_len: Optional[int] = None,
                      max_batches: Optional[int] = None) -> Iterator[Dict[str, np.ndarray]]:
@@ -271,30 +336,38 @@ def _prepared(cfg: DataConfig) -> LMData:
     return LMData(cfg, None, tok, splits, d, {"tokens_s": round(time.perf_counter() - t0, 3)}, key)
 
 
-def build_lm_data(cfg: DataConfig, log=None) -> LMData:
+def build_lm_data(cfg: DataConfig, log=None) -> "LMData | MixtureData":
     """Corpus -> (cached) tokenizer -> (cached) token arrays, or a prepared directory. Cheap on a warm
-    cache. `log`: where the tokenization summary goes (progress goes to stderr)."""
+    cache. `log`: where the tokenization summary goes (progress goes to stderr). With `cfg.sources`: a
+    MixtureData (glm5_jax.data.mixture) of one LMData per source."""
     if not isinstance(cfg, DataConfig):
         raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
+    if cfg.sources:
+        from glm5_jax.data.mixture import build_mixture
+        return build_mixture(cfg, log=log)
     if is_prepared_dir(cfg.path):
         return _prepared(cfg)
     t0 = time.perf_counter()
     corpus = load_corpus(cfg)
     t1 = time.perf_counter()
     tok = resolve_tokenizer(cfg, corpus)
+    return tokenized(cfg, corpus, tok, log, {"corpus_s": round(t1 - t0, 3),
+                                             "tokenizer_s": round(time.perf_counter() - t1, 3)})
+
+
+def tokenized(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, log=None, timings=None) -> LMData:
+    """LMData of `corpus` tokenized by `tok` (through the token cache)."""
     check_vocab(tok, cfg)                   # before the (long) tokenization
     t2 = time.perf_counter()
     splits, tdir = load_or_build_token_cache(cfg.resolved_cache_dir(), tok, corpus, log=log)
-    t3 = time.perf_counter()
-    timings = {"corpus_s": round(t1 - t0, 3), "tokenizer_s": round(t2 - t1, 3),
-               "tokens_s": round(t3 - t2, 3)}
+    timings = {**(timings or {}), "tokens_s": round(time.perf_counter() - t2, 3)}
     return LMData(cfg, corpus, tok, splits, tdir, timings, os.path.basename(tdir))
 
 
-def make_train_iterator(data: LMData | DataConfig, batch_size: int,
+def make_train_iterator(data: "LMData | MixtureData | DataConfig", batch_size: int,
                         seq_len: Optional[int] = None, seed: Optional[int] = None,
-                        num_threads: int = 0) -> TrainIterator:
-    """`TrainIterator` over `data` (an LMData, or a DataConfig that is built first)."""
+                        num_threads: int = 0, mix=None) -> TrainIterator:
+    """`TrainIterator` over `data` (an LMData or MixtureData, or a DataConfig that is built first)."""
     if isinstance(data, DataConfig):
         data = build_lm_data(data)
-    return data.train_iter(batch_size, seq_len, seed, num_threads)
+    return data.train_iter(batch_size, seq_len, seed, num_threads, mix)

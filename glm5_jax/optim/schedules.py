@@ -47,10 +47,10 @@ def warmup_stable_decay(peak_lr: float, warmup_steps: int = 0, total_steps: int 
     step s (0-based count of updates already applied), D = decay_steps, d0 = max(total - D, warmup):
       s <  warmup_steps : peak * (s + 1) / warmup_steps     (as warmup_cosine)
       s <  d0           : peak
-      s >= d0           : peak * (1 - (1 - r) * progress),  progress = (s - d0) / (total - d0) clipped to [0, 1]
+      s >= d0           : peak * (1 - (1 - r) * progress),  progress = (s + 1 - d0) / (total - d0) clipped to [0, 1]
+    so each of the decay steps is below the peak and the last update (s = total - 1) is at the minimum.
     decay_fraction 0 keeps the peak after warmup (a stage that an annealing stage continues); 1 decays
-    from the end of warmup (an annealing stage of its own). The decay shares the end point of the cosine
-    (the last update, s = total - 1, is one step short of the minimum).
+    from the end of warmup (an annealing stage of its own).
     """
     peak = float(peak_lr)
     w = int(warmup_steps)
@@ -68,7 +68,7 @@ def warmup_stable_decay(peak_lr: float, warmup_steps: int = 0, total_steps: int 
         warm = peak * jnp.minimum((s + 1.0) / max(w, 1), 1.0) if w > 0 else jnp.full_like(s, peak)
         if d0 >= total:
             return warm
-        prog = jnp.clip((s - d0) / span, 0.0, 1.0)
+        prog = jnp.clip((s + 1.0 - d0) / span, 0.0, 1.0)
         return jnp.where(s < w, warm, peak * (1.0 - (1.0 - r) * prog))
 
     return schedule

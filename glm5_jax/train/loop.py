@@ -191,7 +191,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
         ckpt.close()
         raise TrainingDiverged(msg)
 
-    def record(step, metrics, extra=None) -> None:
+    def record(step, metrics, data=None, extra=None) -> None:
         """Read `step`'s metrics (waits for that step), stop on a non-finite loss, write and log the row.
         The step's time is the wall time since the previous step's metrics were read (the loop keeps one
         step in flight, so this is the device time per step once it runs steadily)."""
@@ -201,7 +201,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
         if not math.isfinite(metrics["loss"]):
             stop(f"[{name}] loss is {metrics['loss']} at step {step}; stopped. The last good checkpoint is "
                  f"step {last_good} in {ckpt.directory} (lower learning_rate or enable grad_clip)")
-        row = {"step": step, **metrics, **(extra() if extra else {})}
+        row = {"step": step, **metrics, **(data or {}), **(extra() if extra else {})}
         obs.record(step, row, step_seconds=seconds)
         show = step % tcfg.log_every == 0 or step == end or "eval_loss" in row
         metrics_file.write(row, flush=show or step % tcfg.ckpt_every == 0)
@@ -214,10 +214,12 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
             local = {k: np.asarray(v)[take] for k, v in local.items()}
         return global_batch(bsh, local, batch_size)
 
-    pending = None                                     # (step, its metrics still on device)
+    data_metrics = getattr(train_iter, "data_metrics", None)   # a mixture's per-source counts, if any
+    pending = None                                     # (step, its metrics still on device, its data counts)
     for step in range(start + 1, end + 1):
         obs.step_started(step)
         batch = next_batch()
+        data_row = data_metrics() if data_metrics is not None else None
         state, metrics = step_fn(state, batch)
         if pending is not None:                        # the previous step's metrics, while this one runs
             record(*pending)
@@ -227,7 +229,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
         do_eval = eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps)
         do_mon = monitor_fn is not None and (step % tcfg.monitor_every == 0 or step == tcfg.steps)
         if not (do_ckpt or do_eval or do_mon or step == end):
-            pending = (step, metrics)
+            pending = (step, metrics, data_row)
             continue
 
         def extra(step=step, batch=batch, do_eval=do_eval, do_mon=do_mon):
@@ -240,7 +242,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
                 out.update(final)
             return out
 
-        record(step, metrics, extra)                   # before the save: only a finite step is checkpointed
+        record(step, metrics, data_row, extra)         # before the save: only a finite step is checkpointed
         if do_ckpt:
             ckpt.save(step, state, train_iter.get_state())
             last_good = step

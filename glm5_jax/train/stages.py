@@ -17,7 +17,9 @@ Stage i runs glm5_jax.train.loop.train in workdir/stage_<i>_<name>, starting fro
 * Train settings are per stage from the base TrainConfig: seq_len and steps from the stage, the learning
   rate schedule fields where the stage sets them, plus `Stage.train` overrides (indexer_loss, ...).
 * The optimizer state does not carry: each stage starts a fresh optimizer (moments, step 0, its own
-  warmup + cosine). Reason: a stage is its own schedule (a new warmup re-estimates the moments, which
+  warmup + schedule: TrainConfig.lr_schedule, cosine or warmup-stable-decay, set per stage in
+  `Stage.train`, e.g. {"lr_schedule": "wsd", "decay_fraction": 0.0} for a stage held at the peak and
+  {"lr_schedule": "wsd", "decay_fraction": 1.0} for the annealing stage that follows it). Reason: a stage is its own schedule (a new warmup re-estimates the moments, which
   is what the fresh stage's warmup is for), a DSA stage has parameters the previous optimizer never saw
   (its state would need a graft of its own), and the loop then needs no second way to start a state.
 * Resume: a stage writes stage.json (its definition; done + final eval when it ends). A rerun skips
@@ -40,6 +42,7 @@ from etils import epath
 from flax import traverse_util
 
 from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.data.config import MIX_SYNTAX, parse_mix
 from glm5_jax.model import init_params as fresh_params
 from glm5_jax.train.checkpoint import Checkpointer
 from glm5_jax.train.config import TrainConfig
@@ -65,7 +68,9 @@ def _frozen(v):
 class Stage:
     """One stage: its sequence length, steps, learning-rate schedule (None: the base TrainConfig's),
     `model` overrides (MODEL_FIELDS; cumulative over stages), `train` overrides (TrainConfig fields
-    other than the stage's own; per stage) and an optional data-mix name for make_iter."""
+    other than the stage's own; per stage) and an optional data mix for make_iter: `data` re-weights the
+    sources of a mixture (DataConfig.sources) by name, `NAME:WEIGHT,...` (e.g. "docs:0.9,code:0.1" for
+    an annealing stage); None = data.sources' own weights."""
     name: str
     seq_len: int
     steps: int
@@ -86,6 +91,14 @@ class Stage:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(f, v, "must be an integer >= 1")
+        if self.data is not None:
+            if not isinstance(self.data, str):
+                bad("data", self.data, f"None or a mix of data.sources: {MIX_SYNTAX}")
+            names = [p.rpartition(":")[0].strip() for p in self.data.split(",") if p.strip()]
+            try:
+                parse_mix(self.data, names)       # the form and the weights; the names are checked by the data
+            except ConfigError as e:
+                bad("data", self.data, str(e))
         for f, allowed in (("model", MODEL_FIELDS), ("train", TRAIN_FIELDS)):
             items = dict(getattr(self, f))
             for k in items:
@@ -244,7 +257,8 @@ def train_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Sta
         if primary and rec is None:
             (wd / STAGE_FILE).write_text(json.dumps({"stage": stage.to_json(), "done": False, "final": None}))
         log(f"[stages] {where}: T={stage.seq_len}, {stage.steps} steps, rope_theta={cfg.rope_theta}, "
-            f"rope_scaling={cfg.rope_scaling}, attention={cfg.attention} ({wd})")
+            f"rope_scaling={cfg.rope_scaling}, attention={cfg.attention}, lr {tc.lr_schedule} "
+            f"(peak {tc.learning_rate})" + (f", data mix {stage.data}" if stage.data else "") + f" ({wd})")
         eval_fn = eval_fn_for_stage(stage, i, cfg) if eval_fn_for_stage is not None else None
         out = train(cfg, tc, make_iter(stage, i), wd, init_params=start, eval_fn=eval_fn, log=log,
                     name=f"stage{i}-{stage.name}", mesh=mesh, loss_fn=loss_fn)
