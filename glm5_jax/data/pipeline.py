@@ -29,6 +29,10 @@ Eval: packed windows 0.. of the eval split in order, batched; the last batch is 
 rows with all-padding rows (loss_mask 0, segment_ids 0) so shapes stay static.
 
 Batch dict (all np.int32, shape [B, T]): tokens, targets, loss_mask, segment_ids, positions.
+Mixture (`DataConfig.sources`, glm5_jax.data.mixture): range(N_j).shuffle(seed_j).repeat(None) per source j
+(seed_j from seed and the source's name) -> grain MapDataset.mix(weights) -> window; the state adds
+per-source counts of the sequences and tokens served (`data_metrics()`, which the loop writes to
+metrics.jsonl / TensorBoard), and its fingerprint names the sources, their weights and token data.
 Staged training (context extension) builds one iterator per stage at that stage's T
 (`train_iter(B, stage.seq_len)`); its state (fingerprinted with T) lives in that stage's checkpoints.
 """

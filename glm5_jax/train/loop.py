@@ -11,7 +11,9 @@ to be finite, so the last checkpoint is always a good one even though a NaN may 
 Multi-process: every process runs this loop with the same arguments. Each reads only the rows of every
 global batch that its devices hold (`local_rows`; the iterator's select_rows) and the loop assembles the
 global batch with jax.make_array_from_process_local_data. Each process checkpoints its own shards and
-its own iterator state; only process 0 writes metrics.jsonl and TensorBoard events. The workdir is an
+its own iterator state; only process 0 writes metrics.jsonl and TensorBoard events. An iterator with
+`data_metrics()` (a mixture of sources) adds its per-source counts after each step's batch to that
+step's row (`data_tokens/NAME`, `data_sequences/NAME`: cumulative over the run, restored on resume). The workdir is an
 etils.epath path, so it may be a URL (gs://...) as well as a local folder.
 """
 
