@@ -397,18 +397,45 @@ def _write_safetensors(file: str, items: list[tuple[str, tuple, np.dtype, object
             f.write(arr.tobytes())
 
 
-def save_checkpoint(config: ModelConfig, params, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
+_EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_FLOATS = {np.dtype(v) for v in _EXPORT_DTYPES.values()} | {np.dtype(np.float64)}
+
+
+def export_dtype(config: ModelConfig, dtype: str | None = "auto") -> str | None:
+    """The dtype save_checkpoint writes: 'auto' = the compute dtype (config.dtype) when the params are
+    float32 master weights computed in a narrower dtype (param_dtype float32, dtype bfloat16 / float16: the
+    mixed-precision training setting), else None (each leaf as stored); or an explicit float32 | bfloat16 |
+    float16."""
+    if dtype == "auto":
+        return config.dtype if config.param_dtype == "float32" and config.dtype != "float32" else None
+    if dtype is not None and dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"save_checkpoint dtype={dtype!r}; allowed: auto, None, {', '.join(_EXPORT_DTYPES)}")
+    return dtype
+
+
+def save_checkpoint(config: ModelConfig, params, path: str | os.PathLike, *, max_shard_bytes: int | None = None,
+                    dtype: str | None = "auto") -> None:
     """Write `config.json` and safetensors (one file, or shards + index when max_shard_bytes is set),
-    one HF tensor at a time: params may be host arrays or (sharded) jax arrays."""
+    one HF tensor at a time: params may be host arrays or (sharded) jax arrays. `dtype` (export_dtype):
+    float32 masters of a bf16-compute run are written in bf16 (rounded to nearest even) by default, and
+    config.json's torch_dtype names what was written."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
+    out_dtype = export_dtype(config, dtype)
+    if out_dtype is not None:
+        config = config.replace(param_dtype=out_dtype)     # torch_dtype in config.json
     flat = traverse_util.flatten_dict(params)
     items: dict[str, tuple] = {}
     for p, value in flat.items():
         take = _host_slicer(value)
+        leaf_dtype = np.dtype(value.dtype)
+        if out_dtype is not None and leaf_dtype in _FLOATS:
+            cast = np.dtype(_EXPORT_DTYPES[out_dtype])
+            take = (lambda t, c: lambda i: t(i).astype(c))(take, cast)
+            leaf_dtype = cast
         for key, hf_shape, transposed, index in hf_entries(p, tuple(value.shape), config):
             produce = (lambda t=take, i=index: t(i).T) if transposed else (lambda t=take, i=index: t(i))
-            items[key] = (key, hf_shape, np.dtype(value.dtype), produce)
+            items[key] = (key, hf_shape, leaf_dtype, produce)
     n_mtp = (1 if config.mtp_share else config.mtp_depth) if config.mtp_depth else 0
     for k in range(n_mtp):                       # DeepSeek-V3-style copies inside the MTP layer
         base = f"model.layers.{config.num_layers + k}"

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from glm5_jax.utils import path_to_str
 
@@ -52,7 +53,7 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
                    trainable: Optional[Callable[[str], bool]] = None,
                    frozen_patterns: Optional[Iterable[str]] = None,
                    slice_paths: Optional[Callable[[str], Optional[list]]] = None,
-                   muon_rms_scale: float = 0.2, mu_dtype=None):
+                   muon_rms_scale: float = 0.2, mu_dtype=None, param_specs: Any = None):
     """Build the optimizer. Returns ``(optax.GradientTransformation, labels)``.
 
     name: 'adamw' | 'muon' | 'muon_split' (ValueError otherwise).
@@ -66,6 +67,10 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
     slice_paths: per-layer names of a stacked leaf's slices (glm5_jax.model.layer_slice_paths); with
       it, stacked leaves are frozen per layer ("layer_0/attn" freezes layer 0 of its stack only:
       its gradient is zeroed before the clip norm and its update, weight decay included, after).
+    param_specs: the params' PartitionSpecs (a pytree like ``params``, e.g.
+      glm5_jax.train.state.param_specs). With it, Muon / Muon Split traced under a mesh of more than
+      one device orthogonalise every matrix where its shards live (glm5_jax.optim.distributed); the
+      state and the math are the single-device optimizer's.
     ``tx.update`` must be called with ``params`` (decoupled weight decay needs them).
     """
     check_optimizer_name(name)
@@ -89,9 +94,19 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
     def adamw_tx(wd):
         return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, mu_dtype=mu_dtype)
 
+    spec_fn = None
+    if param_specs is not None:
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        flat_specs = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
+        flat_paths = [path_to_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        if len(flat_specs) != len(flat_paths):
+            raise ValueError(f"param_specs has {len(flat_specs)} leaves, params {len(flat_paths)}: it must be a "
+                             "PartitionSpec pytree with the params' structure")
+        spec_fn = dict(zip(flat_paths, flat_specs)).get
+
     def muon_tx(split_fn):
         return muon(lr, weight_decay=weight_decay, beta=muon_momentum, rms_scale=muon_rms_scale,
-                    split_fn=split_fn)
+                    split_fn=split_fn, spec_fn=spec_fn)
 
     transforms = {
         "adamw": adamw_tx(weight_decay),

@@ -91,11 +91,12 @@ def _rms_factor(fan_in: int, fan_out: int, rms_scale: Optional[float]) -> float:
     return float(rms_scale) * math.sqrt(max(fan_in, fan_out))
 
 
-def _leaf_to_pieces(x: jax.Array, split: Optional[HeadSplit]) -> list[jax.Array]:
-    """Float32 batches of independent matrices [N, m, n] making up one leaf."""
+def _leaf_to_pieces(x: jax.Array, split: Optional[HeadSplit], *, cast: bool = True) -> list[jax.Array]:
+    """Float32 batches of independent matrices [N, m, n] making up one leaf (cast=False: x's dtype)."""
     if x.ndim < 2:
         raise ValueError(f"Muon needs a matrix, got shape {x.shape}")
-    x = x.astype(jnp.float32)
+    if cast:
+        x = x.astype(jnp.float32)
     m, n = x.shape[-2:]
     if split is None:
         return [x.reshape((-1, m, n))]
@@ -142,6 +143,7 @@ def orthogonalize_leaf(x: jax.Array, split: Optional[HeadSplit] = None, *,
 
 
 SplitFn = Callable[[str, tuple], Optional[HeadSplit]]
+SpecFn = Callable[[str], Any]     # '/'-joined path -> the leaf's PartitionSpec on the mesh (None: unknown)
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +157,8 @@ class MuonState(NamedTuple):
 def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction: bool = False,
                   rms_scale: Optional[float] = 0.2, coeffs: Sequence[float] = NS_COEFFS,
                   steps: int = NS_STEPS, eps: float = 1e-7, split_fn: Optional[SplitFn] = None,
-                  mu_dtype=jnp.float32) -> optax.GradientTransformation:
+                  mu_dtype=jnp.float32, spec_fn: Optional[SpecFn] = None,
+                  chunk_bytes: Optional[int] = None) -> optax.GradientTransformation:
     """Muon direction (momentum -> Newton-Schulz -> RMS scale). No learning rate, no decay.
 
     ``split_fn(path, shape) -> HeadSplit | None`` chooses the Muon-Split view per leaf (path is the
@@ -165,8 +168,19 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
     Each leaf is one batched NS call over its leading axes (a layer stack's [repeats] axis, experts,
     Muon-Split heads): the scanned layout already batches same-shape matrices, so leaves are never
     concatenated (which would also mix their shardings).
+
+    ``spec_fn(path) -> PartitionSpec`` (the parameter's sharding): when the step is traced under a
+    mesh of more than one device (jax.sharding.get_abstract_mesh()), every leaf with a spec is
+    orthogonalised where its shards live (glm5_jax.optim.distributed: all_to_all of its matrices'
+    shards, Newton-Schulz on whole matrices split over the devices, back; ``chunk_bytes`` of float32
+    matrices per device at a time). Same math, same state; without a mesh the code below runs as is.
     """
     coeffs = tuple(float(c) for c in coeffs)
+
+    def combine(m, g, c_mu, c_g):
+        if nesterov:
+            return beta * c_mu * m + (1.0 - beta) * c_g * g.astype(jnp.float32)
+        return m
 
     def init_fn(params):
         mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype), params)
@@ -183,17 +197,23 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
             c_g = 1.0 / (1.0 - beta ** t)
         else:
             c_mu = c_g = 1.0
-        if nesterov:
-            look = jax.tree.map(lambda m, g: beta * c_mu * m + (1.0 - beta) * c_g *
-                                g.astype(jnp.float32), mu, updates)
-        else:
-            look = mu
+        mesh = jax.sharding.get_abstract_mesh() if spec_fn is not None else None
+        distributed = mesh is not None and not mesh.empty and mesh.size > 1
 
-        flat_look, treedef = jax.tree_util.tree_flatten_with_path(look)
+        flat_mu, treedef = jax.tree_util.tree_flatten_with_path(mu)
         flat_g = treedef.flatten_up_to(updates)
         new_leaves = []
-        for (path, u), g in zip(flat_look, flat_g):
-            sp = split_fn(path_to_str(path), tuple(u.shape)) if split_fn else None
+        for (path, m), g in zip(flat_mu, flat_g):
+            p = path_to_str(path)
+            sp = split_fn(p, tuple(m.shape)) if split_fn else None
+            spec = spec_fn(p) if distributed else None
+            if spec is not None:
+                from .distributed import DEFAULT_CHUNK_BYTES, orthogonalize_sharded
+                new_leaves.append(orthogonalize_sharded(
+                    m, g, (c_mu, c_g), combine, spec, sp, mesh, rms_scale=rms_scale, coeffs=coeffs,
+                    steps=steps, eps=eps, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES))
+                continue
+            u = combine(m, g, c_mu, c_g)
             pieces = _orthogonalize_batches(_leaf_to_pieces(u, sp), rms_scale=rms_scale,
                                             coeffs=coeffs, steps=steps, eps=eps)
             new_leaves.append(_pieces_to_leaf(pieces, u.shape, sp).astype(g.dtype))
@@ -207,12 +227,14 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
 def muon(learning_rate, *, weight_decay: float = 0.1, beta: float = 0.95,
          rms_scale: Optional[float] = 0.2, split_fn: Optional[SplitFn] = None,
          bias_correction: bool = False, nesterov: bool = True,
-         eps: float = 1e-7) -> optax.GradientTransformation:
+         eps: float = 1e-7, spec_fn: Optional[SpecFn] = None,
+         chunk_bytes: Optional[int] = None) -> optax.GradientTransformation:
     """Muon on every leaf (all leaves must be matrices, possibly stacked): direction, decoupled
-    weight decay (lr * wd * W), learning rate (float or schedule)."""
+    weight decay (lr * wd * W), learning rate (float or schedule). ``spec_fn``: see scale_by_muon."""
     return optax.chain(
         scale_by_muon(beta=beta, nesterov=nesterov, bias_correction=bias_correction,
-                      rms_scale=rms_scale, split_fn=split_fn, eps=eps),
+                      rms_scale=rms_scale, split_fn=split_fn, eps=eps, spec_fn=spec_fn,
+                      chunk_bytes=chunk_bytes),
         optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )

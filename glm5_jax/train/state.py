@@ -47,7 +47,8 @@ def build_optimizer(model_cfg: ModelConfig, tcfg: TrainConfig, params):
                           split_spec=model_cfg if tcfg.optimizer == "muon_split" else None,
                           grad_clip=tcfg.grad_clip or None, warmup_steps=min(tcfg.warmup_steps, tcfg.steps),
                           total_steps=tcfg.steps, min_lr_ratio=tcfg.min_lr_ratio, trainable=trainable,
-                          slice_paths=functools.partial(layer_slice_paths, model_cfg))
+                          slice_paths=functools.partial(layer_slice_paths, model_cfg),
+                          param_specs=param_specs(model_cfg))  # Muon: NS where each matrix's shards live
 
 
 @functools.lru_cache(maxsize=16)
