@@ -147,15 +147,17 @@ def test_muon_split_micro_run(tmp_path):
 
 
 def test_loss_spike_count_against_hand_count():
-    """count_loss_spikes: a step after warm-up more than `nats` above the min of the previous window."""
+    """count_loss_spikes: a step after warm-up more than `nats` above the median of the previous window."""
     from experiments.muon_split import count_loss_spikes
-    losses = [5.0, 4.0, 3.0, 3.4, 3.6, 2.9, 2.8, float("nan"), 2.7]
-    # after warm-up 2: step idx 3 (3.4 - 3.0 = 0.4 <= 0.5), idx 4 (3.6 - 3.0 = 0.6 > 0.5: spike), idx 7 nan: spike
-    assert count_loss_spikes(losses, warmup=2, nats=0.5, window=20) == 2
-    # window 1: idx 4 compares with 3.4 only (0.2): no spike; nan still counts
-    assert count_loss_spikes(losses, warmup=2, nats=0.5, window=1) == 1
-    # the warm-up is not counted: 5 -> 4 -> 3 are decreases anyway, and a spike inside it is ignored
+    losses = [5.0, 4.0, 3.0, 3.4, 3.9, 2.9, 2.8, float("nan"), 2.7]
+    # after warm-up 2: idx 3: 3.4 - median(5, 4, 3) = -0.6; idx 4: 3.9 - median(5, 4, 3, 3.4) = 3.9 - 3.7 = 0.2;
+    # idx 7 nan: spike
+    assert count_loss_spikes(losses, warmup=2, nats=0.5, window=20) == 1
+    # window 1: idx 4 compares with 3.4 only: 0.5 is not > 0.5; with nats 0.4 it is a spike
+    assert count_loss_spikes(losses, warmup=2, nats=0.4, window=1) == 2
+    # the warm-up is not counted: a spike inside it is ignored
     assert count_loss_spikes([1.0, 9.0, 1.0], warmup=2, nats=0.5, window=5) == 0
+    assert count_loss_spikes([1.0, 1.2, 1.1, 2.5], warmup=1, nats=1.0, window=5) == 1     # 2.5 - 1.15 > 1
 
 
 def test_paired_difference_and_verdict_closed_form():
