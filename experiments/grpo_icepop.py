@@ -133,6 +133,40 @@ def held_out(cfg: GrpoIcepopConfig, split: str = "dev") -> list:
     return out[split]
 
 
+SIGNALS = ("first_reward", "last10_reward", "max_reward", "mean_mismatch_kl", "last10_mismatch_kl", "mean_pop_frac")
+
+
+def training_signals(history: list[dict]) -> dict:
+    """Per-run rollout signals: reward at the start, over the last 10 steps and its best 10-step mean (a
+    collapse shows as last10 well below max), and the mismatch KL / popped fraction (mean, last 10)."""
+    rew = [h["reward_mean"] for h in history]
+    roll = [float(np.mean(rew[max(0, i - 9):i + 1])) for i in range(len(rew))]
+    kl = [h["mismatch_kl"] for h in history]
+    return {"first_reward": rew[0], "last10_reward": float(np.mean(rew[-10:])), "max_reward": float(max(roll)),
+            "mean_mismatch_kl": float(np.mean(kl)), "last10_mismatch_kl": float(np.mean(kl[-10:])),
+            "mean_pop_frac": float(np.mean([h["pop_frac"] for h in history]))}
+
+
+def delta_interval(finals: list[float], initial: float) -> dict:
+    """The change from the shared SFT model's test accuracy, per seed, mean with a 95% t interval over seeds
+    ({"mean", "lo", "hi", "n"}; lo = hi = None for one seed), and the per-seed changes."""
+    d = [float(v) - float(initial) for v in finals]
+    return {**mean_interval(d), "per_seed": d}
+
+
+def paired_arm_differences(test_by_seed: dict) -> dict:
+    """test accuracy of arm a minus arm b, paired by RL seed (same prompts and samples per step), with a
+    95% t interval over seeds, for icepop - none, tis - none and icepop - tis."""
+    out = {}
+    for a, b in (("icepop", "none"), ("tis", "none"), ("icepop", "tis")):
+        if a in test_by_seed and b in test_by_seed:
+            d = [test_by_seed[a][s]["accuracy"] - test_by_seed[b][s]["accuracy"] for s in test_by_seed[a]
+                 if s in test_by_seed[b]]
+            if d:
+                out[f"{a} - {b}"] = {**mean_interval(d), "per_seed": d}
+    return out
+
+
 @register("grpo_icepop", "GRPO on arithmetic from an SFT'd tiny DSA model under int4 rollout mismatch: "
           "IcePop vs no correction vs truncated IS", {"tiny": TINY, "small": SMALL})
 def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
@@ -184,11 +218,14 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
         for arm in ARMS:
             t_arm = time.time()
             suffix = "" if s == cfg.seeds[0] else f"_seed{s}"
+            # dev curves for the first seed only (the headline is the test change over every seed)
+            first = s == cfg.seeds[0]
             r = run_grpo(mcfg, sft_params, rl.replace(loss=arm, seed=rl.seed + s), sample_task, vocab, log=log,
-                         eval_fn=eval_fn, eval_every=cfg.eval_every,
+                         eval_fn=eval_fn if first else None, eval_every=cfg.eval_every if first else 0,
                          metrics_path=os.path.join(workdir, f"rl_{arm}{suffix}.jsonl"), name=f"{arm}-s{s}", mesh=mesh)
-            test_by_seed[arm][str(s)] = eval_fn(r["params"], sampled=True, tasks=test_tasks)
-            if s != cfg.seeds[0]:
+            test_by_seed[arm][str(s)] = {**eval_fn(r["params"], sampled=True, tasks=test_tasks),
+                                         **training_signals(r["history"])}
+            if not first:
                 continue
             r["final"] = eval_fn(r["params"], sampled=True)
             r["wall_s"] = time.time() - t_arm
@@ -208,9 +245,12 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
         iv = mean_interval(vals)
         if iv["n"] == 1:      # one seed: Wilson over completions (treats them as independent: optimistic)
             iv["lo"], iv["hi"] = wilson_interval(round(vals[0] * n_test), n_test)
+        delta = delta_interval(vals, initial_test["accuracy"])
         return {"test_initial_accuracy": initial_test["accuracy"], "test_final_accuracy": iv["mean"],
                 "test_initial_greedy_accuracy": initial_test["greedy_accuracy"],
-                "test_final_accuracy_interval": iv, "test_delta": iv["mean"] - initial_test["accuracy"],
+                "test_final_accuracy_interval": iv, "test_delta": delta["mean"], "test_delta_interval": delta,
+                "degraded_seeds": int(sum(v < initial_test["accuracy"] for v in vals)),
+                "signals_per_seed": {k: {f: v[f] for f in SIGNALS} for k, v in test_by_seed[arm].items()},
                 "test_final_greedy_accuracy": float(np.mean([v["greedy_accuracy"] for v in test_by_seed[arm].values()])),
                 "test_per_seed": {k: v["accuracy"] for k, v in test_by_seed[arm].items()}}
 
@@ -228,6 +268,7 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
     report = {"arms": arms, "task": level, "mismatch": rl.mismatch, "primary_metric": primary,
               "primary_metric_definition": f"held-out TEST {primary} pass@1 after RL (and its change from the SFT model)",
               "test_tasks": len(test_tasks), "seeds": list(cfg.seeds),
+              "paired_differences": paired_arm_differences(test_by_seed),
               "eval": f"primary = {primary}; greedy and sampled (temperature 1, {cfg.sampled_eval_samples} per prompt) "
                       f"pass@1 on {len(eval_tasks)} held-out prompts", "sft_steps": tc.steps,
               "rl_steps": rl.steps, "rollouts_per_step": rl.prompts_per_step * rl.group_size,
@@ -255,8 +296,14 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
             for a, v in arms.items()]
     trows = [[a, v["test_initial_accuracy"], fmt_interval(v["test_final_accuracy"], v["test_final_accuracy_interval"]["lo"],
                                                           v["test_final_accuracy_interval"]["hi"]),
-              f"{v['test_delta']:+.3f}", v["test_initial_greedy_accuracy"], v["test_final_greedy_accuracy"]]
+              fmt_interval(v["test_delta"], v["test_delta_interval"]["lo"], v["test_delta_interval"]["hi"]),
+              ", ".join(f"{x:+.3f}" for x in v["test_delta_interval"]["per_seed"]), v["degraded_seeds"],
+              v["test_initial_greedy_accuracy"], v["test_final_greedy_accuracy"]]
              for a, v in arms.items()]
+    prows = [[k, fmt_interval(d["mean"], d["lo"], d["hi"]), ", ".join(f"{x:+.3f}" for x in d["per_seed"])]
+             for k, d in report["paired_differences"].items()]
+    sig = lambda a, f: float(np.mean([v[f] for v in arms[a]["signals_per_seed"].values()]))  # noqa: E731
+    srows = [[a] + [sig(a, f) for f in SIGNALS] for a in arms]
     iv_kind = ("95% t interval over seeds" if len(cfg.seeds) > 1 else
                f"95% Wilson interval over {n_test} completions, one seed")
     md = f"""# grpo_icepop
@@ -266,8 +313,20 @@ prompts are disjoint from the {len(eval_tasks)} dev prompts (curves below; the o
 chosen on dev in earlier runs) and from every SFT/RL prompt; they are scored only before and after RL.
 Seeds {list(cfg.seeds)}.
 
-{md_table(["arm", f"test {primary} before", f"test {primary} after ({iv_kind})", "delta", "test greedy before",
+{md_table(["arm", f"test {primary} before", f"test {primary} after ({iv_kind})",
+           "test_delta (95% t over seeds)", "per seed", "seeds below SFT", "test greedy before",
            "test greedy after"], trows)}
+
+Arms paired by RL seed (same prompts and sampling seeds per step; test {primary} accuracy, difference with a
+95% t interval over seeds):
+
+{md_table(["difference", "mean [95% t]", "per seed"], prows)}
+
+Rollout signals, means over seeds (reward: mean over the batch's rollouts, sampled by the mismatched engine;
+"max reward" is the best 10-step mean, so last10 well below it is a collapse):
+
+{md_table(["arm", "reward step 1", "reward last 10", "max reward (10-step mean)", "mismatch KL", "mismatch KL last 10",
+           "pop frac"], srows)}
 
 ## Dev prompts and training signals (seed {cfg.seeds[0]})
 

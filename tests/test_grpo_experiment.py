@@ -45,3 +45,33 @@ def test_dev_and_test_prompts_disjoint():
     assert not {t.prompt for t in dev} & {t.prompt for t in test}
     assert len({t.prompt for t in test}) == len(test)
     assert [t.prompt for t in held_out(cfg, "test")] == [t.prompt for t in test]   # deterministic
+
+
+def test_test_delta_interval_and_paired_differences_closed_form():
+    """test_delta per seed = final - SFT accuracy, mean with a t interval over seeds (t(2) = 4.303); arm
+    differences are paired by seed."""
+    from experiments.grpo_icepop import delta_interval, paired_arm_differences
+    d = delta_interval([0.5, 0.6, 0.7], 0.4)
+    assert d["per_seed"] == pytest.approx([0.1, 0.2, 0.3]) and d["mean"] == pytest.approx(0.2) and d["n"] == 3
+    assert d["hi"] - d["mean"] == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    one = delta_interval([0.5], 0.4)
+    assert one["lo"] is None and one["mean"] == pytest.approx(0.1)
+    acc = lambda *v: {str(i): {"accuracy": x} for i, x in enumerate(v)}  # noqa: E731
+    got = paired_arm_differences({"icepop": acc(0.5, 0.6, 0.7), "none": acc(0.4, 0.5, 0.6), "tis": acc(0.5, 0.5, 0.5)})
+    assert set(got) == {"icepop - none", "tis - none", "icepop - tis"}
+    # a constant per-seed gap: exact, zero-width interval although the seeds vary a lot
+    assert got["icepop - none"]["mean"] == pytest.approx(0.1)
+    assert got["icepop - none"]["hi"] - got["icepop - none"]["lo"] == pytest.approx(0.0, abs=1e-12)
+    assert got["tis - none"]["per_seed"] == pytest.approx([0.1, 0.0, -0.1])
+    assert paired_arm_differences({"icepop": acc(0.5)}) == {}
+
+
+def test_training_signals_detect_collapse():
+    """last10 reward well below the best 10-step mean marks a collapse; KL and pop fraction averaged."""
+    from experiments.grpo_icepop import training_signals
+    rew = [0.3] * 10 + [0.6] * 10 + [0.1] * 10
+    h = [{"reward_mean": r, "mismatch_kl": 0.01 * (i + 1), "pop_frac": 0.5} for i, r in enumerate(rew)]
+    s = training_signals(h)
+    assert s["first_reward"] == 0.3 and s["max_reward"] == pytest.approx(0.6) and s["last10_reward"] == pytest.approx(0.1)
+    assert s["mean_mismatch_kl"] == pytest.approx(0.155) and s["last10_mismatch_kl"] == pytest.approx(0.255)
+    assert s["mean_pop_frac"] == 0.5

@@ -112,3 +112,44 @@ def test_mtp_sharing_micro_run(tmp_path):
     assert "2.76" in md and "2.55" in md and "Primary metric" in md and "sampled acceptance" in md
     rows = [json.loads(l) for l in open(tmp_path / "shared3" / "metrics.jsonl")]
     assert any("mtp_loss" in r for r in rows)
+
+
+def test_distinct_fraction_and_unigram_cross_entropy_closed_forms():
+    """distinct / generated per row (cut at its length); unigram cross-entropy = -mean log of add-one
+    smoothed training frequencies at the scored targets."""
+    from experiments.mtp_sharing import distinct_fraction, unigram_cross_entropy
+    toks = np.array([[1, 1, 1, 1], [1, 2, 3, 4], [5, 6, 5, 9]])
+    np.testing.assert_allclose(distinct_fraction(toks, [4, 4, 3]), [0.25, 1.0, 2 / 3])
+    train = np.array([0, 0, 0, 1])                     # counts+1 over vocab 3: [4, 2, 1] / 7
+    batch = {"targets": np.array([[0, 1, 2]]), "loss_mask": np.array([[1, 1, 0]])}
+    want = -(np.log(4 / 7) + np.log(2 / 7)) / 2
+    assert unigram_cross_entropy(train, [batch], 3) == pytest.approx(want)
+
+
+def test_aggregate_arm_intervals_and_nondegeneracy():
+    """Intervals over items use the seed-averaged per-item values, over seeds the per-seed means; the
+    non-degeneracy flag needs both the distinct fraction and the loss threshold."""
+    from experiments.mtp_sharing import aggregate_arm, over_items_and_seeds
+    m, items, seeds = over_items_and_seeds([np.array([1.0, 2.0, 3.0]), np.array([3.0, 4.0, np.nan])])
+    # items: [2, 3, 3] (nan left out of the item mean); seeds: [2, 3.5]
+    assert m == pytest.approx(8 / 3) and items["n"] == 3 and seeds["n"] == 2
+    assert seeds["mean"] == pytest.approx(2.75)
+
+    def row(sam, dist, loss):
+        return {"sampled_per_context": np.array(sam), "oracle_per_sequence": np.array([1.2, 1.4]),
+                "sampled_distinct_per_prompt": np.array(dist), "greedy_distinct_per_prompt": np.array([0.1, 0.3]),
+                "oracle_acceptance_length": 1.3, "acceptance_length": 2.0, "test_eval_loss": loss,
+                "test_eval_accuracy": 0.3, "draft_accuracy_by_depth": [0.2, 0.1], "oracle_acceptance_by_depth": [0.2, 0.1],
+                "sampled_acceptance_by_depth": [0.5, 0.2], "greedy_prompts_repetitive": 1,
+                "greedy_prompts_non_repetitive": 1, "greedy_acceptance_repetitive": 3.0,
+                "greedy_acceptance_non_repetitive": None, "acceptance_by_num_draft": {"4": 2.0}}
+    rows = [row([1.0, 2.0], [0.8, 0.6], 3.0), row([2.0, 3.0], [0.7, 0.5], 3.2)]
+    a = aggregate_arm(rows, min_distinct=0.5, max_loss=3.5)
+    assert a["sampled_acceptance_length"] == pytest.approx(2.0)
+    assert a["sampled_acceptance_length_interval_seeds"]["mean"] == pytest.approx(2.0)
+    assert a["sampled_acceptance_length_interval"]["n"] == 2
+    assert a["distinct_token_fraction"] == pytest.approx(0.65) and a["nondegenerate"]
+    assert a["oracle_acceptance_length"] == pytest.approx(1.3) and a["greedy_distinct_token_fraction"] == pytest.approx(0.2)
+    assert a["greedy_prompts_repetitive"] == 2 and a["greedy_acceptance_non_repetitive"] is None
+    assert not aggregate_arm(rows, min_distinct=0.7, max_loss=3.5)["nondegenerate"]     # distinct too low
+    assert not aggregate_arm(rows, min_distinct=0.5, max_loss=3.0)["nondegenerate"]     # loss 3.1 > 3.0

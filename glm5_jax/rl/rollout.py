@@ -17,8 +17,8 @@ samples with, while training stays float32:
 
 * ``none``  identical parameters (infer_logp == old_logp up to kernel round-off);
 * ``bf16``  every floating leaf rounded to bfloat16 and back;
-* ``int8`` / ``int6`` / ``int5`` / ``int4``  symmetric per-output-channel fake quantisation (with that
-  many bits) of every matrix (kernels [..., in, out]: one scale per output channel of each matrix,
+* ``int8`` / ``int6`` / ``int5`` / ``int4`` / ``int3`` / ``int2``  symmetric per-output-channel fake
+  quantisation (with that many bits; int2 is ternary) of every matrix (kernels [..., in, out]: one scale per output channel of each matrix,
   so every layer of a scanned stack and every expert has its own; embeddings: one scale per token
   row); vectors (norm scales, biases) are kept.
 """
@@ -40,7 +40,7 @@ from glm5_jax.rl.tasks import aggregate_statuses
 
 __all__ = ["MISMATCH_MODES", "fake_quant", "rollout_params", "Rollout", "collect_rollouts", "build_batch"]
 
-MISMATCH_MODES = ("none", "bf16", "int8", "int6", "int5", "int4")
+MISMATCH_MODES = ("none", "bf16", "int8", "int6", "int5", "int4", "int3", "int2")
 MATRIX_LEAVES = ("kernel", "embedding", "gate_proj", "up_proj", "down_proj")   # quantised by int* modes
 
 
