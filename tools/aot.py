@@ -243,6 +243,8 @@ def compile_step(r: dict, *, log=None) -> dict:
         "generated_code_bytes": int(getattr(ma, "generated_code_size_in_bytes", 0) or 0),
         "lower_seconds": round(lower_s, 1), "compile_seconds": round(compile_s, 1),
         "num_params": int(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))),
+        # Muon / Muon Split on > 1 device: Newton-Schulz where each matrix's shards live (glm5_jax.optim.distributed)
+        "muon_distributed": tcfg.optimizer in ("muon", "muon_split") and r["devices"] > 1,
         "budget": budget,
     }
 
