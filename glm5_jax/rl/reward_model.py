@@ -40,6 +40,7 @@ import numpy as np
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.data.chat import ChatFormatError, ChatTemplate
 from glm5_jax.model import GLM5
+from glm5_jax.rl.sft import SFTIterator
 
 __all__ = ["PairFormatError", "Pair", "load_pairs", "pair_texts", "encode_pair", "encode_pairs", "pair_batch",
            "PairIterator", "make_rm_loss", "reward_scores", "evaluate_pairs", "RewardModel", "rm_init_params"]
@@ -157,9 +158,10 @@ def pair_batch(encoded: Sequence[tuple], batch_size: int, seq_len: int, pad_id: 
     return {"tokens": tokens, "last": last, "pair_mask": mask}
 
 
-class PairIterator:
+class PairIterator(SFTIterator):
     """Infinite iterator of RM batches: epoch e visits the pairs in the order of a permutation seeded by
-    (seed, e), so batch i is a function of (seed, i) and the state is a counter (exact resume)."""
+    (seed, e), so batch i is a function of (seed, i) and the state is a counter (exact resume). The
+    iteration protocol and state (index, seed) are SFTIterator's; only the batch differs."""
 
     def __init__(self, encoded: Sequence[tuple], batch_size: int, seq_len: int, seed: int = 0, pad_id: int = 0):
         if not encoded:
@@ -179,20 +181,6 @@ class PairIterator:
         for k in range(index * self.batch_size, (index + 1) * self.batch_size):
             picks.append(self.encoded[self._order(k // n)[k % n]])
         return pair_batch(picks, self.batch_size, self.seq_len, self.pad_id)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        b = self.batch(self.index)
-        self.index += 1
-        return b
-
-    def get_state(self) -> dict:
-        return {"index": self.index, "seed": self.seed}
-
-    def set_state(self, state: dict) -> None:
-        self.index = int(state["index"])
 
 
 def _sequence_rewards(model: GLM5, params, tokens, last):
