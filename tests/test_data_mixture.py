@@ -150,6 +150,9 @@ def test_sources_parse_from_the_command_line(paths):
     js = apply_overrides(cfg, ["sources=" + json.dumps([{"name": "a", "path": "x.jsonl,y.jsonl", "weight": 2}])])
     assert js.sources == (MixSource("a", "x.jsonl,y.jsonl", 2.0),)
     assert apply_overrides(text, ["sources=none"]).sources == ()
+    # NAME= only when it is a name ("=" and ":" may be in a path); the weight only when it is a number
+    assert DataConfig(sources="/d/lang=en/web.jsonl:2,gs://b/c:d").sources == (
+        MixSource("web", "/d/lang=en/web.jsonl", 2.0), MixSource("c_d", "gs://b/c:d", 1.0))
     assert parse_mix("up:3, low:1", ["low", "up"]) == (("low", 1.0), ("up", 3.0))
 
 

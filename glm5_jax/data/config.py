@@ -55,6 +55,7 @@ def default_cache_dir() -> str:
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_NUMBER = re.compile(r"[-+]?((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|nan|inf)", re.IGNORECASE)
 SOURCES_SYNTAX = ("a comma list of [NAME=]PATH[:WEIGHT] (e.g. web=corpus/web:0.6,code=data/prep:0.4) or a JSON "
                   "list of {\"name\", \"path\", \"weight\"} objects")
 MIX_SYNTAX = "a comma list of NAME:WEIGHT over the source names (e.g. web:0.2,code:0.8)"
@@ -96,10 +97,12 @@ def _source_from(item, i: int) -> MixSource:
         name, path, weight = (item[0], item[1], item[2]) if len(item) == 3 else (item[0], item[1], 1.0)
     elif isinstance(item, str):
         text = item.strip()
-        name, _, rest = text.partition("=") if "=" in text else (None, "", text)
+        name, _, rest = text.partition("=")
+        if not (_ and _NAME.fullmatch(name.strip())):       # no NAME= prefix ("=" may be in the path)
+            name, rest = None, text
         path, weight = rest, 1.0
         head, sep, tail = rest.rpartition(":")
-        if sep and re.fullmatch(r"\s*[-+0-9.eE]+\s*|\s*(nan|inf|-inf)\s*", tail):
+        if sep and _NUMBER.fullmatch(tail.strip()):
             path, weight = head, tail
     else:
         raise _bad("sources", item, f"source {i}: {SOURCES_SYNTAX}")
