@@ -98,7 +98,7 @@ def test_pair_that_the_chat_template_refuses_names_its_line(tmp_path, capsys):
 
 
 def _tiny_rm():
-    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=1, ffn_dim=64, attention="mha", num_heads=2,
+    cfg = ModelConfig(vocab_size=304, d_model=32, num_layers=1, ffn_dim=64, attention="mha", num_heads=2,
                       num_kv_heads=2, num_experts=0, mtp_depth=0, reward_head=True)
     return cfg, init_params(cfg, jax.random.PRNGKey(1))
 
@@ -110,7 +110,7 @@ def test_bt_loss_equals_numpy_on_unpadded_forwards():
     from glm5_jax.rl.reward_model import make_rm_loss, pair_batch, reward_scores
     cfg, params = _tiny_rm()
     rng = np.random.default_rng(0)
-    enc = [tuple(rng.integers(1, 64, size=rng.choice([5, 11])).tolist() for _ in range(2)) for _ in range(3)]
+    enc = [tuple(rng.integers(1, 304, size=rng.choice([5, 11])).tolist() for _ in range(2)) for _ in range(3)]
     batch = pair_batch(enc, 4, 16)
     loss, (metrics, loads) = make_rm_loss(cfg, center_weight=0.0)(params, {k: jnp.asarray(v) for k, v in batch.items()})
     fwd = jax.jit(lambda t: GLM5(cfg).apply({"params": params}, t, reward=True)["reward"][0, -1])
@@ -137,3 +137,26 @@ def test_init_from_policy_checkpoint_keeps_trunk_and_adds_head(tmp_path):
     save_params(tmp_path / "rm", cfg, rm_params)
     back = rm_init_params(str(tmp_path / "rm"), cfg)
     jax.tree.map(np.testing.assert_array_equal, back, rm_params)
+
+
+@pytest.mark.slow
+def test_cli_init_from_a_policy_checkpoint(tmp_path, capsys):
+    """The CLI's --init_from trains the checkpoint's model (its config plus the head, written to the run's
+    model_config.json) and refuses to run without the checkpoint's tokenizer."""
+    from glm5_jax.data.hf_tokenizer import train_hf_tokenizer
+    from glm5_jax.train.checkpoint import save_params
+    cfg, _ = _tiny_rm()
+    policy_cfg = cfg.replace(reward_head=False)
+    save_params(tmp_path / "policy", policy_cfg, init_params(policy_cfg, jax.random.PRNGKey(2)))
+    from glm5_jax.rl.reward_model import pair_texts, load_pairs
+    data = _write(tmp_path / "p.jsonl", _pairs(32, 0))
+    tok = train_hf_tokenizer(pair_texts(load_pairs(data)), 300, str(tmp_path / "tok.json"))
+    assert tok.vocab_size <= cfg.vocab_size
+    argv = ["--data", data, "--eval", data, "--workdir", str(tmp_path / "w"), "--init_from", str(tmp_path / "policy")]
+    rc, _, err = _cli(argv, capsys)
+    assert rc == 2 and "--init_from needs --tokenizer" in err
+    rc, out, err = _cli(argv + ["--tokenizer", str(tmp_path / "tok.json"), "--json", "--set", "train.steps=2",
+                                "--set", "train.seq_len=48", "--set", "train.batch_size=4"], capsys)
+    assert rc == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 2
+    assert json.loads((tmp_path / "w" / "model_config.json").read_text())["glm5_jax_reward_head"] is True
