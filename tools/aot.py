@@ -70,6 +70,10 @@ DEFAULTS: dict[tuple, dict] = {
     ("glm5", "v5p:4x4x8", 202752): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 202752,
                                     "remat": "offload", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
                                                                 "train.logits_chunk=1024")},
+    # float32 master weights (--set model.param_dtype=float32): 256 chips, 4096 tokens a chip as on 4x4x8; AdamW
+    # (float32 moments) 79.9 GiB, muon_split (float32 momentum) in docs/scaleout.md, "Float32 master weights"
+    ("glm5", "v5p:4x8x8"): {"mesh": "fsdp:8,expert:32", "batch_size": 256, "seq_len": 4096, "remat": "full",
+                            "set": ("model.moe_impl=a2a",)},
     ("glm5", "v5p:4x8x8", 202752): {"mesh": "expert:16,context:16", "batch_size": 16, "seq_len": 202752,
                                     "remat": "full", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
                                                              "train.logits_chunk=1024")},
