@@ -120,3 +120,14 @@ def test_cli_error_exit_code_names_allowed_values():
     res = subprocess.run([sys.executable, "-m", "tools.aot", "--preset=tiny", "--topology=tpu:2x2"],
                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 2 and "allowed: v5p, v4, v6e, v5e" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.slow   # one TPU compile (~1 min on 2 cores)
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
+def test_muon_split_compiles_with_distributed_newton_schulz():
+    """--optimizer=muon_split on a 4-chip mesh compiles for TPU with Newton-Schulz where each matrix's shards
+    live (glm5_jax.optim.distributed: all_to_all of matrix shards inside a shard_map), reported as
+    muon_distributed."""
+    r = _aot_json("--mesh=fsdp:2,expert:2", "--batch_size=4", "--seq_len=64", "--optimizer=muon_split")
+    assert r["muon_distributed"] is True and r["config"]["train"]["optimizer"] == "muon_split"
+    assert r["per_device_bytes"]["temporaries"] > 0 and r["budget"]["collective_bytes"] > 0
