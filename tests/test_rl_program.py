@@ -200,6 +200,6 @@ def test_sgd_update_with_frozen_embedding_and_informative_norm(setup):
     for k in flat0:
         if any(("indexer" in str(x)) or ("embed" in str(x)) for x in k):
             np.testing.assert_array_equal(np.asarray(flat0[k]), np.asarray(flat1[k]))
-    for bad in ({"optimizer": "lion"}, {"adv_norm": "x"}, {"mismatch": "int3"}):
+    for bad in ({"optimizer": "lion"}, {"adv_norm": "x"}, {"mismatch": "int9"}):
         with pytest.raises(ValueError):
             RLConfig(**bad)
