@@ -22,7 +22,7 @@ from experiments.overrides import OverrideError, apply_overrides, split_item
 
 MODULES = ("experiments.dsa_vs_mla", "experiments.muon_split", "experiments.mtp_sharing", "experiments.grpo_icepop",
            "experiments.pretrain", "experiments.sft", "experiments.qat", "experiments.distill_recovery",
-           "experiments.async_vs_sync", "experiments.long_context")
+           "experiments.async_vs_sync", "experiments.long_context", "experiments.post_train")
 
 
 class ExperimentError(ValueError):

@@ -276,13 +276,17 @@ class RewardModel:
 def rm_init_params(path, model_cfg: ModelConfig, mesh=None, seed: int = 0):
     """Starting params of a reward model from the checkpoint at ``path`` (glm5_jax.train.checkpoint
     .load_params): a reward model's checkpoint is read whole; a policy's (no reward head) gives the
-    trunk, and the head is initialised from ``seed`` (the Dense of GLM5.reward_head, applied alone)."""
+    trunk, and the head is initialised from ``seed`` (the Dense of GLM5.reward_head, applied alone).
+    ``path`` may also be a policy's params pytree in memory (the trunk; e.g. an experiment's previous stage)."""
     from glm5_jax.layers.common import Dense, dtype_of
     from glm5_jax.train.checkpoint import checkpoint_config, load_params
     import flax.linen as nn
-    if checkpoint_config(path).reward_head:
+    if isinstance(path, dict):
+        params = dict(path)
+    elif checkpoint_config(path).reward_head:
         return load_params(path, model_cfg, mesh)
-    params = dict(load_params(path, model_cfg.replace(reward_head=False), mesh))
+    else:
+        params = dict(load_params(path, model_cfg.replace(reward_head=False), mesh))
     c = model_cfg
     head = Dense(1, ("embed", None), c.initializer_range, jnp.float32, dtype_of(c.param_dtype), out_dtype=jnp.float32)
     params["reward_head"] = nn.unbox(head.init(jax.random.PRNGKey(seed), jnp.zeros((1, c.d_model), jnp.float32))["params"])

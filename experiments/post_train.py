@@ -1,0 +1,704 @@
+"""post_train: GLM-5's post-training pipeline on one tiny policy, stage by stage, with every skill measured
+after every stage (issue 32 item 5).
+
+One policy (a tiny DSA model, one character vocabulary: glm5_jax.rl.sft.CharVocab) learns three skills:
+
+  reasoning  two-digit +/- one-digit arithmetic ("47+8=" -> "55"; the grpo_icepop / distill_recovery task)
+  agentic    multi-turn pointer chasing through a key-value tool ("371:" -> "(371)" / ">552" / "(552)" /
+             ">=81" / "81"; glm5_jax.agentic.agent.ChainTask, the async_vs_sync task, 1..max_hops lookups)
+  general    digit sorting ("4827>" -> "2478"), trained with the HYBRID reward: a rule verifier plus an
+             outcome reward model trained here on preference pairs (glm5_jax.rl.reward_model), both
+             normalised to [0, 1] and weighted (``general_weights``), then the reward-hacking guards
+             (glm5_jax.rl.guards: truncation zeroed, layout anomalies penalised and counted)
+
+Stages (each a resumable phase: its final params and its TEST figures are written to
+WORKDIR/<stage>/final atomically; a re-run loads completed stages and continues with the first missing
+one; inside SFT and the reward model, glm5_jax.train.train resumes from its own checkpoints):
+
+  sft           SFT on a mixture of the three skills' worked examples (``sft_mix``), glm5_jax.train.train,
+                DSA's dense warm-up (the indexer learns its KL to dense attention)
+  reasoning_rl  GRPO + IcePop (glm5_jax.rl.program.run_grpo) on reasoning prompts only
+  agentic_rl    asynchronous agentic RL (glm5_jax.agentic.trainer.run_agentic: Ray rollout servers, the
+                TITO gateway, the coordinator, staleness bound) on agentic tasks only
+  general_rl    reward model (train() with the Bradley-Terry loss, trunk from the SFT checkpoint, pairs of
+                general prompts: chosen = the sorted digits, rejected = a corruption), then run_grpo with
+                advantage_fn = make_hybrid_advantage_fn(HybridReward(rule + RM, guards)) on general
+                prompts only
+  distill       on-policy cross-stage distillation (glm5_jax.rl.distill.run_distill) of the general_rl
+                student: every prompt's teacher is the final checkpoint of the stage that taught it
+                (reasoning_rl for reasoning, agentic_rl for agentic, general_rl for general; a
+                ``distill_sft_share`` of the prompts, drawn from the SFT mixture, is taught by the sft
+                checkpoint, which taught all three formats). Agentic prompts are single turns: the worked
+                episode's prefix up to turn k (the same ids a multi-turn context holds: one character
+                is one token), the student samples the next turn.
+
+Each RL stage trains on its own skill only, so later stages can make earlier skills forget; distill
+should recover them.
+
+Primary metric (fixed before the run): greedy success on the TEST prompts of each skill after every stage,
+``stages.<stage>.skills.<skill>`` (Wilson 95% over test prompts in ``skills_interval``). TEST prompts are
+drawn first, excluded from every training draw (SFT, RL, reward-model pairs) and never used to choose
+anything; the reward model's held-out pairs use a separate validation prompt set. The general skill is
+scored by its rule (the sorted digits, exactly), never by the reward model. Agentic success is a whole
+episode played greedily through a rollout server and the gateway, answer correct.
+
+Recovery (``distill_recovery.<skill>``): for the stage T that trained the skill (its RL stage) and the RL
+stages after T (before distill):
+  best_before = value at T;  min_later = min over the later stages (= best_before when there is none);
+  lost = best_before - min_later;  recovered = distill value - min_later;
+  fraction = recovered / lost when lost > 0, else None (nothing was lost: no fraction to report).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import time
+from typing import Callable, ClassVar, Dict, Sequence
+
+import jax
+import numpy as np
+
+from experiments.async_vs_sync import _policy, _ray_init
+from experiments.grpo_icepop import make_task
+from experiments.registry import register
+from experiments.report import fmt_interval, md_table, plot_curves, wilson_interval, write_report
+from glm5_jax.agentic.agent import ChainTask, make_chain_task, sft_example
+from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic
+from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.rl.distill import run_distill
+from glm5_jax.rl.guards import ANOMALIES, GuardConfig
+from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
+from glm5_jax.rl.rewards import HybridConfig, HybridReward, make_hybrid_advantage_fn
+from glm5_jax.rl.sft import CharVocab, SFTIterator
+from glm5_jax.rl.tasks import extract_final
+from glm5_jax.train import TrainConfig, train
+
+SKILLS = ("reasoning", "agentic", "general")
+STAGES = ("sft", "reasoning_rl", "agentic_rl", "general_rl", "distill")
+RL_STAGES = ("reasoning_rl", "agentic_rl", "general_rl")
+TRAINED_AT = {"reasoning": "reasoning_rl", "agentic": "agentic_rl", "general": "general_rl"}
+PRIMARY_METRIC = "greedy TEST success per skill after every stage (stages.<stage>.skills.<skill>)"
+HACKING_KEYS = ("samples", "truncated", "anomalous", *ANOMALIES, "judge_requests", "judge_parse_failures")
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+@dataclasses.dataclass(frozen=True)
+class SortTask:
+    """The general skill: ``"4827>"`` -> ``"2478"`` + newline. ``score`` is the independent rule."""
+    digits: str
+    kind: ClassVar[str] = "general"
+
+    @property
+    def prompt(self) -> str:
+        return self.digits + ">"
+
+    @property
+    def answer(self) -> str:
+        return "".join(sorted(self.digits))
+
+    @property
+    def solution(self) -> str:
+        return self.answer + "\n"
+
+    def score(self, text: str):
+        final = extract_final(text)
+        if final is None:
+            return 0.0, "truncated"
+        if not final.isdigit():
+            return 0.0, "malformed"
+        return (1.0, "correct") if final == self.answer else (0.0, "wrong")
+
+
+def sort_task(rng: random.Random, n_digits: int) -> SortTask:
+    return SortTask("".join(rng.choice("0123456789") for _ in range(n_digits)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnTask:
+    """One turn of an agentic episode for single-turn on-policy distillation: the prompt is the worked
+    episode up to policy turn ``turn`` (its tool results included), the expected text that turn's
+    (a tool call ``(kkk)`` or the final answer)."""
+    chain: ChainTask
+    turn: int
+    kind: ClassVar[str] = "agentic"
+
+    def _pieces(self):
+        return self.chain.transcript()       # (text, trained): policy turns trained, tool results not
+
+    @property
+    def prompt(self) -> str:
+        pieces, out, k = self._pieces(), [self.chain.prompt], 0
+        for text, trained in pieces:
+            if trained:
+                if k == self.turn:
+                    break
+                k += 1
+            out.append(text)
+        return "".join(out)
+
+    @property
+    def expected(self) -> str:
+        return [t for t, m in self._pieces() if m][self.turn].rstrip("\n")
+
+    def score(self, text: str):
+        final = text.split("\n")[0] if "\n" in text else None
+        if final is None:
+            return 0.0, "truncated"
+        return (1.0, "correct") if final == self.expected else (0.0, "wrong")
+
+
+@dataclasses.dataclass(frozen=True)
+class Taught:
+    """A distillation prompt with the name of its teacher (a skill, or "sft")."""
+    task: object
+    teacher: str
+
+    @property
+    def prompt(self) -> str:
+        return self.task.prompt
+
+    @property
+    def kind(self) -> str:
+        return self.task.kind
+
+    def score(self, text: str):
+        return self.task.score(text)
+
+
+def rm_pair(task: SortTask, rng: random.Random) -> tuple:
+    """(chosen, rejected) replies for a general prompt: chosen = the sorted digits; rejected = one of an
+    unsorted permutation, the sorted digits with one digit changed, one digit dropped, or descending order
+    (whichever differs from the chosen reply)."""
+    good = task.answer
+    d = list(good)
+    for _ in range(20):
+        kind = rng.randrange(4)
+        if kind == 0:
+            p = d[:]
+            rng.shuffle(p)
+            bad = "".join(p)
+        elif kind == 1:
+            i = rng.randrange(len(d))
+            p = d[:]
+            p[i] = rng.choice([c for c in "0123456789" if c != d[i]])
+            bad = "".join(sorted(p))
+        elif kind == 2:
+            p = d[:]
+            p.pop(rng.randrange(len(p)))
+            bad = "".join(p)
+        else:
+            bad = good[::-1]
+        if bad != good:
+            return good + "\n", bad + "\n"
+    return good + "\n", good[:-1] + "\n"                    # all digits equal: a dropped one
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class PostTrainConfig:
+    """model: the one policy. train: SFT on the three-skill mixture. reasoning_rl / general_rl: run_grpo
+    settings of those stages. agentic: run_agentic settings (mode async by default). rm_train: the
+    reward model's training (glm5_jax.train.train with the BT loss). distill: run_distill's settings."""
+    model: ModelConfig
+    train: TrainConfig
+    reasoning_rl: RLConfig
+    agentic: AgenticConfig
+    rm_train: TrainConfig
+    general_rl: RLConfig
+    distill: RLConfig
+    sft_mix: tuple = (0.4, 0.3, 0.3)          # reasoning, agentic, general shares of SFT examples
+    distill_sft_share: float = 0.1            # distillation prompts taught by the sft checkpoint
+    general_weights: tuple = (0.5, 0.5, 0.0)  # hybrid reward of the general skill: (rule, rm, judge)
+    rm_scale: float = 1.0                     # hybrid: sigmoid((r - 0) / rm_scale)
+    rm_center_weight: float = 0.01
+    rm_pairs: int = 2000                      # training pairs (general prompts outside val and test)
+    rm_eval_pairs: int = 256                  # held-out pairs on the validation prompts
+    truncation: str = "zero"                  # guards: zero | penalty | off
+    sort_digits: int = 4
+    max_hops: int = 3
+    hop_alpha: float = 1.5
+    test_tasks: int = 256                     # reasoning and general TEST prompts
+    test_tasks_agentic: int = 128
+    ray_cpus: int = 2
+
+    DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", self.model.replace(vocab_size=CharVocab().padded_size()))
+        err = lambda field, v, why: ConfigError(f"PostTrainConfig.{field}={v!r} is invalid: {why}")
+        for f in ("sft_mix", "general_weights"):
+            if len(getattr(self, f)) != 3 or min(getattr(self, f)) < 0 or sum(getattr(self, f)) <= 0:
+                raise err(f, getattr(self, f), "three weights >= 0 with a positive sum")
+        if min(self.sft_mix) <= 0:
+            raise err("sft_mix", self.sft_mix, "every skill needs a positive share (one policy learns all three)")
+        if self.general_weights[2] != 0:
+            raise err("general_weights", self.general_weights, "the judge weight must be 0: the generative judge "
+                      "renders the GLM chat template, which the character vocabulary has no tokens for")
+        if not 0.0 <= self.distill_sft_share < 1.0:
+            raise err("distill_sft_share", self.distill_sft_share, "must be in [0, 1)")
+        if self.truncation not in ("zero", "penalty", "off"):
+            raise err("truncation", self.truncation, "allowed: zero, penalty, off")
+        if not self.rm_scale > 0:
+            raise err("rm_scale", self.rm_scale, "must be > 0")
+        if not 2 <= self.sort_digits <= 8:
+            raise err("sort_digits", self.sort_digits, "must be in [2, 8]")
+        for f in ("max_hops", "test_tasks", "test_tasks_agentic", "rm_pairs", "rm_eval_pairs", "ray_cpus"):
+            if getattr(self, f) < 1:
+                raise err(f, getattr(self, f), "must be an integer >= 1")
+        if self.agentic.max_turns < self.max_hops + 1:
+            raise err("agentic.max_turns", self.agentic.max_turns, f"must be >= max_hops + 1 = {self.max_hops + 1}")
+        need = 8 + 11 * self.max_hops              # bos + 'kkk:' + hops x ('(kkk)\n' + '>kkk\n') + 'vv\n'
+        for f in ("agentic.max_len", "train.seq_len"):
+            v = self.agentic.max_len if f == "agentic.max_len" else self.train.seq_len
+            if v < need:
+                raise err(f, v, f"must be >= {need} (the longest {self.max_hops}-hop episode)")
+        # prompt/answer lengths of each RL stage's single-turn prompts (bos + prompt; answer + newline)
+        longest = {"reasoning_rl": (6, 4), "general_rl": (self.sort_digits + 2, self.sort_digits + 1),
+                   "distill": (max(6, self.sort_digits + 2, 5 + 11 * self.max_hops), max(6, self.sort_digits + 1))}
+        for f, (p, n) in longest.items():
+            rl = getattr(self, f)
+            if rl.max_prompt_len < p:
+                raise err(f"{f}.max_prompt_len", rl.max_prompt_len, f"the stage's prompts need >= {p} tokens")
+            if rl.max_new_tokens < n:
+                raise err(f"{f}.max_new_tokens", rl.max_new_tokens, f"the stage's answers need >= {n} tokens")
+        if self.rm_train.seq_len < self.general_rl.max_prompt_len + self.general_rl.max_new_tokens:
+            raise err("rm_train.seq_len", self.rm_train.seq_len, "must hold a general_rl prompt + reply "
+                      f"({self.general_rl.max_prompt_len + self.general_rl.max_new_tokens} tokens)")
+        if self.agentic.kill_worker_at_step:
+            raise err("agentic.kill_worker_at_step", self.agentic.kill_worker_at_step, "must be 0 here")
+
+
+_RL = RLConfig(loss="icepop", steps=60, prompts_per_step=32, group_size=8, max_new_tokens=6, max_prompt_len=8,
+               minibatches=1, learning_rate=5e-4, optimizer="adamw", adam_b2=0.999, adv_norm="informative",
+               frozen_patterns=("indexer",), mismatch="int8", beta=2.0, seed=0)
+TINY = PostTrainConfig(
+    model=_policy(64, 4, 2, 192),
+    train=TrainConfig(steps=800, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                      weight_decay=0.0, eval_every=800, log_every=100, ckpt_every=400, seed=0, indexer_loss="dense"),
+    reasoning_rl=_RL,
+    agentic=AgenticConfig(mode="async", steps=40, groups_per_step=8, group_size=4, in_flight_groups=16, tau=8,
+                          push_every=1, servers=2, server_threads=1, agent_threads=64, max_batch=32, max_len=48,
+                          max_new_tokens=6, max_turns=4, learning_rate=2e-4, trainer_cpus=(0,), server_cpus=(1,),
+                          row_buckets=(8, 32), width_buckets=(32, 42),
+                          frozen_patterns=("indexer", "embed", "layer_0/attn"), seed=0),
+    rm_train=TrainConfig(steps=200, batch_size=32, seq_len=16, learning_rate=1e-3, warmup_steps=10, min_lr_ratio=0.1,
+                         weight_decay=0.0, eval_every=200, log_every=50, ckpt_every=200, seed=0),
+    general_rl=_RL.replace(adv_norm="batch", seed=2),
+    distill=_RL.replace(steps=60, prompts_per_step=64, group_size=1, max_prompt_len=40, mismatch="none",
+                        adv_norm="batch", seed=3),
+)
+SMALL = dataclasses.replace(
+    TINY, model=_policy(128, 4, 4, 384),
+    train=TINY.train.replace(steps=2000, batch_size=32, eval_every=2000, log_every=250, ckpt_every=500),
+    reasoning_rl=_RL.replace(steps=150, prompts_per_step=64, learning_rate=3e-4),
+    agentic=dataclasses.replace(TINY.agentic, steps=120, groups_per_step=16, in_flight_groups=32, servers=4,
+                                agent_threads=128),
+    rm_train=TINY.rm_train.replace(steps=600, batch_size=64, eval_every=600, ckpt_every=600),
+    general_rl=_RL.replace(steps=150, prompts_per_step=64, learning_rate=3e-4, adv_norm="batch", seed=2),
+    distill=TINY.distill.replace(steps=150, prompts_per_step=128, learning_rate=3e-4),
+    rm_pairs=8000, rm_eval_pairs=1024, test_tasks=1024, test_tasks_agentic=512)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def make_skill_task(rng: random.Random, skill: str, cfg: PostTrainConfig):
+    if skill == "reasoning":
+        return make_task(rng, "d2d1")
+    if skill == "agentic":
+        return make_chain_task(rng, max_hops=cfg.max_hops, alpha=cfg.hop_alpha)
+    if skill == "general":
+        return sort_task(rng, cfg.sort_digits)
+    raise ValueError(f"unknown skill {skill!r}; allowed: {', '.join(SKILLS)}")
+
+
+def splits(cfg: PostTrainConfig) -> dict:
+    """{"test": {skill: tasks}, "val_general": tasks}: distinct prompts, disjoint, never trained on."""
+    out = {"test": {}}
+    for k, skill in enumerate(SKILLS):
+        n = cfg.test_tasks_agentic if skill == "agentic" else cfg.test_tasks
+        if skill == "general":
+            n += cfg.rm_eval_pairs
+        rng, seen, ts = random.Random(50_000 + 31 * k + cfg.train.seed), set(), []
+        for _ in range(200 * n):
+            if len(ts) == n:
+                break
+            t = make_skill_task(rng, skill, cfg)
+            if t.prompt not in seen:
+                seen.add(t.prompt)
+                ts.append(t)
+        else:
+            raise ConfigError(f"skill {skill}: found only {len(ts)} distinct prompts for the {n} held-out ones; "
+                              "lower test_tasks / test_tasks_agentic / rm_eval_pairs")
+        if skill == "general":
+            out["val_general"], ts = ts[cfg.test_tasks:], ts[:cfg.test_tasks]
+        out["test"][skill] = ts
+    return out
+
+
+def recovery(skills: Dict[str, Dict[str, float]]) -> dict:
+    """Per skill: how much of what the later RL stages took away the distill stage gave back (module doc).
+    ``skills[stage][skill]`` for every stage of RL_STAGES and "distill"."""
+    out = {}
+    for skill, trained in TRAINED_AT.items():
+        best = float(skills[trained][skill])
+        later = RL_STAGES[RL_STAGES.index(trained) + 1:]
+        low = min(float(skills[s][skill]) for s in later) if later else best
+        lost = best - low
+        rec = float(skills["distill"][skill]) - low
+        out[skill] = {"trained_at": trained, "later_stages": list(later), "best_before": best, "min_later": low,
+                      "distill": float(skills["distill"][skill]), "lost": lost, "recovered": rec,
+                      "fraction": (rec / lost) if lost > 0 else None}
+    return out
+
+
+def skill_interval(successes: int, n: int) -> dict:
+    lo, hi = wilson_interval(successes, n)
+    return {"mean": successes / n, "lo": lo, "hi": hi, "n": n}
+
+
+def with_eta(log: Callable[[str], None], stage: str) -> Callable[[str], None]:
+    """Log lines of run_grpo / run_agentic ("... step K/N ... (T s)") with the stage's ETA appended."""
+    pat = re.compile(r"step (\d+)/(\d+)\b.*\((\d+) s\)\s*$")
+
+    def say(msg: str):
+        m = pat.search(msg)
+        if m and int(m.group(1)) > 0:
+            k, n, t = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            msg = f"{msg} [{stage} ETA {t * (n - k) / k:.0f} s]"
+        log(msg)
+    return say
+
+
+# ---------------------------------------------------------------------------------------------- stages
+
+
+def stage_dir(workdir: str, stage: str) -> str:
+    return os.path.join(workdir, stage, "final")
+
+
+def load_stage(workdir: str, stage: str, model_cfg: ModelConfig):
+    """(params, result) of a completed stage, or None."""
+    import orbax.checkpoint as ocp
+    from glm5_jax.train.state import abstract_param_shapes
+    d = stage_dir(workdir, stage)
+    if not os.path.exists(os.path.join(d, "result.json")):
+        return None
+    with open(os.path.join(d, "result.json")) as f:
+        result = json.load(f)
+    # read against this run's own model (the stage was written by it; the config.json beside it is for
+    # --init_from and export, whose HF round trip does not keep every field of a tiny MLA/dense config)
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(os.path.join(os.path.abspath(d), "params"), abstract_param_shapes(model_cfg))
+    return params, result
+
+
+def save_stage(workdir: str, stage: str, model_cfg: ModelConfig, params, result: dict) -> None:
+    """Params + result into WORKDIR/<stage>/final.tmp, then one rename: a stage is complete or absent."""
+    from glm5_jax.train.checkpoint import save_params
+    d = stage_dir(workdir, stage)
+    tmp = d + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_params(tmp, model_cfg, params)
+    with open(os.path.join(tmp, "result.json"), "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+    os.replace(tmp, d)
+
+
+def run_stages(workdir: str, model_cfg: ModelConfig, stages: Sequence[tuple], log: Callable[[str], None]) -> dict:
+    """Run ``stages`` = [(name, fn)] in order; fn(done) -> (params, result), where ``done`` maps every earlier
+    stage to (params, result). A stage already complete in the workdir is loaded, not run. Returns done."""
+    done: Dict[str, tuple] = {}
+    t0 = time.time()
+    for i, (name, fn) in enumerate(stages, 1):
+        got = load_stage(workdir, name, model_cfg)
+        if got is not None:
+            log(f"[post_train] stage {i}/{len(stages)} {name}: complete in {stage_dir(workdir, name)}, loaded")
+            done[name] = got
+            continue
+        log(f"[post_train] stage {i}/{len(stages)} {name}: starting ({time.time() - t0:.0f} s into this invocation)")
+        t = time.time()
+        params, result = fn(done)
+        result = dict(result, wall_s=time.time() - t)
+        save_stage(workdir, name, model_cfg, params, result)
+        done[name] = (params, result)
+        log(f"[post_train] stage {i}/{len(stages)} {name}: done in {result['wall_s']:.0f} s; skills "
+            + ", ".join(f"{k} {v:.3f}" for k, v in result.get("skills", {}).items()))
+    return done
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+@register("post_train", "SFT -> reasoning RL (GRPO+IcePop) -> agentic RL (async, Ray) -> general RL (hybrid "
+          "rule + reward model, guards) -> on-policy cross-stage distillation: every skill after every stage",
+          {"tiny": TINY, "small": SMALL})
+def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
+    t_start = time.time()
+    vocab = CharVocab()
+    mcfg = cfg.model
+    sp = splits(cfg)
+    test, val_general = sp["test"], sp["val_general"]
+    exclude = {t.prompt for ts in test.values() for t in ts} | {t.prompt for t in val_general}
+    log(f"primary metric (fixed before the run): {PRIMARY_METRIC}; then distill_recovery per skill")
+
+    def draw(rng, skill):
+        while True:
+            t = make_skill_task(rng, skill, cfg)
+            if t.prompt not in exclude:
+                return t
+
+    def draw_mix(rng):
+        return draw(rng, rng.choices(SKILLS, weights=cfg.sft_mix)[0])
+
+    eval_servers: dict = {}
+
+    def agentic_eval(params, version: int) -> dict:
+        from glm5_jax.agentic.server import start_servers
+        ag = cfg.agentic
+        if not eval_servers:
+            _ray_init(cfg.ray_cpus)
+            eval_servers.update({f"eval-{k}": h for k, h in start_servers(
+                1, mcfg, params, threads=1, max_batch=ag.max_batch, max_len=ag.max_len,
+                max_new_tokens=ag.max_new_tokens, temperature=0.0, stop_tokens=(vocab.newline_id,), seed=0,
+                row_buckets=ag.row_buckets, width_buckets=ag.width_buckets).items()})
+        return evaluate(eval_servers, vocab, test["agentic"], params, version=version, threads=32,
+                        max_turns=ag.max_turns, max_len=ag.max_len, max_new_tokens=ag.max_new_tokens)
+
+    def test_eval(params, version: int) -> dict:
+        """Greedy TEST success of every skill: {"skills", "skills_interval"}."""
+        counts = {}
+        for skill, rl in (("reasoning", cfg.reasoning_rl), ("general", cfg.general_rl)):
+            r = evaluate_accuracy(mcfg, params, test[skill], vocab, max_new_tokens=rl.max_new_tokens, greedy=True)
+            counts[skill] = (int(round(r["accuracy"] * r["n"])), r["n"])
+        a = agentic_eval(params, version)
+        counts["agentic"] = (a["successes"], a["n"])
+        return {"skills": {s: counts[s][0] / counts[s][1] for s in SKILLS},
+                "skills_interval": {s: skill_interval(*counts[s]) for s in SKILLS}}
+
+    # ---- the stages
+    def sft_stage(done):
+        it = SFTIterator(draw_mix, vocab, cfg.train.batch_size, cfg.train.seq_len, seed=cfg.train.seed,
+                         exclude=exclude,
+                         encode=lambda t: (sft_example(t, vocab) if isinstance(t, ChainTask) else
+                                           [(vocab.encode(t.prompt, bos=True), vocab.encode(t.solution))]))
+        out = train(mcfg, cfg.train, it, os.path.join(workdir, "sft"), log=log, name="sft", mesh=mesh)
+        return out["params"], {**test_eval(out["params"], 1), "final_sft_loss": out["history"][-1].get("loss")}
+
+    def reasoning_stage(done):
+        rl = run_grpo(mcfg, done["sft"][0], cfg.reasoning_rl, lambda rng: draw(rng, "reasoning"), vocab,
+                      log=with_eta(log, "reasoning_rl"), metrics_path=os.path.join(workdir, "reasoning_rl.jsonl"),
+                      name="reasoning_rl", mesh=mesh)
+        h = rl["history"]
+        return rl["params"], {**test_eval(rl["params"], 2), "steps": len(h),
+                              "train_reward_first_last": [h[0]["reward_mean"], h[-1]["reward_mean"]],
+                              "pop_frac_mean": float(np.mean([r["pop_frac"] for r in h]))}
+
+    def agentic_stage(done):
+        _ray_init(cfg.ray_cpus)
+        r = run_agentic(mcfg, done["reasoning_rl"][0], cfg.agentic, vocab, lambda rng: draw(rng, "agentic"),
+                        log=with_eta(log, "agentic_rl"))
+        h = r["history"]
+        with open(os.path.join(workdir, "agentic_rl.jsonl"), "w") as f:
+            for row in h:
+                f.write(json.dumps(row) + "\n")
+        return r["params"], {**test_eval(r["params"], 3), "steps": len(h), "mode": cfg.agentic.mode,
+                             "train_reward_first_last": [h[0]["reward_mean"], h[-1]["reward_mean"]],
+                             "trained_tokens_per_s": r["trained_tokens"] / r["wall_s"],
+                             "trainer_idle_frac": r["trainer_idle_s"] / r["wall_s"],
+                             "staleness_histogram": {str(k): int(v) for k, v in
+                                                     sorted(collections.Counter(r["staleness"]).items())}}
+
+    def general_stage(done):
+        rm_params, rm_summary = train_reward_model(done)
+        from glm5_jax.rl.reward_model import RewardModel
+        rm = RewardModel(mcfg.replace(reward_head=True), rm_params, seq_len=cfg.rm_train.seq_len, batch_size=64)
+        w = cfg.general_weights
+        hybrid = HybridReward(HybridConfig(weights={"general": w}, rm_center=0.0, rm_scale=cfg.rm_scale,
+                                           guards=GuardConfig(truncation=cfg.truncation)),
+                              reward_model=rm, log=os.path.join(workdir, "general_rl_rewards.jsonl"))
+        totals = {k: 0 for k in HACKING_KEYS}
+        totals["reward_removed_sum"] = 0.0
+        sources = {"rule": [], "rm": []}
+
+        def on_batch(rewards, recs, counters):
+            for k in HACKING_KEYS:
+                totals[k] += int(counters.get(k, 0) or 0)
+            totals["reward_removed_sum"] += float(counters["reward_removed"]) * int(counters["samples"])
+            for s in sources:
+                if counters.get(f"{s}_mean") is not None:
+                    sources[s].append(float(counters[f"{s}_mean"]))
+
+        adv_fn = make_hybrid_advantage_fn(hybrid, vocab.decode, (vocab.newline_id,), cfg.general_rl.group_size,
+                                          on_batch=on_batch)
+        rl = run_grpo(mcfg, done["agentic_rl"][0], cfg.general_rl, lambda rng: draw(rng, "general"), vocab,
+                      log=with_eta(log, "general_rl"), metrics_path=os.path.join(workdir, "general_rl.jsonl"),
+                      name="general_rl", mesh=mesh, advantage_fn=adv_fn)
+        h = rl["history"]
+        hacking = {**totals, "truncations_penalised": totals["truncated"] if cfg.truncation != "off" else 0,
+                   "layout_anomalies": totals["anomalous"], "truncation_mode": cfg.truncation}
+        return rl["params"], {**test_eval(rl["params"], 4), "steps": len(h), "reward_model": rm_summary,
+                              "reward_hacking": hacking, "hybrid_weights": dict(zip(("rule", "rm", "judge"), w)),
+                              "rule_reward_first_last": [sources["rule"][0], sources["rule"][-1]] if sources["rule"] else None,
+                              "rm_reward_first_last": [sources["rm"][0], sources["rm"][-1]] if sources["rm"] else None}
+
+    def train_reward_model(done):
+        from glm5_jax.rl.reward_model import PairIterator, evaluate_pairs, make_rm_loss, rm_init_params
+        rm_cfg = mcfg.replace(reward_head=True)
+        rng = random.Random(7_000 + cfg.rm_train.seed)
+
+        def enc(t, reply):
+            return vocab.encode(t.prompt, bos=True) + vocab.encode(reply)
+
+        def pairs(tasks):
+            return [tuple(enc(t, r) for r in rm_pair(t, rng)) for t in tasks]
+        train_pairs = pairs([draw(rng, "general") for _ in range(cfg.rm_pairs)])
+        eval_pairs = pairs(val_general)
+        seq = cfg.rm_train.seq_len
+        rm_dir = os.path.join(workdir, "reward_model")
+        fresh = not os.path.isdir(os.path.join(rm_dir, "checkpoints"))
+        init = rm_init_params(done["sft"][0], rm_cfg, seed=cfg.rm_train.seed) if fresh else None
+
+        def eval_fn(params):
+            ev = evaluate_pairs(rm_cfg, params, eval_pairs, seq_len=seq, batch_size=64)
+            log(f"[reward_model] held-out pairwise_accuracy {ev['pairwise_accuracy']:.3f} bt_loss "
+                f"{ev['eval_bt_loss']:.3f} ({ev['eval_pairs']} pairs)")
+            return ev
+        out = train(rm_cfg, cfg.rm_train, PairIterator(train_pairs, cfg.rm_train.batch_size, seq,
+                                                       seed=cfg.rm_train.seed),
+                    rm_dir, init_params=init, eval_fn=eval_fn, log=log, name="reward_model", mesh=mesh,
+                    loss_fn=make_rm_loss(rm_cfg, cfg.rm_center_weight))
+        final = out["final"] or eval_fn(out["params"])
+        return out["params"], {"train_pairs": len(train_pairs), "eval_pairs": len(eval_pairs),
+                               "pairwise_accuracy": final["pairwise_accuracy"], "eval_bt_loss": final["eval_bt_loss"],
+                               "eval_margin": final["eval_margin"], "steps": cfg.rm_train.steps}
+
+    def distill_stage(done):
+        teachers = {s: done[TRAINED_AT[s]][0] for s in SKILLS}
+        if cfg.distill_sft_share > 0:
+            teachers["sft"] = done["sft"][0]
+
+        def sample(rng):
+            if rng.random() < cfg.distill_sft_share:
+                skill, teacher = rng.choices(SKILLS, weights=cfg.sft_mix)[0], "sft"
+            else:
+                skill = rng.choice(SKILLS)
+                teacher = skill
+            t = draw(rng, skill)
+            if skill == "agentic":
+                t = TurnTask(t, rng.randrange(t.hops + 1))
+            return Taught(t, teacher)
+        dist = run_distill(mcfg, done["general_rl"][0], teachers, cfg.distill, sample, lambda t: t.teacher, vocab,
+                           log=with_eta(log, "distill"), metrics_path=os.path.join(workdir, "distill.jsonl"),
+                           name="distill", mesh=mesh)
+        h = dist["history"]
+        return dist["params"], {**test_eval(dist["params"], 5), "steps": len(h), "teachers": {
+            k: ("sft" if k == "sft" else TRAINED_AT[k]) for k in teachers},
+            "student_task_reward_first_last": [h[0]["reward_mean"], h[-1]["reward_mean"]]}
+
+    fns = {"sft": sft_stage, "reasoning_rl": reasoning_stage, "agentic_rl": agentic_stage,
+           "general_rl": general_stage, "distill": distill_stage}
+    try:
+        done = run_stages(workdir, mcfg, [(s, fns[s]) for s in STAGES], log)
+    finally:
+        if eval_servers:
+            import ray
+            for h in eval_servers.values():
+                ray.kill(h, no_restart=True)
+    results = {s: done[s][1] for s in STAGES}
+    report = build_report(cfg, results, params=int(sum(x.size for x in jax.tree.leaves(done["sft"][0]))),
+                          wall_s=time.time() - t_start)
+    write_report(workdir, report, report_markdown(cfg, report))
+    plot_curves(os.path.join(workdir, "skills.png"),
+                {s: (list(range(len(STAGES))), [results[st]["skills"][s] for st in STAGES]) for s in SKILLS},
+                bands={s: ([results[st]["skills_interval"][s]["lo"] for st in STAGES],
+                           [results[st]["skills_interval"][s]["hi"] for st in STAGES]) for s in SKILLS},
+                title="greedy TEST success per stage: " + ", ".join(f"{i} {s}" for i, s in enumerate(STAGES)),
+                xlabel="stage", ylabel="greedy TEST success")
+    return report
+
+
+def build_report(cfg: PostTrainConfig, results: Dict[str, dict], *, params: int, wall_s: float) -> dict:
+    skills = {s: results[s]["skills"] for s in STAGES}
+    g = results["general_rl"]
+    return {"primary_metric": PRIMARY_METRIC,
+            "stages": {s: {"skills": results[s]["skills"], "skills_interval": results[s]["skills_interval"],
+                           **{k: v for k, v in results[s].items() if k not in ("skills", "skills_interval")}}
+                       for s in STAGES},
+            "distill_recovery": recovery(skills), "reward_hacking": g["reward_hacking"],
+            "reward_model": g["reward_model"],
+            "skills": {"reasoning": "d2d1 arithmetic ('47+8=' -> '55')",
+                       "agentic": f"key-value pointer chasing, 1..{cfg.max_hops} tool calls (ChainTask)",
+                       "general": f"sorting {cfg.sort_digits} digits ('4827>' -> '2478'), hybrid rule + RM reward"},
+            "test_prompts": {s: cfg.test_tasks_agentic if s == "agentic" else cfg.test_tasks for s in SKILLS},
+            "stage_wall_s": {s: results[s].get("wall_s") for s in STAGES}, "params": params, "wall_time_s": wall_s}
+
+
+def report_markdown(cfg: PostTrainConfig, report: dict) -> str:
+    st = report["stages"]
+    rows = [[s] + [fmt_interval(st[s]["skills"][k], st[s]["skills_interval"][k]["lo"],
+                                st[s]["skills_interval"][k]["hi"]) for k in SKILLS] for s in STAGES]
+    rec = report["distill_recovery"]
+    f = lambda v: "-" if v is None else f"{v:+.3f}" if isinstance(v, float) else str(v)
+    rec_rows = [[k, r["trained_at"], f"{r['best_before']:.3f}", ", ".join(r["later_stages"]) or "-",
+                 f"{r['min_later']:.3f}", f"{r['distill']:.3f}", f(r["lost"]), f(r["recovered"]),
+                 "-" if r["fraction"] is None else f"{r['fraction']:.2f}"] for k, r in rec.items()]
+    rh = report["reward_hacking"]
+    rm = report["reward_model"]
+    w = cfg.general_weights
+    walls = ", ".join(f"{s} {v:.0f} s" for s, v in report["stage_wall_s"].items() if v is not None)
+    return f"""# post_train
+
+Primary metric (fixed before the run): {PRIMARY_METRIC}.
+
+One policy: DSA, d_model {cfg.model.d_model}, {cfg.model.num_layers} layers, {report['params']:,} parameters, one character
+vocabulary. Skills: reasoning = {report['skills']['reasoning']}; agentic = {report['skills']['agentic']};
+general = {report['skills']['general']}.
+
+Stages: sft ({cfg.train.steps} steps, mixture {dict(zip(SKILLS, cfg.sft_mix))}) -> reasoning_rl (GRPO + {cfg.reasoning_rl.loss},
+{cfg.reasoning_rl.steps} steps, reasoning prompts only) -> agentic_rl ({cfg.agentic.mode}, {cfg.agentic.steps} steps, Ray rollout
+servers) -> general_rl (reward model {rm['steps']} steps, then {cfg.general_rl.steps} GRPO steps on the hybrid reward rule {w[0]} /
+RM {w[1]} / judge {w[2]}, guards truncation={cfg.truncation}) -> distill ({cfg.distill.steps} on-policy steps; teachers:
+reasoning_rl, agentic_rl, general_rl for their skills, sft for {cfg.distill_sft_share:.0%} of the prompts).
+
+## Greedy TEST success (Wilson 95% over the test prompts: {report['test_prompts']})
+
+{md_table(["stage", *SKILLS], rows)}
+
+![skills across stages](skills.png)
+
+## What distillation recovered
+
+best_before = the skill at the RL stage that trained it; min_later = its minimum over the RL stages after
+that one (before distill; = best_before when there is none); lost = best_before - min_later; recovered =
+distill - min_later; fraction = recovered / lost (only when lost > 0).
+
+{md_table(["skill", "trained at", "best_before", "later stages", "min_later", "distill", "lost", "recovered",
+           "fraction"], rec_rows)}
+
+## Reward hacking (general_rl, hybrid reward guards)
+
+{md_table(["samples", "truncated (penalised: " + cfg.truncation + ")", "layout anomalous", *ANOMALIES,
+           "reward removed (sum)"],
+          [[rh["samples"], rh["truncated"], rh["anomalous"], *[rh[k] for k in ANOMALIES],
+            f"{rh['reward_removed_sum']:.2f}"]])}
+
+Reward model (trunk from the sft checkpoint, {rm['train_pairs']} training pairs): held-out pairwise accuracy
+{rm['pairwise_accuracy']:.3f} on {rm['eval_pairs']} pairs of validation prompts (bt loss {rm['eval_bt_loss']:.3f}).
+
+Wall time {report['wall_time_s']:.0f} s in this invocation (stages when run: {walls}).
+"""
+
+
+__all__ = ["PostTrainConfig", "SKILLS", "STAGES", "SortTask", "TurnTask", "recovery", "run_stages", "splits",
+           "rm_pair", "TINY", "SMALL"]
