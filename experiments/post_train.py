@@ -216,9 +216,9 @@ class PostTrainConfig:
     rm_train: TrainConfig
     general_rl: RLConfig
     distill: RLConfig
-    sft_mix: tuple = (0.4, 0.3, 0.3)          # reasoning, agentic, general shares of SFT examples
+    sft_mix: tuple[float, ...] = (0.4, 0.3, 0.3)         # reasoning, agentic, general shares of SFT examples
     distill_sft_share: float = 0.1            # distillation prompts taught by the sft checkpoint
-    general_weights: tuple = (0.5, 0.5, 0.0)  # hybrid reward of the general skill: (rule, rm, judge)
+    general_weights: tuple[float, ...] = (0.5, 0.5, 0.0)  # hybrid reward of the general skill: (rule, rm, judge)
     rm_scale: float = 1.0                     # hybrid: sigmoid((r - 0) / rm_scale)
     rm_center_weight: float = 0.01
     rm_pairs: int = 2000                      # training pairs (general prompts outside val and test)
@@ -278,34 +278,40 @@ class PostTrainConfig:
             raise err("agentic.kill_worker_at_step", self.agentic.kill_worker_at_step, "must be 0 here")
 
 
-_RL = RLConfig(loss="icepop", steps=60, prompts_per_step=32, group_size=8, max_new_tokens=6, max_prompt_len=8,
-               minibatches=1, learning_rate=5e-4, optimizer="adamw", adam_b2=0.999, adv_norm="informative",
-               frozen_patterns=("indexer",), mismatch="int8", beta=2.0, seed=0)
+# reasoning_rl: grpo_icepop's tuned RL settings (AdamW 2e-4, embedding / layer-0 attention / indexer frozen,
+# int4 rollout engine so IcePop has a mismatch to correct); general_rl: the plainer setting of distill_recovery's
+# RL stage (only the indexer frozen, lr 5e-4), under which RL on one skill moves the shared weights enough to
+# make the others forget (what the distill stage is for)
+_RL = RLConfig(loss="icepop", steps=100, prompts_per_step=64, group_size=8, max_new_tokens=8, max_prompt_len=8,
+               minibatches=1, learning_rate=2e-4, optimizer="adamw", adam_b2=0.999, adv_norm="informative",
+               frozen_patterns=("indexer", "embed", "layer_0/attn"), mismatch="int4", beta=2.0, seed=0)
 TINY = PostTrainConfig(
     model=_policy(64, 4, 2, 192),
     train=TrainConfig(steps=800, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                       weight_decay=0.0, eval_every=800, log_every=100, ckpt_every=400, seed=0, indexer_loss="dense"),
     reasoning_rl=_RL,
-    agentic=AgenticConfig(mode="async", steps=40, groups_per_step=8, group_size=4, in_flight_groups=16, tau=8,
-                          push_every=1, servers=2, server_threads=1, agent_threads=64, max_batch=32, max_len=48,
-                          max_new_tokens=6, max_turns=4, learning_rate=2e-4, trainer_cpus=(0,), server_cpus=(1,),
-                          row_buckets=(8, 32), width_buckets=(32, 42),
+    agentic=AgenticConfig(mode="async", steps=60, groups_per_step=8, group_size=4, in_flight_groups=16, tau=8,
+                          push_every=1, servers=2, server_threads=1, agent_threads=64, max_batch=32, max_len=64,
+                          max_new_tokens=6, max_turns=6, learning_rate=2e-4, trainer_cpus=(0,), server_cpus=(1,),
+                          row_buckets=(8, 32), width_buckets=(32, 58),
                           frozen_patterns=("indexer", "embed", "layer_0/attn"), seed=0),
-    rm_train=TrainConfig(steps=200, batch_size=32, seq_len=16, learning_rate=1e-3, warmup_steps=10, min_lr_ratio=0.1,
-                         weight_decay=0.0, eval_every=200, log_every=50, ckpt_every=200, seed=0),
-    general_rl=_RL.replace(adv_norm="batch", seed=2),
-    distill=_RL.replace(steps=60, prompts_per_step=64, group_size=1, max_prompt_len=40, mismatch="none",
-                        adv_norm="batch", seed=3),
+    rm_train=TrainConfig(steps=300, batch_size=32, seq_len=16, learning_rate=1e-3, warmup_steps=10, min_lr_ratio=0.1,
+                         weight_decay=0.0, eval_every=300, log_every=100, ckpt_every=300, seed=0),
+    general_rl=_RL.replace(steps=60, prompts_per_step=32, learning_rate=5e-4, frozen_patterns=("indexer",),
+                           mismatch="int8", adv_norm="batch", seed=2),
+    distill=_RL.replace(steps=120, prompts_per_step=64, group_size=1, max_prompt_len=60, learning_rate=2e-4,
+                        mismatch="none", adv_norm="batch", seed=3),
+    sort_digits=6, max_hops=5,
 )
 SMALL = dataclasses.replace(
     TINY, model=_policy(128, 4, 4, 384),
     train=TINY.train.replace(steps=2000, batch_size=32, eval_every=2000, log_every=250, ckpt_every=500),
-    reasoning_rl=_RL.replace(steps=150, prompts_per_step=64, learning_rate=3e-4),
-    agentic=dataclasses.replace(TINY.agentic, steps=120, groups_per_step=16, in_flight_groups=32, servers=4,
+    reasoning_rl=_RL.replace(steps=300, group_size=16),
+    agentic=dataclasses.replace(TINY.agentic, steps=200, groups_per_step=16, in_flight_groups=32, servers=4,
                                 agent_threads=128),
-    rm_train=TINY.rm_train.replace(steps=600, batch_size=64, eval_every=600, ckpt_every=600),
-    general_rl=_RL.replace(steps=150, prompts_per_step=64, learning_rate=3e-4, adv_norm="batch", seed=2),
-    distill=TINY.distill.replace(steps=150, prompts_per_step=128, learning_rate=3e-4),
+    rm_train=TINY.rm_train.replace(steps=800, batch_size=64, eval_every=800, ckpt_every=800),
+    general_rl=TINY.general_rl.replace(steps=150, prompts_per_step=64, learning_rate=3e-4),
+    distill=TINY.distill.replace(steps=300, prompts_per_step=128),
     rm_pairs=8000, rm_eval_pairs=1024, test_tasks=1024, test_tasks_agentic=512)
 
 
