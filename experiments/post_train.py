@@ -282,7 +282,7 @@ class PostTrainConfig:
 # int4 rollout engine so IcePop has a mismatch to correct); general_rl: the plainer setting of distill_recovery's
 # RL stage (only the indexer frozen, lr 5e-4), under which RL on one skill moves the shared weights enough to
 # make the others forget (what the distill stage is for)
-_RL = RLConfig(loss="icepop", steps=100, prompts_per_step=64, group_size=8, max_new_tokens=8, max_prompt_len=8,
+_RL = RLConfig(loss="icepop", steps=100, prompts_per_step=64, group_size=8, max_new_tokens=10, max_prompt_len=10,
                minibatches=1, learning_rate=2e-4, optimizer="adamw", adam_b2=0.999, adv_norm="informative",
                frozen_patterns=("indexer", "embed", "layer_0/attn"), mismatch="int4", beta=2.0, seed=0)
 TINY = PostTrainConfig(
@@ -290,18 +290,18 @@ TINY = PostTrainConfig(
     train=TrainConfig(steps=800, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                       weight_decay=0.0, eval_every=800, log_every=100, ckpt_every=400, seed=0, indexer_loss="dense"),
     reasoning_rl=_RL,
-    agentic=AgenticConfig(mode="async", steps=60, groups_per_step=8, group_size=4, in_flight_groups=16, tau=8,
+    agentic=AgenticConfig(mode="async", steps=100, groups_per_step=8, group_size=4, in_flight_groups=16, tau=8,
                           push_every=1, servers=2, server_threads=1, agent_threads=64, max_batch=32, max_len=64,
                           max_new_tokens=6, max_turns=6, learning_rate=2e-4, trainer_cpus=(0,), server_cpus=(1,),
                           row_buckets=(8, 32), width_buckets=(32, 58),
                           frozen_patterns=("indexer", "embed", "layer_0/attn"), seed=0),
-    rm_train=TrainConfig(steps=300, batch_size=32, seq_len=16, learning_rate=1e-3, warmup_steps=10, min_lr_ratio=0.1,
+    rm_train=TrainConfig(steps=300, batch_size=32, seq_len=24, learning_rate=1e-3, warmup_steps=10, min_lr_ratio=0.1,
                          weight_decay=0.0, eval_every=300, log_every=100, ckpt_every=300, seed=0),
     general_rl=_RL.replace(steps=60, prompts_per_step=32, learning_rate=5e-4, frozen_patterns=("indexer",),
                            mismatch="int8", adv_norm="batch", seed=2),
-    distill=_RL.replace(steps=120, prompts_per_step=64, group_size=1, max_prompt_len=60, learning_rate=2e-4,
+    distill=_RL.replace(steps=200, prompts_per_step=64, group_size=1, max_prompt_len=60, learning_rate=2e-4,
                         mismatch="none", adv_norm="batch", seed=3),
-    sort_digits=6, max_hops=5,
+    sort_digits=8, max_hops=5, hop_alpha=1.0, sft_mix=(0.45, 0.4, 0.15),
 )
 SMALL = dataclasses.replace(
     TINY, model=_policy(128, 4, 4, 384),
@@ -629,8 +629,8 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
                 {s: (list(range(len(STAGES))), [results[st]["skills"][s] for st in STAGES]) for s in SKILLS},
                 bands={s: ([results[st]["skills_interval"][s]["lo"] for st in STAGES],
                            [results[st]["skills_interval"][s]["hi"] for st in STAGES]) for s in SKILLS},
-                title="greedy TEST success per stage: " + ", ".join(f"{i} {s}" for i, s in enumerate(STAGES)),
-                xlabel="stage", ylabel="greedy TEST success")
+                title="greedy TEST success per skill after each stage (Wilson 95%)",
+                xlabel="stage: " + ", ".join(f"{i} {s}" for i, s in enumerate(STAGES)), ylabel="greedy TEST success")
     return report
 
 
