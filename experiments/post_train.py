@@ -328,26 +328,33 @@ def make_skill_task(rng: random.Random, skill: str, cfg: PostTrainConfig):
     raise ValueError(f"unknown skill {skill!r}; allowed: {', '.join(SKILLS)}")
 
 
+def _distinct_prompts(cfg: PostTrainConfig, skill: str, n: int, stream: int, exclude=frozenset()) -> list:
+    """The first ``n`` distinct tasks of ``skill`` drawn from ``random.Random(stream)``, none in ``exclude``."""
+    rng, seen, ts = random.Random(stream), set(exclude), []
+    for _ in range(200 * n):
+        if len(ts) == n:
+            return ts
+        t = make_skill_task(rng, skill, cfg)
+        if t.prompt not in seen:
+            seen.add(t.prompt)
+            ts.append(t)
+    raise ConfigError(f"skill {skill}: found only {len(ts)} distinct prompts for the {n} held-out ones; "
+                      "lower test_tasks / test_tasks_agentic / rm_eval_pairs")
+
+
 def splits(cfg: PostTrainConfig) -> dict:
-    """{"test": {skill: tasks}, "val_general": tasks}: distinct prompts, disjoint, never trained on."""
+    """{"test": {skill: tasks}, "val_general": tasks}: distinct prompts, disjoint, never trained on.
+
+    The settings were chosen on development runs whose report tables used a split drawn from stream 50_000
+    (docs/experiments.md); TEST comes from stream 70_000 with every prompt of that development split left
+    out, so no TEST prompt was ever looked at while choosing settings."""
     out = {"test": {}}
     for k, skill in enumerate(SKILLS):
         n = cfg.test_tasks_agentic if skill == "agentic" else cfg.test_tasks
         if skill == "general":
             n += cfg.rm_eval_pairs
-        # stream 70_000: the settings were chosen on three development runs that reported a split drawn from
-        # stream 50_000; the final runs' TEST prompts come from this fresh stream (docs/experiments.md)
-        rng, seen, ts = random.Random(70_000 + 31 * k + cfg.train.seed), set(), []
-        for _ in range(200 * n):
-            if len(ts) == n:
-                break
-            t = make_skill_task(rng, skill, cfg)
-            if t.prompt not in seen:
-                seen.add(t.prompt)
-                ts.append(t)
-        else:
-            raise ConfigError(f"skill {skill}: found only {len(ts)} distinct prompts for the {n} held-out ones; "
-                              "lower test_tasks / test_tasks_agentic / rm_eval_pairs")
+        dev = {t.prompt for t in _distinct_prompts(cfg, skill, n, 50_000 + 31 * k + cfg.train.seed)}
+        ts = _distinct_prompts(cfg, skill, n, 70_000 + 31 * k + cfg.train.seed, exclude=dev)
         if skill == "general":
             out["val_general"], ts = ts[cfg.test_tasks:], ts[:cfg.test_tasks]
         out["test"][skill] = ts

@@ -110,6 +110,14 @@ def test_tasks_rules_turn_prefixes_and_reward_model_pairs():
     sp = pt.splits(cfg)
     held = [x.prompt for ts in sp["test"].values() for x in ts] + [x.prompt for x in sp["val_general"]]
     assert len(held) == len(set(held)) == 8 + 8 + 8 + 8
+    # TEST leaves out every prompt of the development split (stream 50_000) the settings were chosen on; at the
+    # default sizes (256 of ~1,800 arithmetic prompts) the two streams would share ~36 prompts by chance
+    cfg = registry.resolve_config(registry.get("post_train"), "tiny", {})
+    sp = pt.splits(cfg)
+    for k, skill in enumerate(pt.SKILLS):
+        n = len(sp["test"][skill]) + (len(sp["val_general"]) if skill == "general" else 0)
+        dev = {x.prompt for x in pt._distinct_prompts(cfg, skill, n, 50_000 + 31 * k + cfg.train.seed)}
+        assert dev and not dev & {x.prompt for x in sp["test"][skill]}
 
 
 def test_config_rejects_bad_values_naming_the_field():
