@@ -122,6 +122,29 @@ def test_cli_error_exit_code_names_allowed_values():
     assert res.returncode == 2 and "allowed: v5p, v4, v6e, v5e" in res.stderr, res.stderr[-2000:]
 
 
+def test_compiler_out_of_memory_is_a_report_with_fits_false_and_exit_1(monkeypatch, capsys):
+    """When the TPU compiler refuses the program for memory, tools.aot prints a report (fits false, the
+    compiler's line, the temporaries it asked for parsed from that line) and exits 1, not a traceback.
+    The message is the compiler's own, from glm5 float32 masters + muon_split on v5p:4x4x8 (docs/scaleout.md)."""
+    import tools.aot as aot
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(98.29G) exceeds available HBM (95.74G).")
+    e = aot.DoesNotFit(msg, 30.0, 10.0)
+    assert e.temporaries == int(98.29 * 2**30) and e.available == int(95.74 * 2**30)
+    assert aot.DoesNotFit("RESOURCE_EXHAUSTED: something else", 1.0, 1.0).temporaries is None
+
+    def refuse(r, log=None):
+        raise aot.DoesNotFit(msg, 30.0, 10.0)
+    monkeypatch.setattr(aot, "compile_step", refuse)
+    assert aot.main(["--preset=tiny", "--topology=v5p:2x2x1", "--json"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "the TPU compiler refused it" in out
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["fits"] is False and "RESOURCE_EXHAUSTED" in r["compile_error"]
+    assert r["per_device_bytes"]["temporaries"] == int(98.29 * 2**30) and "compiled_over_plan" not in r
+    assert r["plan_estimate"]["per_device_bytes"]["total"] > 0
+
+
 @pytest.mark.slow   # one TPU compile (~1 min on 2 cores)
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
 def test_muon_split_compiles_with_distributed_newton_schulz():

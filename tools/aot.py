@@ -21,7 +21,10 @@ estimated_step_seconds = max(compiled_flops / peak, bytes_accessed / HBM bw, col
 with estimated_mfu = model_flops / (estimated_step_seconds x peak); the chip figures and their sources
 are tools/budget.py's CHIP_PEAKS.
 
-Progress lines go to stderr; with --json the last stdout line is one JSON object. `--dump_dir`
+Progress lines go to stderr; with --json the last stdout line is one JSON object. Exit status: 0 when
+the compiler produced the program (`fits` says whether its total is within HBM), 2 for bad flags, 1 when
+the compiler refused it for memory (RESOURCE_EXHAUSTED at buffer assignment): the report then has
+`fits: false`, `compile_error` (the compiler's line) and the temporaries it asked for. `--dump_dir`
 sets XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text (buffer assignment and memory-usage report
 in *buffer-assignment.txt / *memory-usage-report.txt).
 
@@ -39,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -195,6 +199,19 @@ def plan_estimate(model_cfg, tcfg, sizes) -> dict:
             **({"host_bytes": p["host_bytes"]} if "host_bytes" in p else {})}
 
 
+class DoesNotFit(Exception):
+    """The TPU compiler refused the program: its buffers exceed the chip's HBM (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, compile_s: float, lower_s: float):
+        super().__init__(message)
+        self.compile_s, self.lower_s = compile_s, lower_s
+        m = re.search(r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message)
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        # XLA prints binary units (v5p's 95.74G is the 95 GiB HBM plus reserved space)
+        self.temporaries = int(float(m.group(1)) * unit[m.group(2)]) if m else None
+        self.available = int(float(m.group(3)) * unit[m.group(4)]) if m else None
+
+
 def compile_step(r: dict, *, log=None) -> dict:
     """Lower and compile the train step of a resolve()d config for its topology. Returns the report
     (per_device_bytes, compile_seconds, ...) without the plan estimate."""
@@ -223,7 +240,12 @@ def compile_step(r: dict, *, log=None) -> dict:
     lower_s = time.time() - t
     log(f"lowered in {lower_s:.1f}s; compiling with the TPU compiler")
     t = time.time()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:          # jax.errors.JaxRuntimeError; only the compiler's out-of-memory is a result
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise DoesNotFit(str(e), time.time() - t, lower_s) from None
     compile_s = time.time() - t
     log(f"compiled in {compile_s:.1f}s")
     ma = compiled.memory_analysis()
@@ -257,18 +279,26 @@ def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, **
     """resolve() + compile_step() + the plan estimate: the JSON report tools.aot prints."""
     from experiments.overrides import as_dict
     r = resolve(preset_name, topology, **kw)
-    out = compile_step(r, log=log)
     hbm = r["hbm_bytes"]
+    try:
+        out = compile_step(r, log=log)
+    except DoesNotFit as e:
+        # no executable, so no memory analysis or budget: the compiler's own figures and message instead
+        out = {"per_device_bytes": {"temporaries": e.temporaries} if e.temporaries else {},
+               "compiler_hbm_bytes": e.available, "compile_error": str(e).strip().splitlines()[-1][:2000],
+               "lower_seconds": round(e.lower_s, 1), "compile_seconds": round(e.compile_s, 1),
+               "total_formula": "the compiler stopped at buffer assignment: temporaries alone exceed HBM"}
     report = {"preset": preset_name, "topology": topology, "chip": r["chip"], "devices": r["devices"],
               "mesh": r["mesh"], "batch_size": r["train"].batch_size, "seq_len": r["train"].seq_len,
               "grad_accum": r["train"].grad_accum,
               "tokens_per_step": r["train"].batch_size * r["train"].seq_len,
-              **out, "hbm_bytes": hbm, "fits": out["per_device_bytes"]["total"] <= hbm,
+              **out, "hbm_bytes": hbm,
+              "fits": "compile_error" not in out and out["per_device_bytes"]["total"] <= hbm,
               "config": {"model": as_dict(r["model"]), "train": as_dict(r["train"])}}
     if with_plan:
         est = plan_estimate(r["model"], r["train"], r["mesh"])
         report["plan_estimate"] = est
-        if est["per_device_bytes"]["total"]:
+        if est["per_device_bytes"]["total"] and "total" in out["per_device_bytes"]:
             report["compiled_over_plan"] = round(out["per_device_bytes"]["total"] / est["per_device_bytes"]["total"], 3)
     return report
 
@@ -283,18 +313,21 @@ def format_report(p: dict) -> str:
              f"{p['grad_accum']} micro-batch{'es' if p['grad_accum'] > 1 else ''}), "
              f"optimizer {p['config']['train']['optimizer']}, layers {m['num_layers']}, remat {m['remat']}, "
              f"moe_impl {m['moe_impl']}",
-             f"compiled in {p['compile_seconds']:.1f}s (lowered in {p['lower_seconds']:.1f}s)",
+             f"{'compiler stopped' if 'compile_error' in p else 'compiled'} in {p['compile_seconds']:.1f}s "
+             f"(lowered in {p['lower_seconds']:.1f}s)",
              "per-device memory (compiled.memory_analysis()):"]
     for k in ("arguments", "outputs", "temporaries", "aliased", "total", "peak_memory", "host_temporaries"):
         if k in pd:
             lines.append(f"  {k:<12}{gib(pd[k])}")
     lines.append(f"  ({p['total_formula']})")
+    if "compile_error" in p:
+        lines.append(f"  the TPU compiler refused it: {p['compile_error']}")
     lines.append(f"{'fits' if p['fits'] else 'DOES NOT FIT'}: {p['chip']} HBM {p['hbm_bytes'] / 2**30:.0f} GiB")
     if "plan_estimate" in p:
         e = p["plan_estimate"]["per_device_bytes"]
         lines.append(f"tools.plan estimate: params {gib(e['params'])}, optimizer {gib(e['optimizer'])}, "
                      f"activations {gib(e['activations'])}, total {gib(e['total'])}"
-                     f" (compiled / plan = {p.get('compiled_over_plan')})")
+                     + (f" (compiled / plan = {p['compiled_over_plan']})" if "compiled_over_plan" in p else ""))
     if "budget" in p:
         b = p["budget"]
         t = b["seconds_by_bound"]
@@ -346,7 +379,7 @@ def main(argv=None) -> int:
     print(format_report(report))
     if a.json:
         print(json.dumps(report))
-    return 0
+    return 1 if "compile_error" in report else 0     # 1: no executable (the compiler ran out of HBM)
 
 
 if __name__ == "__main__":
