@@ -342,6 +342,11 @@ def _distinct_prompts(cfg: PostTrainConfig, skill: str, n: int, stream: int, exc
                       "lower test_tasks / test_tasks_agentic / rm_eval_pairs")
 
 
+# the held-out sizes of the development runs the tiny settings were chosen on (test_tasks, test_tasks_agentic,
+# test_tasks + rm_eval_pairs of the tiny default), drawn from stream 50_000: left out of every TEST split
+DEV_SPLIT_SIZES = {"reasoning": 256, "agentic": 128, "general": 512}
+
+
 def splits(cfg: PostTrainConfig) -> dict:
     """{"test": {skill: tasks}, "val_general": tasks}: distinct prompts, disjoint, never trained on.
 
@@ -353,7 +358,7 @@ def splits(cfg: PostTrainConfig) -> dict:
         n = cfg.test_tasks_agentic if skill == "agentic" else cfg.test_tasks
         if skill == "general":
             n += cfg.rm_eval_pairs
-        dev = {t.prompt for t in _distinct_prompts(cfg, skill, n, 50_000 + 31 * k + cfg.train.seed)}
+        dev = {t.prompt for t in _distinct_prompts(cfg, skill, DEV_SPLIT_SIZES[skill], 50_000 + 31 * k + cfg.train.seed)}
         ts = _distinct_prompts(cfg, skill, n, 70_000 + 31 * k + cfg.train.seed, exclude=dev)
         if skill == "general":
             out["val_general"], ts = ts[cfg.test_tasks:], ts[:cfg.test_tasks]

@@ -110,13 +110,15 @@ def test_tasks_rules_turn_prefixes_and_reward_model_pairs():
     sp = pt.splits(cfg)
     held = [x.prompt for ts in sp["test"].values() for x in ts] + [x.prompt for x in sp["val_general"]]
     assert len(held) == len(set(held)) == 8 + 8 + 8 + 8
+    # the small preset's 1,024 arithmetic TEST prompts still fit beside the development split (~1,800 exist)
+    small = registry.resolve_config(registry.get("post_train"), "small", {})
+    assert len(pt.splits(small)["test"]["reasoning"]) == small.test_tasks == 1024
     # TEST leaves out every prompt of the development split (stream 50_000) the settings were chosen on; at the
     # default sizes (256 of ~1,800 arithmetic prompts) the two streams would share ~36 prompts by chance
     cfg = registry.resolve_config(registry.get("post_train"), "tiny", {})
     sp = pt.splits(cfg)
     for k, skill in enumerate(pt.SKILLS):
-        n = len(sp["test"][skill]) + (len(sp["val_general"]) if skill == "general" else 0)
-        dev = {x.prompt for x in pt._distinct_prompts(cfg, skill, n, 50_000 + 31 * k + cfg.train.seed)}
+        dev = {x.prompt for x in pt._distinct_prompts(cfg, skill, pt.DEV_SPLIT_SIZES[skill], 50_000 + 31 * k + cfg.train.seed)}
         assert dev and not dev & {x.prompt for x in sp["test"][skill]}
 
 
