@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 ATTENTION_KINDS = ("mha", "gqa", "mla", "dsa")
 INDEXER_TYPES = ("full", "shared")
+DSA_TOPK_SOURCES = ("indexer", "oracle")     # ModelConfig.dsa_topk_source
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("xla", "pallas")
 MOE_IMPLS = ("ragged", "dense", "a2a")
@@ -118,6 +119,8 @@ class ModelConfig:
     attention_impl: str = "xla"           # xla | pallas (DSA kernels)
     attn_chunk: int = 256                 # query chunk for attention paths (bounds [chunk, S] memory)
     dsa_short_dense: int = 8              # CPU, xla: DSA's sparse stage as top-k-masked dense attention at T <= this * index_topk (0: never)
+    dsa_topk_source: str = "indexer"      # DSA's k keys: indexer (the lightning indexer) | oracle (top-k of the main attention's own head-averaged dense softmax: an evaluation, glm5_jax.attention.indexer.oracle_topk)
+    dsa_selection_stats: bool = False     # DSA layers sow per-query attention mass on the selected keys / the oracle's and recall (glm5_jax.attention.selection)
     remat: str = "none"                   # none | full (keep layer inputs only) | offload (full, inputs on host) | dots | dots_no_batch
     scan_layers: bool = True              # nn.scan over each layer stack (False: the same stacks unrolled)
 
@@ -198,6 +201,11 @@ class ModelConfig:
                 _fail(f, getattr(self, f), f"allowed: {', '.join(allowed)}")
         if not isinstance(self.dsa_short_dense, int) or isinstance(self.dsa_short_dense, bool) or self.dsa_short_dense < 0:
             _fail("dsa_short_dense", self.dsa_short_dense, "must be an integer >= 0 (0: always the sparse gather)")
+        if self.dsa_topk_source not in DSA_TOPK_SOURCES:
+            _fail("dsa_topk_source", self.dsa_topk_source, f"allowed: {', '.join(DSA_TOPK_SOURCES)} (oracle: the top-k of the "
+                  "main attention's own dense softmax, for evaluation)")
+        if not isinstance(self.dsa_selection_stats, bool):
+            _fail("dsa_selection_stats", self.dsa_selection_stats, "must be a bool")
         if self.rms_norm_eps <= 0:
             _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
         if self.rope_theta <= 0:
