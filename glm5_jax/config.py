@@ -18,6 +18,7 @@ DSA_TOPK_SOURCES = ("indexer", "oracle")     # ModelConfig.dsa_topk_source
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("xla", "pallas")
 MOE_IMPLS = ("ragged", "dense", "a2a")
+MOE_KERNELS = ("auto", "megablox", "ragged_dot")   # pallas_kernels.gmm.MOE_KERNELS (the a2a experts' grouped matmul)
 ROPE_SCALING_TYPES = ("default", "linear", "yarn")   # rope_scaling None is "default" (glm5_jax.layers.rope)
 # Per scaled type: (required keys, optional keys) besides "type", as HF rope_parameters spells them.
 ROPE_SCALING_KEYS = {
@@ -105,6 +106,8 @@ class ModelConfig:
     moe_capacity_factor: float = 1.25     # a2a only: slots per device pair = cf * n*k/ep; <= 0 = dropless
     moe_round_capacity_factor: float = 1.25   # a2a dropless: slots per device pair per all-to-all round = this * n*k/ep,
                                           # rounds until every slot is sent; <= 0: one round of n*k (worst-case buffers)
+    moe_kernel: str = "auto"              # a2a only: local experts' grouped matmul: auto (megablox on TPU, ragged_dot
+                                          # elsewhere) | megablox (interpret mode on CPU) | ragged_dot (pallas_kernels.gmm)
     moe_token_chunk: int = 0              # a2a only: > 0 dispatches each device's tokens in chunks of at most this many (recomputed in the backward)
     # Multi-token prediction.
     mtp_depth: int = 1
@@ -196,7 +199,8 @@ class ModelConfig:
         if self.attention not in ATTENTION_KINDS:
             _fail("attention", self.attention, f"allowed: {', '.join(ATTENTION_KINDS)}")
         for f, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
-                           ("attention_impl", ATTENTION_IMPLS), ("moe_impl", MOE_IMPLS)):
+                           ("attention_impl", ATTENTION_IMPLS), ("moe_impl", MOE_IMPLS),
+                           ("moe_kernel", MOE_KERNELS)):
             if getattr(self, f) not in allowed:
                 _fail(f, getattr(self, f), f"allowed: {', '.join(allowed)}")
         if not isinstance(self.dsa_short_dense, int) or isinstance(self.dsa_short_dense, bool) or self.dsa_short_dense < 0:

@@ -74,7 +74,8 @@ class DecoderLayer(nn.Module):
             mlp = MoE(c.num_experts, c.experts_per_tok, c.moe_ffn_dim, c.num_shared_experts, c.n_group,
                       c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, c.moe_impl,
                       c.initializer_range, dt, pdt, capacity_factor=c.moe_capacity_factor,
-                      token_chunk=c.moe_token_chunk, round_factor=c.moe_round_capacity_factor, name="moe")(h)
+                      token_chunk=c.moe_token_chunk, round_factor=c.moe_round_capacity_factor,
+                      kernel=c.moe_kernel, name="moe")(h)
         else:
             mlp = SwiGLU(c.ffn_dim, c.initializer_range, dt, pdt, name="mlp")(h)
         return constrain(x + mlp, ACT), indices, cache

@@ -125,3 +125,63 @@ def test_model_flops_per_device_is_train_flops_per_token_times_tokens_over_devic
     cfg = preset("tiny")
     assert model_flops_per_device(cfg, 8, 64, 4) == train_flops_per_token(cfg, 64) * 8 * 64 / 4
     assert model_flops_per_device(cfg, 8, 64, 1) == 4 * model_flops_per_device(cfg, 8, 64, 4)
+
+
+# two Pallas TPU kernels (tpu_custom_call): one with the cost estimate pallas_call writes in its backend
+# config (megablox gmm: flops 2 M K N), one without (counted 0 and listed)
+MOSAIC = """HloModule k, entry_computation_layout={()->f32[1024,256]{1,0}}
+
+ENTRY %main (a: bf16[1024,512], b: bf16[8,512,256], g: s32[8]) -> f32[1024,256] {
+  %a = bf16[1024,512]{1,0} parameter(0)
+  %b = bf16[8,512,256]{2,1,0} parameter(1)
+  %g = s32[8]{0} parameter(2)
+  %gmm.1 = f32[1024,256]{1,0} custom-call(%g, %a, %b), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body":"TUxJ","cost_estimate":{"flops":"268435456","transcendentals":"0","bytes_accessed":"7077888","remote_bytes_transferred":"0"},"needs_layout_passes":true}}, metadata={op_name="jit(f)/moe/experts/gmm"}
+  ROOT %mystery.2 = f32[1024,256]{1,0} custom-call(%gmm.1), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body":"TUxJ","needs_layout_passes":true}}
+}
+"""
+
+
+def test_pallas_kernels_count_their_cost_estimate_and_unknown_ones_are_listed():
+    """A tpu_custom_call counts the FLOPs and bytes of its cost estimate; one without an estimate counts
+    no FLOPs and is named in unknown_cost_kernels (so a budget with an empty list counted every kernel)."""
+    h = hlo_budget(MOSAIC)
+    assert h["flops"] == 2 * 1024 * 512 * 256
+    assert h["flops_by_source"] == {"f/moe/experts/gmm": 2 * 1024 * 512 * 256}
+    assert h["unknown_cost_kernels"] == ["mystery.2"]
+    assert h["bytes_accessed"] == 7077888 + 2 * 1024 * 256 * 4          # estimate + the unknown's operand/output
+    assert hlo_budget(HLO)["unknown_cost_kernels"] == []
+
+
+def _tpu_devices():
+    pytest.importorskip("libtpu", reason="the TPU compiler (jax[tpu] / libtpu) is not installed")
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
+
+
+def test_megablox_experts_fwd_bwd_compiled_flops_are_the_grouped_closed_form():
+    """The routed experts' SwiGLU through pallas_kernels.gmm (megablox on TPU), forward + gradient compiled
+    by the TPU compiler: compiled FLOPs = 3 projections x (forward, dX, dW) x 2 M D F, exactly (every
+    kernel carries its cost estimate; nothing else contracts), and no dot / convolution is left whose
+    output is an expert weight's shape (the dense dW form of ragged_dot)."""
+    from pallas_kernels.gmm import grouped_matmul
+    from tools.budget import parse_hlo
+    devs = _tpu_devices()
+    mesh = jax.sharding.Mesh(devs[:1], ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    m, d, f, g = 1024, 256, 128, 8
+
+    def loss(x, gate, up, down, sizes):
+        dot = lambda a, w: grouped_matmul(a, w, sizes, impl="auto")
+        return jnp.sum(dot(jax.nn.silu(dot(x, gate)) * dot(x, up), down).astype(jnp.float32) ** 2)
+
+    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)
+    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(
+        sds((m, d)), sds((g, d, f)), sds((g, d, f)), sds((g, f, d)), sds((g,), jnp.int32)).compile()
+    b = step_budget(c, "v5p", model_flops=9 * 2 * m * d * f)
+    assert b["unknown_cost_kernels"] == []
+    assert b["compiled_flops"] == 9 * 2 * m * d * f and b["useful_flops_fraction"] == 1.0
+    weight_shapes = {f"[{g},{d},{f}]", f"[{g},{f},{d}]"}
+    for instrs in parse_hlo(c.as_text())["computations"].values():
+        for ins in instrs:
+            if ins["op"] in ("dot", "convolution"):
+                assert not any(ws in ins["shape"] for ws in weight_shapes), ins["name"]

@@ -17,8 +17,10 @@ instruction by the trip counts of the while loops around it:
   such as the dropless a2a rounds) counts once and is listed in `unknown_trip_loops`.
 - FLOPs: 2 x output elements x contracted elements of every dot and convolution (also those inside
   fusions), and 2 M K N of each `ragged-dot` custom call (the TPU compiler's kernel for the forward
-  and dX of `ragged_dot`, [M, K] rows x [G, K, N] groups): matmul FLOPs, what MFU counts.
-  Elementwise work and other custom calls (Pallas kernels) are left out.
+  and dX of `ragged_dot`, [M, K] rows x [G, K, N] groups): matmul FLOPs, what MFU counts. A Pallas TPU
+  kernel (`tpu_custom_call`, e.g. megablox gmm / tgmm) counts the FLOPs and bytes of the cost estimate
+  its pallas_call carries; one without an estimate counts 0 and is listed in `unknown_cost_kernels`.
+  Elementwise work and other custom calls are left out.
 - bytes accessed: operands + outputs of every instruction that runs as a kernel (not the fused
   computations' insides, nor tuples, parameters, get-tuple-element, bitcasts, constants); a fusion
   parameter read only through dynamic-slice counts the slices, a fusion whose root is a
@@ -182,6 +184,7 @@ def hlo_budget(text: str) -> dict:
     mult: dict[str, float] = {}
     kernel_comps: set[str] = set()      # computations whose instructions run as kernels (not fused bodies)
     unknown: list[str] = []
+    unknown_cost: list[str] = []
     trips: dict[str, int] = {}
 
     def visit(comp: str, m: float, kernels: bool):
@@ -228,6 +231,12 @@ def hlo_budget(text: str) -> dict:
                 # row [M, K] meets one group's [K, N] -> 2 M K N; invisible to XLA's cost analysis
                 lhs, out = _dims(shapes.get(ins["operands"][-2], "")), _dims(ins["shape"])
                 f = m * 2 * math.prod(out) * lhs[-1] if len(lhs) == 2 and len(out) == 2 else 0.0
+            elif op == "custom-call" and _is_mosaic(ins):
+                # a Pallas TPU kernel: its own cost estimate (pl.CostEstimate, in the backend config)
+                est = mosaic_cost(ins)
+                if est is None:
+                    unknown_cost.append(ins["name"])
+                f = m * est["flops"] if est else 0.0
             else:
                 f = 0.0
             if f:
@@ -241,10 +250,27 @@ def hlo_budget(text: str) -> dict:
                 coll[base] = coll.get(base, 0) + m * shape_bytes(ins["shape"])
             if op in _NO_KERNEL or op.endswith("-start") or op.endswith("-done"):
                 continue
-            bytes_ += m * _kernel_bytes(ins, shapes, comps)
+            est = mosaic_cost(ins) if op == "custom-call" and _is_mosaic(ins) and not ins["name"].startswith("ragged-dot") \
+                else None
+            bytes_ += m * (est["bytes_accessed"] if est else _kernel_bytes(ins, shapes, comps))
     top = dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:16])
     return {"flops": flops, "flops_by_source": top, "bytes_accessed": bytes_, "collective_bytes": sum(coll.values()),
-            "collective_bytes_by_op": coll, "while_trip_counts": trips, "unknown_trip_loops": unknown}
+            "collective_bytes_by_op": coll, "while_trip_counts": trips, "unknown_trip_loops": unknown,
+            "unknown_cost_kernels": sorted(set(unknown_cost))}
+
+
+_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"')
+
+
+def _is_mosaic(ins: dict) -> bool:
+    return 'custom_call_target="tpu_custom_call"' in ins["rest"]
+
+
+def mosaic_cost(ins: dict) -> dict | None:
+    """{'flops', 'bytes_accessed'} of a Pallas TPU kernel (a `tpu_custom_call`) from the cost estimate
+    its pallas_call carries in the backend config (megablox gmm / tgmm: 2 M K N), None without one."""
+    m = _COST.search(ins["rest"])
+    return {"flops": float(m.group(1)), "bytes_accessed": float(m.group(3))} if m else None
 
 
 def _kernel_bytes(ins: dict, shapes: dict, comps: dict) -> float:
@@ -322,6 +348,7 @@ def step_budget(compiled, chip: str, model_flops: float) -> dict:
         "seconds_by_bound": {"compute": t_flops, "hbm": t_hbm, "ici": t_ici}, "bound": bound,
         "estimated_mfu": round(model_flops / (est * peaks["peak_flops"]), 4) if est else None,
         "flops_by_source": h["flops_by_source"], "chip_peaks": peaks, "while_trip_counts": h["while_trip_counts"],
-        "unknown_trip_loops": h["unknown_trip_loops"], "xla_cost_analysis": cost_analysis(compiled),
+        "unknown_trip_loops": h["unknown_trip_loops"], "unknown_cost_kernels": h["unknown_cost_kernels"],
+        "xla_cost_analysis": cost_analysis(compiled),
         "budget_note": BUDGET_NOTE,
     }

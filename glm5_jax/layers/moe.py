@@ -118,6 +118,7 @@ class Experts(nn.Module):
     capacity_factor: float = 1.25          # a2a only (<= 0: dropless)
     token_chunk: int = 0                   # a2a only (> 0: dispatch per chunk of this many local tokens)
     round_factor: float = 1.25             # a2a dropless only: round capacity (<= 0: one worst-case round)
+    kernel: str = "auto"                   # a2a only: the local experts' grouped matmul (pallas_kernels.gmm)
 
     @nn.compact
     def __call__(self, x, weights, ids):
@@ -136,7 +137,7 @@ class Experts(nn.Module):
             from glm5_jax.parallel.ep import a2a_moe
             out, dropped, rounds = a2a_moe(x, weights, ids, gate, up, down, num_experts=e,
                                            capacity_factor=self.capacity_factor, token_chunk=self.token_chunk,
-                                           round_factor=self.round_factor)
+                                           round_factor=self.round_factor, kernel=self.kernel)
             self.sow("intermediates", "dropped_fraction", dropped)
             self.sow("intermediates", "a2a_rounds", rounds)
             return out
@@ -164,6 +165,7 @@ class MoE(nn.Module):
     capacity_factor: float = 1.25
     token_chunk: int = 0
     round_factor: float = 1.25
+    kernel: str = "auto"
 
     @nn.compact
     def __call__(self, x):
@@ -175,7 +177,8 @@ class MoE(nn.Module):
         weights, ids, _ = Router(self.num_experts, router_cfg, self.stddev, name="router")(xf)
         self.sow("intermediates", "expert_load", jnp.bincount(ids.reshape(-1), length=self.num_experts))
         out = Experts(self.num_experts, self.moe_ffn_dim, self.impl, self.stddev, self.dtype, self.param_dtype,
-                      self.capacity_factor, self.token_chunk, self.round_factor, name="experts")(xf, weights, ids)
+                      self.capacity_factor, self.token_chunk, self.round_factor, self.kernel,
+                      name="experts")(xf, weights, ids)
         out = constrain(out.reshape(b, t, d).astype(x.dtype), ("activation_batch", "activation_seq", "activation_embed"))
         if self.num_shared_experts:
             out = out + SwiGLU(self.moe_ffn_dim * self.num_shared_experts, self.stddev, self.dtype,

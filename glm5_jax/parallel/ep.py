@@ -8,7 +8,7 @@ out inside `jax.shard_map`:
   2. slots (token, choice) are sorted by expert and packed into a send buffer [ep, C, D], one row of
      C slots per device on the `expert` axis (that device owns experts [j*E/ep, (j+1)*E/ep));
   3. `jax.lax.all_to_all` over `expert` exchanges the buffers; every device now holds the slots for its
-     local experts, runs them with `jax.lax.ragged_dot` (F sharded over `tensor`, partial sums psum'd);
+     local experts, runs them with a grouped matmul (pallas_kernels.gmm: megablox on TPU; F sharded over `tensor`, partial sums psum'd);
   4. a second all_to_all sends the results back, where they are un-permuted and weighted.
 
 Capacity C per (source device, destination device) is ceil(capacity_factor * n * k / ep) slots for n
@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.gmm import grouped_matmul
+
 BATCH_AXES = ("data", "fsdp", "expert")
 TOKEN_AXES = BATCH_AXES + ("context",)   # [B, T] flattened to N = B*T: batch axes major, context minor
 
@@ -45,8 +47,8 @@ def capacity(n_slots: int, ep: int, capacity_factor: float) -> int:
     return max(1, min(n_slots, math.ceil(capacity_factor * n_slots / ep)))
 
 
-def _swiglu(xs, gate, up, down, sizes):
-    dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes)
+def _swiglu(xs, gate, up, down, sizes, kernel: str = "auto"):
+    dot = lambda a, w: grouped_matmul(a, w, sizes, impl=kernel)
     return dot(jax.nn.silu(dot(xs, gate)) * dot(xs, up), down)
 
 
@@ -63,7 +65,8 @@ def _plan(ids, el: int, ep: int):
     return order.astype(jnp.int32), (sorted_ids % el).astype(jnp.int32), start, per_dest
 
 
-def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, expert_axis, tensor_axis):
+def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, expert_axis, tensor_axis,
+           kernel: str = "auto"):
     """One all-to-all round: the slots of rank [r*c, (r+1)*c) in every destination row are gathered into
     a send buffer [ep, c, D], exchanged over `expert_axis`, run through the local experts (ragged_dot,
     F over `tensor_axis`), sent back and added to their tokens with their router weights.
@@ -86,7 +89,7 @@ def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, exp
     recv, recv_ids = recv.reshape(ep * c, d), recv_ids.reshape(ep * c)
     r_order = jnp.argsort(recv_ids, stable=True)                         # empty slots (id el) go last
     sizes = jnp.bincount(recv_ids, length=el + 1)[:el].astype(jnp.int32)
-    ys = _swiglu(recv[r_order], gate, up, down, sizes)
+    ys = _swiglu(recv[r_order], gate, up, down, sizes, kernel)
     ys = jnp.where((recv_ids[r_order] < el)[:, None], ys, 0)
     if tensor_axis is not None:
         ys = jax.lax.psum(ys, tensor_axis)                               # F was sharded: sum the partial products
@@ -142,7 +145,7 @@ _dropless.defvjp(_dropless_fwd, _dropless_bwd)
 
 def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float,
                    round_factor: float = 0.0, expert_axis: str | None = None, ep: int = 1,
-                   tensor_axis: str | None = None, sync_axes: tuple[str, ...] = ()):
+                   tensor_axis: str | None = None, sync_axes: tuple[str, ...] = (), kernel: str = "auto"):
     """Per-device body. x [n, D], weights/ids [n, k]; gate/up [E/ep, D, F_l], down [E/ep, F_l, D].
 
     capacity_factor > 0: one all-to-all round of C = capacity(n*k, ep, capacity_factor) slots per
@@ -158,7 +161,7 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
     el = num_experts // ep
     s = n * k
     plan = _plan(ids, el, ep)
-    kw = dict(el=el, ep=ep, expert_axis=expert_axis, tensor_axis=tensor_axis)
+    kw = dict(el=el, ep=ep, expert_axis=expert_axis, tensor_axis=tensor_axis, kernel=kernel)
     total = jnp.asarray(s, jnp.int32)
     if capacity_factor > 0 or round_factor <= 0:    # one round: finite capacity, or dropless worst case
         c = capacity(s, ep, capacity_factor)
@@ -203,7 +206,7 @@ def _context_mesh():
 
 
 def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float, token_chunk: int = 0,
-            round_factor: float = 0.0):
+            round_factor: float = 0.0, kernel: str = "auto"):
     """x [N, D] (N = batch * seq), weights/ids [N, k] -> (out [N, D], dropped fraction float32,
     all-to-all rounds per dispatch float32).
 
@@ -214,10 +217,11 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
     tokens of its own sequence shard. token_chunk > 0: each device dispatches its tokens in chunks
     (dispatch_chunked), bounding the dispatch buffers at long context (glm5 at 128K: 16K tokens a chip).
     capacity_factor <= 0: dropless, in rounds of round_factor x the mean pair load (dispatch_local);
-    every device runs the rounds the most loaded pair of the whole mesh needs.
+    every device runs the rounds the most loaded pair of the whole mesh needs. kernel: the local experts'
+    grouped matmul (pallas_kernels.gmm.grouped_matmul's impl; ModelConfig.moe_kernel).
     """
     kw = dict(num_experts=num_experts, capacity_factor=capacity_factor, round_factor=round_factor,
-              token_chunk=token_chunk)
+              token_chunk=token_chunk, kernel=kernel)
     mesh = _context_mesh()
     if mesh is None:
         out, dropped, total, rounds, m = dispatch_chunked(x, weights, ids, gate, up, down, **kw)

@@ -120,7 +120,7 @@ class Checkpointer:
 # ----------------------------------------------------------------------------- starting weights
 # fields that change how the model runs, not what its weights mean: they may differ from the checkpoint's
 _RUNTIME_FIELDS = ("param_dtype", "dtype", "attention_impl", "attn_chunk", "remat", "scan_layers", "moe_impl",
-                   "moe_capacity_factor", "moe_round_capacity_factor", "moe_token_chunk", "dsa_short_dense",
+                   "moe_capacity_factor", "moe_round_capacity_factor", "moe_kernel", "moe_token_chunk", "dsa_short_dense",
                    "initializer_range", "mtp_depth")
 
 
