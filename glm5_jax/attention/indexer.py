@@ -128,3 +128,91 @@ def indexer_kl_sparse(q, k, scale, q_idx, k_idx, weights, indices, *, chunk: int
         return _kl(p, log_q, valid)
 
     return jnp.mean(jax.lax.map(one_chunk, jnp.arange(t // tc)))
+
+
+def _head_mean_probs(q, k, scale, mask):
+    """The main attention's dense softmax averaged over heads, [B, tc, S] float32 (rows sum to 1 over the
+    visible keys, 0 elsewhere). q [B, tc, H, D], k [B, S, Hk, D] with Hk in {1, H} (the MQA form's one
+    shared row per key, or expanded heads); mask [B or 1, tc, S]."""
+    h, hk = q.shape[2], k.shape[2]
+    if hk not in (1, h):
+        raise ValueError(f"k has {hk} heads; allowed 1 (MQA form) or H={h}")
+    logits = (jnp.einsum("bthd,bsd->bhts", q, k[:, :, 0]) if hk == 1
+              else jnp.einsum("bthd,bshd->bhts", q, k)).astype(jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, None], logits, NEG_INF), axis=-1)
+    return jnp.where(mask, jnp.mean(probs, axis=1), 0.0)
+
+
+def _top_visible(p, mask, kk: int):
+    """Exact top-kk keys of p [B, tc, S] among the visible ones (ties to the lower key), -1 past the visible
+    count -> (indices int32 [B, tc, kk], n_valid [B, tc])."""
+    _, idx = jax.lax.top_k(jnp.where(mask, p, -1.0), kk)
+    n_vis = jnp.minimum(jnp.sum(mask, axis=-1), kk)
+    return jnp.where(jnp.arange(kk) < n_vis[..., None], idx, -1).astype(jnp.int32), n_vis
+
+
+def _query_chunks(q, k, segment_ids, chunk, q_offset, kv_segment_ids, one):
+    """Run one(t0, tc, q chunk, mask) over query chunks of T and concatenate along T."""
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+    tc = ref.pick_chunk(t, chunk)
+
+    def body(i):
+        t0 = i * tc
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, tc, axis=1)  # noqa: E731
+        seg_q = None if segment_ids is None else sl(segment_ids)
+        mask = ref.visible_mask(t0, tc, s, t, True, seg_q, kv_seg, q_offset=q_offset)
+        mask = jnp.broadcast_to(mask, (b, tc, s))
+        return one(sl(q), mask, i, tc)
+
+    outs = jax.lax.map(body, jnp.arange(t // tc))
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, t, *x.shape[3:]), outs)
+
+
+def oracle_topk(q, k, scale, topk: int, *, segment_ids=None, chunk: int = 256, q_offset=None, kv_segment_ids=None):
+    """The oracle selection (ModelConfig.dsa_topk_source="oracle"): per query, the exact top-k keys of the
+    main attention's own dense softmax averaged over heads -- one key set shared by every head, as DSA's
+    MQA form shares the indexer's -- which is the k-set holding the most head-averaged attention mass any
+    k keys can hold. Causal, inside each packed document; ties to the lower key (lax.top_k).
+
+    q [B, T, H, D], k [B, S, Hk, D] (Hk = 1: MLA's MQA form; Hk = H: expanded), the attention's own scale;
+    q_offset / kv_segment_ids as kernels.indexer_topk -> int32 [B, T, topk], -1 where fewer keys are
+    visible (the indexer top-k's layout: the same sparse-attention kernels consume it). No gradient."""
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    s = k.shape[1]
+    kk = min(topk, s)
+
+    def one(qc, mask, i, tc):
+        return _top_visible(_head_mean_probs(qc, k, scale, mask), mask, kk)[0]
+
+    out = _query_chunks(q, k, segment_ids, chunk, q_offset, kv_segment_ids, one)
+    if kk < topk:
+        out = jnp.pad(out, ((0, 0), (0, 0), (0, topk - kk)), constant_values=-1)
+    return out
+
+
+def selection_stats(q, k, scale, indices, *, segment_ids=None, chunk: int = 256, q_offset=None,
+                    kv_segment_ids=None):
+    """How much of the dense attention a selection keeps, per query: (selected_mass, oracle_mass, recall),
+    each float32 [B, T]. selected_mass: the head-averaged dense softmax mass on the keys `indices`
+    [B, T, K] (-1 = none; distinct keys); oracle_mass: the same on the oracle's K keys (`oracle_topk`,
+    the most any K keys shared by the heads can hold); recall: the fraction of the oracle's keys the
+    selection holds (over min(K, visible keys)). q / k / scale as `oracle_topk`."""
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    s, kk = k.shape[1], indices.shape[-1]
+    ke = min(kk, s)
+
+    def one(qc, mask, i, tc):
+        p = _head_mean_probs(qc, k, scale, mask)
+        idx = jax.lax.dynamic_slice_in_dim(indices, i * tc, tc, axis=1)
+        valid = idx >= 0
+        sel = jnp.sum(jnp.where(valid, jnp.take_along_axis(p, jnp.where(valid, idx, 0), axis=-1), 0.0), axis=-1)
+        top, n = _top_visible(p, mask, ke)
+        orc = jnp.sum(jnp.where(top >= 0, jnp.take_along_axis(p, jnp.maximum(top, 0), axis=-1), 0.0), axis=-1)
+        hit = jnp.any((top[..., :, None] == jnp.where(valid, idx, -2)[..., None, :]) & (top >= 0)[..., None], axis=-1)
+        return sel, orc, jnp.sum(hit, axis=-1) / jnp.maximum(n, 1)
+
+    return _query_chunks(q, k, segment_ids, chunk, q_offset, kv_segment_ids, one)

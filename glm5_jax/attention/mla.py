@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from glm5_jax.attention.context import context_size, over_context
 from glm5_jax.attention.core import causal_attention, masked_softmax, visible_slots, write_cache
-from glm5_jax.attention.indexer import Indexer, indexer_kl_dense, indexer_kl_sparse, select_topk_cached
+from glm5_jax.attention.indexer import (Indexer, indexer_kl_dense, indexer_kl_sparse, oracle_topk, select_topk_cached,
+                                        selection_stats)
 from glm5_jax.attention.kernels import indexer_topk, sparse_attention
 from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
@@ -94,8 +95,10 @@ class MLAttention(nn.Module):
         elif self.indexer_type == "shared":
             local["indices"] = self._shared(prev_indices)
         full_kl = self.indexer_type == "full" and indexer_loss is not None
+        stats = bool(self.indexer_type) and c.dsa_selection_stats
         reduce = (("token",) + (("token",) if self.indexer_type else ()) + (("mean",) if full_kl else ())
-                  + (("mean",) if full_kl and indexer_loss == "dense" else ()) + (("max",) if monitor_logits else ()))
+                  + (("mean",) if full_kl and indexer_loss == "dense" else ()) + (("max",) if monitor_logits else ())
+                  + (("token",) * 3 if stats else ()))
 
         def attend(loc, kv, q_offset):
             """One shard of queries (at global positions q_offset.., None: all T) over all keys."""
@@ -104,7 +107,9 @@ class MLAttention(nn.Module):
             at = dict(q_offset=q_offset, kv_segment_ids=None if q_offset is None else seg_k)
             outs = []
             indices = loc.get("indices")
-            if self.indexer_type == "full":
+            if self.indexer_type == "full" and c.dsa_topk_source == "oracle":   # the main attention's own top-k
+                indices = oracle_topk(qa, ka, scale, c.index_topk, segment_ids=seg_q, chunk=c.attn_chunk, **at)
+            elif self.indexer_type == "full":
                 indices = indexer_topk(jax.lax.stop_gradient(loc["q_idx"]), jax.lax.stop_gradient(kv["k_idx"]),
                                        jax.lax.stop_gradient(loc["w"]), c.index_topk, segment_ids=seg_q,
                                        impl=c.attention_impl, chunk=c.attn_chunk, **at)
@@ -130,6 +135,8 @@ class MLAttention(nn.Module):
                 q_pos = None if q_offset is None else jnp.broadcast_to(q_offset + jnp.arange(tq), qa.shape[:2])
                 outs.append(max_attention_logit(qa, ka, scale, causal=True, q_segment_ids=seg_q,
                                                 kv_segment_ids=seg_k, q_positions=q_pos, q_chunk=c.attn_chunk))
+            if stats:   # the dense attention's mass on the selected keys and on the oracle's (selection_stats)
+                outs += selection_stats(qa, ka, scale, indices, segment_ids=seg_q, chunk=c.attn_chunk, **at)
             return tuple(outs)
 
         res = list(over_context(attend, local, keys, reduce, n=n_ctx))
@@ -141,6 +148,9 @@ class MLAttention(nn.Module):
                 self.sow("intermediates", "indexer_recall", res.pop(0))
         if monitor_logits:
             self.sow("intermediates", "max_attn_logit", res.pop(0))
+        if stats:
+            for name in ("selected_mass", "oracle_mass", "oracle_recall"):
+                self.sow("intermediates", name, res.pop(0))
         if sparse and not short:
             out = jnp.einsum("bthr,rhd->bthd", out, w_uv.astype(out.dtype))
         return o_proj(out.reshape(b, t, h * dv)), indices, None
@@ -171,6 +181,9 @@ class MLAttention(nn.Module):
         cache = dict(cache, latent=write_cache(cache["latent"], wpos, latent),
                      k_rope=write_cache(cache["k_rope"], wpos, k_rope))
         indices = None
+        if self.indexer_type and c.dsa_topk_source != "indexer":
+            raise NotImplementedError(f"dsa_topk_source={c.dsa_topk_source!r} is an evaluation of the training / "
+                                      "prefill forward (no cache); decoding over a cache selects with the indexer")
         if self.indexer_type == "full":
             q_idx, k_idx, w = Indexer(c, name="indexer")(x, q_latent, cos, sin)
             cache = dict(cache, k_idx=write_cache(cache["k_idx"], wpos, k_idx))
