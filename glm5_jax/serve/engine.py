@@ -1,0 +1,638 @@
+"""Continuous-batching generation engine on the model's own modules and KV cache.
+
+One cache of ``max_batch`` rows ("slots") x ``max_model_len`` positions (``glm5_jax.infer.cache``);
+every decode step runs all slots through ``glm5_jax.infer.decode.model_step`` (the model's forward with
+``cache=`` and ``write_positions=``), one token per slot at that slot's own position. A request takes a
+free slot between two decode steps (its prompt is prefilled into that row alone) and gives it back when
+it ends, so requests join and leave a running batch; idle slots write nothing (write position -1).
+
+Per request: temperature (0 = greedy), top_p, top_k, seed, stop strings and ids, max_tokens. Each
+request samples with its own PRNG key, ``fold_in(PRNGKey(seed), i)`` for its i-th token, and its rows
+never mix with other rows (cache slot == position, per-row visibility; the MoE is dropless), so its
+output does not depend on its batch-mates or its slot.
+
+Shapes are fixed: the decode step has one shape; a prefill pads its new tokens to the smallest of
+``prefill_buckets`` (default powers of two from 16 up to max_model_len), so after ``warmup()`` nothing
+compiles again.
+
+Prefix reuse: each slot remembers which token ids its cache row holds (the prompt and every generated
+token fed back). A new request whose prompt starts with the tokens of some slot (a later turn of the same
+rollout, or a shared system prompt) reuses that prefix: when that slot is free it is taken as it is,
+otherwise its row is copied into a free slot inside the prefill program; only the rest of the prompt is
+prefilled, at positions after the prefix. Free slots keep their rows until a new request needs them
+(least recently used first).
+
+Weights: ``update_weights(params, version)`` swaps them between two steps; every token carries the
+version of the weights that produced it. ``pause()`` / ``resume()`` hold the loop between steps (an RL
+update), new requests queue meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import queue as queue_mod
+import threading
+import time
+import uuid
+from typing import Callable, Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.infer import cache as kv
+from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
+
+__all__ = ["Engine", "EngineError", "QueueFull", "RequestHandle", "SamplingParams", "TOP_LOGPROBS",
+           "filter_rows", "sample_rows"]
+
+TOP_LOGPROBS = 20           # alternatives computed per position (OpenAI allows at most 20 top_logprobs)
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (bad parameters, too long, bad token ids); ``param`` names the field."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """The bounded request queue is full; retry later."""
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    seed: Optional[int] = None        # None: drawn from the engine's generator
+    stop: Sequence[str] = ()          # stop strings (need a tokenizer); the text is cut before them
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False          # False: the engine's default stop ids end the request too
+    prompt_logprobs: bool = False     # log-probs of the prompt tokens (echo): prefills the whole prompt
+
+    def validate(self, vocab_size: int) -> "SamplingParams":
+        def bad(field, msg):
+            raise EngineError(f"{field}={getattr(self, field)!r} is invalid: {msg}", field)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "an integer >= 1")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature <= 100:
+            bad("temperature", "a number in [0, 100]")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0 = off)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):
+            bad("seed", "an integer")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
+            bad("stop", "a list of at most 16 non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"token ids in [0, {vocab_size})")
+        return self
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    token: int
+    logprob: float                    # the model's log-softmax (temperature 1) of the chosen token
+    sample_logprob: float             # log-prob under the distribution it was drawn from (RL's)
+    top: List[tuple]                  # [(token, logprob)] * TOP_LOGPROBS, best first
+    text: str                         # text delta released with this token ("" without a tokenizer)
+    version: int
+
+
+class RequestHandle:
+    """A submitted request: its outputs grow as the engine produces them. Iterate ``events()`` (blocking)
+    or pass ``on_event`` to ``Engine.submit`` (called from the engine thread). ``result()`` waits for the end."""
+
+    def __init__(self, rid: str, prompt: List[int], params: SamplingParams, on_event: Optional[Callable]):
+        self.id, self.prompt, self.params = rid, prompt, params
+        self.tokens: List[int] = []
+        self.logprobs: List[float] = []
+        self.sample_logprobs: List[float] = []
+        self.top_logprobs: List[list] = []
+        self.versions: List[int] = []
+        self.prompt_logprobs: Optional[List[Optional[float]]] = None   # [None, lp(t1 | t0), ...] with echo
+        self.prompt_top_logprobs: Optional[List[Optional[list]]] = None
+        self.text = ""
+        self.finish_reason: Optional[str] = None     # stop | length | cancelled | error
+        self.error: Optional[str] = None
+        self.reused_tokens = 0
+        self.submitted = time.perf_counter()
+        self.first_token_at: Optional[float] = None
+        self.finished_at: Optional[float] = None
+        self.token_times: List[float] = []
+        self._on_event = on_event
+        self._q: "queue_mod.Queue" = queue_mod.Queue()
+        self._done = threading.Event()
+        self._cancel = False
+        self._detok_ids: List[int] = []
+        self._text_full = ""          # decoded so far (stop strings cut it)
+        self._released = 0            # characters of _text_full released as deltas
+
+    # ---------------------------------------------------------------- consumer side
+    def cancel(self) -> None:
+        """Stop generating (e.g. the client went away); the slot frees at the next step."""
+        self._cancel = True
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> "RequestHandle":
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        return self
+
+    def events(self):
+        """Yield TokenEvent per token, then the finish reason (a str) last."""
+        while True:
+            ev = self._q.get()
+            yield ev
+            if isinstance(ev, str):
+                return
+
+    # ---------------------------------------------------------------- engine side
+    def _emit(self, ev):
+        self._q.put(ev)
+        if self._on_event is not None:
+            self._on_event(self, ev)
+
+    def _finish(self, reason: str, error: Optional[str] = None):
+        if self.finish_reason is not None:
+            return
+        self.finish_reason, self.error = reason, error
+        self.finished_at = time.perf_counter()
+        self._emit(reason)
+        self._done.set()
+
+
+@dataclasses.dataclass
+class _Slot:
+    index: int
+    cached: np.ndarray                          # token ids whose keys sit in this row at positions 0..len-1
+    handle: Optional[RequestHandle] = None
+    pos: int = 0                                # position of the next token to feed
+    next_token: int = 0
+    seed: int = 0
+    last_used: float = 0.0
+
+
+# ----------------------------------------------------------------------------- sampling (per row)
+def filter_rows(logits, temperature, top_k, top_p):
+    """logits [B, V] -> temperature-scaled float32 logits, -inf outside each row's allowed set: its top_k
+    largest (0 = all; ties -> lower id), then the smallest sorted prefix whose mass reaches its top_p.
+    Row b equals ``sampling.filter_logits`` with row b's scalars (tested)."""
+    b, v = logits.shape
+    x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    order = jnp.argsort(-x, axis=-1, stable=True)
+    xs = jnp.take_along_axis(x, order, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    keep = jnp.arange(v)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, xs, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & (((before < top_p[:, None]) & (probs > 0)) | (top_p[:, None] >= 1.0))
+    keep = keep.at[:, 0].set(True)
+    mask = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order].set(keep)
+    return jnp.where(mask, x, -jnp.inf)
+
+
+def sample_rows(keys, logits, temperature, top_k, top_p):
+    """Per-row sampling: keys [B] (typed or raw), logits [B, V], temperature / top_k / top_p [B] ->
+    (tokens [B], sampling log-probs [B], model log-softmax [B, V]). temperature 0 = greedy (log-prob at
+    temperature 1, no filtering)."""
+    lf = logits.astype(jnp.float32)
+    model_lp = jax.nn.log_softmax(lf, axis=-1)
+    x = filter_rows(lf, temperature, top_k, top_p)
+    drawn = jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, x).astype(jnp.int32)
+    greedy = temperature <= 0
+    tok = jnp.where(greedy, jnp.argmax(lf, axis=-1).astype(jnp.int32), drawn)
+    lp_samp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
+    lp_model = jnp.take_along_axis(model_lp, tok[:, None], axis=-1)[:, 0]
+    return tok, jnp.where(greedy, lp_model, lp_samp), model_lp
+
+
+def _row_keys(seeds, counts):
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, counts)
+
+
+def _top(model_lp, n):
+    v, i = jax.lax.top_k(model_lp, min(n, model_lp.shape[-1]))
+    return i.astype(jnp.int32), v
+
+
+# ----------------------------------------------------------------------------- jitted programs
+def _row_of(layers, slot):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), layers)
+
+
+def _put_row(layers, row, slot):
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), layers, row)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _prefill_slot(config, width, chunk, echo, params, layers, slot, src, tokens, start, length, temp, top_k, top_p,
+                  seed):
+    """Prefill tokens [width] (the first `length` real) at positions start.. into row `slot`, starting from
+    row `src`'s cache (== slot, or another slot whose first `start` positions this prompt shares).
+    -> (first token, its sampling log-prob, its model log-prob, top ids/lps, echo (lp [width], top ids,
+    top lps) or None, layers)."""
+    n, c = prefill_chunks(width, chunk)
+    toks = jnp.pad(tokens, (0, n * c - width))
+    row = _row_of(layers, src)
+
+    def one_chunk(r, i):
+        j = i * c + jnp.arange(c, dtype=jnp.int32)
+        pos = (start + j)[None]
+        x, r = model_step(config, params, r, jax.lax.dynamic_slice_in_dim(toks, i * c, c)[None], pos,
+                          jnp.where(j < length, start + j, -1)[None])
+        return r, x[0]
+
+    row, xs = jax.lax.scan(one_chunk, row, jnp.arange(n, dtype=jnp.int32))
+    xs = xs.reshape(n * c, -1)[:width]
+    x_last = jax.lax.dynamic_index_in_dim(xs, length - 1, keepdims=True)
+    logits = head(config, params, final_norm(config, params, x_last))
+    tok, lp_s, model_lp = sample_rows(_row_keys(seed[None], jnp.zeros((1,), jnp.int32)), logits, temp[None],
+                                      top_k[None], top_p[None])
+    ti, tv = _top(model_lp, TOP_LOGPROBS)
+    lp_m = model_lp[0, tok[0]]
+    ech = None
+    if echo:
+        all_lp = jax.nn.log_softmax(head(config, params, final_norm(config, params, xs)), axis=-1)   # [W, V]
+        nxt = jnp.concatenate([tokens[1:], tokens[:1]])
+        ech = (jnp.take_along_axis(all_lp, nxt[:, None], axis=-1)[:, 0],) + _top(all_lp, TOP_LOGPROBS)
+    return tok[0], lp_s[0], lp_m, ti[0], tv[0], ech, _put_row(layers, row, slot)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _decode(config, params, layers, tok, pos, active, temp, top_k, top_p, seeds, counts):
+    """One token per slot at its position (idle slots write nothing) -> (next tokens, sampling lps,
+    model lps, top ids, top lps, layers)."""
+    x, layers = model_step(config, params, layers, tok[:, None], pos[:, None], jnp.where(active, pos, -1)[:, None])
+    logits = head(config, params, final_norm(config, params, x[:, 0]))
+    nxt, lp_s, model_lp = sample_rows(_row_keys(seeds, counts), logits, temp, top_k, top_p)
+    ti, tv = _top(model_lp, TOP_LOGPROBS)
+    return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, layers
+
+
+# ----------------------------------------------------------------------------- engine
+def _buckets(max_len: int, smallest: int = 16) -> tuple:
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_len,)
+
+
+class Engine:
+    """Continuous batching over ``max_batch`` cache slots of ``max_model_len`` positions.
+
+    ``submit(prompt_ids, SamplingParams) -> RequestHandle`` (thread-safe; raises EngineError for a bad
+    request, QueueFull past ``max_queue`` waiting requests). ``generate(prompts, params)`` is the blocking
+    convenience. ``batching="static"`` admits requests only into an empty batch (the batch runs to its
+    longest row): the policy of the old rollout servers, kept for comparison (tools.bench_serve).
+    ``tokenizer`` (optional): decodes text deltas and enables stop strings."""
+
+    def __init__(self, config, params, *, max_batch: int = 8, max_model_len: int = 256, tokenizer=None,
+                 stop_token_ids: Sequence[int] = (), max_queue: int = 256, prefill_chunk: int = 512,
+                 prefill_buckets: Optional[Sequence[int]] = None, prefix_reuse: bool = True,
+                 min_reuse: int = 4, batching: str = "continuous", version: int = 0, seed: int = 0,
+                 metrics=None, start: bool = True):
+        if batching not in ("continuous", "static"):
+            raise ValueError(f"batching={batching!r}: continuous | static")
+        if max_batch < 1 or max_model_len < 2:
+            raise ValueError(f"max_batch={max_batch} must be >= 1 and max_model_len={max_model_len} >= 2")
+        self.config, self.tokenizer = config, tokenizer
+        self.max_batch, self.max_len = int(max_batch), int(max_model_len)
+        self.buckets = tuple(sorted({int(b) for b in (prefill_buckets or _buckets(self.max_len))}))
+        if self.buckets[-1] < self.max_len or self.buckets[0] < 1:
+            raise ValueError(f"prefill_buckets={self.buckets} must be >= 1 and reach max_model_len={self.max_len}")
+        self.prefill_chunk = int(prefill_chunk)
+        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        self.max_queue, self.prefix_reuse, self.min_reuse = int(max_queue), bool(prefix_reuse), int(min_reuse)
+        self.batching = batching
+        self.params, self.version = params, int(version)
+        self._pending_weights = None
+        self.layers = kv.init_cache(config, self.max_batch, self.max_len)["layers"]
+        self.slots = [_Slot(i, np.zeros((0,), np.int32)) for i in range(self.max_batch)]
+        self._queue: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._paused = False
+        self._idle = threading.Event()
+        self._stop = False
+        self._rng = np.random.default_rng(seed)
+        self.metrics = metrics
+        self.stats = collections.Counter()
+        self._thread: Optional[threading.Thread] = None
+        if start:
+            self.start()
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="glm5-engine")
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        for h in list(self._queue):
+            h._finish("cancelled")
+        for s in self.slots:
+            if s.handle is not None:
+                s.handle._finish("cancelled")
+
+    def pause(self, timeout: float = 600.0) -> None:
+        """Hold the loop between two steps (requests in flight wait; new ones queue). Returns once held."""
+        with self._cv:
+            self._paused = True
+            self._idle.clear()
+            self._cv.notify_all()
+        if self._thread is not None and not self._idle.wait(timeout):
+            raise TimeoutError("the engine did not reach a step boundary")
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def update_weights(self, params, version: int) -> None:
+        """New weights from the next step on (tokens report the version that produced them)."""
+        with self._cv:
+            self._pending_weights = (params, int(version))
+            self._cv.notify_all()
+
+    def warmup(self, echo: bool = False) -> list:
+        """Compile the decode step and every prefill bucket now. Returns the compiled (bucket, echo) pairs."""
+        p = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        done = []
+        for b in self.buckets:
+            for e in ((False, True) if echo else (False,)):
+                n = min(b, self.max_len - 1)
+                self.submit([1] * n, dataclasses.replace(p, prompt_logprobs=e, max_tokens=2),
+                            prefix=False).result()
+                done.append((b, e))
+        return done
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *,
+               request_id: Optional[str] = None, on_event: Optional[Callable] = None,
+               prefix: bool = True) -> RequestHandle:
+        params = (params or SamplingParams()).validate(self.config.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise EngineError("stop strings need the engine's tokenizer", "stop")
+        ids = list(prompt_ids)
+        if not ids:
+            raise EngineError("the prompt is empty: at least one token is needed", "prompt")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.config.vocab_size:
+                raise EngineError(f"prompt token id {t!r} is outside the vocabulary [0, {self.config.vocab_size})",
+                                  "prompt")
+        ids = [int(t) for t in ids]
+        if len(ids) >= self.max_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_len} tokens "
+                              f"(max_model_len), leaving room for at least one generated token", "prompt")
+        h = RequestHandle(request_id or uuid.uuid4().hex, ids, params, on_event)
+        h._prefix_ok = prefix and self.prefix_reuse and not params.prompt_logprobs
+        h._seed = int(params.seed if params.seed is not None else self._rng.integers(0, 2 ** 31)) % (2 ** 32)
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the engine is shut down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are waiting (max_queue={self.max_queue}); retry later")
+            self._queue.append(h)
+            self._cv.notify_all()
+        return h
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None,
+                 timeout: Optional[float] = None) -> List[RequestHandle]:
+        hs = [self.submit(p, params) for p in prompts]
+        return [h.result(timeout) for h in hs]
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        return sum(s.handle is not None for s in self.slots)
+
+    def compiled_programs(self) -> int:
+        """Programs compiled so far (prefill buckets + decode): constant after warmup within the buckets."""
+        return _prefill_slot._cache_size() + _decode._cache_size()
+
+    # ---------------------------------------------------------------- loop
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._stop and (self._paused or (not self._queue and not self.active
+                                                           and self._pending_weights is None)):
+                    if self._paused:
+                        self._idle.set()
+                    self._cv.wait()
+                if self._stop:
+                    return
+                if self._pending_weights is not None:
+                    self.params, self.version = self._pending_weights
+                    self._pending_weights = None
+            try:
+                self._admit()
+                if self.active:
+                    self._step()
+            except Exception as e:            # a failing step fails its requests, never the engine
+                import traceback
+                msg = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+                for s in self.slots:
+                    if s.handle is not None:
+                        s.handle._finish("error", msg)
+                        s.handle, s.cached = None, np.zeros((0,), np.int32)
+                self.layers = kv.init_cache(self.config, self.max_batch, self.max_len)["layers"]
+            if self.metrics is not None:
+                self.metrics.observe_engine(self)
+
+    def _free_slots(self):
+        return [s for s in self.slots if s.handle is None]
+
+    def _admit(self):
+        if self.batching == "static" and self.active:
+            return
+        while True:
+            free = self._free_slots()
+            with self._cv:
+                if not free or not self._queue:
+                    return
+                h = self._queue.popleft()
+            if h._cancel:
+                h._finish("cancelled")
+                continue
+            self._start(h, free)
+
+    def _choose(self, h, free):
+        """(slot, source slot, reused prefix length) for a new request."""
+        p = np.asarray(h.prompt, np.int32)
+        best, best_n = None, 0
+        if h._prefix_ok:
+            for s in self.slots:
+                m = min(len(s.cached), len(p) - 1)
+                if m <= best_n:
+                    continue
+                eq = s.cached[:m] == p[:m]
+                n = m if eq.all() else int(np.argmin(eq))
+                if n > best_n or (n == best_n and best is not None and best.handle is not None and s.handle is None):
+                    best, best_n = s, n
+        if best is not None and best_n >= self.min_reuse:
+            if best.handle is None:
+                return best, best, best_n
+            target = min(free, key=lambda s: s.last_used)
+            return target, best, best_n
+        return min(free, key=lambda s: (len(s.cached) > 0, s.last_used)), None, 0
+
+    def _start(self, h: RequestHandle, free):
+        slot, src, start = self._choose(h, free)
+        src = slot if src is None else src
+        rest = h.prompt[start:]
+        width = next(b for b in self.buckets if b >= len(rest))
+        toks = np.zeros((width,), np.int32)
+        toks[:len(rest)] = rest
+        sp = h.params
+        t0 = time.perf_counter()
+        out = _prefill_slot(self.config, width, min(self.prefill_chunk, width), bool(sp.prompt_logprobs), self.params,
+                            self.layers, np.int32(slot.index), np.int32(src.index), jnp.asarray(toks),
+                            np.int32(start), np.int32(len(rest)), np.float32(sp.temperature), np.int32(sp.top_k),
+                            np.float32(sp.top_p), np.uint32(h._seed))
+        tok, lp_s, lp_m, ti, tv, ech, self.layers = out
+        tok, lp_s, lp_m, ti, tv = jax.device_get((tok, lp_s, lp_m, ti, tv))
+        self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += len(rest)
+        self.stats["reused_tokens"] += start
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        h.reused_tokens = start
+        if ech is not None:
+            lps, eti, etv = jax.device_get(ech)
+            n = len(h.prompt)
+            h.prompt_logprobs = [None] + [float(x) for x in lps[:n - 1]]
+            h.prompt_top_logprobs = [None] + [list(zip(eti[i].tolist(), etv[i].tolist())) for i in range(n - 1)]
+        slot.handle, slot.pos, slot.seed = h, len(h.prompt), h._seed
+        slot.cached = np.asarray(h.prompt, np.int32)
+        slot.last_used = time.perf_counter()
+        self._deliver(slot, int(tok), float(lp_m), float(lp_s), ti, tv)
+
+    def _step(self):
+        b = self.max_batch
+        tok, pos = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        active = np.zeros((b,), bool)
+        temp, top_p = np.zeros((b,), np.float32), np.ones((b,), np.float32)
+        top_k, seeds, counts = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.int32)
+        for s in self.slots:
+            h = s.handle
+            if h is None:
+                continue
+            if h._cancel:
+                self._release(s, "cancelled")
+                continue
+            i = s.index
+            tok[i], pos[i], active[i] = s.next_token, s.pos, True
+            temp[i], top_p[i], top_k[i] = h.params.temperature, h.params.top_p, h.params.top_k
+            seeds[i], counts[i] = s.seed, len(h.tokens)
+        if not active.any():
+            return
+        t0 = time.perf_counter()
+        nxt, lp_s, lp_m, ti, tv, self.layers = _decode(self.config, self.params, self.layers, tok, pos, active, temp,
+                                                       top_k, top_p, seeds, counts)
+        nxt, lp_s, lp_m, ti, tv = jax.device_get((nxt, lp_s, lp_m, ti, tv))
+        self.stats["steps"] += 1
+        self.stats["slot_steps"] += int(active.sum())
+        self.stats["decode_s"] += time.perf_counter() - t0
+        for s in self.slots:
+            if s.handle is not None and active[s.index]:
+                s.cached = np.append(s.cached, np.int32(s.next_token))
+                s.pos += 1
+                self._deliver(s, int(nxt[s.index]), float(lp_m[s.index]), float(lp_s[s.index]), ti[s.index],
+                              tv[s.index])
+
+    # ---------------------------------------------------------------- outputs
+    def _deliver(self, s: _Slot, tok: int, lp_m: float, lp_s: float, ti, tv):
+        h = s.handle
+        now = time.perf_counter()
+        if h.first_token_at is None:
+            h.first_token_at = now
+        h.token_times.append(now)
+        h.tokens.append(tok)
+        h.logprobs.append(lp_m)
+        h.sample_logprobs.append(lp_s)
+        h.top_logprobs.append(list(zip(np.asarray(ti).tolist(), np.asarray(tv).tolist())))
+        h.versions.append(self.version)
+        self.stats["generated_tokens"] += 1
+        sp = h.params
+        reason = None
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.stop_token_ids):
+            reason = "stop"
+        delta = ""
+        if self.tokenizer is not None:
+            if reason == "stop":          # a stop id's text is not part of the output text
+                delta = self._flush(h)
+            else:
+                delta, hit = self._text(h)
+                reason = "stop" if hit else None
+        if reason is None and (len(h.tokens) >= sp.max_tokens or s.pos >= self.max_len):
+            reason = "length"
+            if self.tokenizer is not None:
+                delta += self._flush(h)
+        h._emit(TokenEvent(tok, lp_m, lp_s, h.top_logprobs[-1], delta, self.version))
+        if self.metrics is not None:
+            self.metrics.observe_token(h, now)
+        if reason is not None:
+            self._release(s, reason)
+        else:
+            s.next_token = tok
+
+    def _text(self, h: RequestHandle):
+        """Decode the new token; -> (text delta to release, whether a stop string ended the text)."""
+        h._detok_ids.append(h.tokens[-1])
+        full = self.tokenizer.decode(h._detok_ids)
+        hit = False
+        for st in h.params.stop:
+            j = full.find(st, max(0, len(h._text_full) - len(st)))
+            if j >= 0:
+                full, hit = full[:j], True
+        h._text_full = full
+        if hit:
+            return self._flush(h), hit
+        hold = max((len(x) for x in h.params.stop), default=1) - 1
+        safe = len(full) - hold
+        while safe > h._released and full[safe - 1] == "\ufffd":      # an incomplete UTF-8 sequence
+            safe -= 1
+        if safe <= h._released:
+            return "", False
+        d = full[h._released:safe]
+        h._released = safe
+        return d, False
+
+    def _flush(self, h: RequestHandle) -> str:
+        d = h._text_full[h._released:]
+        h._released = len(h._text_full)
+        h.text = h._text_full
+        return d
+
+    def _release(self, s: _Slot, reason: str):
+        h = s.handle
+        if self.tokenizer is not None:
+            h.text = h._text_full
+        s.handle = None
+        s.last_used = time.perf_counter()
+        self.stats["finished"] += 1
+        h._finish(reason)
+        if self.metrics is not None:
+            self.metrics.observe_finish(h)
