@@ -212,7 +212,7 @@ class DoesNotFit(Exception):
         self.available = int(float(m.group(3)) * unit[m.group(4)]) if m else None
 
 
-def compile_step(r: dict, *, log=None) -> dict:
+def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     """Lower and compile the train step of a resolve()d config for its topology. Returns the report
     (per_device_bytes, compile_seconds, ...) without the plan estimate."""
     import jax
@@ -248,6 +248,11 @@ def compile_step(r: dict, *, log=None) -> dict:
         raise DoesNotFit(str(e), time.time() - t, lower_s) from None
     compile_s = time.time() - t
     log(f"compiled in {compile_s:.1f}s")
+    if save_hlo:       # the compiled module's text, for tools.budget to re-read without compiling again
+        import gzip
+        with (gzip.open if save_hlo.endswith(".gz") else open)(save_hlo, "wt") as f:
+            f.write(compiled.as_text())
+        log(f"compiled HLO written to {save_hlo}")
     ma = compiled.memory_analysis()
     arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
     tmp, alias = int(ma.temp_size_in_bytes), int(getattr(ma, "alias_size_in_bytes", 0) or 0)
@@ -275,13 +280,14 @@ def compile_step(r: dict, *, log=None) -> dict:
     }
 
 
-def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, **kw) -> dict:
+def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, save_hlo: str | None = None,
+        **kw) -> dict:
     """resolve() + compile_step() + the plan estimate: the JSON report tools.aot prints."""
     from experiments.overrides import as_dict
     r = resolve(preset_name, topology, **kw)
     hbm = r["hbm_bytes"]
     try:
-        out = compile_step(r, log=log)
+        out = compile_step(r, log=log, save_hlo=save_hlo)
     except DoesNotFit as e:
         # no executable, so no memory analysis or budget: the compiler's own figures and message instead
         out = {"per_device_bytes": {"temporaries": e.temporaries} if e.temporaries else {},
@@ -356,6 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="model.FIELD=V",
                     help="dotted override of model.* (ModelConfig) or train.* (TrainConfig); repeatable")
     ap.add_argument("--dump_dir", default=None, help="dump the compiled HLO and buffer assignment here")
+    ap.add_argument("--save_hlo", default=None, metavar="PATH",
+                    help="write the compiled HLO text here (.gz: gzipped); `python -m tools.budget PATH` re-reads it")
     ap.add_argument("--no_plan", action="store_true", help="skip tools.plan's estimate")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     a = ap.parse_args(argv)
@@ -371,7 +379,7 @@ def main(argv=None) -> int:
                   grad_accum=a.grad_accum, overrides=tuple(a.set))
         resolve(a.preset, a.topology, **kw)     # every flag checked before the compiler
         log(f"config resolved; building the {a.topology} devices")
-        report = run(a.preset, a.topology, with_plan=not a.no_plan, log=log, **kw)
+        report = run(a.preset, a.topology, with_plan=not a.no_plan, log=log, save_hlo=a.save_hlo, **kw)
     except (AotError, ConfigError, MeshError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

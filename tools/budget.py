@@ -332,7 +332,13 @@ def model_flops_per_device(model_cfg, batch_size: int, seq_len: int, devices: in
 
 def step_budget(compiled, chip: str, model_flops: float) -> dict:
     """The `budget` section of tools.aot's report for one compiled step (per device, estimates)."""
-    h = hlo_budget(compiled.as_text())
+    return text_budget(compiled.as_text(), chip, model_flops, xla_cost=cost_analysis(compiled))
+
+
+def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None = None) -> dict:
+    """step_budget of a compiled HLO module's text (tools.aot --save_hlo, or another program's
+    `--xla_dump_to` *after_optimizations.txt): the same fields, XLA's cost analysis only if given."""
+    h = hlo_budget(text)
     peaks = CHIP_PEAKS[chip]
     t_flops = h["flops"] / peaks["peak_flops"]
     t_hbm = h["bytes_accessed"] / peaks["hbm_bytes_per_s"]
@@ -349,6 +355,53 @@ def step_budget(compiled, chip: str, model_flops: float) -> dict:
         "estimated_mfu": round(model_flops / (est * peaks["peak_flops"]), 4) if est else None,
         "flops_by_source": h["flops_by_source"], "chip_peaks": peaks, "while_trip_counts": h["while_trip_counts"],
         "unknown_trip_loops": h["unknown_trip_loops"], "unknown_cost_kernels": h["unknown_cost_kernels"],
-        "xla_cost_analysis": cost_analysis(compiled),
+        "xla_cost_analysis": xla_cost or {},
         "budget_note": BUDGET_NOTE,
     }
+
+
+def main(argv=None) -> int:
+    """python -m tools.budget HLO_TEXT_FILE --chip=v5p [--model_flops=F] [--json]: the budget of a dumped,
+    compiled HLO module (e.g. tools.aot --save_hlo, or MaxText's train_compile with
+    XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text: DIR/*train_step*after_optimizations.txt)."""
+    import argparse
+    import gzip
+    import json
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m tools.budget", description=main.__doc__.split(":")[0])
+    ap.add_argument("hlo", help="compiled HLO module text (.txt or .txt.gz)")
+    ap.add_argument("--chip", default="v5p", help="chip peaks: " + ", ".join(CHIP_PEAKS))
+    ap.add_argument("--model_flops", type=float, default=0.0, help="model FLOPs per device (for useful fraction / MFU)")
+    ap.add_argument("--json", action="store_true", help="print the budget as one JSON line")
+    a = ap.parse_args(argv)
+    if a.chip not in CHIP_PEAKS:
+        print(f"error: --chip={a.chip!r}; allowed: {', '.join(CHIP_PEAKS)}", file=sys.stderr)
+        return 2
+    try:
+        opener = gzip.open if a.hlo.endswith(".gz") else open
+        with opener(a.hlo, "rt") as f:
+            text = f.read()
+    except OSError as e:
+        print(f"error: {a.hlo}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    if "ENTRY" not in text:
+        print(f"error: {a.hlo}: not an HLO module's text (no ENTRY computation)", file=sys.stderr)
+        return 2
+    b = text_budget(text, a.chip, a.model_flops)
+    if a.json:
+        print(json.dumps(b))
+    else:
+        t = b["seconds_by_bound"]
+        print(f"compiled FLOPs {b['compiled_flops']:.4g}, model FLOPs {b['model_flops']:.4g}, useful "
+              f"{b['useful_flops_fraction']}; bytes {b['bytes_accessed']:.4g}, collectives {b['collective_bytes']:.4g}; "
+              f"compute {t['compute']:.3f}s HBM {t['hbm']:.3f}s ICI {t['ici']:.3f}s -> {b['estimated_step_seconds']:.3f}s "
+              f"({b['bound']}), MFU {b['estimated_mfu']}; unknown-cost kernels {len(b['unknown_cost_kernels'])}, "
+              f"unknown-trip loops {len(b['unknown_trip_loops'])}")
+        for src, f in b["flops_by_source"].items():
+            print(f"  {f:12.4g}  {src}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
