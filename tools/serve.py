@@ -1,0 +1,87 @@
+"""OpenAI-compatible server for a checkpoint (glm5_jax.serve).
+
+    python -m tools.serve --model=PATH [--tokenizer=PATH] [--host=127.0.0.1] [--port=8000]
+        [--served_model_name=NAME] [--max_batch=8] [--max_model_len=2048] [--speculative=none|mtp]
+        [--dtype=auto|float32|bfloat16] [--mesh=AXIS:N,...]
+
+PATH: a Hugging Face folder (config.json + safetensors [+ tokenizer.json]), an experiments.run workdir
+or a params checkpoint (tools.convert_hf's config.json + params/); give --tokenizer when PATH has no
+tokenizer.json / *.model. Endpoints: GET /health, /v1/models, /metrics; POST /v1/completions,
+/v1/chat/completions (docs/inference.md, "Serving").
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model", None, "Checkpoint: HF folder, experiments.run workdir or params checkpoint.")
+    flags.DEFINE_string("tokenizer", None, "tokenizer.json / sentencepiece .model (default: the one in --model).")
+    flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+    flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port).")
+    flags.DEFINE_string("served_model_name", None, "Model name in the API (default: the folder's name).")
+    flags.DEFINE_integer("max_batch", 8, "Cache slots: requests decoded together.")
+    flags.DEFINE_integer("max_model_len", 2048, "Context length (prompt + generated) per request.")
+    flags.DEFINE_integer("max_queue", 256, "Requests waiting for a slot before 429.")
+    flags.DEFINE_enum("speculative", "none", ["none", "mtp"], "MTP self-speculative decoding.")
+    flags.DEFINE_integer("num_draft", 2, "Draft tokens per verification with --speculative=mtp.")
+    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "auto: the checkpoint's own dtype.")
+    flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... for the parameters (default: one device).")
+    flags.DEFINE_enum("chat_mode", "interleaved", ["interleaved", "preserved", "turn"], "Chat template thinking mode.")
+    flags.DEFINE_bool("warmup", True, "Compile every prefill bucket before listening.")
+
+
+def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, max_model_len=2048, max_queue=256,
+          speculative="none", num_draft=2, dtype="auto", mesh=None, chat_mode="interleaved", warmup=False):
+    """-> OpenAIServer (engine started) for a checkpoint path."""
+    from glm5_jax.data.chat import ChatFormatError, ChatTemplate
+    from glm5_jax.serve.engine import Engine
+    from glm5_jax.serve.loading import load_model, load_serving_tokenizer
+    from glm5_jax.serve.metrics import EngineMetrics
+    from glm5_jax.serve.openai_api import OpenAIServer
+
+    tok = load_serving_tokenizer(model, tokenizer)
+    config, params = load_model(model, dtype=dtype, mesh=mesh)
+    if tok.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {config.vocab_size}")
+    try:
+        stop = ChatTemplate(tok).stop_ids
+    except ChatFormatError:
+        stop = (tok.eos_id,)
+    name = served_model_name or os.path.basename(os.path.normpath(model))
+    kw = {}
+    if speculative == "mtp":
+        kw["speculative"] = int(num_draft)
+    engine = Engine(config, params, max_batch=max_batch, max_model_len=max_model_len, tokenizer=tok,
+                    stop_token_ids=stop, max_queue=max_queue, metrics=EngineMetrics(name), **kw)
+    if warmup:
+        engine.warmup()
+    return OpenAIServer(engine, tok, model_name=name, chat_mode=chat_mode)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if not FLAGS.model:
+        raise app.UsageError("--model is required")
+    from aiohttp import web
+    server = build(FLAGS.model, tokenizer=FLAGS.tokenizer, served_model_name=FLAGS.served_model_name,
+                   max_batch=FLAGS.max_batch, max_model_len=FLAGS.max_model_len, max_queue=FLAGS.max_queue,
+                   speculative=FLAGS.speculative, num_draft=FLAGS.num_draft, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
+                   chat_mode=FLAGS.chat_mode, warmup=FLAGS.warmup)
+    print(f"serving {server.model_name} on http://{FLAGS.host}:{FLAGS.port} (max_batch {FLAGS.max_batch}, "
+          f"max_model_len {FLAGS.max_model_len})", flush=True)
+    try:
+        web.run_app(server.app(), host=FLAGS.host, port=FLAGS.port, access_log=None, print=None)
+    finally:
+        server.engine.shutdown()
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
