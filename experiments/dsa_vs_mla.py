@@ -26,6 +26,12 @@ N / train.steps (base, warm-ups, both adaptation lengths, eval/log intervals; ro
 `--steps=2` is a quick smoke run; `--set train.steps=N` changes only the continued phases.
 Secondary: retrieval records (a minor share of training) scored on held-out probes with chance and
 copy levels, indexer recall, and measured attention time dense vs sparse.
+Where the gap comes from (issue 45, `gap_decomposition`): at each top-k, the continued MLA model evaluated
+with oracle top-k (ModelConfig.dsa_topk_source="oracle": each query's k keys are the top-k of its own
+head-averaged dense attention; no training, its params grafted onto the DSA config) gives the cost of
+attending to k keys at all; the DSA model with its indexer gives the whole gap; their difference is the
+indexer's choice. Beside them the attention mass the selected keys carry (glm5_jax.attention.selection).
+All recorded by the continued phases' evaluations (every short_adaptation_steps), on the test batches.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from experiments.registry import register
 from experiments.report import (chain_series, eval_series, fmt_interval, md_table, mean_interval,
                                 paired_bootstrap_interval, plot_curves, wilson_interval, write_report)
 from glm5_jax.attention.mla import MLAttention
+from glm5_jax.attention.selection import attention_mass, mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data, retrieval_accuracy
 from glm5_jax.data.retrieval import EVAL_TAG, TEST_TAG, retrieval_correct, retrieval_probe_batches
@@ -77,7 +84,13 @@ class DsaVsMlaConfig:
     gives the gap against adaptation length. lossless_margin_pct: "lossless" means the 95% interval
     of the primary gap lies within +-margin (fixed before the run).
     seeds: every phase runs once per seed (train.seed + s, data stream seed + s); the report gives
-    the mean with a 95% t interval over seeds, and Wilson intervals over probes per seed."""
+    the mean with a 95% t interval over seeds, and Wilson intervals over probes per seed.
+    lr_choice_learning_rate (fixed before the run, issue 45): one more sparse adaptation at top-k =
+    model.index_topk for short_adaptation_steps from the same warm-up, at this rate instead of the base's
+    final rate (1e-3 at tiny): 3e-3, 3x it (towards the indexer warm-up's 1e-2). Reason, stated before the
+    run: the gap is flat against adaptation length at 1e-3, so if the adaptation were step-size-limited a
+    larger step shows it (a smaller rate can only move less in as many steps). None: no such arm.
+    mass_batches: test LM batches the attention-mass figures are measured on (their first ones)."""
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
@@ -96,6 +109,8 @@ class DsaVsMlaConfig:
     bench_seq_len: int = 4096              # second attention-timing shape (batch 1)
     continued_warmup_steps: int = 10       # mla / dsa: linear warm-up to the base's final rate (fresh moments)
     steps: int | None = None               # --steps N: continued phases N steps, every phase x N / train.steps
+    lr_choice_learning_rate: float | None = 3e-3   # the extra sparse adaptation's rate (fixed before the run)
+    mass_batches: int = 2                  # test LM batches for the attention-mass figures
 
     STEPS_KEY: ClassVar[str] = "steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "data.vocab_size", "data.seq_len": "train.seq_len"}
@@ -110,7 +125,7 @@ class DsaVsMlaConfig:
             raise ConfigError(f"DsaVsMlaConfig.model.indexer_types={self.model.indexer_types!r} is invalid: must be "
                               "None (every layer 'full'), so the MLA base's layer stacks graft onto the DSA model")
         for f in ("pretrain_steps", "indexer_warmup_steps", "dev_probe_batches", "test_probe_batches",
-                  "distance_bins", "bench_seq_len", "short_adaptation_steps", "test_lm_batches"):
+                  "distance_bins", "bench_seq_len", "short_adaptation_steps", "test_lm_batches", "mass_batches"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"DsaVsMlaConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
         if self.short_adaptation_steps > self.train.steps:
@@ -122,6 +137,9 @@ class DsaVsMlaConfig:
         if not isinstance(self.continued_warmup_steps, int) or self.continued_warmup_steps < 0:
             raise ConfigError(f"DsaVsMlaConfig.continued_warmup_steps={self.continued_warmup_steps!r} is invalid: "
                               "must be an integer >= 0")
+        if self.lr_choice_learning_rate is not None and not self.lr_choice_learning_rate > 0:
+            raise ConfigError(f"DsaVsMlaConfig.lr_choice_learning_rate={self.lr_choice_learning_rate!r} is invalid: must "
+                              "be > 0, or None (no learning-rate-choice arm)")
         if not self.indexer_learning_rate > 0:
             raise ConfigError(f"DsaVsMlaConfig.indexer_learning_rate={self.indexer_learning_rate!r} is invalid: must be > 0")
         if not self.lossless_margin_pct > 0:
@@ -219,10 +237,86 @@ def phase_plan(cfg: DsaVsMlaConfig) -> dict:
     return plan
 
 
-def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches, test_lm=None):
+def lr_choice_plan(cfg: DsaVsMlaConfig) -> TrainConfig | None:
+    """The learning-rate-choice arm (issue 45): the short sparse adaptation at top-k = model.index_topk at
+    cfg.lr_choice_learning_rate instead of the base's final rate (same warm-up, steps and data); None
+    without one."""
+    if cfg.lr_choice_learning_rate is None:
+        return None
+    return phase_plan(cfg)["dsa_short"].replace(learning_rate=float(cfg.lr_choice_learning_rate))
+
+
+def mass_buckets(T: int) -> tuple[tuple[int, int], ...]:
+    """Query-position buckets of the attention-mass figures: [0, T/8), [T/8, T/4), [T/4, T/2), [T/2, T)."""
+    cuts = sorted({0, T // 8, T // 4, T // 2, T})
+    return tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a)
+
+
+@functools.lru_cache(maxsize=None)
+def _indexer_placeholder(dsa_cfg: ModelConfig):
+    """A DSA parameter tree of zeros: a dense MLA model's params grafted onto it run as DSA with oracle
+    top-k (the indexer's params are never read then: the selection comes from the main attention)."""
+    shapes = jax.eval_shape(lambda: init_params(dsa_cfg, jax.random.PRNGKey(0)))
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
+
+
+def oracle_config(dsa_cfg: ModelConfig, k: int) -> ModelConfig:
+    return dsa_cfg.replace(index_topk=k, dsa_topk_source="oracle")
+
+
+def as_oracle(dsa_cfg: ModelConfig, k: int, params) -> tuple[ModelConfig, dict]:
+    """(config, params) of `params` (a dense MLA model's, or a DSA model's) evaluated with oracle top-k k."""
+    cfg = oracle_config(dsa_cfg, k)
+    flat = traverse_util.flatten_dict(params)
+    if not any("indexer" in key for key in flat):       # MLA params: graft onto the DSA tree
+        params = graft(_indexer_placeholder(dsa_cfg.replace(index_topk=1)), params)
+    return cfg, params
+
+
+def _mass_row(prefix: str, res: dict, keys=("selected_mass", "oracle_mass", "recall")) -> dict:
+    """Flat metrics-row entries of an attention_mass result: over all positions and per bucket (mean over layers)."""
+    out = {}
+    allpos = mass_beyond(res, 0)
+    for key in keys:
+        name = {"selected_mass": "indexer_mass", "oracle_mass": "oracle_mass", "recall": "indexer_recall_of_oracle"}[key]
+        out[f"{prefix}{name}"] = allpos[key]
+        for j, v in enumerate(res["mean"][key]):
+            if v is not None:
+                out[f"{prefix}{name}_b{j}"] = v
+    return out
+
+
+def decomposition_fn(dsa_cfg: ModelConfig, test_lm, mass_lm, ks, arm: str):
+    """The gap decomposition's evaluations, recorded in a continued phase's eval rows (issue 45).
+    arm "mla" (params of the dense continued model): for each top-k k, the test LM loss with oracle top-k
+    ("oracle_test_loss_k<k>": the cost of attending to k keys at all) and its oracle mass ("mla_oracle_mass_k<k>").
+    arm "dsa" (a DSA model at top-k ks[0]): the attention mass on its indexer's keys and on the oracle's
+    ("indexer_mass", "oracle_mass", "indexer_recall_of_oracle", per bucket "_b<j>") and its test LM loss
+    with oracle top-k instead of its indexer ("oracle_test_loss")."""
+    T = test_lm[0]["tokens"].shape[1]
+    buckets = mass_buckets(T)
+
+    def fn(params):
+        out = {}
+        if arm == "mla":
+            for k in ks:
+                c, p = as_oracle(dsa_cfg, k, params)
+                out[f"oracle_test_loss_k{k}"] = evaluate(c, p, test_lm, _eval_step(c))["eval_loss"]
+                out[f"mla_oracle_mass_k{k}"] = mass_beyond(attention_mass(c, p, mass_lm, buckets), 0)["oracle_mass"]
+        else:
+            (k,) = ks
+            c = dsa_cfg.replace(index_topk=k)
+            out.update(_mass_row("", attention_mass(c, params, mass_lm, buckets)))
+            oc, op = as_oracle(dsa_cfg, k, params)
+            out["oracle_test_loss"] = evaluate(oc, op, test_lm, _eval_step(oc))["eval_loss"]
+        return out
+    return fn
+
+
+def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches, test_lm=None, extra=None):
     """Eval during training: LM loss on the dev LM batches and dev retrieval accuracy (if probes are
     given); with test_lm, the test LM loss too ("test_loss", "test_accuracy"), recorded for the report
-    and never used to choose anything."""
+    and never used to choose anything; extra(params) -> more entries (decomposition_fn)."""
     eval_step = _eval_step(cfg)
     fwd = _forward(cfg)
 
@@ -234,6 +328,8 @@ def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches, test_lm=None):
         if test_lm:
             t = evaluate(cfg, params, test_lm, eval_step)
             out["test_loss"], out["test_accuracy"] = t["eval_loss"], t["eval_accuracy"]
+        if extra is not None:
+            out.update(extra(params))
         return out
 
     return eval_fn
@@ -363,10 +459,14 @@ def eval_fns(cfg: DsaVsMlaConfig, probes: dict, lm: dict) -> dict:
     "mla" / "dsa" / "mha": dev LM + dev retrieval; "mla_cont" / "dsa_cont": also the test LM loss
     (continued phases); k (int): the top-k sweep's DSA model at k, dev + test LM."""
     cfgs = model_configs(cfg.model)
+    ks, K, mass_lm = topk_list(cfg), cfgs["dsa"].index_topk, lm["test"][:cfg.mass_batches]
+    dec = lambda arm, kk: decomposition_fn(cfgs["dsa"], lm["test"], mass_lm, kk, arm)  # noqa: E731
     out = {k: make_eval_fn(c, lm["dev"], probes["dev"]) for k, c in cfgs.items()}
-    out.update({f"{k}_cont": make_eval_fn(cfgs[k], lm["dev"], probes["dev"], lm["test"]) for k in ("mla", "dsa")})
-    out.update({k: make_eval_fn(cfgs["dsa"].replace(index_topk=k), lm["dev"], None, lm["test"])
-                for k in topk_list(cfg) if k != cfgs["dsa"].index_topk})
+    out["mla_cont"] = make_eval_fn(cfgs["mla"], lm["dev"], probes["dev"], lm["test"], extra=dec("mla", tuple(ks)))
+    out["dsa_cont"] = make_eval_fn(cfgs["dsa"], lm["dev"], probes["dev"], lm["test"], extra=dec("dsa", (K,)))
+    out.update({k: make_eval_fn(cfgs["dsa"].replace(index_topk=k), lm["dev"], None, lm["test"], extra=dec("dsa", (k,)))
+                for k in ks if k != K})
+    out["dsa_lr"] = make_eval_fn(cfgs["dsa"], lm["dev"], None, lm["test"], extra=dec("dsa", (K,)))
     return out
 
 
@@ -402,6 +502,11 @@ def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes:
         sweep[k] = train(ck, plan["dsa_short"], it(1), wd(f"dsa_topk{k}"), init_params=warm["params"],
                          eval_fn=evals[k], log=log,
                          name=f"dsa-topk{k}-{tag}", mesh=mesh)["history"]
+    lr_plan = lr_choice_plan(cfg)
+    lr_run = None
+    if lr_plan is not None:    # the learning-rate choice (issue 45): top-k K, short adaptation, another rate
+        lr_run = train(cfgs["dsa"], lr_plan.replace(seed=seed), it(1), wd("dsa_lr"), init_params=warm["params"],
+                       eval_fn=evals["dsa_lr"], log=log, name=f"dsa-lr-{tag}", mesh=mesh)["history"]
     if cfg.mha_arm:
         runs["mha"] = train(cfgs["mha"], plan["mha"], it(0), wd("mha"),
                             eval_fn=evals["mha"], log=log, name=f"mha-{tag}", mesh=mesh)
@@ -411,7 +516,12 @@ def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes:
     test_lm = {name: evaluate(cfgs[name], r["params"], lm["test"], _eval_step(cfgs[name]))
                for name, r in runs.items()}
     warm_scores = score_probes(cfgs["dsa"], warm["params"], probes["test"], vd)
+    # per-layer / per-bucket attention mass after the full adaptation (report.json "attention_mass")
+    mass_lm, K = lm["test"][:cfg.mass_batches], cfgs["dsa"].index_topk
+    mass = {"dsa": attention_mass(cfgs["dsa"], runs["dsa"]["params"], mass_lm, mass_buckets(T)),
+            "mla_oracle": attention_mass(*as_oracle(cfgs["dsa"], K, runs["mla"]["params"]), mass_lm, mass_buckets(T))}
     return {"base": base, "runs": runs, "warm": warm, "test": test, "test_lm": test_lm, "sweep": sweep,
+            "lr_choice": lr_run, "mass": mass,
             "answer_key_recall_after_warmup": {k: float(v.mean()) for k, v in warm_scores["answer_key_recall"].items()},
             "indexer_recall_after_warmup": indexer_recall(cfgs["dsa"], warm["params"], lm["dev"][:2]),
             "indexer_recall_final": indexer_recall(cfgs["dsa"], runs["dsa"]["params"], lm["dev"][:2])}
@@ -424,6 +534,55 @@ def recorded_test_loss(history: list[dict], step: int) -> float:
             return float(row["test_loss"])
     raise KeyError(f"no test_loss recorded at step {step} (eval steps: "
                    f"{[r['step'] for r in history if 'test_loss' in r]})")
+
+
+def recorded_metric(history: list[dict], step: int, key: str) -> float:
+    """A metric a continued phase's eval row recorded at `step` (e.g. decomposition_fn's)."""
+    for row in history:
+        if row.get("step") == step and key in row:
+            return float(row[key])
+    raise KeyError(f"no {key} recorded at step {step}")
+
+
+def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buckets) -> dict:
+    """One gap_decomposition entry from the recorded evaluations of each seed's DSA run (top-k k) and the
+    continued MLA run, at `step`: the whole gap (DSA with its indexer), the oracle gap (continued MLA with
+    oracle top-k: sparsity itself), their paired difference (the indexer's choice), the adapted DSA
+    model's gap with oracle top-k instead of its indexer, and the attention mass figures; intervals over
+    seeds (mean_interval's shape)."""
+    mla = [recorded_test_loss(h, step) for h in mla_hists]
+    og = [gap_pct(recorded_metric(h, step, f"oracle_test_loss_k{k}"), m) for h, m in zip(mla_hists, mla)]
+    ig = [gap_pct(recorded_test_loss(h, step), m) for h, m in zip(dsa_hists, mla)]
+    dg = [gap_pct(recorded_metric(h, step, "oracle_test_loss"), m) for h, m in zip(dsa_hists, mla)]
+    per = lambda key: [recorded_metric(h, step, key) for h in dsa_hists]  # noqa: E731
+    im, om, rc = per("indexer_mass"), per("oracle_mass"), per("indexer_recall_of_oracle")
+    mom = [recorded_metric(h, step, f"mla_oracle_mass_k{k}") for h in mla_hists]
+    sel = [i - o for i, o in zip(ig, og)]
+    bucket = lambda key: [float(np.mean([recorded_metric(h, step, f"{key}_b{j}") for h in dsa_hists]))  # noqa: E731
+                          for j in range(len(buckets))]
+    o_iv, s_iv = mean_interval(og), mean_interval(sel)
+    return {"topk": k, "adaptation_steps": step,
+            "oracle_gap_pct": o_iv, "oracle_gap_pct_per_seed": og,
+            "indexer_gap_pct": mean_interval(ig), "indexer_gap_pct_per_seed": ig,
+            "selection_cost_pct": s_iv, "dsa_oracle_gap_pct": mean_interval(dg),
+            "oracle_mass": float(np.mean(om)), "oracle_mass_interval": mean_interval(om),
+            "indexer_mass": float(np.mean(im)), "indexer_mass_interval": mean_interval(im),
+            "indexer_recall_of_oracle": float(np.mean(rc)), "mla_oracle_mass": float(np.mean(mom)),
+            "mass_by_bucket": {"buckets": [list(b) for b in buckets], "indexer": bucket("indexer_mass"),
+                               "oracle": bucket("oracle_mass")},
+            "dominant": "sparsity" if o_iv["mean"] >= s_iv["mean"] else "indexer"}
+
+
+def decomposition_sentence(e: dict, T: int) -> str:
+    """Which source dominates at one entry, with its intervals."""
+    iv = lambda d: fmt_interval(d["mean"], d["lo"], d["hi"], 2)  # noqa: E731
+    what = ("the cost of attending to k keys at all (oracle top-k on the continued MLA model)" if e["dominant"] == "sparsity"
+            else "the indexer's choice of keys")
+    return (f"At top-k {e['topk']} = T/{T // e['topk']} after {e['adaptation_steps']} sparse-adaptation steps the DSA "
+            f"gap {iv(e['indexer_gap_pct'])}% splits into sparsity itself {iv(e['oracle_gap_pct'])}% and the indexer's "
+            f"choice {iv(e['selection_cost_pct'])}%: {what} dominates (attention mass on the selected keys: indexer "
+            f"{e['indexer_mass']:.3f}, oracle {e['oracle_mass']:.3f}; indexer recall of the oracle's keys "
+            f"{e['indexer_recall_of_oracle']:.3f}).")
 
 
 def gap_pct(dsa_loss: float, mla_loss: float) -> float:
@@ -524,6 +683,39 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
         gap_vs_adaptation.append({"adaptation_steps": L, "ratio_to_base": L / P, "topk_fraction": K / T,
                                   "gap_pct": iv["mean"], "interval": iv, "per_seed": g})
 
+    # ---- where the gap comes from (issue 45): oracle top-k vs the indexer, with the attention mass
+    mbk = mass_buckets(T)
+    mla_h = [r["runs"]["mla"]["history"] for r in seeds.values()]
+    gap_decomposition = []
+    for fr, k in zip(cfg.topk_fractions, topk_list(cfg)):
+        e = decomposition_entry([r["sweep"][k] for r in seeds.values()], mla_h, k, S, mbk)
+        gap_decomposition.append({"topk_fraction": fr, "learning_rate": tc.learning_rate, **e})
+    decomposition_vs_adaptation = [{"topk_fraction": K / T, "learning_rate": tc.learning_rate,
+                                    **decomposition_entry([r["runs"]["dsa"]["history"] for r in seeds.values()],
+                                                          mla_h, K, L, mbk)} for L in lengths]
+    lr_plan = lr_choice_plan(cfg)
+    gap_decomposition_lr = []
+    if lr_plan is not None:
+        gap_decomposition_lr.append({"topk_fraction": K / T, "learning_rate": lr_plan.learning_rate,
+                                     **decomposition_entry([r["lr_choice"] for r in seeds.values()], mla_h, K, S, mbk)})
+    primary_dec = next(e for e in gap_decomposition if e["topk"] == K)
+    n_sparsity = sum(e["dominant"] == "sparsity" for e in gap_decomposition)
+    dec_sentence = (decomposition_sentence(primary_dec, T) + f" Over the {len(gap_decomposition)} top-k fractions, "
+                    f"sparsity itself dominates at {n_sparsity} and the indexer's choice at "
+                    f"{len(gap_decomposition) - n_sparsity}.")
+    if gap_decomposition_lr:
+        e = gap_decomposition_lr[0]
+        dec_sentence += (f" At adaptation rate {e['learning_rate']:g} (fixed before the run; the default is the base's "
+                         f"final {tc.learning_rate:g}) the DSA gap is {fmt_interval(e['indexer_gap_pct']['mean'], e['indexer_gap_pct']['lo'], e['indexer_gap_pct']['hi'], 2)}% "
+                         f"and the indexer's choice {fmt_interval(e['selection_cost_pct']['mean'], e['selection_cost_pct']['lo'], e['selection_cost_pct']['hi'], 2)}%.")
+    attention_mass_final = {name: {"layers_first_seed": {layer: v for layer, v in next(iter(seeds.values()))["mass"][name]["layers"].items()},
+                                   "mean": {key: [float(np.mean([r["mass"][name]["mean"][key][j] for r in seeds.values()]))
+                                                  if all(r["mass"][name]["mean"][key][j] is not None for r in seeds.values())
+                                                  else None for j in range(len(mbk))]
+                                            for key in ("selected_mass", "oracle_mass", "recall")},
+                                   "buckets": [list(b) for b in mbk]}
+                            for name in ("dsa", "mla_oracle")}
+
     names = list(next(iter(seeds.values()))["runs"])
     n_probes = len(probes["test"]) * B
     arms, per_seed = {}, {}
@@ -563,6 +755,9 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
               "dsa_vs_mla_gap_pct_per_seed": per_seed_gap,
               "lossless": {"margin_pct": cfg.lossless_margin_pct, "verdict": verdict, "sentence": sentence},
               "gap_vs_topk": gap_vs_topk, "gap_vs_adaptation": gap_vs_adaptation,
+              "gap_decomposition": gap_decomposition, "gap_decomposition_vs_adaptation": decomposition_vs_adaptation,
+              "gap_decomposition_lr_choice": gap_decomposition_lr,
+              "gap_decomposition_verdict": dec_sentence, "attention_mass": attention_mass_final,
               "retrieval": retrieval, "dsa_minus_mla_retrieval_accuracy": {"diff": diff, "lo": dlo, "hi": dhi},
               "indexer_recall_after_warmup": float(np.mean([r["indexer_recall_after_warmup"] for r in seeds.values()])),
               "indexer_recall_final": float(np.mean([r["indexer_recall_final"] for r in seeds.values()])),
@@ -689,6 +884,34 @@ tokens, a small fraction of its pre-training; here the ratio to the base phase i
           [[r["adaptation_steps"], f"{r['ratio_to_base']:.3g}", gap_cell(r)] for r in gap_vs_adaptation])}
 
 ![gap vs adaptation length](gap_vs_adaptation.png)
+
+## Where the gap comes from (oracle top-k vs the indexer)
+
+**{dec_sentence}**
+
+Oracle gap: the continued MLA model evaluated with oracle top-k (each query's k keys = the top-k of its
+own head-averaged dense attention, one set for all heads as DSA's MQA form shares the indexer's; no
+training), the cost of attending to k keys at all. Indexer gap: the DSA model (warm-up + sparse
+adaptation) with its indexer, the whole gap. Indexer's choice = indexer gap - oracle gap (paired by seed).
+DSA + oracle: the adapted DSA model with oracle top-k instead of its indexer. Mass: the head-averaged dense
+softmax mass (the DSA model's own dense attention) on the k keys selected, all query positions,
+{cfg.mass_batches} test batches; MLA oracle mass: the continued MLA model's.
+
+{md_table(["top-k / T", "adapt. steps", "lr", "indexer gap %", "oracle gap %", "indexer's choice %", "DSA + oracle gap %",
+           "indexer mass", "oracle mass", "MLA oracle mass", "recall of oracle keys"],
+          [[f"1/{round(1 / e['topk_fraction'])}", e["adaptation_steps"], f"{e['learning_rate']:g}",
+            fmt_interval(e["indexer_gap_pct"]["mean"], e["indexer_gap_pct"]["lo"], e["indexer_gap_pct"]["hi"], 2),
+            fmt_interval(e["oracle_gap_pct"]["mean"], e["oracle_gap_pct"]["lo"], e["oracle_gap_pct"]["hi"], 2),
+            fmt_interval(e["selection_cost_pct"]["mean"], e["selection_cost_pct"]["lo"], e["selection_cost_pct"]["hi"], 2),
+            fmt_interval(e["dsa_oracle_gap_pct"]["mean"], e["dsa_oracle_gap_pct"]["lo"], e["dsa_oracle_gap_pct"]["hi"], 2),
+            e["indexer_mass"], e["oracle_mass"], e["mla_oracle_mass"], e["indexer_recall_of_oracle"]]
+           for e in gap_decomposition + decomposition_vs_adaptation + gap_decomposition_lr])}
+
+Attention mass per query-position bucket after the full adaptation (mean over layers and seeds):
+
+{md_table(["model", "figure"] + [f"[{a},{b})" for a, b in mbk],
+          [[name, key] + [("n/a" if v is None else f"{v:.3f}") for v in attention_mass_final[name]["mean"][key]]
+           for name in ("dsa", "mla_oracle") for key in ("selected_mass", "oracle_mass", "recall")])}
 
 ## Through the phases: dev LM loss and learning rate
 
