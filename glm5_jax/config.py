@@ -26,7 +26,10 @@ ROPE_SCALING_KEYS = {
     "yarn": (("factor", "original_max_position_embeddings"),
              ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
 }
-REMAT_POLICIES = ("none", "full", "offload", "dots", "dots_no_batch")   # see glm5_jax.model.REMAT
+REMAT_POLICIES = ("none", "full", "offload", "dots", "dots_no_batch", "save_qkv", "save_attention", "custom")
+# checkpoint names the model tags (glm5_jax.model.remat_policy): what remat_custom may place
+REMAT_NAMES = ("decoder_layer_input", "attn_q", "attn_kv", "attn_context", "expert_in", "expert_gate", "expert_up")
+REMAT_PLACES = ("device", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,8 @@ class ModelConfig:
     dsa_topk_source: str = "indexer"      # DSA's k keys: indexer (the lightning indexer) | oracle (top-k of the main attention's own head-averaged dense softmax: an evaluation, glm5_jax.attention.indexer.oracle_topk)
     dsa_selection_stats: bool = False     # DSA layers sow per-query attention mass on the selected keys / the oracle's and recall (glm5_jax.attention.selection)
     remat: str = "none"                   # none | full (keep layer inputs only) | offload (full, inputs on host) | dots | dots_no_batch
+                                          # | save_qkv | save_attention | custom (glm5_jax.model.remat_policy)
+    remat_custom: tuple[str, ...] = ()    # remat="custom": "NAME:device|offload" per saved name (REMAT_NAMES); the rest is recomputed
     scan_layers: bool = True              # nn.scan over each layer stack (False: the same stacks unrolled)
 
     def __post_init__(self):
@@ -133,6 +138,9 @@ class ModelConfig:
         if self.indexer_types is not None and set(self.indexer_types) == {"full"} \
                 and len(self.indexer_types) == self.num_layers:
             object.__setattr__(self, "indexer_types", None)    # canonical form of "every layer full"
+        if isinstance(self.remat_custom, (list, str)):
+            rc = self.remat_custom
+            object.__setattr__(self, "remat_custom", tuple(x for x in (rc.split(",") if isinstance(rc, str) else rc) if x))
         if isinstance(self.remat, bool):                        # the first version's on/off switch
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         object.__setattr__(self, "rope_scaling", _canonical_rope_scaling(self.rope_scaling))
@@ -203,6 +211,13 @@ class ModelConfig:
                            ("moe_kernel", MOE_KERNELS)):
             if getattr(self, f) not in allowed:
                 _fail(f, getattr(self, f), f"allowed: {', '.join(allowed)}")
+        for item in self.remat_custom:
+            name, _, place = str(item).partition(":")
+            if name not in REMAT_NAMES or place not in REMAT_PLACES:
+                _fail("remat_custom", item, f"entries are NAME:PLACE with NAME in {', '.join(REMAT_NAMES)} and "
+                      f"PLACE in {', '.join(REMAT_PLACES)}")
+        if self.remat_custom and self.remat != "custom":
+            _fail("remat_custom", self.remat_custom, "is only read with remat='custom'")
         if not isinstance(self.dsa_short_dense, int) or isinstance(self.dsa_short_dense, bool) or self.dsa_short_dense < 0:
             _fail("dsa_short_dense", self.dsa_short_dense, "must be an integer >= 0 (0: always the sparse gather)")
         if self.dsa_topk_source not in DSA_TOPK_SOURCES:

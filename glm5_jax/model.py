@@ -34,7 +34,14 @@ ACT = ("activation_batch", "activation_seq", "activation_embed")
 
 LAYER_INPUT = "decoder_layer_input"     # checkpoint_name of a scan step's input (see REMAT["offload"])
 
-# ModelConfig.remat -> jax checkpoint policy (None: no rematerialisation at all).
+# ModelConfig.remat -> jax checkpoint policy (None: no rematerialisation at all). A remat'd block always keeps
+# its inputs (the layer input); the named policies also keep the tagged activations (checkpoint_name:
+# attn_q / attn_kv / attn_context in glm5_jax.attention.mla, expert_in / expert_gate / expert_up in
+# glm5_jax.parallel.ep), so the backward recomputes only what lies between them (MaxText's
+# save_qkv_proj / save_dot_except_mlp / custom policies are the reference).
+_offload = lambda save=(), offload=(): jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=tuple(save), names_which_can_be_offloaded=tuple(offload),
+    offload_src="device", offload_dst="pinned_host")
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -43,10 +50,19 @@ REMAT = {
     # as "full", but each scanned layer's input (the one value "full" keeps per layer, B*T*D) is
     # moved to host memory after the forward and brought back for the backward (TPU/GPU pinned host
     # memory; on CPU it stays where it is). Only the scan's saved inputs move: the MTP blocks keep theirs.
-    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
-        offload_src="device", offload_dst="pinned_host"),
+    "offload": _offload(offload=(LAYER_INPUT,)),
+    "save_qkv": jax.checkpoint_policies.save_only_these_names("attn_q", "attn_kv"),
+    "save_attention": jax.checkpoint_policies.save_only_these_names("attn_q", "attn_kv", "attn_context"),
 }
+
+
+def remat_policy(cfg: ModelConfig):
+    """The jax checkpoint policy of cfg.remat; "custom" places each name of cfg.remat_custom
+    ("NAME:device" saved in HBM, "NAME:offload" in pinned host memory), everything else recomputed."""
+    if cfg.remat != "custom":
+        return REMAT[cfg.remat]
+    split = [item.split(":") for item in cfg.remat_custom]
+    return _offload(save=[n for n, p in split if p == "device"], offload=[n for n, p in split if p == "offload"])
 
 
 class DecoderLayer(nn.Module):
@@ -109,7 +125,7 @@ def stack_module(cfg: ModelConfig, stack: LayerStack):
     block = Block
     if cfg.remat != "none":
         # argnums count `self`: 8 = indexer_loss, 9 = monitor_logits (Python values, not traced)
-        block = nn.remat(Block, policy=REMAT[cfg.remat], prevent_cse=not cfg.scan_layers, static_argnums=(8, 9))
+        block = nn.remat(Block, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers, static_argnums=(8, 9))
     return nn.scan(block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                    in_axes=(0,) + (nn.broadcast,) * 7, length=stack.repeats,
                    unroll=1 if cfg.scan_layers else stack.repeats,
@@ -177,7 +193,7 @@ class GLM5(nn.Module):
         # the MTP blocks run outside the scanned stacks: they take the same remat policy, or their
         # attention and MoE residuals (3 depths) dominate the step's peak memory (tools.aot, glm5)
         # argnums count `self`: 6 = indexer_loss (a Python value, not traced)
-        mtp_cls = MTPBlock if c.remat == "none" else nn.remat(MTPBlock, policy=REMAT[c.remat], static_argnums=(6,))
+        mtp_cls = MTPBlock if c.remat == "none" else nn.remat(MTPBlock, policy=remat_policy(c), static_argnums=(6,))
         self.mtp = [mtp_cls(c, name=f"mtp_{k}") for k in range(n_mtp)]
 
     def head(self, h):

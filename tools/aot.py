@@ -1,7 +1,7 @@
 """Compile the train step for a TPU topology without the TPU, and report its per-device memory and budget.
 
     python -m tools.aot --preset=glm5 --topology=v5p:4x4x8 [--mesh=fsdp:32,expert:4] [--batch_size=N]
-        [--seq_len=T] [--remat=none|full|dots|dots_no_batch] [--grad_accum=K]
+        [--seq_len=T] [--remat=none|full|offload|dots|dots_no_batch|save_qkv|save_attention|custom] [--grad_accum=K]
         [--optimizer=adamw|muon|muon_split] [--set model.FIELD=V ...] [--set train.FIELD=V ...] [--dump_dir=DIR] [--json]
 
 It builds the SAME step experiments train with (glm5_jax.train.step.make_train_step on a Mesh of

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from glm5_jax.attention.context import context_size, over_context
@@ -28,6 +29,10 @@ from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope, softmax_scale
 from pallas_kernels.dense import topk_key_mask
+
+# checkpoint names (ModelConfig.remat policies, glm5_jax.model.REMAT): the query heads after RoPE, the
+# kv_a projection (latent + rope key), the attention output before o_proj
+ATTN_Q, ATTN_KV, ATTN_CONTEXT = "attn_q", "attn_kv", "attn_context"
 
 
 class MLAttention(nn.Module):
@@ -52,9 +57,9 @@ class MLAttention(nn.Module):
         q_latent = norm("q_a_norm")(Dense(c.q_lora_rank, ("embed", "q_lora"), name="q_a_proj", **kw)(x))
         q = Dense(h * (dn + dr), ("q_lora", "heads"), name="q_b_proj", **kw)(q_latent).reshape(b, t, h, dn + dr)
         q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], cos, sin)], axis=-1)
-        q = constrain(q, ("activation_batch", "activation_seq", "activation_heads", None))
+        q = checkpoint_name(constrain(q, ("activation_batch", "activation_seq", "activation_heads", None)), ATTN_Q)
 
-        kv = Dense(c.kv_lora_rank + dr, ("embed", "kv_lora"), name="kv_a_proj", **kw)(x)
+        kv = checkpoint_name(Dense(c.kv_lora_rank + dr, ("embed", "kv_lora"), name="kv_a_proj", **kw)(x), ATTN_KV)
         latent = norm("kv_a_norm")(kv[..., :c.kv_lora_rank])
         k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin)                       # [B, T, dr]
         kv_b = Dense(h * (dn + dv), ("kv_lora", "heads"), name="kv_b_proj", **kw)
@@ -153,7 +158,7 @@ class MLAttention(nn.Module):
                 self.sow("intermediates", name, res.pop(0))
         if sparse and not short:
             out = jnp.einsum("bthr,rhd->bthd", out, w_uv.astype(out.dtype))
-        return o_proj(out.reshape(b, t, h * dv)), indices, None
+        return o_proj(checkpoint_name(out.reshape(b, t, h * dv), ATTN_CONTEXT)), indices, None
 
     def _kv_b_weights(self, kv_b):
         """kv_b's kernel split per head: (W_UK [kv_lora, H, dn], W_UV [kv_lora, H, dv])."""

@@ -32,6 +32,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gmm import grouped_matmul
@@ -47,9 +48,16 @@ def capacity(n_slots: int, ep: int, capacity_factor: float) -> int:
     return max(1, min(n_slots, math.ceil(capacity_factor * n_slots / ep)))
 
 
+# checkpoint names (ModelConfig.remat policies): the rows a device's local experts receive, and the
+# gate / up projections of those rows ([rows, F] each)
+EXPERT_IN, EXPERT_GATE, EXPERT_UP = "expert_in", "expert_gate", "expert_up"
+
+
 def _swiglu(xs, gate, up, down, sizes, kernel: str = "auto"):
     dot = lambda a, w: grouped_matmul(a, w, sizes, impl=kernel)
-    return dot(jax.nn.silu(dot(xs, gate)) * dot(xs, up), down)
+    xs = checkpoint_name(xs, EXPERT_IN)
+    g, u = checkpoint_name(dot(xs, gate), EXPERT_GATE), checkpoint_name(dot(xs, up), EXPERT_UP)
+    return dot(jax.nn.silu(g) * u, down)
 
 
 def _plan(ids, el: int, ep: int):

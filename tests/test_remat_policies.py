@@ -1,0 +1,61 @@
+"""Named-activation remat policies (ModelConfig.remat save_qkv / save_attention / custom, glm5_jax.model.remat_policy):
+every policy gives the loss and gradients of no remat; keeping a named activation removes its recompute from
+the compiled backward (compiled matmul FLOPs, tools.budget, strictly between remat full and none); bad
+remat_custom entries are refused naming the allowed names and places."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import model
+from glm5_jax.config import REMAT_NAMES, ConfigError, ModelConfig
+from tools.budget import hlo_budget
+
+CFG = ModelConfig(num_layers=2, first_k_dense=1, index_topk=4, mtp_depth=0, moe_impl="a2a", moe_kernel="ragged_dot")
+
+
+def _grad_fn(cfg):
+    params = model.init_params(cfg, jax.random.PRNGKey(3))
+    tok = jax.random.randint(jax.random.PRNGKey(4), (2, 16), 0, cfg.vocab_size)
+
+    def loss(p):
+        out = model.GLM5(cfg).apply({"params": p}, tok, indexer_loss="sparse", mutable=["intermediates"])[0]
+        return jnp.mean(out["logits"] ** 2)
+    return jax.jit(jax.value_and_grad(loss)), params
+
+
+POLICIES = {"save_qkv": (), "save_attention": (),
+            "custom": ("attn_q:device", "attn_context:offload", "expert_gate:device", "expert_up:device")}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    f, params = _grad_fn(CFG)
+    return f(params), f.lower(params).compile(), params
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_named_policies_equal_no_remat_and_recompute_less_than_full(reference, policy):
+    (l0, g0), none_c, params = reference
+    f, _ = _grad_fn(CFG.replace(remat=policy, remat_custom=POLICIES[policy]))
+    l1, g1 = f(params)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    flops = lambda c: hlo_budget(c.as_text())["flops"]
+    full = flops(_grad_fn(CFG.replace(remat="full"))[0].lower(params).compile())
+    got = flops(f.lower(params).compile())
+    assert flops(none_c) < got < full, (flops(none_c), got, full)
+
+
+def test_remat_custom_is_validated():
+    with pytest.raises(ConfigError, match="remat_custom"):
+        ModelConfig(remat="custom", remat_custom=("attn_q:disk",))
+    with pytest.raises(ConfigError, match="remat_custom"):
+        ModelConfig(remat="custom", remat_custom=("attn_qq:device",))
+    with pytest.raises(ConfigError, match="only read with remat='custom'"):
+        ModelConfig(remat="full", remat_custom=("attn_q:device",))
+    assert ModelConfig(remat="custom", remat_custom="attn_q:device,expert_in:offload").remat_custom == \
+        ("attn_q:device", "expert_in:offload")
+    assert set(REMAT_NAMES) >= {"decoder_layer_input", "attn_q", "attn_kv", "attn_context", "expert_in"}
