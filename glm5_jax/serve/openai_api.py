@@ -62,8 +62,8 @@ class APIError(Exception):
                                             "code": self.code}}, status=self.status)
 
 
-def _bad(message, param=None):
-    return APIError(400, message, param)
+def _bad(message, param=None, code=None):
+    return APIError(400, message, param, code)
 
 
 def _check_str(s: str, param: str) -> str:
@@ -143,6 +143,10 @@ class OpenAIServer:
             return APIError(405, f"method {request.method} not allowed on {request.path}").response()
         except web.HTTPException as e:
             return APIError(e.status, e.reason or "error").response()
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:      # a bug, not bad input: still an OpenAI-style body
+            return APIError(500, f"{type(e).__name__}: {e}", type_="server_error", code="internal_error").response()
 
     async def health(self, request):
         return web.json_response({"status": "ok", "model": self.model_name, "running": self.engine.active,
