@@ -23,11 +23,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+
+def _short(err) -> str:
+    if err is None:
+        return "unreadable on another process"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200] if text else ''}"
+
+
+def _all_processes_ok(tag: str, ok: bool, timeout_s: float = 600.0) -> bool:
+    """Whether `ok` holds on every process (one process: `ok`), through the coordination service."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return ok
+    client.key_value_set(f"glm5_ok/{tag}/{jax.process_index()}", "1" if ok else "0")
+    return all(client.blocking_key_value_get(f"glm5_ok/{tag}/{i}", int(timeout_s * 1000)) == "1"
+               for i in range(jax.process_count()))
 
 
 def _state_file(directory: epath.Path, index: int, count: int) -> epath.Path:
@@ -79,17 +98,35 @@ class DataStateRestore(ocp.args.CheckpointArgs):
     pass
 
 
+UNREADABLE = "unreadable"       # in a Checkpointer folder: step folders restore_latest could not read
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of a run could be read."""
+
+
 class Checkpointer:
-    def __init__(self, directory, *, keep: int = 2, async_save: bool = True):
+    """keep: the newest checkpoints kept; keep_period: steps that are multiples of it are kept as well
+    (permanent ones beside the rolling window). Temporary directories of an interrupted write are
+    removed when the manager opens (orbax only ever lists committed steps). log: where the fallback
+    warning of restore_latest goes (default stderr)."""
+
+    def __init__(self, directory, *, keep: int = 2, async_save: bool = True, keep_period: int | None = None,
+                 log=None):
         # orbax wants an absolute directory; a URL (gs://...) is one already
         self.directory = epath.Path(directory) if "://" in str(directory) else epath.Path(directory).resolve()
+        self.log = log
         self.manager = ocp.CheckpointManager(
             self.directory, item_names=("state", "data"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True))
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,
+                                                 enable_async_checkpointing=async_save, create=True,
+                                                 cleanup_tmp_directories=True))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, data_state: dict | None = None) -> None:
         """Start saving `state` (any sharding) and this process's data iterator state; returns before
@@ -105,6 +142,49 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                  data=DataStateRestore()))
         return out["state"], out["data"]
+
+    def restore_latest(self, target):
+        """(step, state, data_state) of the newest checkpoint that reads back (None when there is none).
+        An unreadable newer one (a damaged or half-deleted write) is passed over with one warning naming
+        it and the step resumed from; CheckpointError when none reads. With several processes every
+        process moves on together (a step counts as readable only when it read on all of them)."""
+        steps = self.all_steps()[::-1]
+        failed = []
+        for step in steps:
+            try:
+                state, data = self.restore(step, target)
+                err = None
+            except Exception as e:          # noqa: BLE001 -- any read error: try the next older one
+                err = e
+            if not _all_processes_ok(f"restore/{self.directory}/{step}", err is None):
+                failed.append((step, err))
+                continue
+            if failed:
+                bad = ", ".join(f"step {s} ({_short(e)})" for s, e in failed)
+                aside = self.directory / UNREADABLE
+                msg = (f"[checkpoint] WARNING: unreadable checkpoint {bad} in {self.directory}; resuming from "
+                       f"step {step}, the newest readable one (the unreadable ones moved to {aside})")
+                (self.log or (lambda m: print(m, file=sys.stderr, flush=True)))(msg)
+                self._set_aside([s for s, _ in failed])
+            return step, state, data
+        if failed:
+            raise CheckpointError(f"no checkpoint in {self.directory} reads back: "
+                                  + ", ".join(f"step {s} ({_short(e)})" for s, e in failed))
+        return None
+
+    def _set_aside(self, steps) -> None:
+        """Move unreadable step folders to UNREADABLE/ (kept for inspection; the run rewrites those steps)."""
+        if jax.process_index() == 0:
+            aside = self.directory / UNREADABLE
+            aside.mkdir(parents=True, exist_ok=True)
+            for s in steps:
+                dst = aside / str(s)
+                n = 1
+                while dst.exists():
+                    dst, n = aside / f"{s}.{n}", n + 1
+                (self.directory / str(s)).rename(dst)
+        _all_processes_ok(f"aside/{self.directory}/{'-'.join(map(str, steps))}", True)   # a barrier
+        self.manager.reload()
 
     def is_saving(self) -> bool:
         return bool(self.manager.is_saving_in_progress())

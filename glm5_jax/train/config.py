@@ -9,6 +9,7 @@ from glm5_jax.optim.schedules import LR_SCHEDULES, lr_schedule
 
 INDEXER_LOSSES = (None, "dense", "sparse")
 OPTIMIZERS = ("adamw", "muon", "muon_split")
+NONFINITE = ("stop", "skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,11 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 50
     keep_checkpoints: int = 2
+    keep_period: int = 0                 # > 0: checkpoints at multiples of this step are never deleted
+    ckpt_every_minutes: float = 0.0      # > 0: also checkpoint when this many minutes passed since the last one
+    nonfinite: str = "stop"              # a step with a NaN/inf loss, gradient or update is never applied;
+                                         # stop: end the run naming the last (finite) checkpoint; skip: go on
+    max_skipped_steps: int = 10          # skip: stop after this many consecutive skipped steps
     async_checkpoints: bool = True
     seed: int = 0
     profile_steps: tuple[int, int] | None = None  # (first, last) steps to trace with jax.profiler
@@ -73,6 +79,15 @@ class TrainConfig:
                               "(the share of steps at the end of a wsd schedule that decay the LR)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"TrainConfig.min_lr_ratio={self.min_lr_ratio!r} is invalid: must be in [0, 1]")
+        if self.nonfinite not in NONFINITE:
+            raise ConfigError(f"TrainConfig.nonfinite={self.nonfinite!r} is invalid: allowed: {', '.join(NONFINITE)}")
+        for f in ("keep_period", "max_skipped_steps"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"TrainConfig.{f}={v!r} is invalid: must be an integer >= 0")
+        if isinstance(self.ckpt_every_minutes, bool) or not self.ckpt_every_minutes >= 0:
+            raise ConfigError(f"TrainConfig.ckpt_every_minutes={self.ckpt_every_minutes!r} is invalid: must be >= 0 "
+                              "(0 = only step-based checkpoints)")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"TrainConfig.optimizer={self.optimizer!r} is invalid: allowed: {', '.join(OPTIMIZERS)}")
         if self.indexer_loss not in INDEXER_LOSSES:

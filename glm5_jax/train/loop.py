@@ -37,12 +37,13 @@ from glm5_jax.sharding import batch_sharding, single_device_mesh
 from glm5_jax.train.checkpoint import MODEL_CONFIG, Checkpointer
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.observe import RunObserver
+from glm5_jax.train.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch, agree
 from glm5_jax.train.state import abstract_param_shapes, abstract_state, build_optimizer, init_train_state
 from glm5_jax.train.step import make_eval_step, make_monitor_fn, make_train_step
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN/inf; the last good checkpoint is kept."""
+    """A step's loss, gradient or update became NaN/inf (it was not applied); the last good checkpoint is kept."""
 
 
 def local_rows(sharding, batch_size: int) -> list[int]:
@@ -89,10 +90,21 @@ def evaluate(model_cfg: ModelConfig, params, batches: Iterable[dict], eval_step=
     return {"eval_loss": tot / max(n, 1.0), "eval_accuracy": correct / max(n, 1.0)}
 
 
-def _read_metrics(path: epath.Path, upto: int | None) -> list[dict]:
+def _read_metrics(path: epath.Path, upto: int | None, log=None) -> list[dict]:
+    """The rows of metrics.jsonl up to step `upto`. A last line cut short by a crash mid-write is
+    dropped (with a warning through `log`); a damaged line elsewhere raises, naming it."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}); only a partial last line is dropped") from None
+            if log is not None:
+                log(f"[metrics] WARNING: dropped the partial last line of {path} ({len(line)} characters)")
     return [r for r in rows if upto is None or r["step"] <= upto]
 
 
@@ -147,7 +159,8 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     primary = jax.process_index() == 0
     workdir = epath.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(workdir / "checkpoints", keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints)
+    ckpt = Checkpointer(workdir / "checkpoints", keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints,
+                        keep_period=tcfg.keep_period or None, log=log if primary else None)
     if primary:        # the checkpoints' model, so they can start other runs / be exported (--init_from, export_hf)
         (workdir / MODEL_CONFIG).write_text(json.dumps(model_cfg.to_hf(), indent=2))
     shapes = abstract_param_shapes(model_cfg)
@@ -166,9 +179,10 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     else:
         take = None if len(rows) == batch_size else rows
     start = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        state, data_state = ckpt.restore(latest, abstract_state(model_cfg, tcfg, mesh, tx)[0])
+    found = ckpt.restore_latest(abstract_state(model_cfg, tcfg, mesh, tx)[0]) if ckpt.all_steps() else None
+    latest = None if found is None else found[0]
+    if found is not None:
+        _, state, data_state = found
         train_iter.set_state(data_state)
         start = int(state["step"])
         if primary:
@@ -176,34 +190,56 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     else:
         state, _ = init_train_state(model_cfg, tcfg, mesh, tx=tx, params=init_params)
     # only the primary reads the file back (it rewrites it at once); the others' history starts here
-    done = _read_metrics(workdir / "metrics.jsonl", start if latest is not None else 0) if primary else []
+    done = _read_metrics(workdir / "metrics.jsonl", start if latest is not None else 0, log) if primary else []
     metrics_file = _MetricsFile(workdir / "metrics.jsonl", done, primary)
     history = metrics_file.rows
     obs = RunObserver(str(workdir), model_cfg=model_cfg, tcfg=tcfg, mesh=mesh, profile_steps=tcfg.profile_steps)
 
     monitor_fn = make_monitor_fn(model_cfg) if tcfg.monitor_every else None
-    clock = {"last": time.perf_counter()}
+    clock = {"last": time.perf_counter(), "saved": time.monotonic()}
     last_good = latest
     final = None
     end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
+    # skipped (non-finite) steps: the run's total (in each row, read back on resume) and the current streak
+    skips = {"total": int(done[-1].get("skipped_steps", 0)) if done else 0, "streak": 0}
+    watch = PreemptionWatch().__enter__()
 
-    def stop(msg):
+    def close_all():
+        watch.close()
         obs.close()
         metrics_file.close()
         ckpt.close()
+
+    def stop(msg):
+        close_all()
         raise TrainingDiverged(msg)
 
     def record(step, metrics, data=None, extra=None) -> None:
-        """Read `step`'s metrics (waits for that step), stop on a non-finite loss, write and log the row.
-        The step's time is the wall time since the previous step's metrics were read (the loop keeps one
-        step in flight, so this is the device time per step once it runs steadily)."""
+        """Read `step`'s metrics (waits for that step), stop on a skipped (non-finite) step unless
+        tcfg.nonfinite == "skip", write and log the row. The step's time is the wall time since the
+        previous step's metrics were read (the loop keeps one step in flight, so this is the device time
+        per step once it runs steadily)."""
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         seconds = max(now - clock["last"], 1e-9)
-        if not math.isfinite(metrics["loss"]):
-            stop(f"[{name}] loss is {metrics['loss']} at step {step}; stopped. The last good checkpoint is "
-                 f"step {last_good} in {ckpt.directory} (lower learning_rate or enable grad_clip)")
-        row = {"step": step, **metrics, **(data or {}), **(extra() if extra else {})}
+        if metrics.get("skipped", 0.0) > 0:
+            skips["total"] += 1
+            skips["streak"] += 1
+            what = (f"loss is {metrics['loss']} at step {step} (grad_norm {metrics.get('grad_norm')}, update_norm "
+                    f"{metrics.get('update_norm')}; the step was not applied)")
+            good = (f"The last good checkpoint is step {last_good} in {ckpt.directory}" if last_good is not None
+                    else f"No checkpoint was written yet ({ckpt.directory})")
+            if tcfg.nonfinite == "stop":
+                stop(f"[{name}] {what}; stopped. {good} (lower learning_rate or enable grad_clip; "
+                     "train.nonfinite=skip skips such steps)")
+            if skips["streak"] > tcfg.max_skipped_steps:
+                stop(f"[{name}] {what}; {skips['streak']} steps in a row skipped (max_skipped_steps="
+                     f"{tcfg.max_skipped_steps}); stopped. {good}")
+            if primary:
+                log(f"[{name}] {what}; skipped ({skips['total']} skipped so far)")
+        else:
+            skips["streak"] = 0
+        row = {"step": step, **metrics, "skipped_steps": skips["total"], **(data or {}), **(extra() if extra else {})}
         obs.record(step, row, step_seconds=seconds)
         show = step % tcfg.log_every == 0 or step == end or "eval_loss" in row
         metrics_file.write(row, flush=show or step % tcfg.ckpt_every == 0)
@@ -216,42 +252,55 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
             local = {k: np.asarray(v)[take] for k, v in local.items()}
         return global_batch(bsh, local, batch_size)
 
-    data_metrics = getattr(train_iter, "data_metrics", None)   # a mixture's per-source counts, if any
-    pending = None                                     # (step, its metrics still on device, its data counts)
-    for step in range(start + 1, end + 1):
-        obs.step_started(step)
-        batch = next_batch()
-        data_row = data_metrics() if data_metrics is not None else None
-        state, metrics = step_fn(state, batch)
-        if pending is not None:                        # the previous step's metrics, while this one runs
-            record(*pending)
-            clock["last"] = time.perf_counter()
-            pending = None
-        do_ckpt = step % tcfg.ckpt_every == 0 or step == tcfg.steps
-        do_eval = eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps)
-        do_mon = monitor_fn is not None and (step % tcfg.monitor_every == 0 or step == tcfg.steps)
-        if not (do_ckpt or do_eval or do_mon or step == end):
-            pending = (step, metrics, data_row)
-            continue
+    try:
+        data_metrics = getattr(train_iter, "data_metrics", None)   # a mixture's per-source counts, if any
+        pending = None                                     # (step, its metrics still on device, its data counts)
+        for step in range(start + 1, end + 1):
+            obs.step_started(step)
+            batch = next_batch()
+            data_row = data_metrics() if data_metrics is not None else None
+            state, metrics = step_fn(state, batch)
+            preempted = watch.reached(step)                # SIGTERM / the hosts' preemption sync point
+            timed = bool(tcfg.ckpt_every_minutes) and agree(
+                "ckpt_time", step, time.monotonic() - clock["saved"] >= 60.0 * tcfg.ckpt_every_minutes)
+            if pending is not None:                        # the previous step's metrics, while this one runs
+                record(*pending)
+                clock["last"] = time.perf_counter()
+                pending = None
+            do_ckpt = step % tcfg.ckpt_every == 0 or step == tcfg.steps or preempted or timed
+            do_eval = eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps)
+            do_mon = monitor_fn is not None and (step % tcfg.monitor_every == 0 or step == tcfg.steps)
+            if not (do_ckpt or do_eval or do_mon or step == end):
+                pending = (step, metrics, data_row)
+                continue
 
-        def extra(step=step, batch=batch, do_eval=do_eval, do_mon=do_mon):
-            nonlocal final
-            out = {}
-            if do_mon:         # after the update, on this step's batch: a separate forward, no gradients
-                out.update({k: float(v) for k, v in jax.device_get(monitor_fn(state["params"], batch)).items()})
-            if do_eval:
-                final = {"step": step, **eval_fn(state["params"])}
-                out.update(final)
-            return out
+            def extra(step=step, batch=batch, do_eval=do_eval, do_mon=do_mon):
+                nonlocal final
+                out = {}
+                if do_mon:         # after the update, on this step's batch: a separate forward, no gradients
+                    out.update({k: float(v) for k, v in jax.device_get(monitor_fn(state["params"], batch)).items()})
+                if do_eval:
+                    final = {"step": step, **eval_fn(state["params"])}
+                    out.update(final)
+                return out
 
-        record(step, metrics, data_row, extra)         # before the save: only a finite step is checkpointed
-        if do_ckpt:
-            ckpt.save(step, state, train_iter.get_state())
-            last_good = step
-        clock["last"] = time.perf_counter()            # eval / monitor / save time is not step time
-    obs.close()
-    metrics_file.close()
-    ckpt.close()
+            record(step, metrics, data_row, extra)         # before the save: only a finite step is checkpointed
+            if do_ckpt:
+                ckpt.save(step, state, train_iter.get_state())
+                last_good = step
+                clock["saved"] = time.monotonic()
+            if preempted:
+                close_all()                                # waits for the checkpoint write to end
+                msg = (f"[{name}] preempted ({watch.signal_name}): checkpoint of step {step} written to "
+                       f"{ckpt.directory}; exiting with code {PREEMPTED_EXIT_CODE}; re-run the same "
+                       "command to continue from it")
+                if primary:
+                    log(msg)
+                raise Preempted(msg, step)
+            clock["last"] = time.perf_counter()            # eval / monitor / save time is not step time
+    finally:
+        watch.close()                                  # SIGTERM is the process's again
+    close_all()
     if final is None and eval_fn is not None:
         final = {"step": int(state["step"]), **eval_fn(state["params"])}
     return {"params": state["params"], "history": history, "final": final, "labels": labels}

@@ -172,6 +172,14 @@ def plan_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Stag
     return out
 
 
+def _write_atomic(path: epath.Path, text: str) -> None:
+    """Write `path` so that a reader sees the old or the new content, never a part (a temp file renamed
+    over it: atomic on a local disk; on an object store each object write is whole anyway)."""
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def stage_dir(workdir, i: int, stage: Stage) -> epath.Path:
     return epath.Path(workdir) / f"stage_{i}_{stage.name}"
 
@@ -255,7 +263,7 @@ def train_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Sta
                     params = _final_params(prev_cfg, prev_tc, stage_dir(workdir, i - 1, stages[i - 1]), mesh)
                 start = _carry(prev_cfg, cfg, params, jax.random.fold_in(jax.random.PRNGKey(tc.seed), i))
         if primary and rec is None:
-            (wd / STAGE_FILE).write_text(json.dumps({"stage": stage.to_json(), "done": False, "final": None}))
+            _write_atomic(wd / STAGE_FILE, json.dumps({"stage": stage.to_json(), "done": False, "final": None}))
         log(f"[stages] {where}: T={stage.seq_len}, {stage.steps} steps, rope_theta={cfg.rope_theta}, "
             f"rope_scaling={cfg.rope_scaling}, attention={cfg.attention}, lr {tc.lr_schedule} "
             f"(peak {tc.learning_rate})" + (f", data mix {stage.data}" if stage.data else "") + f" ({wd})")
@@ -263,7 +271,7 @@ def train_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Sta
         out = train(cfg, tc, make_iter(stage, i), wd, init_params=start, eval_fn=eval_fn, log=log,
                     name=f"stage{i}-{stage.name}", mesh=mesh, loss_fn=loss_fn)
         if primary:
-            (wd / STAGE_FILE).write_text(json.dumps({"stage": stage.to_json(), "done": True, "final": out["final"]}))
+            _write_atomic(wd / STAGE_FILE, json.dumps({"stage": stage.to_json(), "done": True, "final": out["final"]}))
         params = out["params"]
         results.append({"name": stage.name, "workdir": str(wd), "model_cfg": cfg, "train_cfg": tc,
                         "history": out["history"], "final": out["final"]})

@@ -31,7 +31,7 @@ from glm5_jax.sharding import batch_sharding, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.state import build_optimizer, state_shardings
 
-__all__ = ["build_optimizer", "make_eval_step", "make_loss_fn", "make_monitor_fn", "make_train_step"]
+__all__ = ["build_optimizer", "make_eval_step", "make_loss_fn", "make_monitor_fn", "make_train_step", "expert_load_metrics"]
 
 BIAS = "e_score_correction_bias"
 
@@ -51,6 +51,26 @@ def _collect(inter, name):
 def _layer_mean(values) -> jax.Array:
     """Mean over layers of per-layer scalars given per path as scalars or [repeats] vectors."""
     return jnp.mean(jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in values]))
+
+
+def _all_finite(tree) -> jax.Array:
+    """One boolean: every element of every floating leaf of `tree` is finite."""
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def expert_load_metrics(model_cfg: ModelConfig, loads) -> dict:
+    """Per MoE layer (global layer index i, not averaged over layers): "expert_load_max_over_mean/layer_i"
+    (the busiest expert's tokens over the layer's mean) and "dead_experts/layer_i" (experts that got no
+    token this step). loads: {module path: [E] or stacked [repeats, E]} token counts (the MTP block's
+    loads are left out: it is not a main layer)."""
+    tree = traverse_util.unflatten_dict({tuple(k) + ("expert_load",): v for k, v in loads.items()})
+    out = {}
+    for i, load in sorted(per_layer(model_cfg, tree, "expert_load").items()):
+        load = load.astype(jnp.float32)
+        out[f"expert_load_max_over_mean/layer_{i}"] = jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
+        out[f"dead_experts/layer_{i}"] = jnp.sum(load == 0).astype(jnp.float32)
+    return out
 
 
 def _bias_update(params, loads, rate):
@@ -192,7 +212,11 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
     default make_loss_fn(model_cfg, tcfg); the RL loss plugs in here (glm5_jax.rl.program).
     After the optimizer update the MoE correction biases move aux-loss-free (tcfg.bias_update_rate)
     from the reported loads (a frozen router, per tcfg.trainable_pattern, keeps its bias).
-    metrics: the loss's metrics + grad_norm, update_norm (+ expert_load_max_over_mean with MoE).
+    metrics: the loss's metrics + grad_norm, update_norm, skipped (+ expert_load_max_over_mean and per
+    layer expert_load_max_over_mean/layer_i, dead_experts/layer_i with MoE).
+    Non-finite guard: when the loss, the gradient norm, the update or the new params / optimizer state
+    hold a NaN or inf, the step keeps the old params and optimizer state (step and rng advance) and
+    reports skipped = 1; the loop then stops or goes on (TrainConfig.nonfinite).
     tcfg.grad_accum > 1 splits the batch into that many micro-batches (accumulated_value_and_grad): one
     optimizer update from their token-weighted mean gradient, the same update as the whole batch at once.
     The returned callable has .jitted, .lower(state, batch), .shardings, .batch_sharding, .mesh.
@@ -225,10 +249,19 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
             metrics["expert_load_max_over_mean"] = _layer_mean(
                 [jnp.max(l, axis=-1) / jnp.maximum(jnp.mean(l.astype(jnp.float32), axis=-1), 1e-9)
                  for l in loads.values()])
+            metrics.update(expert_load_metrics(model_cfg, loads))
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
         rng, _ = jax.random.split(state["rng"])
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}, metrics
+        new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
+        # the non-finite guard: a step whose loss, gradient, update or new parameters hold a NaN/inf is
+        # not applied (params and optimizer state stay as they were; step and rng advance, so the data
+        # and the PRNG stream go on exactly as in a run without the bad step)
+        ok = _all_finite((metrics["loss"], metrics["grad_norm"], metrics["update_norm"], params, opt_state))
+        new["params"], new["opt_state"] = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(ok, a, b), (params, opt_state), (state["params"], state["opt_state"]))
+        metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
+        return new, metrics
 
     sh = state_shardings(model_cfg, tcfg, mesh, tx)
     bsh = batch_sharding(mesh)
