@@ -289,3 +289,65 @@ def _raw_ok(url) -> bool:
     import urllib.request
     with urllib.request.urlopen(url + "/health", timeout=5) as r:
         return json.loads(r.read())["ok"] is True
+
+
+# ----------------------------------------------------------------------------- malformed values (issue 44)
+
+_HOSTILE_STRINGS = ['"\\ud800"', '"a\\udfffb"', '"\\udc00\\ud800"', '"ok\\ud83d"']    # lone surrogates (JSON text)
+_HOSTILE_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" + "0" * 400, "-" + "9" * 400,
+                    "1" + "0" * 5000, "0", "-0.0", "1e-320"]
+
+
+def _hostile_bodies(rng: random.Random, sid: str):
+    """JSON texts (not Python objects: json.dumps cannot write most of these) with a hostile value in
+    every string / number slot of every endpoint."""
+    s = lambda: rng.choice(_HOSTILE_STRINGS)      # noqa: E731
+    n = lambda: rng.choice(_HOSTILE_NUMBERS)      # noqa: E731
+    q = json.dumps
+    return rng.choice([
+        ("/call", f'{{"name": "file_write", "arguments": {{"path": "a.txt", "content": {s()}}}, "session": {q(sid)}}}'),
+        ("/call", f'{{"name": "file_write", "arguments": {{"path": {s()}, "content": "x"}}, "session": {q(sid)}}}'),
+        ("/call", f'{{"name": "file_read", "arguments": {{"path": {s()}}}, "session": {q(sid)}}}'),
+        ("/call", f'{{"name": "run_code", "arguments": {{"code": {s()}, "tests": ""}}}}'),
+        ("/call", f'{{"name": "run_code", "arguments": {{"code": "x = 1", "tests": {s()}}}}}'),
+        ("/call", f'{{"name": "run_code", "arguments": {{"code": "", "tests": "", "timeout_s": {n()}}}}}'),
+        ("/call", f'{{"name": "calculator", "arguments": {{"expression": {s()}}}}}'),
+        ("/call", f'{{"name": "calculator", "arguments": {{"expression": {n()}}}}}'),
+        ("/call", f'{{"name": "kv_get", "arguments": {{"key": {s()}}}, "session": {q(sid)}}}'),
+        ("/call", f'{{"name": {s()}, "arguments": {{}}}}'),
+        ("/call", f'{{{s()}: 1, "name": "calculator", "arguments": {{"expression": "1"}}}}'),
+        ("/call", f'{{"name": "kv_get", "arguments": {{"key": "a"}}, "session": {s()}}}'),
+        ("/session", f'{{"store": {{{s()}: 1}}}}'),
+        ("/session", f'{{"store": {{"k": {n()}}}}}'),
+        ("/session/close", f'{{"session": {s()}}}'),
+        ("/session/close", f'{{"session": {n()}}}'),
+    ])
+
+
+def test_malformed_values_are_400_never_500():
+    """Lone surrogates, NaN / Infinity, floats that overflow and 400-digit ints in every slot: a 4xx
+    naming the problem (or an ordinary tool result), never a 500; the services answer correctly after."""
+    rng = random.Random(44)
+    with serve(limits=LIMITS) as s:
+        sid = open_session(s.url)
+        statuses = {}
+        for _ in range(300):
+            path, text = _hostile_bodies(rng, sid)
+            st = _raw(s, _post(path, None, raw_body=text.encode()), shut=True)
+            statuses[st] = statuses.get(st, 0) + 1
+            assert st is not None and 200 <= st < 500, (st, text[:200])
+        assert s.internal_errors == 0, statuses
+        assert statuses.get(400, 0) > 100, statuses
+        # the specific cases of the issue, by name
+        for text in ('{"name": "file_write", "arguments": {"path": "a", "content": "\\ud800"}, "session": "%s"}' % sid,
+                     '{"name": "run_code", "arguments": {"code": "\\ud800", "tests": ""}}',
+                     '{"name": "run_code", "arguments": {"code": "", "tests": "", "timeout_s": NaN}}',
+                     '{"name": "run_code", "arguments": {"code": "", "tests": "", "timeout_s": %s}}' % ("9" * 400)):
+            if "9" * 400 in text:   # a huge timeout is capped, not refused
+                continue
+            assert _raw(s, _post("/call", None, raw_body=text.encode()), shut=True) == 400, text
+        r = call_tool(s.url, "run_code", {"code": "def f():\n    return 1\n", "tests": "assert f() == 1",
+                                          "timeout_s": 10 ** 400})
+        assert r["passed"] and set(r["isolation"]) >= {"namespaces", "seccomp"}, r
+        assert call_tool(s.url, "file_list", {"path": ""}, session=sid) == []     # nothing was written
+        _check_answers(s.url)

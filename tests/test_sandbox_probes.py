@@ -235,3 +235,15 @@ def test_scratch_is_bounded_and_is_the_only_writable_place():
     assert r.status == "error" and "No space left on device" in r.stderr, r
     r = run_sandboxed(code, "", scratch_mb=8, max_output_bytes=4 << 20)
     assert r.passed, r
+
+
+def test_shadowed_builtins_do_not_reach_the_tests():
+    """A solution that defines ``abs`` / ``len`` / ``isinstance`` / ``__builtins__`` next to a wrong answer."""
+    tail = ("def abs(x):\n    return 0\ndef len(x):\n    return 1\ndef isinstance(a, b):\n    return True\n"
+            "__builtins__ = {}\n")
+    tests = ("assert abs(add(2, 2) - 4) < 1e-9\nassert len([add(1, 1), 0]) == 2\n"
+             "assert isinstance(add(1, 1), int)\n")
+    r = run_sandboxed("def add(a, b):\n    return str(a - b)\n" + tail, tests)
+    assert r.status == "failed", r
+    r = run_sandboxed("def add(a, b):\n    return a + b\n" + tail, tests)     # control
+    assert r.passed, r

@@ -38,6 +38,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import secrets
@@ -56,8 +57,8 @@ from glm5_jax.post.tooldata import TOOL_ARGS as _POST_TOOL_ARGS
 from glm5_jax.post.tooldata import execute_tool
 from glm5_jax.rl.sandbox import run_sandboxed
 
-__all__ = ["EnvLimits", "EnvServer", "ToolError", "TOOLS", "call_tool", "close_session", "open_session",
-           "serve", "main"]
+__all__ = ["EnvLimits", "EnvServer", "ToolError", "TOOLS", "call_tool", "close_session", "find_bad_string",
+           "open_session", "serve", "main"]
 
 # name -> {argument: allowed python types}; optional arguments are listed in _OPTIONAL
 TOOLS: Dict[str, Dict[str, tuple]] = {
@@ -159,6 +160,41 @@ class _State:
             self.sessions.clear()
 
 
+def find_bad_string(obj, max_nodes: int = 1 << 20) -> Optional[str]:
+    """Where in a decoded JSON value the first string (key or value) that is not valid Unicode text
+    is, e.g. ``"arguments.content"``: JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which
+    no file, tokenizer or UTF-8 encoder accepts. None when every string is fine. Iterative (a deeply
+    nested body cannot exhaust the stack) and bounded by ``max_nodes`` (beyond it: ``"<too large>"``)."""
+    stack = [("", obj)]
+    seen = 0
+    while stack:
+        where, v = stack.pop()
+        seen += 1
+        if seen > max_nodes:
+            return "<too large>"
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "<body>"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                key = where + "." + k if where else k
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return (where + "." if where else "") + "<a key>"
+                stack.append((key, x))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _short(v, n: int = 40) -> str:
     r = repr(v)
     return r if len(r) <= n else r[:n] + "..."
@@ -232,6 +268,10 @@ def _dispatch(state: _State, path: str, body: Any):
     limits = state.limits
     if not isinstance(body, dict):
         raise _HTTPError(400, f"body must be a JSON object, not {type(body).__name__}")
+    bad = find_bad_string(body)
+    if bad is not None:
+        raise _HTTPError(400, f"{bad} is invalid: not valid Unicode text (a lone surrogate escape such as "
+                              f"\\ud800)")
     if path == "/session":
         store = body.get("store", {})
         if not isinstance(store, dict) or len(store) > 1024 or not all(
@@ -261,17 +301,19 @@ def _dispatch(state: _State, path: str, body: Any):
             result = "error: invalid expression"
         return {"ok": True, "result": result}
     if name == "run_code":
-        t = min(float(args.get("timeout_s", limits.max_code_timeout_s)), limits.max_code_timeout_s)
+        # min() before float(): a 400-digit int compares exactly but would overflow float(); NaN stays NaN
+        t = min(args.get("timeout_s", limits.max_code_timeout_s), limits.max_code_timeout_s)
         if not t > 0:
             raise _HTTPError(400, f"arguments.timeout_s={args.get('timeout_s')!r} is invalid: must be > 0")
         if not state.sandboxes.acquire(blocking=False):
             raise _HTTPError(503, f"all {limits.max_sandboxes} sandboxes busy; retry later")
+        t = float(t)
         try:
-            r = run_sandboxed(args["code"], args["tests"], timeout_s=t, cpu_s=max(1, int(t)))
+            r = run_sandboxed(args["code"], args["tests"], timeout_s=t, cpu_s=max(1, math.ceil(t)))
         finally:
             state.sandboxes.release()
         return {"ok": True, "result": {"passed": r.passed, "status": r.status, "stdout": r.stdout,
-                                       "stderr": r.stderr}}
+                                       "stderr": r.stderr, "isolation": dict(r.isolation)}}
     return {"ok": True, "result": _file_tool(name, args, session, limits)}
 
 
@@ -388,7 +430,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reading = False       # a long tool run (run_code) is not cut by the watchdog
             self.connection.settimeout(self.server.limits.request_timeout_s)    # for writing the reply
             try:
-                body = json.loads(raw.decode("utf-8"))
+                body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise _HTTPError(400, f"body is not JSON: {type(e).__name__}") from None
             self._reply(200, _dispatch(self.server.state, path, body))

@@ -64,6 +64,10 @@ call it, read attributes, ``len`` / ``iter`` / ``in`` / ``[]`` / ``str`` / ``rep
 ``int`` / ``float`` / ``index``, and compare or combine it with another solution object. Arithmetic
 or ordering between a solution object and a plain value raises TypeError (return plain values).
 Lists, dicts and sets passed as arguments are written back after the call (in-place mutation works).
+Arguments are plain data or solution objects (a test's own function or class cannot be passed). A
+solution name that shadows a builtin (``len``, ``abs``, ...) or a dunder is not visible to the tests:
+the tests' ``abs(f(x) - y)`` always means the real ``abs`` (so do not name a task's function after a
+builtin).
 """
 
 from __future__ import annotations
@@ -449,7 +453,7 @@ def _judge(cfg):
     def recv():
         try:
             m = chan.recv()
-        except (ValueError, OSError, MemoryError) as e:
+        except (ValueError, OSError, MemoryError, RecursionError) as e:
             raise SolutionDied("garbled reply from the solution process (%s)" % type(e).__name__)
         if m is None or not isinstance(m, dict):
             raise SolutionDied("the solution process exited or stopped answering")
@@ -586,8 +590,13 @@ def _judge(cfg):
         if load.get("load") != "ok":
             verdict("error", "the solution raised while loading")
         g = {"__name__": "tests", "__builtins__": builtins}
+        import keyword
         for k, x in dict(load.get("names") or {}).items():
-            g[str(k)] = _decode(x, to_handle)
+            k = str(k)
+            # a solution's own `len` / `abs` / `__builtins__` must not replace what the tests call
+            if not k.isidentifier() or keyword.iskeyword(k) or k.startswith("__") or hasattr(builtins, k):
+                continue
+            g[k] = _decode(x, to_handle)
     except SolutionDied as e:
         verdict("error", str(e))
     except MemoryError:
