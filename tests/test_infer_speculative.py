@@ -94,8 +94,10 @@ def test_speculative_errors():
     unshared = cfg.replace(mtp_depth=2, mtp_share=False)
     with pytest.raises(ValueError, match="num_draft=4 > mtp_depth=2"):
         speculative_generate(unshared, params, [[1, 2]], max_new_tokens=3, num_draft=4)
-    with pytest.raises(ValueError, match="greedy"):
-        speculative_generate(cfg.replace(mtp_depth=1), params, [[1, 2]], max_new_tokens=3, temperature=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate(cfg.replace(mtp_depth=1), params, [[1, 2]], max_new_tokens=3, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        speculative_generate(cfg.replace(mtp_depth=1), params, [[1, 2]], max_new_tokens=3, temperature=1.0, top_p=0)
 
 
 @pytest.mark.slow  # suite budget: 15 min on 2 cores

@@ -57,3 +57,54 @@ def sample(key, logits, *, greedy: bool, temperature=1.0, top_k: int = 0, use_to
         tok = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
         lp = jax.nn.log_softmax(x, axis=-1)
     return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+# ----------------------------------------------------------------------------- per-row parameters
+def filter_rows(logits, temperature, top_k, top_p):
+    """Per-row `filter_logits`: logits [B, V], temperature / top_k / top_p [B] (arrays, so one compiled
+    program serves any mix of requests) -> temperature-scaled float32 logits, -inf outside each row's
+    allowed set: its top_k largest (0 = all; ties towards the lower id), then the smallest prefix of the
+    sorted, renormalised distribution whose mass reaches its top_p (at least one token). Row b equals
+    ``filter_logits`` with row b's scalars (tested). Rows with temperature 0 are scaled by 1 (greedy rows
+    use the raw argmax; see `probs_rows`)."""
+    b, v = logits.shape
+    temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a), (b,)) for a in (temperature, top_k, top_p))
+    x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)[:, None]
+    order = jnp.argsort(-x, axis=-1, stable=True)
+    xs = jnp.take_along_axis(x, order, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    keep = jnp.arange(v)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, xs, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & ((top_p[:, None] >= 1.0) | ((before < top_p[:, None]) & (probs > 0)))
+    keep = keep.at[:, 0].set(True)
+    mask = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order].set(keep)
+    return jnp.where(mask, x, -jnp.inf)
+
+
+def probs_rows(logits, temperature, top_k, top_p):
+    """The distribution each row samples from, [B, V] float32: softmax of `filter_rows`, or one-hot at the
+    argmax for a row with temperature 0 (greedy as the temperature -> 0 limit). Returns (probs,
+    log-probs of the same distribution, -inf outside its support)."""
+    lf = logits.astype(jnp.float32)
+    greedy = (jnp.broadcast_to(jnp.asarray(temperature), lf.shape[:1]) <= 0)[:, None]
+    lp = jax.nn.log_softmax(filter_rows(lf, temperature, top_k, top_p), axis=-1)
+    onehot = jax.nn.one_hot(jnp.argmax(lf, axis=-1), lf.shape[-1], dtype=bool)
+    lp = jnp.where(greedy, jnp.where(onehot, 0.0, -jnp.inf), lp)
+    return jnp.exp(lp), lp
+
+
+def sample_rows(keys, logits, temperature, top_k, top_p):
+    """Per-row sampling: keys [B] (one PRNG key per row: a request's output does not depend on its
+    batch-mates), logits [B, V], temperature / top_k / top_p [B] -> (tokens int32 [B], log-probs [B] under
+    the distribution drawn from, model log-softmax [B, V] at temperature 1). Temperature 0 rows: the argmax,
+    with its temperature-1 log-softmax (as `sample` with greedy=True)."""
+    lf = logits.astype(jnp.float32)
+    model_lp = jax.nn.log_softmax(lf, axis=-1)
+    x = filter_rows(lf, temperature, top_k, top_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+    greedy = jnp.broadcast_to(jnp.asarray(temperature), lf.shape[:1]) <= 0
+    tok = jnp.where(greedy, jnp.argmax(lf, axis=-1).astype(jnp.int32), drawn)
+    lp_samp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
+    lp_model = jnp.take_along_axis(model_lp, tok[:, None], axis=-1)[:, 0]
+    return tok, jnp.where(greedy, lp_model, lp_samp), model_lp
