@@ -124,6 +124,7 @@ def test_controls_plain_values_classes_mutation_exceptions():
         "try:\n    halve(3)\n    raise AssertionError('no raise')\nexcept ValueError as e:\n    assert 'odd' in str(e)\n"
         "def test_stack():\n    s = Stack()\n    s.push(1)\n    s.push(2)\n    assert len(s) == 2\n"
         "    assert s.pop() == 2 and s.items == [1]\n"
+        "    assert isinstance(s, Stack) and not isinstance(P(1), Stack) and not isinstance(3, Stack)\n"
         "def test_objects():\n    assert P(1) == P(1) and P(1) != P(2) and P(1) != 1\n"
         "for i in range(5):\n    assert halve(2 * i) == i\n"
     )
@@ -146,6 +147,8 @@ def test_wrong_solution_fails_and_timeouts_are_reported():
     r = run_sandboxed("def add(a, b):\n    while True:\n        pass\n", ADD_TESTS, timeout_s=1.0, cpu_s=5)
     assert r.status == "timeout" and not r.passed
     assert time.monotonic() - t0 < 4.0
+    r = run_sandboxed("def add(a, b):\n    return a + b\n", "while True:\n    pass\n", timeout_s=6.0, cpu_s=1)
+    assert r.status == "timeout" and r.wall_s < 5.0, r      # the judge's own CPU limit, not the wall clock
     r = run_sandboxed("def add(a, b):\n    raise SystemExit(0)\n", ADD_TESTS)       # exit mid-call
     assert r.status == "error" and not r.passed
 

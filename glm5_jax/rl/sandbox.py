@@ -61,7 +61,7 @@ signal) | ``sandbox_error`` (could not start, or a required isolation layer is u
 Test programs are ordinary Python (asserts, ``test_*`` functions, loops, try/except, helpers) run in
 the judge. What a test can do with a solution object is limited to what keeps the verdict honest:
 call it, read attributes, ``len`` / ``iter`` / ``in`` / ``[]`` / ``str`` / ``repr`` / ``bool`` /
-``int`` / ``float`` / ``index``, and compare or combine it with another solution object. Arithmetic
+``int`` / ``float`` / ``index`` / ``isinstance(x, SolutionClass)``, and compare or combine it with another solution object. Arithmetic
 or ordering between a solution object and a plain value raises TypeError (return plain values).
 Lists, dicts and sets passed as arguments are written back after the call (in-place mutation works).
 Arguments are plain data or solution objects (a test's own function or class cannot be passed). A
@@ -406,6 +406,8 @@ def _solution(cfg):
                 val = None
             elif op == "contains":
                 val = args[0] in target
+            elif op == "isinstance":
+                val = isinstance(args[0], target)
             elif op == "binop":
                 import operator
                 val = getattr(operator, attr)(target, args[0])
@@ -497,6 +499,8 @@ def _judge(cfg):
             rpc("delitem", self, [k])
         def __contains__(self, x):
             return _typed(rpc("contains", self, [x]), bool, "in")
+        def __instancecheck__(self, x):     # isinstance(obj, SolutionClass): asked of the solution
+            return _typed(rpc("isinstance", self, [x]), bool, "isinstance")
         def __hash__(self):
             return hash(("sandbox-handle", self._h[1]))
         def __eq__(self, other):
@@ -896,6 +900,7 @@ def run_sandboxed(
         for p in procs:
             p.wait()
         sol_rc = _rc(sol.returncode, use_ns)
+        judge_rc = _rc(judge.returncode, use_ns)
         stdout = _read(outs[0][0], max_output_bytes)
         j_out = _read(outs[1][0], max_output_bytes)
         if j_out:
@@ -953,6 +958,8 @@ def run_sandboxed(
         status = "failed"
     elif v == "error":
         status = "memory" if sol_rc == 13 else "error"
+    elif judge_rc == -signal.SIGXCPU or judge_rc == -signal.SIGKILL and wall >= cpu_s:
+        status = "timeout"  # the tests themselves ran past the CPU limit
     else:
         status = "error"  # the judge died without a verdict
     if status in ("failed", "error") and "[Errno 27] File too large" in stderr:
