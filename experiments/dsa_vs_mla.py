@@ -565,6 +565,7 @@ def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buc
             "oracle_gap_pct": o_iv, "oracle_gap_pct_per_seed": og,
             "indexer_gap_pct": mean_interval(ig), "indexer_gap_pct_per_seed": ig,
             "selection_cost_pct": s_iv, "dsa_oracle_gap_pct": mean_interval(dg),
+            "selection_cost_same_params_pct": mean_interval([i - d for i, d in zip(ig, dg)]),
             "oracle_mass": float(np.mean(om)), "oracle_mass_interval": mean_interval(om),
             "indexer_mass": float(np.mean(im)), "indexer_mass_interval": mean_interval(im),
             "indexer_recall_of_oracle": float(np.mean(rc)), "mla_oracle_mass": float(np.mean(mom)),
@@ -580,7 +581,8 @@ def decomposition_sentence(e: dict, T: int) -> str:
             else "the indexer's choice of keys")
     return (f"At top-k {e['topk']} = T/{T // e['topk']} after {e['adaptation_steps']} sparse-adaptation steps the DSA "
             f"gap {iv(e['indexer_gap_pct'])}% splits into sparsity itself {iv(e['oracle_gap_pct'])}% and the indexer's "
-            f"choice {iv(e['selection_cost_pct'])}%: {what} dominates (attention mass on the selected keys: indexer "
+            f"choice {iv(e['selection_cost_pct'])}% (on the adapted DSA params themselves, indexer vs oracle top-k: "
+            f"{iv(e['selection_cost_same_params_pct'])}%): {what} dominates (attention mass on the selected keys: indexer "
             f"{e['indexer_mass']:.3f}, oracle {e['oracle_mass']:.3f}; indexer recall of the oracle's keys "
             f"{e['indexer_recall_of_oracle']:.3f}).")
 
@@ -707,7 +709,10 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
         e = gap_decomposition_lr[0]
         dec_sentence += (f" At adaptation rate {e['learning_rate']:g} (fixed before the run; the default is the base's "
                          f"final {tc.learning_rate:g}) the DSA gap is {fmt_interval(e['indexer_gap_pct']['mean'], e['indexer_gap_pct']['lo'], e['indexer_gap_pct']['hi'], 2)}% "
-                         f"and the indexer's choice {fmt_interval(e['selection_cost_pct']['mean'], e['selection_cost_pct']['lo'], e['selection_cost_pct']['hi'], 2)}%.")
+                         f"and the indexer's choice {fmt_interval(e['selection_cost_pct']['mean'], e['selection_cost_pct']['lo'], e['selection_cost_pct']['hi'], 2)}% "
+                         f"(on those params, indexer vs oracle top-k: {fmt_interval(e['selection_cost_same_params_pct']['mean'], e['selection_cost_same_params_pct']['lo'], e['selection_cost_same_params_pct']['hi'], 2)}%; "
+                         f"with oracle top-k they are {fmt_interval(e['dsa_oracle_gap_pct']['mean'], e['dsa_oracle_gap_pct']['lo'], e['dsa_oracle_gap_pct']['hi'], 2)}% "
+                         "above continued MLA: the rate moved the model, not only its selection).")
     attention_mass_final = {name: {"layers_first_seed": {layer: v for layer, v in next(iter(seeds.values()))["mass"][name]["layers"].items()},
                                    "mean": {key: [float(np.mean([r["mass"][name]["mean"][key][j] for r in seeds.values()]))
                                                   if all(r["mass"][name]["mean"][key][j] is not None for r in seeds.values())
@@ -897,13 +902,15 @@ DSA + oracle: the adapted DSA model with oracle top-k instead of its indexer. Ma
 softmax mass (the DSA model's own dense attention) on the k keys selected, all query positions,
 {cfg.mass_batches} test batches; MLA oracle mass: the continued MLA model's.
 
-{md_table(["top-k / T", "adapt. steps", "lr", "indexer gap %", "oracle gap %", "indexer's choice %", "DSA + oracle gap %",
+{md_table(["top-k / T", "adapt. steps", "lr", "indexer gap %", "oracle gap %", "indexer's choice %", "DSA + oracle gap %", "DSA: indexer - oracle %",
            "indexer mass", "oracle mass", "MLA oracle mass", "recall of oracle keys"],
           [[f"1/{round(1 / e['topk_fraction'])}", e["adaptation_steps"], f"{e['learning_rate']:g}",
             fmt_interval(e["indexer_gap_pct"]["mean"], e["indexer_gap_pct"]["lo"], e["indexer_gap_pct"]["hi"], 2),
             fmt_interval(e["oracle_gap_pct"]["mean"], e["oracle_gap_pct"]["lo"], e["oracle_gap_pct"]["hi"], 2),
             fmt_interval(e["selection_cost_pct"]["mean"], e["selection_cost_pct"]["lo"], e["selection_cost_pct"]["hi"], 2),
             fmt_interval(e["dsa_oracle_gap_pct"]["mean"], e["dsa_oracle_gap_pct"]["lo"], e["dsa_oracle_gap_pct"]["hi"], 2),
+            fmt_interval(e["selection_cost_same_params_pct"]["mean"], e["selection_cost_same_params_pct"]["lo"],
+                         e["selection_cost_same_params_pct"]["hi"], 2),
             e["indexer_mass"], e["oracle_mass"], e["mla_oracle_mass"], e["indexer_recall_of_oracle"]]
            for e in gap_decomposition + decomposition_vs_adaptation + gap_decomposition_lr])}
 

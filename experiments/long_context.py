@@ -9,6 +9,11 @@ Phases (glm5_jax.train.stages; each stage its own resumable folder):
                   KL), then sparse adaptation; it branches from the mla arm's extended params (its stages
                   run in the mla arm's folder after the mla stages), so it has trained dsa_warmup_steps +
                   dsa_steps more steps than mla
+  dsa_long        (issue 45) the same warm-up's params adapted sparsely for max(dsa_adaptation_lengths) steps at
+                  dsa_learning_rate held constant after its warm-up (so the state at step n is an n-step run), a
+                  checkpoint kept at every length: the DSA gap against adaptation length from one run, beside the
+                  oracle top-k gap (the same params selecting by the main attention's own scores) and the
+                  attention mass the indexer's / the oracle's keys carry (glm5_jax.attention.selection)
 Then: held-out loss per position bucket at T = the last length before extension (the base model) and
 after each arm's last stage, with bootstrap intervals over held-out windows; a passkey probe by context
 length and key depth (and for dsa the indexer's recall of the key's value tokens); attention time and
@@ -18,8 +23,10 @@ FLOPs of DSA vs dense MLA per stage length; step time per stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import math
 import os
 import time
 from typing import ClassVar
@@ -27,7 +34,9 @@ from typing import ClassVar
 import jax
 import numpy as np
 
-from experiments.dsa_vs_mla import time_attention
+from etils import epath
+
+from experiments.dsa_vs_mla import as_oracle, time_attention
 from experiments.long_context_eval import (beyond, bucket_means_interval, eval_fn, paired_difference, passkey_probes,
                                            position_losses, score_passkey)
 from experiments.registry import register
@@ -35,7 +44,11 @@ from experiments.report import fmt_interval, md_table, plot_curves, plot_heatmap
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.flops import estimate
+from glm5_jax.attention.selection import attention_mass, mass_beyond
+from glm5_jax.sharding import single_device_mesh
 from glm5_jax.train import Stage, TrainConfig, train_stages
+from glm5_jax.train.checkpoint import Checkpointer
+from glm5_jax.train.state import abstract_state
 
 PRIMARY_METRIC = ("held-out LM loss over positions >= 128 (token mean, at T = the last stage length) after the "
                   "extension stages minus before them (the base model), per arm, with a paired bootstrap interval "
@@ -51,7 +64,9 @@ class LongContextConfig:
     every stage shares. data: the corpus and the passkeys mixed into training from the first step
     (retrieval_pairs = 1: one planted key and value, asked for at the end). ext_*: the extension stages,
     one entry per stage (lengths, steps, batch sizes, the raised RoPE bases). dsa_*: the two DSA stages at
-    the last length. Evaluation: eval_windows held-out windows at the last length (the eval split, never
+    the last length; dsa_adaptation_lengths: the sparse-adaptation lengths of the dsa_long run (one run, evaluated
+    at each; ~3 s per step at T=4096 on 2 CPU cores); mass_windows: held-out windows for the attention-mass
+    figures. Evaluation: eval_windows held-out windows at the last length (the eval split, never
     trained on, nothing tuned on it); passkey probes (held-out filler, TEST_TAG) at passkey_lengths x
     passkey_depths, passkey_per_cell each."""
     model: ModelConfig
@@ -68,6 +83,8 @@ class LongContextConfig:
     dsa_warmup_learning_rate: float = 1e-2
     dsa_steps: int = 15
     dsa_learning_rate: float = 5e-4
+    dsa_adaptation_lengths: tuple[int, ...] = (15, 60, 180)
+    mass_windows: int = 8
     eval_windows: int = 32
     eval_batch: int = 2
     passkey_lengths: tuple[int, ...] = (128, 1024, 4096)
@@ -101,8 +118,12 @@ class LongContextConfig:
             raise bad("ext_rope_thetas", "bases > 0")
         if self.rope_adjust not in ROPE_ADJUST:
             raise bad("rope_adjust", f"allowed: {', '.join(ROPE_ADJUST)}")
+        lens_a = self.dsa_adaptation_lengths
+        if (len(lens_a) < 1 or any(not isinstance(v, int) or v < 1 for v in lens_a)
+                or any(b <= a for a, b in zip(lens_a, lens_a[1:]))):
+            raise bad("dsa_adaptation_lengths", "increasing integers >= 1 (sparse-adaptation steps evaluated in one run)")
         for f in ("dsa_warmup_steps", "dsa_steps", "eval_windows", "eval_batch", "passkey_per_cell",
-                  "bootstrap_reps", "ext_warmup_steps"):
+                  "bootstrap_reps", "ext_warmup_steps", "mass_windows"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < (0 if f == "ext_warmup_steps" else 1):
                 raise bad(f, "an integer >= 1")
         for f in ("ext_learning_rate", "dsa_warmup_learning_rate", "dsa_learning_rate"):
@@ -193,6 +214,32 @@ def dsa_stages(cfg: LongContextConfig) -> list[Stage]:
                   warmup_steps=min(cfg.ext_warmup_steps, cfg.dsa_steps), train={"indexer_loss": "sparse", "batch_size": B})]
 
 
+def dsa_long_stages(cfg: LongContextConfig) -> list[Stage]:
+    """The dsa_long run (issue 45): the dsa arm's warm-up stage, then one sparse adaptation of
+    max(dsa_adaptation_lengths) steps at dsa_learning_rate, constant after its warm-up (min_lr_ratio 1), with a
+    checkpoint kept at every multiple of the lengths' gcd (so at every length)."""
+    T, B = cfg.last_len, cfg.ext_batch_sizes[-1]
+    lens = cfg.dsa_adaptation_lengths
+    g = functools.reduce(math.gcd, lens)
+    return [dsa_stages(cfg)[0],
+            Stage("dsa_long", seq_len=T, steps=lens[-1], learning_rate=cfg.dsa_learning_rate,
+                  warmup_steps=min(cfg.ext_warmup_steps, lens[0]), min_lr_ratio=1.0,
+                  train={"indexer_loss": "sparse", "batch_size": B, "ckpt_every": g, "keep_period": g})]
+
+
+def params_at(model_cfg, tcfg, stage_workdir, step: int, mesh):
+    """A stage's params at a kept checkpoint `step` (mesh None: one device, as train_stages)."""
+    mesh = single_device_mesh() if mesh is None else mesh
+    ckpt = Checkpointer(epath.Path(stage_workdir) / "checkpoints", keep=tcfg.keep_checkpoints, async_save=False)
+    try:
+        if step not in ckpt.all_steps():
+            raise ValueError(f"no checkpoint at step {step} in {stage_workdir} (kept: {ckpt.all_steps()})")
+        state, _ = ckpt.restore(step, abstract_state(model_cfg, tcfg, mesh)[0])
+    finally:
+        ckpt.close()
+    return state["params"]
+
+
 class _TimedIter:
     """The stage's train iterator, recording when each batch is asked for: the loop keeps one step in flight,
     so the gaps between requests are the step times once it runs steadily (the median leaves out the
@@ -218,10 +265,14 @@ class _TimedIter:
         self.it.select_rows(rows)
 
 
+def _cache_path(workdir: str, name: str, key) -> str:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return os.path.join(workdir, "evals", f"{name}-{digest}.json")
+
+
 def _cached(workdir: str, name: str, key, fn):
     """fn() once per (name, key): the result is kept as JSON in workdir/evals (a rerun skips it)."""
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    path = os.path.join(workdir, "evals", f"{name}-{digest}.json")
+    path = _cache_path(workdir, name, key)
     if os.path.exists(path):
         return json.load(open(path))
     out = fn()
@@ -278,6 +329,7 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     ext = sum(_cost(s, B, T) for s, B, T in zip(cfg.ext_steps, cfg.ext_batch_sizes, cfg.ext_seq_lens))
     w.update({"mla": ext, "mla_no_adjust": ext,
               "dsa": _cost(6 * cfg.dsa_warmup_steps + 3 * cfg.dsa_steps, cfg.ext_batch_sizes[-1], TL),
+              "dsa_long": _cost(3 * cfg.dsa_adaptation_lengths[-1], cfg.ext_batch_sizes[-1], TL),
               "evaluation": 2.0 * ext})                    # weights as measured at the tiny defaults
     prog = _Progress(log, t_start, w)
     runs = {}
@@ -296,6 +348,11 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     runs["dsa"] = train_stages(base["model_cfg"], tc, ext_adj + dsa_stages(cfg), iters("mla"), os.path.join(workdir, "mla"),
                                init_params=base["params"], mesh=mesh, log=log)
     prog.finished("dsa")
+    # dsa_long (issue 45): after the same warm-up (done: skipped), one longer sparse adaptation, checkpoints kept
+    long_stages = ext_adj + dsa_long_stages(cfg)
+    runs_long = train_stages(base["model_cfg"], tc, long_stages, iters("mla"), os.path.join(workdir, "mla"),
+                             init_params=base["params"], mesh=mesh, log=log)
+    prog.finished("dsa_long")
 
     log("[long_context] evaluating: held-out loss by position, passkey probes ...")
     eval_batches = list(data.eval_batches(cfg.eval_batch, TL, max_batches=-(-cfg.eval_windows // cfg.eval_batch)))
@@ -306,7 +363,7 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
 
     def pos_eval(name, f, params):
         def go():
-            s, c = position_losses(f, params, eval_batches, buckets)
+            s, c = position_losses(f, params() if callable(params) else params, eval_batches, buckets)
             return {"sums": s.tolist(), "counts": c.tolist()}
         r = _cached(workdir, f"position_loss-{name}", ekey, go)
         return np.asarray(r["sums"]), np.asarray(r["counts"])
@@ -319,6 +376,26 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
         pos[name] = pos_eval(name, f, p)
         passkey[name] = _cached(workdir, f"passkey-{name}", pkey,
                                 lambda m=m, f=f, p=p: score_passkey(m, f, p, pk_batches, placements, cfg))
+
+    # ---- issue 45: the DSA gap against sparse-adaptation length, with oracle top-k and the attention mass
+    log("[long_context] dsa_long: gap vs adaptation length, oracle top-k, attention mass ...")
+    long_cfg, st_long = runs_long["model_cfg"], runs_long["stages"][-1]
+    K = long_cfg.index_topk
+    mass_batches = eval_batches[:max(1, -(-cfg.mass_windows // cfg.eval_batch))]
+    f_dsa = eval_fn(long_cfg)
+    oracle_cfg, mla_oracle_params = as_oracle(long_cfg, K, runs["mla"]["params"])
+    f_oracle = eval_fn(oracle_cfg)
+    pos["mla_oracle"] = pos_eval("mla_oracle", f_oracle, mla_oracle_params)
+    mass_mla_oracle = _cached(workdir, "mass-mla_oracle", ekey,
+                              lambda: attention_mass(oracle_cfg, mla_oracle_params, mass_batches, buckets))
+    long_evals = {}
+    for L in cfg.dsa_adaptation_lengths:
+        p_at = functools.lru_cache(maxsize=1)(lambda L=L: params_at(long_cfg, st_long["train_cfg"], st_long["workdir"],
+                                                                     L, mesh))
+        pd = pos_eval(f"dsa_long{L}", f_dsa, p_at)                  # params read back only when not cached
+        po = pos_eval(f"dsa_long{L}-oracle", f_oracle, lambda p_at=p_at: as_oracle(long_cfg, K, p_at())[1])
+        m = _cached(workdir, f"mass-dsa_long{L}", ekey, lambda: attention_mass(long_cfg, p_at(), mass_batches, buckets))
+        long_evals[L] = (pd, po, m)
 
     log("[long_context] timing attention dense vs DSA per stage length ...")
     mla_cfg, dsa_cfg = runs["mla"]["model_cfg"].replace(attention="mla"), runs["dsa"]["model_cfg"]
@@ -364,6 +441,26 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
                         "final_train_loss": s["history"][-1]["loss"] if s["history"] else None,
                         "step_time_s": recorded.get(f"{'mla' if arm == 'dsa' else arm}/{s['name']}", {}).get("median_s")}
                        for s in runs[arm]["stages"]]}
+    mla_means = bucket_means_interval(*pos["mla"], reps)["mean"]
+    diff_buckets = lambda p: [None if a is None or b is None else a - b  # noqa: E731
+                              for a, b in zip(bucket_means_interval(*p, reps)["mean"], mla_means)]
+    gva = []
+    for L, (pd, po, m) in long_evals.items():
+        fm = mass_beyond(m, T0)
+        gva.append({"sparse_steps": L,
+                    "gap": paired_difference(beyond(*pd, far), beyond(*pos["mla"], far), reps),
+                    "oracle_gap": paired_difference(beyond(*po, far), beyond(*pos["mla"], far), reps),
+                    "indexer_mass": fm["selected_mass"], "oracle_mass": fm["oracle_mass"],
+                    "indexer_recall_of_oracle": fm["recall"],
+                    "gap_by_bucket": diff_buckets(pd), "oracle_gap_by_bucket": diff_buckets(po),
+                    "mass_by_bucket": m["mean"], "mass_by_layer": m["layers"]})
+    arms["dsa"]["gap_vs_adaptation"] = gva
+    arms["dsa"]["mla_oracle_gap"] = paired_difference(beyond(*pos["mla_oracle"], far), beyond(*pos["mla"], far), reps)
+    arms["dsa"]["mla_oracle_gap_by_bucket"] = diff_buckets(pos["mla_oracle"])
+    arms["dsa"]["mla_oracle_mass"] = mass_beyond(mass_mla_oracle, T0)["oracle_mass"]
+    arms["dsa"]["mla_oracle_mass_by_bucket"] = mass_mla_oracle["mean"]["oracle_mass"]
+    arms["dsa"]["adaptation_learning_rate"] = cfg.dsa_learning_rate
+    arms["dsa"]["mass_windows"] = int(sum(len(b["tokens"]) for b in mass_batches))
     gap = paired_difference(beyond(*pos["dsa"], far), beyond(*pos["mla"], far), reps)
     ctrl = paired_difference(beyond(*pos["mla"], far), beyond(*pos["mla_no_adjust"], far), reps)
     report = {"primary_metric": PRIMARY_METRIC, "arms": arms, "buckets": bucket_list,
@@ -452,6 +549,32 @@ them); "before" = the base model (the same for every arm). Intervals: 95% bootst
 
 DSA - MLA after the last stage (positions >= {T0}): **{fmt_interval(g['diff'], g['lo'], g['hi'])}**;
 mla - mla_no_adjust (the RoPE adjustment's effect): **{fmt_interval(c['diff'], c['lo'], c['hi'])}**.
+
+## Where the DSA gap comes from: against sparse-adaptation length, oracle top-k, attention mass
+
+One sparse adaptation (dsa_long: after the dsa arm's warm-up, lr {cfg.dsa_learning_rate:g} constant after
+{min(cfg.ext_warmup_steps, cfg.dsa_adaptation_lengths[0])} warm-up steps) evaluated at {list(cfg.dsa_adaptation_lengths)} steps.
+Gap: DSA - MLA over positions >= {T0} (95% paired bootstrap over windows); oracle gap: the same DSA params
+with oracle top-k (each query's {report['index_topk']} keys = the top-k of its own head-averaged dense attention)
+instead of the indexer. Mass: head-averaged dense softmax mass on the selected keys over positions >= {T0}
+(mean over layers, {arms['dsa']['mass_windows']} windows). Continued MLA with oracle top-k (no adaptation):
+gap {fmt_interval(arms['dsa']['mla_oracle_gap']['diff'], arms['dsa']['mla_oracle_gap']['lo'], arms['dsa']['mla_oracle_gap']['hi'])},
+oracle mass {arms['dsa']['mla_oracle_mass']:.3f}.
+
+{md_table(["sparse steps", "gap (indexer) [95% CI]", "oracle gap [95% CI]", "indexer mass", "oracle mass",
+           "indexer recall of oracle keys"],
+          [[e["sparse_steps"], fmt_interval(e["gap"]["diff"], e["gap"]["lo"], e["gap"]["hi"]),
+            fmt_interval(e["oracle_gap"]["diff"], e["oracle_gap"]["lo"], e["oracle_gap"]["hi"]),
+            e["indexer_mass"], e["oracle_mass"], e["indexer_recall_of_oracle"]] for e in arms["dsa"]["gap_vs_adaptation"]])}
+
+Per position bucket (gap = DSA - MLA loss; mass mean over layers):
+
+{md_table(["sparse steps", "figure"] + [f"[{lo},{hi})" for lo, hi in buckets],
+          [[e["sparse_steps"], name] + [("n/a" if v is None else f"{v:+.3f}" if "gap" in name else f"{v:.3f}") for v in vals]
+           for e in arms["dsa"]["gap_vs_adaptation"]
+           for name, vals in (("gap", e["gap_by_bucket"]), ("oracle gap", e["oracle_gap_by_bucket"]),
+                              ("indexer mass", e["mass_by_bucket"]["selected_mass"]),
+                              ("oracle mass", e["mass_by_bucket"]["oracle_mass"]))])}
 
 ## Held-out loss per position bucket (eval at T={TL})
 

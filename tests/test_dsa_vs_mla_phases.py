@@ -128,3 +128,49 @@ def test_chain_series_lays_phases_end_to_end():
     a = [{"step": 5, "eval_loss": 3.0}, {"step": 10, "eval_loss": 2.0}, {"step": 7, "loss": 9.0}]
     b = [{"step": 2, "eval_loss": 1.5}]
     assert chain_series([(a, 10), (b, 4)], start=100) == ([105, 110, 112], [3.0, 2.0, 1.5])
+
+
+# ---- issue 45: where the gap comes from ------------------------------------------------------------------
+
+def test_lr_choice_is_the_short_adaptation_at_another_rate():
+    from experiments.dsa_vs_mla import lr_choice_plan
+    plan, lr = phase_plan(TINY), lr_choice_plan(TINY)
+    assert TINY.lr_choice_learning_rate == 3e-3 and plan["dsa"].learning_rate == pytest.approx(1e-3)
+    assert lr == plan["dsa_short"].replace(learning_rate=3e-3)
+    assert lr_choice_plan(_resolve(lr_choice_learning_rate="none")) is None
+    with pytest.raises(ConfigError, match="lr_choice_learning_rate"):
+        _resolve(lr_choice_learning_rate="0")
+
+
+def test_mass_buckets_tile_the_sequence():
+    from experiments.dsa_vs_mla import mass_buckets
+    assert mass_buckets(128) == ((0, 16), (16, 32), (32, 64), (64, 128))
+    assert mass_buckets(4) == ((0, 1), (1, 2), (2, 4))
+
+
+def test_decomposition_entry_splits_the_gap_paired_by_seed():
+    from experiments.dsa_vs_mla import decomposition_entry
+    buckets = ((0, 64), (64, 128))
+    mla = [[{"step": 40, "test_loss": 4.0, "oracle_test_loss_k16": 4.02, "mla_oracle_mass_k16": 0.7}],
+           [{"step": 40, "test_loss": 5.0, "oracle_test_loss_k16": 5.05, "mla_oracle_mass_k16": 0.6}]]
+    dsa = [[{"step": 40, "test_loss": 4.04, "oracle_test_loss": 4.01, "indexer_mass": 0.5, "oracle_mass": 0.8,
+             "indexer_recall_of_oracle": 0.6, "indexer_mass_b0": 0.9, "indexer_mass_b1": 0.3,
+             "oracle_mass_b0": 1.0, "oracle_mass_b1": 0.7}],
+           [{"step": 40, "test_loss": 5.15, "oracle_test_loss": 5.0, "indexer_mass": 0.7, "oracle_mass": 0.9,
+             "indexer_recall_of_oracle": 0.8, "indexer_mass_b0": 1.0, "indexer_mass_b1": 0.5,
+             "oracle_mass_b0": 1.0, "oracle_mass_b1": 0.8}]]
+    e = decomposition_entry(dsa, mla, 16, 40, buckets)
+    # closed forms: oracle gaps 0.5% and 1.0%, indexer gaps 1.0% and 3.0%, their differences 0.5% and 2.0%
+    np.testing.assert_allclose(e["oracle_gap_pct_per_seed"], [0.5, 1.0])
+    np.testing.assert_allclose(e["indexer_gap_pct_per_seed"], [1.0, 3.0])
+    assert e["oracle_gap_pct"]["mean"] == pytest.approx(0.75) and e["oracle_gap_pct"]["n"] == 2
+    assert e["selection_cost_pct"]["mean"] == pytest.approx(1.25)
+    assert e["oracle_gap_pct"]["lo"] < 0.75 < e["oracle_gap_pct"]["hi"]
+    assert e["dsa_oracle_gap_pct"]["mean"] == pytest.approx((0.25 + 0.0) / 2)
+    assert e["selection_cost_same_params_pct"]["mean"] == pytest.approx((0.75 + 3.0) / 2)
+    assert e["indexer_mass"] == pytest.approx(0.6) and e["oracle_mass"] == pytest.approx(0.85)
+    assert e["mla_oracle_mass"] == pytest.approx(0.65) and e["indexer_recall_of_oracle"] == pytest.approx(0.7)
+    assert e["mass_by_bucket"] == {"buckets": [[0, 64], [64, 128]], "indexer": [0.95, 0.4], "oracle": [1.0, 0.75]}
+    assert e["dominant"] == "indexer"
+    with pytest.raises(KeyError, match="oracle_test_loss_k8"):
+        decomposition_entry(dsa, mla, 8, 40, buckets)

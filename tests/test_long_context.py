@@ -143,12 +143,34 @@ def test_stage_plans_raise_the_base_or_apply_yarn_and_add_dsa_last():
         assert all(m.rope_theta == 1e4 and m.rope_scaling is None for m, _ in control)
 
 
+def test_dsa_long_is_one_constant_rate_run_with_a_checkpoint_at_every_length():
+    from experiments.long_context import dsa_long_stages, dsa_stages, extension_stages
+    from glm5_jax.train.stages import plan_stages
+    cfg = resolve_config(get("long_context"), "tiny", {})
+    assert cfg.dsa_adaptation_lengths == (15, 60, 180)
+    stages = extension_stages(cfg, True) + dsa_long_stages(cfg)
+    assert stages[-2] == dsa_stages(cfg)[0]                 # the dsa arm's warm-up: its stage (and folder) is reused
+    assert [s.name for s in stages[-2:]] == ["dsa_warmup", "dsa_long"]
+    plan = plan_stages(cfg.model, cfg.train, stages)
+    tc = plan[-1][1]
+    assert tc.steps == 180 and tc.indexer_loss == "sparse" and tc.min_lr_ratio == 1.0
+    assert tc.ckpt_every == 15 and tc.keep_period == 15     # every length is a multiple: its checkpoint is kept
+    # constant after the warm-up: the state at step n is an n-step run (the prefix property)
+    lr = np.asarray(tc.schedule()(np.arange(180)))
+    np.testing.assert_allclose(lr[tc.warmup_steps:], cfg.dsa_learning_rate, rtol=1e-6)
+    assert tc.warmup_steps == 5 and lr[:5].max() <= cfg.dsa_learning_rate * (1 + 1e-6)
+    for bad in ("60,15", "0,5", ""):
+        with pytest.raises(ConfigError, match="dsa_adaptation_lengths"):
+            resolve_config(get("long_context"), "tiny", {"dsa_adaptation_lengths": bad})
+
+
 # a micro run: T=32 -> 64 -> 128, a few steps per stage, little held-out data
 MICRO = {"train.steps": "4", "train.batch_size": "4", "train.seq_len": "32", "ext_seq_lens": "64,128",
          "ext_steps": "2,2", "ext_batch_sizes": "4,4", "ext_warmup_steps": "1", "dsa_warmup_steps": "2", "dsa_steps": "2",
          "model.index_topk": "16", "eval_windows": "4", "passkey_lengths": "32,128", "passkey_depths": "0.2,0.8",
          "passkey_per_cell": "2", "bench_lengths": "64", "bootstrap_reps": "50", "data.max_files": "60",
-         "data.vocab_size": "512", "data.eval_fraction": "0.2", "train.ckpt_every": "2", "train.log_every": "1"}
+         "data.vocab_size": "512", "data.eval_fraction": "0.2", "train.ckpt_every": "2", "train.log_every": "1",
+         "dsa_adaptation_lengths": "1,2,4", "mass_windows": "2"}
 
 
 @pytest.mark.slow   # ~20 compiles (7 stages, 4 evaluated models, attention timing): minutes on 2 cores
@@ -169,6 +191,15 @@ def test_micro_run_writes_the_report_fields(tmp_path):
     assert [s["rope_theta"] for s in rep["arms"]["mla"]["stages"]] == [1e5, 1e6]
     assert [s["rope_theta"] for s in rep["arms"]["mla_no_adjust"]["stages"]] == [1e4, 1e4]
     assert rep["attention_time_s"]["T=64"]["dense_mla"] > 0 and rep["wall_time_s"] > 0
+    # issue 45: the gap against sparse-adaptation length from one run, with the oracle and the mass figures
+    gva = rep["arms"]["dsa"]["gap_vs_adaptation"]
+    assert [e["sparse_steps"] for e in gva] == [1, 2, 4]
+    for e in gva:
+        assert isinstance(e["gap"]["diff"], float) and isinstance(e["oracle_gap"]["diff"], float)
+        assert 0.0 < e["indexer_mass"] <= e["oracle_mass"] + 1e-6 <= 1.0 + 1e-6
+        assert 0.0 <= e["indexer_recall_of_oracle"] <= 1.0
+        assert e["mass_by_bucket"]["selected_mass"][0] == pytest.approx(1.0, abs=1e-4)   # positions < top-k 16... of 32
+    assert 0.0 < rep["arms"]["dsa"]["mla_oracle_mass"] <= 1.0
     for f in ("report.md", "passkey.png", "passkey_indexer_recall.png", "position_loss_mla.png"):
         assert os.path.getsize(tmp_path / f) > 0
 
@@ -195,7 +226,7 @@ def test_same_losses_with_a_context_mesh(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     from tests.test_experiments import loss_trajectories
     one, mesh = loss_trajectories(str(tmp_path / "one")), loss_trajectories(str(tmp_path / "mesh"))
-    assert len(one) == 7 and one.keys() == mesh.keys()     # base + 2 x 2 extension stages + 2 DSA stages
+    assert len(one) == 8 and one.keys() == mesh.keys()     # base + 2 x 2 extension stages + 3 DSA stages (+ dsa_long)
     for phase in one:
         assert len(one[phase]) >= 2
         np.testing.assert_allclose(mesh[phase], one[phase], rtol=1e-5, err_msg=phase)
