@@ -1,0 +1,127 @@
+"""The continuous-batching engine (glm5_jax.serve.engine): per-row sampling against the scalar sampler,
+prefix reuse against a full prefill (same slot and copied from a busy slot), nothing recompiles after
+warm-up, weight push with pause / resume, static admission, the bounded queue."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import model
+from glm5_jax.config import ModelConfig
+from glm5_jax.infer import generate, sampling
+from glm5_jax.serve.engine import Engine, QueueFull, SamplingParams, filter_rows
+
+CFG = ModelConfig(attention="dsa", num_layers=2, index_topk=4, indexer_types=("full", "shared"), mtp_depth=0)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init_params(CFG, jax.random.PRNGKey(0))
+
+
+def test_filter_rows_equals_scalar_filter_per_row():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 50)).astype(np.float32)
+    logits[2, :10] = 1.5                     # ties: top-k keeps the lower ids, like lax.top_k
+    settings = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 8, 0.5), (1.0, 7, 1.0), (2.0, 50, 0.99)]
+    t, k, p = (np.array(x) for x in zip(*settings))
+    got = np.asarray(filter_rows(jnp.asarray(logits), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
+                                 jnp.asarray(p, jnp.float32)))
+    for i, (ti, ki, pi) in enumerate(settings):
+        want = np.asarray(sampling.filter_logits(jnp.asarray(logits[i:i + 1]), ti, top_k=ki, use_top_p=pi < 1.0,
+                                                 top_p=pi))[0]
+        np.testing.assert_allclose(got[i], want, rtol=1e-6)
+        np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want))
+
+
+def test_greedy_equals_static_decoder_and_prefix_reuse_equals_full_prefill(params):
+    eng = Engine(CFG, params, max_batch=3, max_model_len=64)
+    ref = Engine(CFG, params, max_batch=3, max_model_len=64, prefix_reuse=False)
+    try:
+        p1 = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+        a = eng.generate([p1], GREEDY)[0]
+        static = generate(CFG, params, [p1], max_new_tokens=6, temperature=0.0)
+        assert a.tokens == static.tokens[0].tolist()
+        np.testing.assert_allclose(a.logprobs, static.logprobs[0], atol=1e-5)
+        # the next turn extends the context: reuses the slot's cache (prompt + generated tokens fed back)
+        p2 = p1 + a.tokens + [3, 4, 5]
+        b = eng.generate([p2], GREEDY)[0]
+        assert b.reused_tokens == len(p1) + len(a.tokens) - 1
+        full = ref.generate([p2], GREEDY)[0]
+        assert full.reused_tokens == 0
+        assert b.tokens == full.tokens
+        np.testing.assert_allclose(b.logprobs, full.logprobs, atol=1e-5)
+        # a shared prefix held by a busy slot is copied into a free slot
+        long = eng.submit(p2 + [7] * 4, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        while not long.tokens:
+            time.sleep(0.01)
+        p3 = p2 + [7] * 4 + [9, 9]
+        c = eng.submit(p3, GREEDY).result(120)
+        long.result(120)
+        assert c.reused_tokens >= len(p2)
+        c_full = ref.generate([p3], GREEDY)[0]
+        assert c.tokens == c_full.tokens
+        np.testing.assert_allclose(c.logprobs, c_full.logprobs, atol=1e-5)
+    finally:
+        eng.shutdown()
+        ref.shutdown()
+
+
+def test_no_recompiles_after_warmup_and_seeded_sampling_is_slot_independent(params):
+    eng = Engine(CFG, params, max_batch=2, max_model_len=40, prefill_buckets=(8, 40))
+    try:
+        eng.warmup()
+        n0 = eng.compiled_programs()
+        rng = np.random.default_rng(1)
+        hs = []
+        for i in range(5):
+            prompt = rng.integers(1, CFG.vocab_size, int(rng.integers(1, 30))).tolist()
+            sp = SamplingParams(max_tokens=int(rng.integers(1, 8)), temperature=float(rng.uniform(0, 1.5)),
+                                top_k=int(rng.integers(0, 20)), top_p=float(rng.uniform(0.5, 1.0)), seed=i,
+                                stop_token_ids=[int(rng.integers(0, CFG.vocab_size))])
+            hs.append((prompt, sp, eng.submit(prompt, sp)))
+        for prompt, sp, h in hs:
+            h.result(120)
+            assert h.finish_reason in ("stop", "length")
+        assert eng.compiled_programs() == n0
+        # the same request alone (another slot, other batch-mates) samples the same tokens
+        for prompt, sp, h in hs:
+            assert eng.generate([prompt], sp)[0].tokens == h.tokens
+        assert eng.compiled_programs() == n0
+    finally:
+        eng.shutdown()
+
+
+def test_weight_push_pause_resume_static_admission_and_bounded_queue(params):
+    params2 = model.init_params(CFG, jax.random.PRNGKey(7))
+    eng = Engine(CFG, params, max_batch=2, max_model_len=32, max_queue=2)
+    try:
+        eng.pause()
+        h = eng.submit([1, 2, 3], GREEDY)
+        time.sleep(0.2)
+        assert not h.tokens                                  # held while paused
+        eng.update_weights(params2, 7)
+        eng.submit([4, 5], GREEDY)
+        with pytest.raises(QueueFull):
+            eng.submit([6], GREEDY)
+        eng.resume()
+        h.result(120)
+        assert set(h.versions) == {7}
+        fresh = generate(CFG, params2, [[1, 2, 3]], max_new_tokens=6, temperature=0.0)
+        assert h.tokens == fresh.tokens[0].tolist()
+    finally:
+        eng.shutdown()
+    st = Engine(CFG, params, max_batch=2, max_model_len=32, batching="static")
+    try:
+        long = st.submit([1, 2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        while not long.tokens:
+            time.sleep(0.005)
+        short = st.submit([3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)).result(120)
+        long.result(120)
+        assert short.first_token_at >= long.finished_at      # it waited for the batch's longest row
+    finally:
+        st.shutdown()
