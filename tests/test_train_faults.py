@@ -222,3 +222,39 @@ def test_time_based_checkpoints_and_keep_period(tmp_path):
 def test_bad_fault_settings(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         TrainConfig(**kw)
+
+
+@pytest.mark.slow   # three 2-process launches, each compiling the step: minutes on 2 busy cores
+def test_sigterm_to_one_of_two_processes_checkpoints_both_and_resumes_bitwise(tmp_path):
+    """jax.distributed on CPU, 2 processes x 2 devices (tests/mp_worker.py): SIGTERM to process 1 only.
+    jax's preemption notice reaches both; they agree on one step, both checkpoint it, log one line and
+    exit 143; the same command again ends with the rows of an uninterrupted 2-process run, bitwise."""
+    import time
+    from tests.test_multiprocess import _finish, _launch
+    from tests.test_multiprocess import _rows as mp_rows
+    cache, full, cut = tmp_path / "data_cache", tmp_path / "full", tmp_path / "cut"
+    _finish(_launch(full, 0.0, cache, 2, tmp_path))
+    ref = mp_rows(full)
+    procs = _launch(cut, 0.6, cache, 2, tmp_path)
+    deadline = time.time() + 600
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if (cut / "metrics.jsonl").exists() and len(mp_rows(cut)) >= 2:
+            break
+        time.sleep(0.1)
+    t0 = time.time()
+    procs[1].send_signal(signal.SIGTERM)
+    for p in procs:
+        p.wait(timeout=300)
+    took = time.time() - t0
+    logs = []
+    for p in procs:
+        p.log.seek(0)
+        logs.append(p.log.read())
+    assert [p.returncode for p in procs] == [PREEMPTED_EXIT_CODE] * 2, [l[-2000:] for l in logs]
+    rows = mp_rows(cut)
+    reached = rows[-1]["step"]
+    assert 2 <= reached < 8 and _steps(cut)[-1] == reached, (reached, _steps(cut))
+    assert sum("preempted" in l for l in logs[0].splitlines()) == 1     # the primary logs one line
+    assert took < 120, took
+    _finish(_launch(cut, 0.0, cache, 2, tmp_path))
+    assert mp_rows(cut) == ref

@@ -198,11 +198,26 @@ def _mean_metrics(rows: list) -> dict:
     return {k: float(np.mean([float(r[k]) for r in rows])) for k in keys}
 
 
+def _jsonable(obj):
+    """`obj` with numpy / jax scalars and arrays as Python numbers and lists (the checkpoint's JSON)."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return obj
+
+
+TIMING_KEYS = ("rollout_s", "update_s")      # the only fields of a history row that differ between runs
+
+
 def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random], object], vocab, *,
              log: Callable[[str], None] = print, eval_fn: Optional[Callable[[object], dict]] = None,
              eval_every: int = 0, metrics_path: Optional[str] = None, name: str = "grpo", mesh=None,
              advantage_fn: Optional[Callable[[list, dict], np.ndarray]] = None,
-             stop_fn: Optional[Callable[[dict], bool]] = None) -> dict:
+             stop_fn: Optional[Callable[[dict], bool]] = None, ckpt_dir: Optional[str] = None,
+             ckpt_every: int = 10, keep_checkpoints: int = 2) -> dict:
     """GRPO for ``rl.steps`` steps from ``params``. ``sample_task(rng) -> Task`` draws training prompts.
 
     Returns {"params", "history": per-step rows, "evals": [{"step", ...eval_fn(params)}], "stopped_at"}.
@@ -214,72 +229,129 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     Seeds: step s draws its prompts from ``Random(seed, s)`` and samples with PRNG seed
     ``seed * 100_003 + s``, so arms started from the same checkpoint with the same seed see the same
     prompts at every step.
+
+    ckpt_dir: checkpoints inside the stage (glm5_jax.train.checkpoint.Checkpointer): the train state
+    (params, optimizer state) every ``ckpt_every`` steps, at the last step and on SIGTERM (then
+    ``Preempted``, exit code 143, glm5_jax.train.preempt), with the stage's history and evals; the prompt
+    and rollout streams are functions of the step, so a rerun with the same arguments resumes from the
+    newest readable checkpoint to the same rows as an uninterrupted run (all but TIMING_KEYS; a stage
+    that already ran to its end returns at once). Guard: an update whose loss, gradient or new state is
+    non-finite is not applied (the one step's guard); each row counts them (``skipped_updates``).
     """
+    from glm5_jax.train.checkpoint import Checkpointer
+    from glm5_jax.train.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
+    from glm5_jax.train.state import abstract_state
     tx, _ = make_rl_optimizer(params, rl, config)
-    state, _ = init_train_state(config, rl_train_config(rl), mesh, tx=tx, params=params)
     update = make_update_step(config, rl, tx, mesh)
     history, evals = [], []
+    first, ckpt = 1, None
+    if ckpt_dir is not None:
+        if not isinstance(ckpt_every, int) or ckpt_every < 1:
+            raise ValueError(f"run_grpo: ckpt_every={ckpt_every!r} must be an integer >= 1")
+        ckpt = Checkpointer(ckpt_dir, keep=keep_checkpoints, async_save=False, log=log)
+    found = None
+    if ckpt is not None and ckpt.all_steps():
+        target, _ = abstract_state(config, None, update.mesh, tx)
+        found = ckpt.restore_latest(target)
+    if found is not None:
+        done_step, state, saved = found
+        history, evals, first = list(saved["history"]), list(saved["evals"]), done_step + 1
+        log(f"[{name}] resumed from step {done_step} ({ckpt.directory})")
+        if saved.get("stopped_at") is not None or done_step >= rl.steps:
+            ckpt.close()
+            return {"params": state["params"], "history": history, "evals": evals, "stopped_at": saved.get("stopped_at")}
+    else:
+        state, _ = init_train_state(config, rl_train_config(rl), mesh, tx=tx, params=params)
     mf = open(metrics_path, "w") if metrics_path else None
+    if mf:
+        for row in history:
+            mf.write(json.dumps(row) + "\n")
     t0 = time.time()
     B = rl.prompts_per_step * rl.group_size
     mb = B // rl.minibatches
     stopped_at = None
-    for step in range(1, rl.steps + 1):
-        rng = random.Random(rl.seed * 1_000_003 + step)
-        tasks = [sample_task(rng) for _ in range(rl.prompts_per_step)]
-        t_roll = time.time()
-        params = state["params"]
-        ro = collect_rollouts(config, params, tasks, vocab, group_size=rl.group_size,
-                              max_new_tokens=rl.max_new_tokens, seed=rl.seed * 100_003 + step,
-                              temperature=rl.temperature, mismatch=rl.mismatch)
-        adv = np.asarray(group_advantages(jnp.asarray(ro.rewards), rl.group_size))
-        adv_train = adv
-        if rl.adv_norm == "informative":
-            # the loss is a mean over the B sequences; rescale so it is a mean over the sequences of
-            # groups with reward variance (flat groups carry no signal and only dilute the step)
-            informative = np.repeat(~np.all(adv.reshape(-1, rl.group_size) == 0, axis=1), rl.group_size)
-            adv_train = adv * (B / max(int(informative.sum()), 1))
-        batch = build_batch(ro, adv_train, rl.max_prompt_len)
-        batch["old_logp"] = np.asarray(token_logprobs(config, params, jnp.asarray(batch["inputs"]),
-                                                      jnp.asarray(batch["targets"]),
-                                                      temperature=policy_temperature(rl)))
-        if advantage_fn is not None:
-            row_tasks = [tasks[i // rl.group_size] for i in range(B)]
-            batch["advantages"] = np.asarray(advantage_fn(row_tasks, batch), np.float32)
-            if batch["advantages"].shape != batch["mask"].shape:
-                raise ValueError(f"advantage_fn returned shape {batch['advantages'].shape}; expected the "
-                                 f"batch's [B, S] = {batch['mask'].shape}")
-        t_upd = time.time()
-        perm = np.random.default_rng(rl.seed * 7919 + step).permutation(B)
-        rows = []
-        for m in range(rl.minibatches):
-            idx = perm[m * mb:(m + 1) * mb]
-            minibatch = jax.device_put({k: v[idx] for k, v in batch.items()}, update.batch_sharding)
-            state, met = update(state, minibatch)
-            rows.append(met)
-        met = _mean_metrics(jax.device_get(rows))
-        stat = ro.status_summary()
-        flat_groups = float(np.mean(np.all(adv.reshape(-1, rl.group_size) == 0, axis=1)))
-        row = {"step": step, "reward_mean": float(np.mean(ro.rewards)), **met,
-               "zero_adv_group_frac": flat_groups, "mean_length": float(np.mean(ro.lengths)),
-               **{f"status_{k}": v for k, v in stat.items() if k.startswith("frac_")},
-               "rollout_s": t_upd - t_roll, "update_s": time.time() - t_upd}
-        if eval_fn is not None and eval_every and (step % eval_every == 0 or step == rl.steps):
-            ev = {"step": step, **eval_fn(state["params"])}
-            evals.append(ev)
-            row.update({f"eval_{k}": v for k, v in ev.items() if isinstance(v, (int, float)) and k != "step"})
-        history.append(row)
+    skipped_total = int(history[-1].get("skipped_updates", 0)) if history else 0
+    watch = PreemptionWatch().__enter__() if ckpt is not None else None
+    try:
+        for step in range(first, rl.steps + 1):
+            rng = random.Random(rl.seed * 1_000_003 + step)
+            tasks = [sample_task(rng) for _ in range(rl.prompts_per_step)]
+            t_roll = time.time()
+            params = state["params"]
+            ro = collect_rollouts(config, params, tasks, vocab, group_size=rl.group_size,
+                                  max_new_tokens=rl.max_new_tokens, seed=rl.seed * 100_003 + step,
+                                  temperature=rl.temperature, mismatch=rl.mismatch)
+            adv = np.asarray(group_advantages(jnp.asarray(ro.rewards), rl.group_size))
+            adv_train = adv
+            if rl.adv_norm == "informative":
+                # the loss is a mean over the B sequences; rescale so it is a mean over the sequences of
+                # groups with reward variance (flat groups carry no signal and only dilute the step)
+                informative = np.repeat(~np.all(adv.reshape(-1, rl.group_size) == 0, axis=1), rl.group_size)
+                adv_train = adv * (B / max(int(informative.sum()), 1))
+            batch = build_batch(ro, adv_train, rl.max_prompt_len)
+            batch["old_logp"] = np.asarray(token_logprobs(config, params, jnp.asarray(batch["inputs"]),
+                                                          jnp.asarray(batch["targets"]),
+                                                          temperature=policy_temperature(rl)))
+            if advantage_fn is not None:
+                row_tasks = [tasks[i // rl.group_size] for i in range(B)]
+                batch["advantages"] = np.asarray(advantage_fn(row_tasks, batch), np.float32)
+                if batch["advantages"].shape != batch["mask"].shape:
+                    raise ValueError(f"advantage_fn returned shape {batch['advantages'].shape}; expected the "
+                                     f"batch's [B, S] = {batch['mask'].shape}")
+            t_upd = time.time()
+            perm = np.random.default_rng(rl.seed * 7919 + step).permutation(B)
+            rows = []
+            for m in range(rl.minibatches):
+                idx = perm[m * mb:(m + 1) * mb]
+                minibatch = jax.device_put({k: v[idx] for k, v in batch.items()}, update.batch_sharding)
+                state, met = update(state, minibatch)
+                rows.append(met)
+            rows = jax.device_get(rows)
+            skipped = int(sum(float(r["skipped"]) > 0 for r in rows))
+            skipped_total += skipped
+            if skipped:
+                log(f"[{name}] step {step}: {skipped} of {rl.minibatches} updates non-finite (loss / gradient / "
+                    f"update), not applied ({skipped_total} so far)")
+            met = _mean_metrics([r for r in rows if float(r["skipped"]) == 0] or rows)
+            met["skipped_updates"] = skipped_total
+            stat = ro.status_summary()
+            flat_groups = float(np.mean(np.all(adv.reshape(-1, rl.group_size) == 0, axis=1)))
+            row = {"step": step, "reward_mean": float(np.mean(ro.rewards)), **met,
+                   "zero_adv_group_frac": flat_groups, "mean_length": float(np.mean(ro.lengths)),
+                   **{f"status_{k}": v for k, v in stat.items() if k.startswith("frac_")},
+                   "rollout_s": t_upd - t_roll, "update_s": time.time() - t_upd}
+            if eval_fn is not None and eval_every and (step % eval_every == 0 or step == rl.steps):
+                ev = {"step": step, **eval_fn(state["params"])}
+                evals.append(ev)
+                row.update({f"eval_{k}": v for k, v in ev.items() if isinstance(v, (int, float)) and k != "step"})
+            history.append(row)
+            if mf:
+                mf.write(json.dumps(row) + "\n")
+                mf.flush()
+            if step == 1 or step % 5 == 0 or step == rl.steps:
+                ev = f" eval_acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
+                log(f"[{name}] step {step}/{rl.steps} reward {row['reward_mean']:.3f} pop {row['pop_frac']:.4f} "
+                    f"clip {row['clip_frac']:.4f} mismatch_kl {row['mismatch_kl']:.2e}{ev} ({time.time() - t0:.0f} s)")
+            if stop_fn is not None and evals and evals[-1]["step"] == step and stop_fn(evals[-1]):
+                stopped_at = step
+                log(f"[{name}] stop condition met at step {step}")
+            preempted = watch is not None and watch.reached(step)
+            if ckpt is not None and (step % ckpt_every == 0 or step == rl.steps or preempted or stopped_at):
+                ckpt.save(step, state, _jsonable({"history": history, "evals": evals, "stopped_at": stopped_at}))
+                ckpt.wait()
+            if preempted:
+                msg = (f"[{name}] preempted ({watch.signal_name}): checkpoint of step {step} written to "
+                       f"{ckpt.directory}; exiting with code {PREEMPTED_EXIT_CODE}; re-run the same command to "
+                       "continue from it")
+                log(msg)
+                raise Preempted(msg, step)
+            if stopped_at:
+                break
+    finally:
+        if watch is not None:
+            watch.close()
         if mf:
-            mf.write(json.dumps(row) + "\n")
-            mf.flush()
-        if step == 1 or step % 5 == 0 or step == rl.steps:
-            ev = f" eval_acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
-            log(f"[{name}] step {step}/{rl.steps} reward {row['reward_mean']:.3f} pop {row['pop_frac']:.4f} "
-                f"clip {row['clip_frac']:.4f} mismatch_kl {row['mismatch_kl']:.2e}{ev} ({time.time() - t0:.0f} s)")
-        if stop_fn is not None and evals and evals[-1]["step"] == step and stop_fn(evals[-1]):
-            stopped_at = step
-            log(f"[{name}] stop condition met at step {step}")
-            break
-    if mf:
-        mf.close()
+            mf.close()
+        if ckpt is not None:
+            ckpt.close()
     return {"params": state["params"], "history": history, "evals": evals, "stopped_at": stopped_at}
