@@ -33,6 +33,7 @@ from glm5_jax.layers.rope import rope_angles
 ACT = ("activation_batch", "activation_seq", "activation_embed")
 
 LAYER_INPUT = "decoder_layer_input"     # checkpoint_name of a scan step's input (see REMAT["offload"])
+LAYER_MID = "decoder_layer_mid"         # the residual stream between a layer's attention and its MLP / MoE
 
 # ModelConfig.remat -> jax checkpoint policy (None: no rematerialisation at all). A remat'd block always keeps
 # its inputs (the layer input); the named policies also keep the tagged activations (checkpoint_name:
@@ -84,7 +85,7 @@ class DecoderLayer(nn.Module):
         else:
             attn, indices, cache = GQAttention(c, name="attn")(h, cos, sin, segment_ids,
                                                                monitor_logits=monitor_logits, **kw)
-        x = constrain(x + attn, ACT)
+        x = checkpoint_name(constrain(x + attn, ACT), LAYER_MID)
         h = RMSNorm(c.rms_norm_eps, pdt, name="post_attn_norm")(x)
         if self.moe:
             mlp = MoE(c.num_experts, c.experts_per_tok, c.moe_ffn_dim, c.num_shared_experts, c.n_group,

@@ -154,3 +154,31 @@ def test_muon_split_compiles_with_distributed_newton_schulz():
     r = _aot_json("--mesh=fsdp:2,expert:2", "--batch_size=4", "--seq_len=64", "--optimizer=muon_split")
     assert r["muon_distributed"] is True and r["config"]["train"]["optimizer"] == "muon_split"
     assert r["per_device_bytes"]["temporaries"] > 0 and r["budget"]["collective_bytes"] > 0
+
+
+@pytest.mark.slow   # two TPU compiles of the tiny step (~2 min on 2 cores)
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
+def test_a2a_step_with_megablox_leaves_no_dense_expert_weight_gradient(tmp_path):
+    """The tiny train step with moe_impl=a2a on v5p:2x2x1 (expert:4, 2 local experts a chip): with
+    moe_kernel=auto (megablox on TPU) no dot / convolution in the compiled step produces an expert weight's
+    shape [E_local, D, F] / [E_local, F, D] (the dense dW of ragged_dot's transpose), every Pallas kernel
+    has a cost estimate, and compiled FLOPs drop against moe_kernel=ragged_dot, which keeps the dense form."""
+    from tools.budget import parse_hlo
+    flags = ("--mesh=expert:4", "--batch_size=4", "--seq_len=64", "--set", "model.moe_impl=a2a",
+             "--set", "model.num_experts=8")
+
+    def dense_dw(path):
+        import gzip
+        from glm5_jax.config import preset
+        c = preset("tiny")
+        shapes = {f"[2,{c.d_model},{c.moe_ffn_dim}]", f"[2,{c.moe_ffn_dim},{c.d_model}]"}
+        text = gzip.open(path, "rt").read()
+        return [i["name"] for instrs in parse_hlo(text)["computations"].values() for i in instrs
+                if i["op"] in ("dot", "convolution") and any(s in i["shape"] for s in shapes)]
+
+    mb = _aot_json(*flags, f"--save_hlo={tmp_path / 'mb.hlo.gz'}")
+    rd = _aot_json(*flags, "--set", "model.moe_kernel=ragged_dot", f"--save_hlo={tmp_path / 'rd.hlo.gz'}")
+    assert dense_dw(tmp_path / "mb.hlo.gz") == []
+    assert dense_dw(tmp_path / "rd.hlo.gz"), "the ragged_dot step should keep the dense dW (the test's control)"
+    assert mb["budget"]["unknown_cost_kernels"] == []
+    assert mb["budget"]["compiled_flops"] < rd["budget"]["compiled_flops"]
