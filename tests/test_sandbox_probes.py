@@ -250,3 +250,18 @@ def test_shadowed_builtins_do_not_reach_the_tests():
     assert r.status == "failed", r
     r = run_sandboxed("def add(a, b):\n    return a + b\n" + tail, tests)     # control
     assert r.passed, r
+
+
+@pytest.mark.parametrize("body", [
+    "    return [0] * 10 ** 7",                                   # over the reply budget
+    "    x = []\n    for _ in range(10 ** 5):\n        x = [x]\n    return x",     # nested past any depth limit
+    "    import os\n    for fd in range(3, 64):\n        try:\n            os.write(fd, b'[[[[' * 100000 + b'\\n')\n"
+    "        except OSError:\n            pass\n    return a + b",                # garbage on the channel
+    "    import os\n    for fd in range(64):\n        try:\n            os.close(fd)\n        except OSError:\n"
+    "            pass\n    return a + b",                        # closes its own channel
+])
+def test_hostile_replies_are_not_a_pass_and_do_not_hang(body):
+    t0 = time.monotonic()
+    r = run_sandboxed("def add(a, b):\n" + body + "\n", ADD_TESTS, timeout_s=5.0)
+    assert not r.passed and r.status in ("failed", "error", "memory"), r
+    assert time.monotonic() - t0 < 5.0
