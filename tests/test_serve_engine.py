@@ -1,6 +1,6 @@
-"""The continuous-batching engine (glm5_jax.serve.engine): per-row sampling against the scalar sampler,
-prefix reuse against a full prefill (same slot and copied from a busy slot), nothing recompiles after
-warm-up, weight push with pause / resume, static admission, the bounded queue."""
+"""The continuous-batching engine (glm5_jax.serve.engine): greedy against the static decoder, prefix reuse against a full prefill (same slot and copied from a busy slot), nothing recompiles after
+warm-up, weight push with pause / resume, static admission, the bounded queue, MTP speculation (greedy equal
+to plain decoding, a perfect drafter fully accepted, sampled rows independent of batch-mates)."""
 
 import time
 
@@ -11,8 +11,8 @@ import pytest
 
 from glm5_jax import model
 from glm5_jax.config import ModelConfig
-from glm5_jax.infer import generate, sampling
-from glm5_jax.serve.engine import Engine, QueueFull, SamplingParams, filter_rows
+from glm5_jax.infer import generate
+from glm5_jax.serve.engine import Engine, QueueFull, SamplingParams
 
 CFG = ModelConfig(attention="dsa", num_layers=2, index_topk=4, indexer_types=("full", "shared"), mtp_depth=0)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -21,21 +21,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def params():
     return model.init_params(CFG, jax.random.PRNGKey(0))
-
-
-def test_filter_rows_equals_scalar_filter_per_row():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(6, 50)).astype(np.float32)
-    logits[2, :10] = 1.5                     # ties: top-k keeps the lower ids, like lax.top_k
-    settings = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 8, 0.5), (1.0, 7, 1.0), (2.0, 50, 0.99)]
-    t, k, p = (np.array(x) for x in zip(*settings))
-    got = np.asarray(filter_rows(jnp.asarray(logits), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
-                                 jnp.asarray(p, jnp.float32)))
-    for i, (ti, ki, pi) in enumerate(settings):
-        want = np.asarray(sampling.filter_logits(jnp.asarray(logits[i:i + 1]), ti, top_k=ki, use_top_p=pi < 1.0,
-                                                 top_p=pi))[0]
-        np.testing.assert_allclose(got[i], want, rtol=1e-6)
-        np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want))
 
 
 def test_greedy_equals_static_decoder_and_prefix_reuse_equals_full_prefill(params):
@@ -125,3 +110,47 @@ def test_weight_push_pause_resume_static_admission_and_bounded_queue(params):
         assert short.first_token_at >= long.finished_at      # it waited for the batch's longest row
     finally:
         st.shutdown()
+
+
+def _perfect_drafter():
+    """Attention and MLP outputs zeroed (a bigram model) and the MTP block passing embed(next token)
+    through: every draft is what the trunk predicts."""
+    cfg = ModelConfig(attention="gqa", num_kv_heads=2, num_layers=2, num_experts=0, mtp_depth=1)
+    p = model.init_params(cfg, jax.random.PRNGKey(1))
+    for blk in (p["dense_layers"]["layer_0"], p["mtp_0"]["layer"]):
+        blk["attn"]["o_proj"]["kernel"] = jnp.zeros_like(blk["attn"]["o_proj"]["kernel"])
+        blk["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(blk["mlp"]["down_proj"]["kernel"])
+    d = cfg.d_model
+    p["mtp_0"]["eh_proj"]["kernel"] = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)
+    return cfg, p
+
+
+@pytest.mark.slow   # ~70 s on 2 loaded cores (speculative programs compile for three prefill buckets)
+def test_speculative_engine_equals_plain_and_accepts_a_perfect_drafter():
+    cfg = CFG.replace(mtp_depth=1)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], [4] * 19]
+    base = Engine(cfg, params, max_batch=3, max_model_len=48)
+    spec = Engine(cfg, params, max_batch=3, max_model_len=48, speculative=2)
+    try:
+        g = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        a, b = base.generate(prompts, g), spec.generate(prompts, g)
+        assert [x.tokens for x in a] == [y.tokens for y in b]
+        np.testing.assert_allclose([x.logprobs for x in a], [y.logprobs for y in b], atol=1e-5)
+        p2 = prompts[0] + b[0].tokens + [3, 4]               # prefix reuse with the MTP caches
+        c = spec.generate([p2], g)[0]
+        assert c.reused_tokens > 0 and c.tokens == base.generate([p2], g)[0].tokens
+        sp = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+        together = spec.generate(prompts, sp)
+        assert [h.tokens for h in together] == [spec.generate([p], sp)[0].tokens for p in prompts]
+    finally:
+        base.shutdown()
+        spec.shutdown()
+    cfg, params = _perfect_drafter()
+    spec = Engine(cfg, params, max_batch=2, max_model_len=48, speculative=3)
+    try:
+        h = spec.generate([[1, 2, 3]], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))[0]
+        assert h.tokens == generate(cfg, params, [[1, 2, 3]], max_new_tokens=13, temperature=0.0).tokens[0].tolist()
+        assert spec.acceptance["length"] == 4.0 and spec.acceptance["per_depth"] == [1.0, 1.0, 1.0]
+    finally:
+        spec.shutdown()

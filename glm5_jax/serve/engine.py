@@ -45,9 +45,12 @@ import numpy as np
 
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
+from glm5_jax.infer.sampling import sample_rows
+from glm5_jax.infer.speculative import _check as _check_speculative
+from glm5_jax.infer.speculative import mtp_pass, speculative_step
+from glm5_jax.layers.common import dtype_of
 
-__all__ = ["Engine", "EngineError", "QueueFull", "RequestHandle", "SamplingParams", "TOP_LOGPROBS",
-           "filter_rows", "sample_rows"]
+__all__ = ["Engine", "EngineError", "QueueFull", "RequestHandle", "SamplingParams", "TOP_LOGPROBS"]
 
 TOP_LOGPROBS = 20           # alternatives computed per position (OpenAI allows at most 20 top_logprobs)
 
@@ -186,39 +189,6 @@ class _Slot:
 
 
 # ----------------------------------------------------------------------------- sampling (per row)
-def filter_rows(logits, temperature, top_k, top_p):
-    """logits [B, V] -> temperature-scaled float32 logits, -inf outside each row's allowed set: its top_k
-    largest (0 = all; ties -> lower id), then the smallest sorted prefix whose mass reaches its top_p.
-    Row b equals ``sampling.filter_logits`` with row b's scalars (tested)."""
-    b, v = logits.shape
-    x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    order = jnp.argsort(-x, axis=-1, stable=True)
-    xs = jnp.take_along_axis(x, order, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    keep = jnp.arange(v)[None, :] < k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, xs, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep = keep & (((before < top_p[:, None]) & (probs > 0)) | (top_p[:, None] >= 1.0))
-    keep = keep.at[:, 0].set(True)
-    mask = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order].set(keep)
-    return jnp.where(mask, x, -jnp.inf)
-
-
-def sample_rows(keys, logits, temperature, top_k, top_p):
-    """Per-row sampling: keys [B] (typed or raw), logits [B, V], temperature / top_k / top_p [B] ->
-    (tokens [B], sampling log-probs [B], model log-softmax [B, V]). temperature 0 = greedy (log-prob at
-    temperature 1, no filtering)."""
-    lf = logits.astype(jnp.float32)
-    model_lp = jax.nn.log_softmax(lf, axis=-1)
-    x = filter_rows(lf, temperature, top_k, top_p)
-    drawn = jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, x).astype(jnp.int32)
-    greedy = temperature <= 0
-    tok = jnp.where(greedy, jnp.argmax(lf, axis=-1).astype(jnp.int32), drawn)
-    lp_samp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
-    lp_model = jnp.take_along_axis(model_lp, tok[:, None], axis=-1)[:, 0]
-    return tok, jnp.where(greedy, lp_model, lp_samp), model_lp
-
-
 def _row_keys(seeds, counts):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, counts)
 
@@ -237,16 +207,11 @@ def _put_row(layers, row, slot):
     return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), layers, row)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _prefill_slot(config, width, chunk, echo, params, layers, slot, src, tokens, start, length, temp, top_k, top_p,
-                  seed):
-    """Prefill tokens [width] (the first `length` real) at positions start.. into row `slot`, starting from
-    row `src`'s cache (== slot, or another slot whose first `start` positions this prompt shares).
-    -> (first token, its sampling log-prob, its model log-prob, top ids/lps, echo (lp [width], top ids,
-    top lps) or None, layers)."""
+def _trunk_prefill(config, width, chunk, params, row, tokens, start, length):
+    """The trunk over tokens [width] (the first `length` real) at positions start.. of one cache row, in
+    chunks (each writes its keys, then attends slots 0..p) -> (row, pre-final-norm hidden [width, D])."""
     n, c = prefill_chunks(width, chunk)
     toks = jnp.pad(tokens, (0, n * c - width))
-    row = _row_of(layers, src)
 
     def one_chunk(r, i):
         j = i * c + jnp.arange(c, dtype=jnp.int32)
@@ -256,19 +221,73 @@ def _prefill_slot(config, width, chunk, echo, params, layers, slot, src, tokens,
         return r, x[0]
 
     row, xs = jax.lax.scan(one_chunk, row, jnp.arange(n, dtype=jnp.int32))
-    xs = xs.reshape(n * c, -1)[:width]
+    return row, xs.reshape(n * c, -1)[:width]
+
+
+def _first_token(config, params, xs, length, temp, top_k, top_p, seed):
     x_last = jax.lax.dynamic_index_in_dim(xs, length - 1, keepdims=True)
     logits = head(config, params, final_norm(config, params, x_last))
     tok, lp_s, model_lp = sample_rows(_row_keys(seed[None], jnp.zeros((1,), jnp.int32)), logits, temp[None],
                                       top_k[None], top_p[None])
     ti, tv = _top(model_lp, TOP_LOGPROBS)
-    lp_m = model_lp[0, tok[0]]
+    return tok[0], lp_s[0], model_lp[0, tok[0]], ti[0], tv[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _prefill_slot(config, width, chunk, echo, params, layers, slot, src, tokens, start, length, temp, top_k, top_p,
+                  seed):
+    """Prefill tokens [width] (the first `length` real) at positions start.. into row `slot`, starting from
+    row `src`'s cache (== slot, or another slot whose first `start` positions this prompt shares).
+    -> (first token, its sampling log-prob, its model log-prob, top ids/lps, echo (lp [width], top ids,
+    top lps) or None, layers)."""
+    row, xs = _trunk_prefill(config, width, chunk, params, _row_of(layers, src), tokens, start, length)
+    first = _first_token(config, params, xs, length, temp, top_k, top_p, seed)
     ech = None
     if echo:
         all_lp = jax.nn.log_softmax(head(config, params, final_norm(config, params, xs)), axis=-1)   # [W, V]
         nxt = jnp.concatenate([tokens[1:], tokens[:1]])
         ech = (jnp.take_along_axis(all_lp, nxt[:, None], axis=-1)[:, 0],) + _top(all_lp, TOP_LOGPROBS)
-    return tok[0], lp_s[0], lp_m, ti[0], tv[0], ech, _put_row(layers, row, slot)
+    return (*first, ech, _put_row(layers, row, slot))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6, 7))
+def _spec_prefill_slot(config, n, width, chunk, params, cache, hbuf, seq, slot, src, tokens, start, length, temp,
+                       top_k, top_p, seed):
+    """`_prefill_slot` for MTP speculation: also the row's trunk hidden states (hbuf), committed tokens
+    (seq) and every MTP depth's cache, recomputed from position start - 2n (entries there depend on tokens
+    of the new suffix) through the prompt's end, in chunks, as `speculative._spec_prefill` does."""
+    lay, xs = _trunk_prefill(config, width, chunk, params, _row_of(cache["layers"], src), tokens, start, length)
+    tok, lp_s, lp_m, ti, tv = _first_token(config, params, xs, length, temp, top_k, top_p, seed)
+    j = jnp.arange(width, dtype=jnp.int32)
+    wp = jnp.where(j < length, start + j, -1)[None]
+    hrow = kv.write(jax.lax.dynamic_slice_in_dim(hbuf, src, 1, axis=0), wp, xs[None])
+    srow = kv.write(jax.lax.dynamic_slice_in_dim(seq, src, 1, axis=0), wp, tokens[None])
+    e = start + length - 1
+    srow = kv.write(srow, jnp.reshape(e + 1, (1, 1)), jnp.reshape(tok, (1, 1)))
+    mtp = [jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), m) for m in cache["mtp"]]
+    lo = jnp.maximum(start - 2 * n, 0)
+    nc, c = prefill_chunks(width + 2 * n, chunk)
+    ev = jnp.reshape(e, (1,))
+
+    def one_chunk(m, i):
+        pos = (lo + i * c + jnp.arange(c, dtype=jnp.int32))[None]
+        _, m, _ = mtp_pass(config, n, params, m, hrow, srow, jnp.minimum(pos, e), jnp.where(pos <= e, pos, -1), ev)
+        return m, None
+
+    mtp, _ = jax.lax.scan(one_chunk, mtp, jnp.arange(nc, dtype=jnp.int32))
+    put0 = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0)
+    cache = {"layers": _put_row(cache["layers"], lay, slot),
+             "mtp": [jax.tree.map(put0, full, m) for full, m in zip(cache["mtp"], mtp)]}
+    return tok, lp_s, lp_m, ti, tv, None, cache, put0(hbuf, hrow), put0(seq, srow)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
+def _spec_decode(config, n, greedy, params, cache, hbuf, seq, e, active, temp, top_k, top_p, seeds, counts):
+    """One speculative round over all slots (`speculative.speculative_step`) -> (cache, hbuf, seq,
+    tokens [B, n+1], sampling lps [B, n+1], accepted [B])."""
+    cache, hbuf, seq, _, g, lp, a = speculative_step(config, n, params, cache, hbuf, seq, e, active,
+                                                     _row_keys(seeds, counts), temp, top_k, top_p, greedy=greedy)
+    return cache, hbuf, seq, g, lp, a
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -304,7 +323,7 @@ class Engine:
                  stop_token_ids: Sequence[int] = (), max_queue: int = 256, prefill_chunk: int = 512,
                  prefill_buckets: Optional[Sequence[int]] = None, prefix_reuse: bool = True,
                  min_reuse: int = 4, batching: str = "continuous", version: int = 0, seed: int = 0,
-                 metrics=None, start: bool = True):
+                 metrics=None, start: bool = True, speculative: int = 0):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r}: continuous | static")
         if max_batch < 1 or max_model_len < 2:
@@ -320,7 +339,12 @@ class Engine:
         self.batching = batching
         self.params, self.version = params, int(version)
         self._pending_weights = None
-        self.layers = kv.init_cache(config, self.max_batch, self.max_len)["layers"]
+        self.num_draft = int(speculative)
+        if self.num_draft:
+            _check_speculative(config, self.num_draft)
+        self._reset_cache()
+        self.acceptance = {"length": 1.0, "per_depth": [], "steps": 0}
+        self._acc = np.zeros((2 + self.num_draft,), np.int64)
         self.slots = [_Slot(i, np.zeros((0,), np.int32)) for i in range(self.max_batch)]
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
@@ -333,6 +357,16 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         if start:
             self.start()
+
+    def _reset_cache(self):
+        b, n = self.max_batch, self.num_draft
+        if not n:
+            self.layers = kv.init_cache(self.config, b, self.max_len)["layers"]
+            return
+        size = self.max_len + n + 2          # the last verification writes up to n + 1 slots past the context
+        self.cache = kv.init_cache(self.config, b, size, mtp_depths=n)
+        self.hbuf = jnp.zeros((b, size, self.config.d_model), dtype_of(self.config.dtype))
+        self.seq = jnp.zeros((b, size + 1), jnp.int32)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -383,6 +417,8 @@ class Engine:
                 self.submit([1] * n, dataclasses.replace(p, prompt_logprobs=e, max_tokens=2),
                             prefix=False).result()
                 done.append((b, e))
+        if self.num_draft:                    # the sampled speculative round (greedy-only batches use another)
+            self.submit([1, 2], dataclasses.replace(p, temperature=1.0, max_tokens=3), prefix=False).result()
         return done
 
     # ---------------------------------------------------------------- requests
@@ -430,7 +466,7 @@ class Engine:
 
     def compiled_programs(self) -> int:
         """Programs compiled so far (prefill buckets + decode): constant after warmup within the buckets."""
-        return _prefill_slot._cache_size() + _decode._cache_size()
+        return sum(f._cache_size() for f in (_prefill_slot, _decode, _spec_prefill_slot, _spec_decode))
 
     # ---------------------------------------------------------------- loop
     def _loop(self):
@@ -458,7 +494,7 @@ class Engine:
                     if s.handle is not None:
                         s.handle._finish("error", msg)
                         s.handle, s.cached = None, np.zeros((0,), np.int32)
-                self.layers = kv.init_cache(self.config, self.max_batch, self.max_len)["layers"]
+                self._reset_cache()
             if self.metrics is not None:
                 self.metrics.observe_engine(self)
 
@@ -508,11 +544,19 @@ class Engine:
         toks[:len(rest)] = rest
         sp = h.params
         t0 = time.perf_counter()
-        out = _prefill_slot(self.config, width, min(self.prefill_chunk, width), bool(sp.prompt_logprobs), self.params,
-                            self.layers, np.int32(slot.index), np.int32(src.index), jnp.asarray(toks),
-                            np.int32(start), np.int32(len(rest)), np.float32(sp.temperature), np.int32(sp.top_k),
-                            np.float32(sp.top_p), np.uint32(h._seed))
-        tok, lp_s, lp_m, ti, tv, ech, self.layers = out
+        chunk = min(self.prefill_chunk, width)
+        args = (np.int32(slot.index), np.int32(src.index), jnp.asarray(toks), np.int32(start), np.int32(len(rest)),
+                np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p), np.uint32(h._seed))
+        if not self.num_draft:
+            tok, lp_s, lp_m, ti, tv, ech, self.layers = _prefill_slot(
+                self.config, width, chunk, bool(sp.prompt_logprobs), self.params, self.layers, *args)
+        else:
+            ech = None
+            if sp.prompt_logprobs:      # the trunk's log-probs of the prompt; the speculative prefill then redoes the row
+                *_, ech, lay = _prefill_slot(self.config, width, chunk, True, self.params, self.cache["layers"], *args)
+                self.cache = dict(self.cache, layers=lay)
+            tok, lp_s, lp_m, ti, tv, _, self.cache, self.hbuf, self.seq = _spec_prefill_slot(
+                self.config, self.num_draft, width, chunk, self.params, self.cache, self.hbuf, self.seq, *args)
         tok, lp_s, lp_m, ti, tv = jax.device_get((tok, lp_s, lp_m, ti, tv))
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += len(rest)
@@ -548,6 +592,8 @@ class Engine:
             seeds[i], counts[i] = s.seed, len(h.tokens)
         if not active.any():
             return
+        if self.num_draft:
+            return self._spec_step(tok, pos, active, temp, top_k, top_p, seeds, counts)
         t0 = time.perf_counter()
         nxt, lp_s, lp_m, ti, tv, self.layers = _decode(self.config, self.params, self.layers, tok, pos, active, temp,
                                                        top_k, top_p, seeds, counts)
@@ -561,6 +607,37 @@ class Engine:
                 s.pos += 1
                 self._deliver(s, int(nxt[s.index]), float(lp_m[s.index]), float(lp_s[s.index]), ti[s.index],
                               tv[s.index])
+
+    def _spec_step(self, tok, pos, active, temp, top_k, top_p, seeds, counts):
+        n = self.num_draft
+        greedy = bool(np.all(temp[active] <= 0))
+        e = np.where(active, pos - 1, 0).astype(np.int32)
+        t0 = time.perf_counter()
+        self.cache, self.hbuf, self.seq, g, lp, a = _spec_decode(
+            self.config, n, greedy, self.params, self.cache, self.hbuf, self.seq, e, active, temp, top_k, top_p,
+            seeds, counts)
+        g, lp, a = jax.device_get((g, lp, a))
+        self.stats["steps"] += 1
+        self.stats["slot_steps"] += int(active.sum())
+        self.stats["decode_s"] += time.perf_counter() - t0
+        acc = self._acc
+        acc[0] += int((a[active] + 1).sum())
+        acc[1] += int(active.sum())
+        for k in range(1, n + 1):
+            acc[1 + k] += int((a[active] >= k).sum())
+        self.acceptance = {"length": float(acc[0] / max(acc[1], 1)), "per_depth": (acc[2:] / max(acc[1], 1)).tolist(),
+                           "steps": int(acc[1])}
+        empty = np.zeros((0,), np.int32)
+        for s in self.slots:
+            if s.handle is None or not active[s.index]:
+                continue
+            i = s.index
+            for j in range(int(a[i]) + 1):
+                s.cached = np.append(s.cached, np.int32(s.next_token))
+                s.pos += 1
+                self._deliver(s, int(g[i, j]), float(lp[i, j]), float(lp[i, j]), empty, empty)
+                if s.handle is None:
+                    break
 
     # ---------------------------------------------------------------- outputs
     def _deliver(self, s: _Slot, tok: int, lp_m: float, lp_s: float, ti, tv):
