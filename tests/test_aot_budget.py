@@ -185,3 +185,79 @@ def test_megablox_experts_fwd_bwd_compiled_flops_are_the_grouped_closed_form():
         for ins in instrs:
             if ins["op"] in ("dot", "convolution"):
                 assert not any(ws in ins["shape"] for ws in weight_shapes), ins["name"]
+
+
+# a 100-step loop reading one row of a [1000, 64] f32 buffer per step: through a gather inside a fusion,
+# through a dynamic-slice inside a nested fusion, and scattering one row back in place
+LOOP_ROWS = """HloModule rows, entry_computation_layout={()->f32[1000,64]{1,0}}
+
+%nested (a: f32[1000,64], i: s32[]) -> f32[1,64] {
+  %a = f32[1000,64]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,64]{1,0} dynamic-slice(%a, %i, %z), dynamic_slice_sizes={1,64}
+}
+
+%gathers (buf: f32[1000,64], idx: s32[1,1], i.1: s32[]) -> f32[1,64] {
+  %buf = f32[1000,64]{1,0} parameter(0)
+  %idx = s32[1,1]{1,0} parameter(1)
+  %i.1 = s32[] parameter(2)
+  %g = f32[1,64]{1,0} gather(%buf, %idx), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}
+  %n = f32[1,64]{1,0} fusion(%buf, %i.1), kind=kLoop, calls=%nested
+  ROOT %s = f32[1,64]{1,0} add(%g, %n)
+}
+
+%add2 (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %r = f32[] add(%x, %y)
+}
+
+%scatters (t: f32[1000,64], sidx: s32[1,1], upd: f32[1,64]) -> f32[1000,64] {
+  %t = f32[1000,64]{1,0} parameter(0)
+  %sidx = s32[1,1]{1,0} parameter(1)
+  %upd = f32[1,64]{1,0} parameter(2)
+  ROOT %sc = f32[1000,64]{1,0} scatter(%t, %sidx, %upd), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add2
+}
+
+%cond (p: (s32[], f32[1000,64], s32[1,1])) -> pred[] {
+  %p = (s32[], f32[1000,64]{1,0}, s32[1,1]{1,0}) parameter(0)
+  %c = s32[] get-tuple-element(%p), index=0
+  %lim = s32[] constant(100)
+  ROOT %lt = pred[] compare(%c, %lim), direction=LT
+}
+
+%body (q: (s32[], f32[1000,64], s32[1,1])) -> (s32[], f32[1000,64], s32[1,1]) {
+  %q = (s32[], f32[1000,64]{1,0}, s32[1,1]{1,0}) parameter(0)
+  %c.1 = s32[] get-tuple-element(%q), index=0
+  %b = f32[1000,64]{1,0} get-tuple-element(%q), index=1
+  %ix = s32[1,1]{1,0} get-tuple-element(%q), index=2
+  %row = f32[1,64]{1,0} fusion(%b, %ix, %c.1), kind=kLoop, calls=%gathers
+  %b2 = f32[1000,64]{1,0} fusion(%b, %ix, %row), kind=kLoop, calls=%scatters
+  %one = s32[] constant(1)
+  %c.2 = s32[] add(%c.1, %one)
+  ROOT %t.1 = (s32[], f32[1000,64]{1,0}, s32[1,1]{1,0}) tuple(%c.2, %b2, %ix)
+}
+
+ENTRY %main (buf.0: f32[1000,64], ix.0: s32[1,1]) -> f32[1000,64] {
+  %buf.0 = f32[1000,64]{1,0} parameter(0)
+  %ix.0 = s32[1,1]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1000,64]{1,0}, s32[1,1]{1,0}) tuple(%zero, %buf.0, %ix.0)
+  %loop = (s32[], f32[1000,64]{1,0}, s32[1,1]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[1000,64]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_loop_that_indexes_rows_counts_the_rows_not_the_buffer():
+    """Per step: the gather fusion reads 2 rows (gathered, dynamic-sliced in a nested fusion) + its
+    indices + counter and writes one row; the scatter fusion reads / writes one row in place and reads its
+    update + indices. The 256 KB buffer itself never counts (it did before: 100 x 2 x 256 KB)."""
+    row, ix = 64 * 4, 4
+    h = hlo_budget(LOOP_ROWS)
+    assert h["while_trip_counts"] == {"loop": 100}
+    gather_fusion = 2 * row + ix + 4 + row
+    scatter_fusion = 2 * row + ix + row
+    assert h["bytes_by_source"]["? [fusion]"] == 100 * (gather_fusion + scatter_fusion)
+    assert h["bytes_accessed"] < 100 * (gather_fusion + scatter_fusion) + 100 * 64   # + the loop counter's ops

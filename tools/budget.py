@@ -23,8 +23,9 @@ instruction by the trip counts of the while loops around it:
   Elementwise work and other custom calls are left out.
 - bytes accessed: operands + outputs of every instruction that runs as a kernel (not the fused
   computations' insides, nor tuples, parameters, get-tuple-element, bitcasts, constants); a fusion
-  parameter read only through dynamic-slice counts the slices, a fusion whose root is a
-  dynamic-update-slice counts the update, not the whole buffer (as XLA's cost analysis does).
+  parameter read only through dynamic-slice or gather (nested fusions too) counts the slices / gathered
+  rows, a fusion whose root is a dynamic-update-slice or scatter counts the update, not the whole buffer
+  (as XLA's cost analysis does for slices).
 - collective bytes: output bytes of all-gather / all-reduce / reduce-scatter / all-to-all /
   collective-permute (the `-done` half of async pairs), a proxy for what each chip moves over ICI.
 
@@ -214,6 +215,7 @@ def hlo_budget(text: str) -> dict:
     flops = bytes_ = 0.0
     coll: dict[str, float] = {}
     by_source: dict[str, float] = {}
+    bytes_src: dict[str, float] = {}
     for comp, m in mult.items():
         instrs = comps.get(comp, [])
         shapes = {i["name"]: i["shape"] for i in instrs}
@@ -252,9 +254,13 @@ def hlo_budget(text: str) -> dict:
                 continue
             est = mosaic_cost(ins) if op == "custom-call" and _is_mosaic(ins) and not ins["name"].startswith("ragged-dot") \
                 else None
-            bytes_ += m * (est["bytes_accessed"] if est else _kernel_bytes(ins, shapes, comps))
+            nb = m * (est["bytes_accessed"] if est else _kernel_bytes(ins, shapes, comps))
+            bytes_ += nb
+            key = f"{flops_source(ins)} [{op}]"
+            bytes_src[key] = bytes_src.get(key, 0.0) + nb
     top = dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:16])
-    return {"flops": flops, "flops_by_source": top, "bytes_accessed": bytes_, "collective_bytes": sum(coll.values()),
+    top_bytes = dict(sorted(bytes_src.items(), key=lambda kv: -kv[1])[:16])
+    return {"flops": flops, "flops_by_source": top, "bytes_accessed": bytes_, "bytes_by_source": top_bytes, "collective_bytes": sum(coll.values()),
             "collective_bytes_by_op": coll, "while_trip_counts": trips, "unknown_trip_loops": unknown,
             "unknown_cost_kernels": sorted(set(unknown_cost))}
 
@@ -273,41 +279,72 @@ def mosaic_cost(ins: dict) -> dict | None:
     return {"flops": float(m.group(1)), "bytes_accessed": float(m.group(3))} if m else None
 
 
+def _read_bytes(comp: list[dict], param: str, comps: dict, depth: int = 0) -> float | None:
+    """Bytes a fused computation reads of its parameter `param` when it reads only parts of it: the
+    slices of dynamic-slices, the rows of gathers, nothing where it is a scatter's in-place target
+    (the scatter counts its updates), recursively through nested fusions; None when some user reads
+    it whole (then the whole parameter counts)."""
+    users = [i for i in comp if param in i["operands"]]
+    if not users or depth > 8:
+        return None
+    total = 0.0
+    for u in users:
+        first = u["operands"][0] == param and u["operands"].count(param) == 1
+        if u["op"] in ("dynamic-slice", "gather") and first:
+            total += shape_bytes(u["shape"])
+        elif u["op"] == "scatter" and first:
+            continue
+        elif u["op"] == "fusion":
+            body = comps.get((_attr(u["rest"], "calls") or "").lstrip("%"), [])
+            params = {int(i["args"]): i["name"] for i in body if i["op"] == "parameter" and i["args"].strip().isdigit()}
+            for j, o in enumerate(u["operands"]):
+                if o != param:
+                    continue
+                got = _read_bytes(body, params.get(j, ""), comps, depth + 1) if j in params else None
+                if got is None:
+                    return None
+                total += got
+        else:
+            return None
+    return total
+
+
 def _kernel_bytes(ins: dict, shapes: dict, comps: dict) -> float:
-    """Operand + output bytes of one kernel; slices of a fusion's dynamic-slice / dynamic-update-slice
-    buffers count as the slice, as XLA's cost analysis counts them."""
+    """Operand + output bytes of one kernel, counting what it touches of a buffer it only indexes:
+    dynamic-slice / gather (also inside fusions, nested ones too) count the slice or the gathered rows,
+    dynamic-update-slice / scatter (a fusion's root) count the update, written in place (XLA's cost
+    analysis counts slices the same way). Without this a loop that reads one row of a buffer per step
+    counts the whole buffer every step (the 128K attention loops: docs/scaleout.md, issue 42)."""
     out = shape_bytes(ins["shape"])
     operands = [shape_bytes(shapes.get(o, "")) for o in ins["operands"]]
-    if ins["op"] == "dynamic-slice":
-        return 2 * out
+    if ins["op"] in ("dynamic-slice", "gather"):
+        return 2 * out + sum(operands[1:])
     if ins["op"] == "dynamic-update-slice" and len(operands) > 1:
         return 2 * operands[1]
+    if ins["op"] == "scatter" and len(operands) > 2:
+        return 3 * operands[2] + operands[1]        # read + write the updated rows, read the updates
     if ins["op"] != "fusion":
         return out + sum(operands)
     body = comps.get((_attr(ins["rest"], "calls") or "").lstrip("%"), [])
     params = {int(i["args"]): i["name"] for i in body if i["op"] == "parameter" and i["args"].strip().isdigit()}
-    users: dict[str, list[dict]] = {}
-    for i in body:
-        for o in i["operands"]:
-            users.setdefault(o, []).append(i)
     root = next((i for i in body if i["root"]), None)
     inner = {i["name"]: i["shape"] for i in body}
     total = 0.0
+    in_place = None
     if root is not None and root["op"] == "dynamic-update-slice" and len(root["operands"]) > 1:
         total += shape_bytes(inner.get(root["operands"][1], ""))      # written in place: the update only
         in_place = root["operands"][0]
+    elif root is not None and root["op"] == "scatter" and len(root["operands"]) > 2:
+        total += 2 * shape_bytes(inner.get(root["operands"][2], ""))  # read-modify-write of the updated rows
+        in_place = root["operands"][0]
     else:
         total += out
-        in_place = None
     for idx, nbytes in enumerate(operands):
         p = params.get(idx)
-        us = users.get(p, []) if p else []
         if p is not None and p == in_place:
             continue
-        if us and all(u["op"] == "dynamic-slice" and u["operands"][0] == p for u in us):
-            total += sum(shape_bytes(u["shape"]) for u in us)
-        else:
-            total += nbytes
+        got = _read_bytes(body, p, comps) if p is not None else None
+        total += nbytes if got is None else min(got, nbytes)
     return total
 
 
@@ -353,7 +390,7 @@ def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None 
         "estimated_step_seconds": est, "serial_seconds": t_flops + t_hbm + t_ici,
         "seconds_by_bound": {"compute": t_flops, "hbm": t_hbm, "ici": t_ici}, "bound": bound,
         "estimated_mfu": round(model_flops / (est * peaks["peak_flops"]), 4) if est else None,
-        "flops_by_source": h["flops_by_source"], "chip_peaks": peaks, "while_trip_counts": h["while_trip_counts"],
+        "flops_by_source": h["flops_by_source"], "bytes_by_source": h["bytes_by_source"], "chip_peaks": peaks, "while_trip_counts": h["while_trip_counts"],
         "unknown_trip_loops": h["unknown_trip_loops"], "unknown_cost_kernels": h["unknown_cost_kernels"],
         "xla_cost_analysis": xla_cost or {},
         "budget_note": BUDGET_NOTE,
@@ -397,7 +434,11 @@ def main(argv=None) -> int:
               f"compute {t['compute']:.3f}s HBM {t['hbm']:.3f}s ICI {t['ici']:.3f}s -> {b['estimated_step_seconds']:.3f}s "
               f"({b['bound']}), MFU {b['estimated_mfu']}; unknown-cost kernels {len(b['unknown_cost_kernels'])}, "
               f"unknown-trip loops {len(b['unknown_trip_loops'])}")
+        print("FLOPs by source (top 16):")
         for src, f in b["flops_by_source"].items():
+            print(f"  {f:12.4g}  {src}")
+        print("bytes accessed by source [op] (top 16):")
+        for src, f in b["bytes_by_source"].items():
             print(f"  {f:12.4g}  {src}")
     return 0
 
