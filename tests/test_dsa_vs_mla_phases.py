@@ -172,5 +172,7 @@ def test_decomposition_entry_splits_the_gap_paired_by_seed():
     assert e["mla_oracle_mass"] == pytest.approx(0.65) and e["indexer_recall_of_oracle"] == pytest.approx(0.7)
     assert e["mass_by_bucket"] == {"buckets": [[0, 64], [64, 128]], "indexer": [0.95, 0.4], "oracle": [1.0, 0.75]}
     assert e["dominant"] == "indexer"
+    del mla[0][0]["mla_oracle_mass_k16"]                         # measured at the primary top-k only: None elsewhere
+    assert decomposition_entry(dsa, mla, 16, 40, buckets)["mla_oracle_mass"] is None
     with pytest.raises(KeyError, match="oracle_test_loss_k8"):
         decomposition_entry(dsa, mla, 8, 40, buckets)
