@@ -40,7 +40,9 @@ TARGETS = {"TPU v5p (95 GB)": 95e9, "H200 (141 GB)": 141e9}
 # the dots policies keep every matmul output, which is most of a layer's saved values, so they are
 # estimated with the no-remat formula (an upper bound for them). "offload" is "full" with the scanned
 # layers' inputs in host memory ("layer_offload": the layer formula without them; host bytes reported).
-ESTIMATE_MODE = {"none": "none", "full": "layer", "offload": "layer_offload", "dots": "none", "dots_no_batch": "none"}
+ESTIMATE_MODE = {"none": "none", "full": "layer", "offload": "layer_offload", "dots": "none", "dots_no_batch": "none",
+                 # named-activation policies: estimated as "full" (the saved names are not counted: a lower bound)
+                 "save_qkv": "layer", "save_attention": "layer", "custom": "layer"}
 _DT = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TILE_BYTES = 4 * 2 ** 20   # the reference kernels' cache-sized tile bound (pallas_kernels.reference)
 
