@@ -12,7 +12,10 @@ set GLM5_DISTRIBUTED=auto (or pass auto=True): JAX then finds its peers from the
 
 from __future__ import annotations
 
+import collections
 import os
+import sys
+import threading
 from typing import Callable, Mapping
 
 import jax
@@ -25,6 +28,11 @@ ENV_NUM_PROCESSES = "GLM5_NUM_PROCESSES"
 ENV_PROCESS_ID = "GLM5_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "GLM5_LOCAL_DEVICE_IDS"   # optional, comma-separated (gpu_launch --local_device_ids)
 ENV_AUTO = "GLM5_DISTRIBUTED"
+ENV_INIT_TIMEOUT = "GLM5_INIT_TIMEOUT_S"             # start-up: seconds to wait for every process to join
+ENV_HEARTBEAT_TIMEOUT = "GLM5_HEARTBEAT_TIMEOUT_S"   # mid-run: seconds without a peer's heartbeat -> end
+DEFAULT_INIT_TIMEOUT_S = 300                         # jax's own defaults
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+START_FAILED_EXIT_CODE = 2
 
 
 class DistributedConfigError(ValueError):
@@ -66,26 +74,123 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
     return out
 
 
+def _timeout(name: str, value, env, default) -> float | None:
+    if value is None and env.get(name) not in (None, ""):
+        value = env[name]
+    if value is None:
+        return None if default is None else float(default)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise DistributedConfigError(f"{name}={value!r} is not a number of seconds") from None
+    if not value > 0:
+        raise DistributedConfigError(f"{name}={value!r} must be > 0 seconds")
+    return value
+
+
 def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, *, auto: bool | None = None,
-                     env: Mapping[str, str] | None = None, initialize: Callable | None = None) -> bool:
+                     env: Mapping[str, str] | None = None, initialize: Callable | None = None,
+                     init_timeout_s: float | None = None, heartbeat_timeout_s: float | None = None) -> bool:
     """Call jax.distributed.initialize when more than one process is configured. Returns whether it did.
 
     Must run before anything touches a device (jax.devices(), the first array). `initialize` is for tests.
+    init_timeout_s (else GLM5_INIT_TIMEOUT_S, default 300): when not every process has joined by then
+    (a host missing, a wrong address), this process prints ONE line (`error: ...`) and exits with
+    status 2 (START_FAILED_EXIT_CODE) instead of jax's abort with a stack trace. heartbeat_timeout_s
+    (else GLM5_HEARTBEAT_TIMEOUT_S, default 100): a peer that dies mid-run ends the others after that
+    long (jax's coordination service terminates them, naming the failure), not a hang.
     """
     env = os.environ if env is None else env
+    real = initialize is None
     initialize = initialize or jax.distributed.initialize
     if jax.distributed.is_initialized():
         return False
     kwargs = resolve(coordinator, num_processes, process_id, env)
     if kwargs is None and not (auto if auto is not None else env.get(ENV_AUTO, "").lower() == "auto"):
         return False
+    init_s = _timeout(ENV_INIT_TIMEOUT, init_timeout_s, env, DEFAULT_INIT_TIMEOUT_S if real else None)
+    beat_s = _timeout(ENV_HEARTBEAT_TIMEOUT, heartbeat_timeout_s, env, DEFAULT_HEARTBEAT_TIMEOUT_S if real else None)
+    kwargs = dict(kwargs or {})
+    if init_s is not None:    # jax's own deadline a little later: the watchdog's one line comes first
+        kwargs["initialization_timeout"] = int(init_s) + 30
+    if beat_s is not None:
+        kwargs["heartbeat_timeout_seconds"] = max(int(beat_s), 1)
     _cpu_collectives()
-    if kwargs is None:
-        initialize()                      # TPU pods: peers from the metadata server
-    else:
-        initialize(**kwargs)
+    watchdog = None
+    if init_s is not None:
+        where = (f"process {kwargs['process_id']} of {kwargs['num_processes']} waiting for coordinator "
+                 f"{kwargs['coordinator_address']}" if "process_id" in kwargs else "auto-detected peers")
+        msg = (f"error: jax.distributed did not start within {init_s:g} s ({where}): a host is missing or "
+               f"cannot reach the coordinator; start every process with the same coordinator address and "
+               f"num_processes ({ENV_INIT_TIMEOUT} sets this timeout)")
+        watchdog = threading.Timer(init_s, _fail_start, args=(msg,))
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        initialize(**kwargs)              # no address: TPU pods find their peers from the metadata server
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
     return True
+
+
+def _fail_start(msg: str) -> None:
+    """The start-up watchdog: jax's connect blocks in C++ (it releases the GIL), so end the process here."""
+    print(msg, file=sys.stderr, flush=True)
+    os._exit(START_FAILED_EXIT_CODE)
+
+
+_PROBES: collections.Counter = collections.Counter()
+
+
+class WorkdirNotShared(DistributedConfigError):
+    """The processes of a run do not see one workdir (each host has its own disk)."""
+
+
+def check_shared_workdir(workdir, *, client=None, process_index: int | None = None,
+                         process_count: int | None = None, timeout_s: float = 300.0) -> None:
+    """Every process must see the files of one workdir (checkpoints are written together, metrics by
+    process 0). Process 0 writes a probe file with a fresh nonce; every other process reads it back;
+    WorkdirNotShared on every process (naming those that could not) otherwise. One process: nothing.
+    client / process_index / process_count: the coordination-service client and this process's place
+    (default: jax's); for tests."""
+    import secrets
+    from etils import epath
+    if client is None:
+        from jax._src import distributed
+        client = distributed.global_state.client
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if client is None or process_count == 1:
+        return
+    ms = int(timeout_s * 1000)
+    workdir = epath.Path(workdir)
+    # the same key on every process: the folder's name and how many probes of it this process made
+    # (each process probes the same workdirs in the same order)
+    _PROBES[(workdir.name, process_index)] += 1
+    tag = f"glm5_workdir_probe/{workdir.name}/{_PROBES[(workdir.name, process_index)]}"
+    if process_index == 0:
+        nonce = secrets.token_hex(8)
+        (workdir / f".probe_{nonce}").write_text(nonce)
+        client.key_value_set(f"{tag}/nonce", nonce)
+    nonce = client.blocking_key_value_get(f"{tag}/nonce", ms)
+    probe = workdir / f".probe_{nonce}"
+    seen = probe.exists() and probe.read_text() == nonce
+    client.key_value_set(f"{tag}/{nonce}/{process_index}", "1" if seen else "0")
+    blind = [i for i in range(process_count) if client.blocking_key_value_get(f"{tag}/{nonce}/{i}", ms) != "1"]
+    if process_index == 0:
+        client.key_value_set(f"{tag}/{nonce}/done", "1")
+    client.blocking_key_value_get(f"{tag}/{nonce}/done", ms)
+    if process_index == 0:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    if blind:
+        raise WorkdirNotShared(f"workdir {workdir} is not shared between the run's processes: process(es) "
+                               f"{blind} cannot see the file process 0 wrote there; use a folder every host "
+                               "mounts (NFS, a shared disk) or an object store URL (gs://...)")
 
 
 def _cpu_collectives() -> None:

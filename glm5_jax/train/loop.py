@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.optim import optimizer_table
+from glm5_jax.parallel.distributed import check_shared_workdir
 from glm5_jax.sharding import batch_sharding, single_device_mesh
 from glm5_jax.train.checkpoint import MODEL_CONFIG, Checkpointer
 from glm5_jax.train.config import TrainConfig
@@ -159,6 +160,8 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     primary = jax.process_index() == 0
     workdir = epath.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    if jax.process_count() > 1:
+        check_shared_workdir(workdir)                  # every host must see the one workdir
     ckpt = Checkpointer(workdir / "checkpoints", keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints,
                         keep_period=tcfg.keep_period or None, log=log if primary else None)
     if primary:        # the checkpoints' model, so they can start other runs / be exported (--init_from, export_hf)
