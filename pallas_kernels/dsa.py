@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import indexer_triton as _idx_gpu
-from pallas_kernels._bounds import block_visible, dot_t, head_bound
+from pallas_kernels._bounds import block_visible, bound_cost, dot_t, head_bound, score_cost
 from pallas_kernels import sparse_attn_tpu as _tpu
 from pallas_kernels import sparse_attn_triton as _triton
 
@@ -82,9 +82,28 @@ _F32 = jnp.float32
 
 
 def _interpret(interpret):
-    if interpret is None:
-        return jax.default_backend() == "cpu"
-    return bool(interpret)
+    """None (auto) stays None: the kernel is picked per lowering platform (`_dispatch`), interpret mode
+    on CPU. Not `jax.default_backend()`: a deviceless TPU compile (tools.aot, tools.compile_kernels)
+    traces with a CPU default backend and must still lower the Mosaic kernels."""
+    return None if interpret is None else bool(interpret)
+
+
+def _dispatch(args, make_tpu, make_gpu, interpret, kernels="auto"):
+    """Run one kernel family on `args`: make_tpu / make_gpu(interp: bool) -> fn. interpret True: the
+    TPU-structured kernel (or, kernels="gpu", the Triton one) in interpret mode; otherwise
+    `lax.platform_dependent`: Mosaic on TPU, Triton on CUDA / ROCm (kernels="tpu" / "gpu" force one
+    family), and on CPU interpret mode when interpret is None (auto)."""
+    if kernels not in ("auto", "tpu", "gpu"):
+        raise ValueError(f"kernels must be 'auto', 'tpu' or 'gpu', got {kernels!r}")
+    tpu = make_gpu if kernels == "gpu" else make_tpu
+    gpu = make_tpu if kernels == "tpu" else make_gpu
+    if interpret:
+        return tpu(True)(*args)
+    if kernels != "auto" and interpret is False:
+        return tpu(False)(*args)
+    cpu = tpu(True) if interpret is None else tpu(False)
+    return jax.lax.platform_dependent(*args, tpu=tpu(False), cuda=gpu(False), rocm=gpu(False), cpu=cpu,
+                                      default=tpu(False))
 
 
 _GPU_BACKEND = {"name": "triton"}
@@ -110,8 +129,8 @@ _dot_t = dot_t
 # indexer: block bound kernel
 # ----------------------------------------------------------------------------------------------
 
-def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, segq_ref, smin_ref, smax_ref, ub_ref, *,
-                  n_heads, bq, bk, t_total, s_total, causal):
+def _bound_kernel(shift_ref, q_ref, w_ref, kmax_ref, kmin_ref, segq_ref, smin_ref, smax_ref, ub_ref, *,
+                  n_heads, bq, bk, t_total, causal):
     i = pl.program_id(1)
     kmax = kmax_ref[0].astype(_F32)  # [nk, Di]
     kmin = kmin_ref[0].astype(_F32)
@@ -120,7 +139,7 @@ def _bound_kernel(q_ref, w_ref, kmax_ref, kmin_ref, segq_ref, smin_ref, smax_ref
     acc = jnp.zeros((bq, nk), _F32)
     for j in range(n_heads):
         acc = acc + head_bound(q_ref[0, :, j, :].astype(_F32), w[:, j:j + 1], kmax, kmin)
-    vis = block_visible(i, bq, bk, nk, t_total, s_total, causal)
+    vis = block_visible(i, bq, bk, nk, t_total, shift_ref[0], causal)
     # a key block can hold a key of the query's document only if the query's segment id lies in
     # the block's [min, max] segment range (exact for contiguous packed documents)
     seg = segq_ref[0]  # [bq, 1]
@@ -134,7 +153,7 @@ def _pow2_pad(x, axis, value):
     return _pad_to(x, x.shape[:axis] + (_pow2(n, 1),) + x.shape[axis + 1:], value)
 
 
-def _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, *, bq, bk, t_total, s_total, causal,
+def _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, shift, *, bq, bk, t_total, s_total, causal,
                   interpret, kernels="auto"):
     """UB [B, nq, nk] by the Mosaic kernel (TPU, and interpret mode by default) or the Triton one
     (GPU; kernels="gpu" runs it in interpret mode on CPU)."""
@@ -142,44 +161,50 @@ def _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, *, bq, bk, t_total, s_to
     kw = dict(bq=bq, bk=bk, t_total=t_total, s_total=s_total, causal=causal)
     big = jnp.iinfo(jnp.int32).max
 
-    def gpu(qp, wp, kmax, kmin, segq, smin, smax):
-        # key-block count padded to a power of two; padded blocks have an empty segment range
-        ub = _idx_gpu.block_bounds(qp, wp, _pow2_pad(kmax, 1, 0), _pow2_pad(kmin, 1, 0), segq[..., 0],
-                                   _pow2_pad(smin[:, 0], 1, big), _pow2_pad(smax[:, 0], 1, -big),
-                                   interpret=interpret, **kw)
-        return ub[..., :nk]
+    def gpu(interp):
+        def run(qp, wp, kmax, kmin, segq, smin, smax, shift):
+            # key-block count padded to a power of two; padded blocks have an empty segment range
+            ub = _idx_gpu.block_bounds(qp, wp, _pow2_pad(kmax, 1, 0), _pow2_pad(kmin, 1, 0), segq[..., 0],
+                                       _pow2_pad(smin[:, 0], 1, big), _pow2_pad(smax[:, 0], 1, -big), shift,
+                                       interpret=interp, **kw)
+            return ub[..., :nk]
+        return run
 
-    tpu = lambda *a: _block_bounds_tpu(*a, interpret=interpret, **kw)  # noqa: E731
-    args = (qp, wp, kmax, kmin, segq, smin, smax)
-    if kernels == "gpu":
-        return gpu(*args)
-    if kernels == "tpu" or interpret:
-        return tpu(*args)
-    return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, rocm=gpu, default=tpu)
+    tpu = lambda interp: lambda *a: _block_bounds_tpu(*a, interpret=interp, **kw)  # noqa: E731
+    args = (qp, wp, kmax, kmin, segq, smin, smax, _shift_arr(shift))
+    return _dispatch(args, tpu, gpu, interpret, kernels)
 
 
-def _block_bounds_tpu(qp, wp, kmax, kmin, segq, smin, smax, *, bq, bk, t_total, s_total, causal,
+def _shift_arr(shift):
+    return jnp.reshape(jnp.asarray(shift, jnp.int32), (1,))
+
+
+def _block_bounds_tpu(qp, wp, kmax, kmin, segq, smin, smax, shift, *, bq, bk, t_total, s_total, causal,
                       interpret):
     b, tp, hi, di = qp.shape
     nq, nk = tp // bq, kmax.shape[1]
-    kern = functools.partial(_bound_kernel, n_heads=hi, bq=bq, bk=bk, t_total=t_total,
-                             s_total=s_total, causal=causal)
+    kern = functools.partial(_bound_kernel, n_heads=hi, bq=bq, bk=bk, t_total=t_total, causal=causal)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,   # the causal shift (S - T, or the context chunk's global query offset)
+        grid=(b, nq),
+        in_specs=[
+            pl.BlockSpec((1, bq, hi, di), lambda bi, i, sh: (bi, i, 0, 0)),
+            pl.BlockSpec((1, bq, hi), lambda bi, i, sh: (bi, i, 0)),
+            pl.BlockSpec((1, nk, di), lambda bi, i, sh: (bi, 0, 0)),
+            pl.BlockSpec((1, nk, di), lambda bi, i, sh: (bi, 0, 0)),
+            pl.BlockSpec((1, bq, 1), lambda bi, i, sh: (bi, i, 0)),
+            pl.BlockSpec((1, 1, nk), lambda bi, i, sh: (bi, 0, 0)),
+            pl.BlockSpec((1, 1, nk), lambda bi, i, sh: (bi, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((1, 1, 1, nk), lambda bi, i, sh: (bi, i, 0, 0)),
+    )
     ub = pl.pallas_call(
         kern,
         out_shape=jax.ShapeDtypeStruct((b, nq, 1, nk), _F32),
-        grid=(b, nq),
-        in_specs=[
-            pl.BlockSpec((1, bq, hi, di), lambda bi, i: (bi, i, 0, 0)),
-            pl.BlockSpec((1, bq, hi), lambda bi, i: (bi, i, 0)),
-            pl.BlockSpec((1, nk, di), lambda bi, i: (bi, 0, 0)),
-            pl.BlockSpec((1, nk, di), lambda bi, i: (bi, 0, 0)),
-            pl.BlockSpec((1, bq, 1), lambda bi, i: (bi, i, 0)),
-            pl.BlockSpec((1, 1, nk), lambda bi, i: (bi, 0, 0)),
-            pl.BlockSpec((1, 1, nk), lambda bi, i: (bi, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((1, 1, 1, nk), lambda bi, i: (bi, i, 0, 0)),
+        grid_spec=grid_spec,
+        cost_estimate=bound_cost(qp, wp, kmax, kmin, segq, smin, smax, b * nq * nk),
         interpret=interpret,
-    )(qp, wp, kmax, kmin, segq, smin, smax)
+    )(shift, qp, wp, kmax, kmin, segq, smin, smax)
     return ub[:, :, 0, :]  # [B, nq, nk]
 
 
@@ -205,8 +230,8 @@ def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, segq_ref, segk
         t = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
         s = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
         vis = (s < s_total) & (segq_ref[0] == segk_ref[0])  # [bq, 1] == [1, bk]: same document
-        if causal:
-            vis = vis & (s <= t + (s_total - t_total))
+        if causal:   # off_ref[1]: the causal shift (S - T, or the chunk's global query offset)
+            vis = vis & (s <= t + off_ref[1])
         o_ref[0] = jnp.where(vis, acc, NEG_INF)
 
     @pl.when(jnp.logical_not(active))
@@ -214,24 +239,24 @@ def _score_kernel(tbl_ref, act_ref, off_ref, q_ref, w_ref, k_ref, segq_ref, segk
         o_ref[0] = jnp.full((bq, bk), NEG_INF, _F32)
 
 
-def _score_round(tbl, act, off, qp, wp, kp, segq, segk, n_blocks, *, bq, bk, t_total, s_total,
+def _score_round(tbl, act, off, qp, wp, kp, segq, segk, shift, n_blocks, *, bq, bk, t_total, s_total,
                  causal, interpret, kernels="auto"):
     """Scores of the n_blocks table entries starting at `off` -> ([B, Tp, n*bk], key idx); the
     kernel chosen as in `_block_bounds`."""
     kw = dict(bq=bq, bk=bk, t_total=t_total, s_total=s_total, causal=causal)
 
-    def gpu(tbl, act, off, qp, wp, kp, segq, segk):
-        vals = _idx_gpu.score_round(tbl, act, off, qp, wp, kp, segq[..., 0], segk[:, 0], n_blocks,
-                                    interpret=interpret, **kw)
-        return vals, _round_ids(tbl, off, n_blocks, bq, bk, qp.shape[1])
+    def gpu(interp):
+        def run(tbl, act, off, qp, wp, kp, segq, segk):
+            vals = _idx_gpu.score_round(tbl, act, off, qp, wp, kp, segq[..., 0], segk[:, 0], n_blocks,
+                                        interpret=interp, **kw)
+            return vals, _round_ids(tbl, off[0], n_blocks, bq, bk, qp.shape[1])
+        return run
 
-    tpu = lambda *a: _score_round_tpu(*a, n_blocks, interpret=interpret, **kw)  # noqa: E731
+    tpu = lambda interp: lambda *a: _score_round_tpu(*a, n_blocks, interpret=interp, **kw)  # noqa: E731
+    # [round offset, causal shift]: one scalar-prefetch / scalar-load array for both kernels
+    off = jnp.stack([jnp.asarray(off, jnp.int32), jnp.asarray(shift, jnp.int32)])
     args = (tbl, act, off, qp, wp, kp, segq, segk)
-    if kernels == "gpu":
-        return gpu(*args)
-    if kernels == "tpu" or interpret:
-        return tpu(*args)
-    return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, rocm=gpu, default=tpu)
+    return _dispatch(args, tpu, gpu, interpret, kernels)
 
 
 def _round_ids(tbl, off, n_blocks, bq, bk, tp):
@@ -261,14 +286,14 @@ def _score_round_tpu(tbl, act, off, qp, wp, kp, segq, segk, n_blocks, *, bq, bk,
         ],
         out_specs=pl.BlockSpec((1, bq, bk), lambda bi, i, c, t_, a_, o_: (bi, i, c)),
     )
-    off_arr = jnp.reshape(off, (1,)).astype(jnp.int32)
     vals = pl.pallas_call(
         kern,
         out_shape=jax.ShapeDtypeStruct((b, tp, n_blocks * bk), _F32),
         grid_spec=grid_spec,
+        cost_estimate=score_cost(qp, wp, kp, n_blocks, bq, bk),
         interpret=interpret,
-    )(tbl, act, off_arr, qp, wp, kp, segq, segk)
-    return vals, _round_ids(tbl, off, n_blocks, bq, bk, tp)
+    )(tbl, act, off, qp, wp, kp, segq, segk)
+    return vals, _round_ids(tbl, off[0], n_blocks, bq, bk, tp)
 
 
 def _merge_topk(run_v, run_i, new_v, new_i, topk):
@@ -292,15 +317,21 @@ def _table(order_key, sel, width):
     return tbl, act.astype(jnp.int32), n_sel
 
 
-def _segments(segment_ids, b, t, s, tp, sp, bk):
+def _segments(segment_ids, b, t, s, tp, sp, bk, kv_segment_ids=None):
     """Segment ids for the kernels: queries [B, Tp, 1], keys [B, 1, Sp] and the per key block
     [min, max] range [B, 1, nk]. None -> one document (all zeros). Padded keys get an id no query
-    has and are excluded from the block ranges."""
-    if segment_ids is None:
+    has and are excluded from the block ranges. kv_segment_ids [B, S]: the keys' own ids (S != T,
+    context parallelism); default: segment_ids, which then needs S == T."""
+    if kv_segment_ids is not None:
+        if segment_ids is None or segment_ids.shape != (b, t) or kv_segment_ids.shape != (b, s):
+            raise ValueError(f"kv_segment_ids {kv_segment_ids.shape} must be [B={b}, S={s}] and come with "
+                             f"segment_ids [B={b}, T={t}] (got {None if segment_ids is None else segment_ids.shape})")
+        seg_q, seg_k = segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    elif segment_ids is None:
         seg_q, seg_k = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
     elif segment_ids.shape != (b, t) or s != t:
         raise ValueError(f"segment_ids {segment_ids.shape} must be [B={b}, T={t}] with S == T "
-                         f"(got S={s})")
+                         f"(got S={s}; pass kv_segment_ids [B, S] for S != T)")
     else:
         seg_q = seg_k = segment_ids.astype(jnp.int32)
     segq = jnp.pad(seg_q, ((0, 0), (0, tp - t)))[:, :, None]
@@ -316,7 +347,7 @@ def _segments(segment_ids, b, t, s, tp, sp, bk):
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block_size: int = 128,
                  query_block: int | None = None, round_blocks: int | None = None,
                  interpret=None, mode: str = "exact", approx_blocks: int | None = None,
-                 segment_ids=None, kernels: str = "auto"):
+                 segment_ids=None, kernels: str = "auto", q_offset=None, kv_segment_ids=None):
     """Top-k keys per query by the lightning-indexer score (see module docstring).
 
     q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] -> int32 [B, T, topk], -1 in slots
@@ -327,6 +358,11 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
     (same set, same order, same tie-break) up to float rounding of the scores; mode="approx" keeps
     the `approx_blocks` best key blocks per query block by the block bound (default
     2 * ceil(topk / block_size)) and the exact top-k inside them.
+    q_offset (context parallelism, glm5_jax.attention.context): the T queries sit at global positions
+    q_offset .. q_offset + T - 1 of the S keys (an int or a traced int32 scalar; causal: query t sees
+    keys s <= q_offset + t; default: bottom-right alignment, s <= t + S - T), and kv_segment_ids [B, S]
+    are the keys' segment ids (with segment_ids [B, T] for the queries). Returns what
+    `reference.indexer_topk` returns with the same arguments.
     """
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -352,11 +388,12 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
     common = dict(bq=bq, bk=bk, t_total=t, s_total=s, causal=causal, interpret=interpret,
                   kernels=kernels)
 
-    segq, segk, smin, smax = _segments(segment_ids, b, t, s, tp, sp, bk)
-    segs = (segq, segk)
+    segq, segk, smin, smax = _segments(segment_ids, b, t, s, tp, sp, bk, kv_segment_ids)
+    shift = jnp.int32(s - t) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    segs = (segq, segk, shift)
 
     # pass 1: per (query block, key block) upper bound of the score
-    ub = _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, **common)  # [B, nq, nk]
+    ub = _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, shift, **common)  # [B, nq, nk]
     vis_blk = ub > NEG_INF
     blk_ids = jnp.arange(nk, dtype=jnp.int32)
 
@@ -425,7 +462,7 @@ def indexer_block_stats(q_idx, k_idx, weights, topk, *, causal=True, block_size=
     kmax = jnp.where(kvalid, kf, NEG_INF).reshape(b, nk, bk, di).max(axis=2)
     kmin = jnp.where(kvalid, kf, -NEG_INF).reshape(b, nk, bk, di).min(axis=2)
     segq, _, smin, smax = _segments(None, b, t, s, tp, sp, bk)
-    ub = _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, bq=bq, bk=bk, t_total=t, s_total=s,
+    ub = _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, jnp.int32(s - t), bq=bq, bk=bk, t_total=t, s_total=s,
                        causal=causal, interpret=_interpret(interpret))
     return ub
 
@@ -521,13 +558,9 @@ def _attn_fwd(q, k, v, indices, scale, bq, kc, interpret):
     b, t, h, _ = q.shape
     hk = k.shape[2]
     q2, k2, v2, idx2 = _fold_heads(q, k, v, indices.astype(jnp.int32))
-    if interpret:
-        o, lse = _fwd_tpu(q2, k2, v2, idx2, scale, bq, kc, True)
-    else:
-        tpu_fn = lambda *a: _fwd_tpu(*a, scale, bq, kc, False)  # noqa: E731
-        gpu_fn = lambda *a: _fwd_gpu(*a, scale, kc)  # noqa: E731
-        o, lse = jax.lax.platform_dependent(q2, k2, v2, idx2, tpu=tpu_fn, cuda=gpu_fn,
-                                            rocm=gpu_fn, default=tpu_fn)
+    tpu_fn = lambda interp: lambda *a: _fwd_tpu(*a, scale, bq, kc, interp)  # noqa: E731
+    gpu_fn = lambda interp: lambda *a: _fwd_gpu(*a, scale, kc)  # noqa: E731
+    o, lse = _dispatch((q2, k2, v2, idx2), tpu_fn, gpu_fn, interpret)
     return _unfold_heads(o, b, h, hk), _unfold_heads(lse, b, h, hk)
 
 
@@ -593,13 +626,9 @@ def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret, bwd
     idx2 = padt(idx2, -1)
 
     def kernel(qc, ic, doc, lc, dc):
-        args = (qc, k2, v2, ic, doc, lc, dc)
-        if interpret:
-            return _bwd_tpu(*args, scale, bq, kc, True)
-        tpu_fn = lambda *a: _bwd_tpu(*a, scale, bq, kc, False)  # noqa: E731
-        gpu_fn = lambda *a: _bwd_gpu(*a, scale, kc)  # noqa: E731
-        return jax.lax.platform_dependent(*args, tpu=tpu_fn, cuda=gpu_fn, rocm=gpu_fn,
-                                          default=tpu_fn)
+        tpu_fn = lambda interp: lambda *a: _bwd_tpu(*a, scale, bq, kc, interp)  # noqa: E731
+        gpu_fn = lambda interp: lambda *a: _bwd_gpu(*a, scale, kc)  # noqa: E731
+        return _dispatch((qc, k2, v2, ic, doc, lc, dc), tpu_fn, gpu_fn, interpret)
 
     bidx = jnp.arange(bp)[:, None, None]
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._bounds import sparse_bwd_cost, sparse_fwd_cost
 from pallas_kernels.reference import NEG_INF
 _F32 = jnp.float32
 
@@ -134,6 +135,7 @@ def attn_fwd(q, k, v, idx, *, scale, bq, kc, interpret):
                         pltpu.VMEM((bq, h, 1), _F32),
                         pltpu.VMEM((bq, h, dv), _F32)],
         compiler_params=_params(),
+        cost_estimate=sparse_fwd_cost(q, k, v, idx),
         interpret=interpret,
     )(idx4, idx4, q, k[:, :, None], v[:, :, None])
 
@@ -205,5 +207,6 @@ def attn_bwd_dq(q, k, v, idx, do, lse, delta, *, scale, bq, kc, interpret):
                         pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((bq, h, dq), _F32)],
         compiler_params=_params(),
+        cost_estimate=sparse_bwd_cost(q, k, v, idx),
         interpret=interpret,
     )(idx4, idx4, q, k[:, :, None], v[:, :, None], do, lse, delta)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._bounds import sparse_bwd_cost, sparse_fwd_cost
 from pallas_kernels.reference import NEG_INF
 _F32 = jnp.float32
 
@@ -85,6 +86,7 @@ def attn_fwd(q, k, v, idx, *, scale, kc):
         out_specs=[pl.BlockSpec((1, 1, h, dv), lambda bi, t: (bi, t, 0, 0)),
                    pl.BlockSpec((1, 1, h), lambda bi, t: (bi, t, 0))],
         compiler_params=_params(),
+        cost_estimate=sparse_fwd_cost(q, k, v, idx),
     )(idx, q, k, v)
 
 
@@ -137,4 +139,5 @@ def attn_bwd_dq(q, k, v, idx, do, lse, delta, *, scale, kc):
                    pl.BlockSpec((1, 1, h, kp), row4),
                    pl.BlockSpec((1, 1, h, kp), row4)],
         compiler_params=_params(),
+        cost_estimate=sparse_bwd_cost(q, k, v, idx),
     )(idx, q, k, v, do, lse, delta)

@@ -136,6 +136,29 @@ def test_indexer_topk_segments(blk, topk, kernels):
             assert (out[bi, ti, order.size:] == -1).all()
 
 
+@pytest.mark.parametrize("blk,topk,kernels", [(8, 5, "tpu"), (8, 20, "tpu"), (16, 20, "gpu")])
+def test_indexer_topk_query_offset_equals_rows_of_the_full_topk(blk, topk, kernels):
+    """Context parallelism: the kernel on query chunks at global offsets (a traced q_offset, the keys'
+    own segment ids) returns the unsharded top-k's rows, index for index, and the reference's result
+    with the same arguments; a shard's queries never select a key after their global position."""
+    b, t, hi, di, c = 2, 48, 2, 8, 16
+    q, k, w = _rand_idx_inputs(5 + blk + topk, b, t, t, hi, di)
+    segs = jnp.asarray(_packed_segments(np.random.default_rng(topk), b, t, 3))
+    full = np.asarray(ref.indexer_topk(q, k, w, topk, segment_ids=segs))
+    run = jax.jit(lambda qc, wc, sc, off: dsa.indexer_topk(qc, k, wc, topk, block_size=blk, round_blocks=1,
+                                                           segment_ids=sc, kv_segment_ids=segs, q_offset=off,
+                                                           kernels=kernels))
+    for a in (0, 16, 32):   # chunks in a shuffled order, as the context layout holds them
+        got = np.asarray(run(q[:, a:a + c], w[:, a:a + c], segs[:, a:a + c], jnp.int32(a)))
+        np.testing.assert_array_equal(got, full[:, a:a + c])
+        want = ref.indexer_topk(q[:, a:a + c], k, w[:, a:a + c], topk, segment_ids=segs[:, a:a + c],
+                                kv_segment_ids=segs, q_offset=jnp.int32(a))
+        np.testing.assert_array_equal(got, want)
+        assert (got <= a + np.arange(c)[None, :, None]).all()
+    with pytest.raises(ValueError, match="kv_segment_ids"):
+        dsa.indexer_topk(q[:, :c], k, w[:, :c], topk, kv_segment_ids=segs, q_offset=0)
+
+
 def test_indexer_topk_approx():
     b, t, s, hi, di, topk, blk = 1, 33, 33, 2, 8, 6, 8
     q, k, w = _rand_idx_inputs(5, b, t, s, hi, di)

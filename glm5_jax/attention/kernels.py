@@ -1,24 +1,79 @@
 """The one place that picks a DSA kernel: `ModelConfig.attention_impl` "xla" runs the jnp references
 (pallas_kernels.reference), "pallas" the Pallas kernels (pallas_kernels.dsa: Mosaic on TPU, Triton on
-GPU, interpret mode on CPU). Both have the same signatures; tests compare them."""
+GPU, interpret mode on CPU). Both have the same signatures; tests compare them.
+
+Under a mesh (glm5_jax.sharding.use_mesh) a Pallas call cannot be partitioned by GSPMD (a Mosaic /
+Triton custom call is opaque: it would be run on the whole, replicated batch). So with
+attention_impl="pallas" the kernels run per device inside `jax.shard_map` over the mesh's batch axes
+(`glm5_jax.parallel.ep.BATCH_AXES`: data, fsdp, expert) that are not manual already (under context
+parallelism `glm5_jax.attention.context.over_context` has made them manual, with the `context` axis,
+and passes the global query offset). Every other axis (tensor) stays automatic. The batch dim must
+divide by the product of those axes' sizes; when it does not (only flax's init trace, batch 1, whose
+forward is dead code) the kernels run unwrapped.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
 from pallas_kernels import reference as ref
+
+
+def batch_split_axes(batch: int) -> tuple[str, ...]:
+    """The mesh's batch axes (data, fsdp, expert) that the Pallas kernels split `batch` over: those of the
+    current abstract mesh of size > 1 and not already manual (inside a shard_map); () without a mesh, or
+    when `batch` does not divide by their product (module docstring)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    from glm5_jax.parallel.ep import BATCH_AXES
+    manual = set(getattr(mesh, "manual_axes", ()))
+    shape = dict(mesh.shape)
+    axes = tuple(a for a in BATCH_AXES if a in shape and a not in manual and shape[a] > 1)
+    if not axes or batch % math.prod(shape[a] for a in axes):
+        return ()
+    return axes
+
+
+def per_device(fn, batch_args: dict, scalar_args: dict | None = None):
+    """fn(**batch_args, **scalar_args) run per device in a shard_map over `batch_split_axes`: every
+    non-None entry of batch_args is split on its leading (batch) dim, scalar_args are replicated, the
+    output pytree is split on its leading dim. Without axes to split: fn called directly."""
+    scalar_args = {k: v for k, v in (scalar_args or {}).items() if v is not None}
+    arrays = {k: v for k, v in batch_args.items() if v is not None}
+    nones = {k: None for k, v in batch_args.items() if v is None}
+    b = next(iter(arrays.values())).shape[0]
+    axes = batch_split_axes(b)
+    if not axes:
+        return fn(**arrays, **nones, **scalar_args)
+    spec = P(axes)
+
+    def body(arrays, scalars):
+        return fn(**arrays, **nones, **scalars)
+
+    in_specs = ({k: spec for k in arrays}, {k: P() for k in scalar_args})
+    out = jax.eval_shape(body, arrays, scalar_args)
+    out_specs = jax.tree_util.tree_map(lambda _: spec, out)
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes),
+                         check_vma=False)(arrays, scalar_args)
 
 
 def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: str = "xla", chunk: int = 256,
                  q_offset=None, kv_segment_ids=None):
     """Exact top-k key indices per query, int32 [B, T, topk], -1 where fewer keys are visible.
     q_offset / kv_segment_ids: the T queries at global positions q_offset.. of the S keys (context
-    parallelism, glm5_jax.attention.context; the jnp reference only)."""
+    parallelism, glm5_jax.attention.context)."""
     if impl == "pallas":
-        if q_offset is not None:
-            raise NotImplementedError(
-                "attention_impl='pallas' under a context-parallel mesh: the Pallas indexer top-k takes no "
-                "query offset yet (docs/kernels.md, known gaps); use attention_impl='xla' with a context axis")
         from pallas_kernels import dsa
-        return dsa.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids)
+
+        def run(q_idx, k_idx, weights, segment_ids, kv_segment_ids, q_offset=None):
+            return dsa.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, q_offset=q_offset,
+                                    kv_segment_ids=kv_segment_ids)
+        return per_device(run, dict(q_idx=q_idx, k_idx=k_idx, weights=weights, segment_ids=segment_ids,
+                                    kv_segment_ids=kv_segment_ids), dict(q_offset=q_offset))
     if impl != "xla":
         raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {impl!r}")
     return ref.indexer_topk(q_idx, k_idx, weights, topk, segment_ids=segment_ids, chunk=chunk, q_offset=q_offset,
@@ -28,14 +83,18 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: st
 def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int = 128, dv: int | None = None):
     """q [B, T, H, D] over the keys `indices` [B, T, K] (-1 = none) of k/v [B, S, Hk, D] -> [B, T, H, Dv].
     v=None with `dv`: the value is k[..., :dv] (MLA's MQA form); the xla path then gathers each row
-    once and scatters one gradient row per slot (see reference.sparse_attention)."""
+    once and scatters one gradient row per slot (see reference.sparse_attention). The indices are
+    global key positions, so no query offset is needed under context parallelism."""
     if impl == "pallas":
         from pallas_kernels import dsa
         if v is None:
             if dv is None:
                 raise ValueError("sparse_attention: v=None needs dv (value = k[..., :dv])")
             v = k[..., :dv]
-        return dsa.sparse_attention(q, k, v, indices, scale=scale)
+
+        def run(q, k, v, indices):
+            return dsa.sparse_attention(q, k, v, indices, scale=scale)
+        return per_device(run, dict(q=q, k=k, v=v, indices=indices))
     if impl != "xla":
         raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {impl!r}")
     return ref.sparse_attention(q, k, v, indices, scale=scale, chunk=chunk, dv=dv)
