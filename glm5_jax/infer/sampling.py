@@ -4,6 +4,10 @@
 from: log_softmax of the temperature-scaled logits restricted to the allowed set (top-k, then
 top-p over the renormalised top-k distribution). Greedy (temperature 0) returns the argmax and its
 log-softmax at temperature 1 (no filtering).
+
+Per-row variants for batches of requests with their own parameters (continuous batching, sampled
+speculation): `filter_rows`, `probs_rows` (the distribution sampled from; one-hot for greedy rows) and
+`sample_rows` (one PRNG key per row), with temperature / top_k / top_p as [B] arrays.
 """
 
 from __future__ import annotations

@@ -134,8 +134,7 @@ def rejection_sample(keys, target_probs, draft_probs, drafts):
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     resid = jnp.maximum(p - jnp.concatenate([q, jnp.zeros((b, 1, v), q.dtype)], axis=1), 0.0)
     resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p)
-    with jax.numpy_dtype_promotion("standard"):
-        logr = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)), -jnp.inf)
+    logr = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)), -jnp.inf)
     fix = jax.vmap(lambda k, lr: jax.random.categorical(k, lr, axis=-1))(ks[:, 1], logr).astype(jnp.int32)
     j = jnp.arange(n + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
