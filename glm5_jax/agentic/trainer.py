@@ -117,13 +117,23 @@ def make_agentic_loss_fn(config, eps_low: float, eps_high: float, temperature: f
 
 def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Callable, *,
                 log: Callable[[str], None] = print, workers: Optional[dict] = None, drain: bool = True,
-                snapshot_wall_s: Optional[float] = None) -> dict:
+                snapshot_wall_s: Optional[float] = None, ckpt_dir: Optional[str] = None,
+                ckpt_every: int = 10) -> dict:
     """Train ``cfg.steps`` steps from ``params``. ``workers``: existing server handles (else started
     here, and killed at the end). ``snapshot_wall_s``: also return the policy as it stood at that many
     seconds into the timed region (the last step finished by then; the start params if none), to
     compare arms at the same wall-clock time. Returns {"params", "history", "accounting", "staleness",
     "wall_s", "trained_tokens", "trainer_idle_s", "dead", "requeued", "server_busy_s" (decode seconds in
-    the timed region per server still alive at the end), "snapshot" ({"step", "params"}, or None)}."""
+    the timed region per server still alive at the end), "snapshot" ({"step", "params"}, or None)}.
+
+    ckpt_dir: checkpoints inside the stage (glm5_jax.train.checkpoint.Checkpointer) every ``ckpt_every``
+    steps, at the last step and on SIGTERM (then ``Preempted``, exit 143): the train state (params,
+    optimizer), the policy version, the history and the prompt stream's state. A rerun resumes from the
+    newest readable one: the servers start from its params (pushed as its version) and the prompt stream
+    continues where it was. Rollouts in flight at the kill are not kept (they are re-drawn), so resumed
+    rows are the same steps, params and prompts but not bitwise the rows of an uninterrupted async run.
+    Guard: an update whose loss, gradient or new state is non-finite is not applied (the one step's
+    guard) and its step pushes nothing (``skipped`` in the row), so no server ever gets NaN weights."""
     import ray
     from glm5_jax.rl.program import RLConfig, make_rl_optimizer, rl_train_config
     from glm5_jax.train.state import init_train_state
@@ -132,10 +142,26 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
     rl = RLConfig(loss="none", steps=cfg.steps, prompts_per_step=cfg.groups_per_step, group_size=cfg.group_size,
                   minibatches=1, learning_rate=cfg.learning_rate, optimizer="adamw", adam_b2=0.999,
                   weight_decay=0.0, mismatch="none", frozen_patterns=tuple(cfg.frozen_patterns), eps_low=cfg.eps_low, eps_high=cfg.eps_high, seed=cfg.seed)
+    from glm5_jax.train.checkpoint import Checkpointer
+    from glm5_jax.train.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
+    from glm5_jax.train.state import abstract_state
     tx, _ = make_rl_optimizer(params, rl, model_cfg)
-    state, _ = init_train_state(model_cfg, rl_train_config(rl), None, tx=tx, params=params)
     update = make_train_step(model_cfg, rl_train_config(rl), tx, None,
                              loss_fn=make_agentic_loss_fn(model_cfg, cfg.eps_low, cfg.eps_high, cfg.temperature))
+    ckpt, found = None, None
+    if ckpt_dir is not None:
+        if not isinstance(ckpt_every, int) or ckpt_every < 1:
+            raise ValueError(f"run_agentic: ckpt_every={ckpt_every!r} must be an integer >= 1")
+        ckpt = Checkpointer(ckpt_dir, keep=2, async_save=False, log=log)
+        if ckpt.all_steps():
+            found = ckpt.restore_latest(abstract_state(model_cfg, None, update.mesh, tx)[0])
+    if found is not None:
+        first, state, saved = found[0] + 1, found[1], found[2]
+        params = jax.device_get(state["params"])
+        log(f"[{cfg.mode}] resumed from step {found[0]} ({ckpt.directory})")
+    else:
+        first, saved = 1, None
+        state, _ = init_train_state(model_cfg, rl_train_config(rl), None, tx=tx, params=params)
     own = workers is None
     if own:
         workers = start_servers(cfg.servers, model_cfg, params, threads=cfg.server_threads, max_batch=cfg.max_batch,
@@ -152,6 +178,12 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                        env_crash_p=cfg.env_crash_p, seed=cfg.seed, log=log)
     rng = random.Random(cfg.seed * 1_000_003 + 17)
     n_groups = [0]
+    version = 0
+    history, skipped_total = [], 0
+    if saved is not None:
+        version, history = saved["version"], list(saved["history"])
+        skipped_total = int(history[-1].get("skipped_updates", 0)) if history else 0
+        coord.push_weights(version, params, wait=True)      # servers started from these params: label them
 
     def submit():
         gid = f"g{n_groups[0]:05d}"
@@ -160,12 +192,14 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
 
     # warm up: one group compiles every server's decode outside the timed region (both modes alike);
     # its records are accounted as "warmup", never trained
-    version = 0
-    history, staleness, trained, dropped, warmup = [], [], [], [], []
+    staleness, trained, dropped, warmup = [], [], [], []
     for _ in range(cfg.servers):
         submit()
     for _ in range(cfg.servers):
         warmup += [r.traj_id for r in pool.get_group()]
+    if saved is not None:            # the prompt stream (and group ids) continue where the checkpoint was
+        rng.setstate(_rng_state(saved["rng"]))
+        n_groups[0] = saved["n_groups"]
     trained_tokens, idle_s = 0, 0.0
     # compile the update outside the timed region too: with all-zero advantages the gradient is 0 and
     # AdamW (no weight decay) leaves the parameters exactly as they are
@@ -187,8 +221,9 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
         pin_process(cfg.server_cpus, tids=pool.native_ids())
     snapshot = None if snapshot_wall_s is None else {"step": 0, "params": params}
     t0 = time.time()
+    watch = PreemptionWatch().__enter__() if ckpt is not None else None
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(first, cfg.steps + 1):
             t_wait = time.time()
             if cfg.mode == "sync":
                 for _ in range(cfg.groups_per_step):
@@ -218,9 +253,15 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             state, met = update(state, jax.device_put(batch, update.batch_sharding))
             met = jax.device_get(met)
             t_push = time.time()
-            version += 1
+            skipped = float(met["skipped"]) > 0
             host = None
-            if cfg.mode == "sync" or step % cfg.push_every == 0:
+            if skipped:       # not applied (non-finite loss / gradient / update): the policy did not change
+                skipped_total += 1
+                log(f"[{cfg.mode}] step {step}: the update is non-finite, not applied and not pushed "
+                    f"({skipped_total} so far)")
+            else:
+                version += 1
+            if not skipped and (cfg.mode == "sync" or step % cfg.push_every == 0):
                 # sync: the next rollouts must use the new weights, so wait; async: don't block the
                 # trainer on busy servers (replies checked at the next push)
                 host = jax.device_get(state["params"])
@@ -232,7 +273,8 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                    "tokens": ntok, "wait_s": t_train - t_wait, "train_s": time.time() - t_train,
                    "update_s": t_push - t_train, "push_s": time.time() - t_push,
                    "loss": float(met["loss"]), "masked_frac": float(met["masked_frac"]),
-                   "abs_logratio": float(met["abs_logratio"]), "live_workers": len(coord.live()), **info_sum}
+                   "abs_logratio": float(met["abs_logratio"]), "live_workers": len(coord.live()),
+                   "skipped_updates": skipped_total, **info_sum}
             history.append(row)
             if snapshot is not None and row["wall_s"] <= snapshot_wall_s:   # a copy: the next update reuses buffers
                 host = jax.device_get(state["params"]) if host is None else host
@@ -240,6 +282,17 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             log(f"[{cfg.mode}] step {step}/{cfg.steps} reward {row['reward_mean']:.3f} tokens {ntok} "
                 f"wait {row['wait_s']:.1f}s train {row['train_s']:.1f}s masked {row['masked_frac']:.3f} "
                 f"stale {info_sum['stale']} ({row['wall_s']:.0f} s)")
+            preempted = watch is not None and watch.reached(step)
+            if ckpt is not None and (step % ckpt_every == 0 or step == cfg.steps or preempted):
+                ckpt.save(step, state, {"version": version, "n_groups": n_groups[0], "rng": _rng_json(rng),
+                                        "history": history})
+                ckpt.wait()
+            if preempted:
+                msg = (f"[{cfg.mode}] preempted ({watch.signal_name}): checkpoint of step {step} written to "
+                       f"{ckpt.directory}; exiting with code {PREEMPTED_EXIT_CODE}; re-run the same command "
+                       "to continue from it")
+                log(msg)
+                raise Preempted(msg, step)
             if cfg.kill_worker_at_step == step:
                 victim = sorted(coord.live())[0]
                 log(f"[{cfg.mode}] killing rollout worker {victim} (in flight: {pool.in_flight_groups} groups)")
@@ -251,6 +304,10 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             while pool.in_flight_groups or not pool.done.empty():
                 unused += [r.traj_id for r in pool.get_group()]
     finally:
+        if watch is not None:
+            watch.close()
+        if ckpt is not None:
+            ckpt.close()
         coord.settle()
         pin_process(sorted(prev_cpus) if prev_cpus else None)
         coord.stop()
@@ -263,6 +320,15 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             "requeued": pool.requeued, "server_busy_s": busy, "snapshot": snapshot,
             "accounting": {"issued": list(pool.issued), "trained": trained, "dropped": dropped,
                            "unused": unused, "warmup": warmup, "open": gateway.open_ids()}}
+
+
+def _rng_json(rng: random.Random) -> list:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_state(saved) -> tuple:
+    return (saved[0], tuple(saved[1]), saved[2])
 
 
 def _busy(coord) -> dict:
