@@ -1,0 +1,196 @@
+"""Serving benchmark: a long-tail workload on the tiny model, continuous vs static batching vs Hugging Face
+transformers `generate` on the same weights, with MTP speculation on and off, side by side in one run.
+
+    python -m tools.bench_serve [--json] [--requests=48] [--rate=16] [--max_batch=8] [--seed=0]
+
+Workload: `requests` requests with Poisson arrivals (`rate` per second), prompts of 8..32 random token
+ids, output lengths from a heavy-tailed (log-normal, sigma 1.2, median 12, clipped to [2, 160]) law; every
+request decodes exactly its length (ignore_eos, greedy). Policies:
+  continuous      glm5_jax.serve.Engine: requests join between decode steps and leave when done
+  static          the same engine admitting only into an empty batch: a batch runs to its longest row,
+                  new requests wait (the policy of the rollout servers before the engine)
+  continuous_mtp  continuous with MTP speculation (num_draft 2; random weights, so drafts are rarely
+                  accepted: this row measures the machinery's cost, acceptance is reported beside it)
+  hf_generate     transformers GlmMoeDsaForCausalLM.generate (torch, CPU, float32) on the same weights,
+                  batches of up to max_batch requests that have arrived, each run to its longest row
+Per policy: output tokens/s (generated tokens / (last finish - first arrival)), TTFT p50 / p99 (arrival to
+first token), ITL p50 / p99 (between a request's consecutive tokens). The last line printed is one JSON
+object with an entry per policy (`--json` prints only that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_bool("json", False, "Print only the JSON object.")
+    flags.DEFINE_integer("requests", 48, "Requests in the workload.")
+    flags.DEFINE_float("rate", 16.0, "Poisson arrival rate (requests per second).")
+    flags.DEFINE_integer("max_batch", 8, "Cache slots (and HF batch size).")
+    flags.DEFINE_integer("max_model_len", 256, "Context per request.")
+    flags.DEFINE_integer("seed", 0, "Workload and weights seed.")
+    flags.DEFINE_list("policies", ["continuous", "static", "continuous_mtp", "hf_generate"], "Policies to run.")
+
+
+def workload(n: int, rate: float, vocab: int, seed: int):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    arrivals -= arrivals[0]
+    outs = np.clip(np.round(np.exp(rng.normal(np.log(12.0), 1.2, n))), 2, 160).astype(int)
+    prompts = [rng.integers(3, vocab, int(rng.integers(8, 33))).tolist() for _ in range(n)]
+    return [dict(arrival=float(a), prompt=p, max_tokens=int(o)) for a, p, o in zip(arrivals, prompts, outs)]
+
+
+def summarize(records, t0):
+    """records: [{arrival, first, times}] (absolute perf_counter seconds) -> the policy's figures."""
+    import numpy as np
+    ttft = np.array([r["first"] - (t0 + r["arrival"]) for r in records])
+    itl = np.concatenate([np.diff(r["times"]) for r in records if len(r["times"]) > 1])
+    gen = sum(len(r["times"]) for r in records)
+    span = max(r["times"][-1] for r in records) - t0
+    return {"output_tokens_per_s": gen / span, "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)), "itl_p50_s": float(np.percentile(itl, 50)),
+            "itl_p99_s": float(np.percentile(itl, 99)), "generated_tokens": int(gen), "wall_s": float(span)}
+
+
+def run_engine(config, params, reqs, *, batching, max_batch, max_model_len, speculative=0):
+    from glm5_jax.serve.engine import Engine, SamplingParams
+    eng = Engine(config, params, max_batch=max_batch, max_model_len=max_model_len, batching=batching,
+                 speculative=speculative, max_queue=len(reqs) + 8, prefix_reuse=False)
+    try:
+        eng.warmup()
+        eng.generate([r["prompt"] for r in reqs[:max_batch]],
+                     SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))   # warm every path
+        n0 = eng.compiled_programs()
+        handles = []
+        t0 = time.perf_counter()
+        for r in reqs:
+            wait = t0 + r["arrival"] - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            handles.append(eng.submit(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                                                                  ignore_eos=True)))
+        for h in handles:
+            h.result(3600)
+        recs = [{"arrival": r["arrival"], "first": h.first_token_at, "times": h.token_times}
+                for r, h in zip(reqs, handles)]
+        out = summarize(recs, t0)
+        out["recompiles"] = eng.compiled_programs() - n0
+        if speculative:
+            out["acceptance_length"] = eng.acceptance["length"]
+            out["acceptance_per_depth"] = eng.acceptance["per_depth"]
+        return out
+    finally:
+        eng.shutdown()
+
+
+class _Streamer:
+    """transformers streamer: put() is called with the prompt, then once per step with the new tokens."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_hf(ckpt, reqs, *, max_batch):
+    import numpy as np
+    import torch
+    from transformers import GlmMoeDsaForCausalLM
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32).eval()
+
+    def gen(batch):
+        width = max(len(r["prompt"]) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):          # left padding, as generate expects
+            ids[i, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
+            mask[i, width - len(r["prompt"]):] = 1
+        st = _Streamer()
+        n = max(r["max_tokens"] for r in batch)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0, eos_token_id=None, streamer=st)
+        return st.times[1:]
+
+    gen(reqs[:2])                               # warm-up
+    t0 = time.perf_counter()
+    recs, i = [], 0
+    while i < len(reqs):
+        now = time.perf_counter() - t0
+        if reqs[i]["arrival"] > now:
+            time.sleep(reqs[i]["arrival"] - now)
+            now = time.perf_counter() - t0
+        batch = []
+        while i < len(reqs) and len(batch) < max_batch and reqs[i]["arrival"] <= now:
+            batch.append(reqs[i])
+            i += 1
+        times = gen(batch)
+        for r in batch:
+            t = times[:r["max_tokens"]]
+            recs.append({"arrival": r["arrival"], "first": t[0], "times": t})
+    return summarize(recs, t0)
+
+
+def main(argv):
+    del argv
+    import jax
+    import numpy as np
+
+    from glm5_jax import hf, model
+    from glm5_jax.config import preset
+
+    config = preset("tiny", mtp_depth=1)
+    params = model.init_params(config, jax.random.PRNGKey(FLAGS.seed))
+    reqs = workload(FLAGS.requests, FLAGS.rate, config.vocab_size, FLAGS.seed)
+    result = {"workload": {"requests": len(reqs), "rate_per_s": FLAGS.rate, "max_batch": FLAGS.max_batch,
+                           "output_tokens": int(sum(r["max_tokens"] for r in reqs)),
+                           "output_len_p50": float(np.median([r["max_tokens"] for r in reqs])),
+                           "output_len_max": int(max(r["max_tokens"] for r in reqs)),
+                           "model": "tiny preset (random init), float32", "load_before": os.getloadavg()[0]}}
+    kw = dict(max_batch=FLAGS.max_batch, max_model_len=FLAGS.max_model_len)
+    for pol in FLAGS.policies:
+        if not FLAGS.json:
+            print(f"running {pol} ...", flush=True)
+        if pol == "continuous":
+            result[pol] = run_engine(config, params, reqs, batching="continuous", **kw)
+        elif pol == "static":
+            result[pol] = run_engine(config, params, reqs, batching="static", **kw)
+        elif pol == "continuous_mtp":
+            result[pol] = run_engine(config, params, reqs, batching="continuous", speculative=2, **kw)
+        elif pol == "static_mtp":
+            result[pol] = run_engine(config, params, reqs, batching="static", speculative=2, **kw)
+        elif pol == "hf_generate":
+            with tempfile.TemporaryDirectory() as d:
+                hf.save_checkpoint(config, params, d)
+                result[pol] = run_hf(d, reqs, max_batch=FLAGS.max_batch)
+        else:
+            raise app.UsageError(f"unknown policy {pol!r}")
+        if not FLAGS.json:
+            print(f"  {pol}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in result[pol].items()), flush=True)
+    if "continuous" in result and "static" in result:
+        result["continuous_over_static"] = (result["continuous"]["output_tokens_per_s"]
+                                            / result["static"]["output_tokens_per_s"])
+    result["load_after"] = os.getloadavg()[0]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
