@@ -198,7 +198,7 @@ def test_micro_run_writes_the_report_fields(tmp_path):
         assert isinstance(e["gap"]["diff"], float) and isinstance(e["oracle_gap"]["diff"], float)
         assert 0.0 < e["indexer_mass"] <= e["oracle_mass"] + 1e-6 <= 1.0 + 1e-6
         assert 0.0 <= e["indexer_recall_of_oracle"] <= 1.0
-        assert e["mass_by_bucket"]["selected_mass"][0] == pytest.approx(1.0, abs=1e-4)   # positions < top-k 16... of 32
+        assert all(a <= b + 1e-6 for a, b in zip(e["mass_by_bucket"]["selected_mass"], e["mass_by_bucket"]["oracle_mass"]))
     assert 0.0 < rep["arms"]["dsa"]["mla_oracle_mass"] <= 1.0
     for f in ("report.md", "passkey.png", "passkey_indexer_recall.png", "position_loss_mla.png"):
         assert os.path.getsize(tmp_path / f) > 0
