@@ -78,9 +78,16 @@ def test_completions_greedy_equals_static_decoder_and_stream_equals_whole(server
     assert ch.text == tok.decode(ref.tokens[0].tolist())
     assert ch.finish_reason == "length" and r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 10
     parts = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True}))
+                                           logprobs=2, extra_body={"ignore_eos": True}))
     assert "".join(p.choices[0].text for p in parts) == ch.text
     assert parts[-1].choices[0].finish_reason == "length"
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0].logprobs
+    streamed = [p.choices[0].logprobs for p in parts if p.choices[0].logprobs]
+    assert [t for x in streamed for t in x.tokens] == whole.tokens
+    assert [o for x in streamed for o in x.text_offset] == whole.text_offset
+    assert whole.text_offset[0] == len(prompt)
+    np.testing.assert_allclose([v for x in streamed for v in x.token_logprobs], whole.token_logprobs, atol=1e-6)
 
 
 def test_completions_prompt_forms_and_n(server, tiny):

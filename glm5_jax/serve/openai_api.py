@@ -411,6 +411,7 @@ class OpenAIServer:
             if isinstance(body.get("stream_options"), dict) else False
         by_id = {h.id: k for k, h in enumerate(handles)}
         left = set(by_id)
+        offsets = {}
         created = int(time.time())
         resp = await self._sse_start(request)
         base = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -435,11 +436,14 @@ class OpenAIServer:
                     continue
                 lpo = None
                 if lp is not None:
-                    i = len(h.tokens) - 1
                     s = self._piece(ev.token)
+                    if k not in offsets:
+                        ptext = jobs[k][2] if jobs[k][2] is not None else self.tok.decode(jobs[k][1])
+                        offsets[k] = len(ptext)
                     lpo = {"tokens": [s], "token_logprobs": [ev.logprob],
                            "top_logprobs": [{self._piece(a): b for a, b in ev.top[:lp]} if lp else None],
-                           "text_offset": [i]}
+                           "text_offset": [offsets[k]]}
+                    offsets[k] += len(s)
                 if ev.text or lpo is not None:
                     await self._sse(resp, {**base, "choices": [{"index": k, "text": ev.text, "logprobs": lpo,
                                                                 "finish_reason": None}]})
