@@ -493,7 +493,7 @@ class Engine:
                 for s in self.slots:
                     if s.handle is not None:
                         s.handle._finish("error", msg)
-                        s.handle, s.cached = None, np.zeros((0,), np.int32)
+                    s.handle, s.cached = None, np.zeros((0,), np.int32)     # the rows are zeroed below
                 self._reset_cache()
             if self.metrics is not None:
                 self.metrics.observe_engine(self)
