@@ -1,7 +1,7 @@
 """Serving benchmark: a long-tail workload on the tiny model, continuous vs static batching vs Hugging Face
 transformers `generate` on the same weights, with MTP speculation on and off, side by side in one run.
 
-    python -m tools.bench_serve [--json] [--requests=48] [--rate=16] [--max_batch=8] [--seed=0]
+    python -m tools.bench_serve [--json] [--requests=96] [--rate=64] [--max_batch=8] [--seed=0]
 
 Workload: `requests` requests with Poisson arrivals (`rate` per second), prompts of 8..32 random token
 ids, output lengths from a heavy-tailed (log-normal, sigma 1.2, median 12, clipped to [2, 160]) law; every
@@ -33,8 +33,8 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     flags.DEFINE_bool("json", False, "Print only the JSON object.")
-    flags.DEFINE_integer("requests", 48, "Requests in the workload.")
-    flags.DEFINE_float("rate", 16.0, "Poisson arrival rate (requests per second).")
+    flags.DEFINE_integer("requests", 96, "Requests in the workload.")
+    flags.DEFINE_float("rate", 64.0, "Poisson arrival rate (requests per second): above what the engine serves, so the figures are capacities.")
     flags.DEFINE_integer("max_batch", 8, "Cache slots (and HF batch size).")
     flags.DEFINE_integer("max_model_len", 256, "Context per request.")
     flags.DEFINE_integer("seed", 0, "Workload and weights seed.")
