@@ -85,6 +85,59 @@ CASES = {"batch_axes": ("data:2,fsdp:2,expert:2", 8, ("dense", "sparse")),
          "context": ("data:2,context:4", 4, ("dense", "sparse"))}
 
 
+KERNELS = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from glm5_jax import sharding
+    from glm5_jax.attention import kernels
+    from glm5_jax.attention.context import from_layout, over_context, to_layout
+    assert len(jax.devices()) == 8
+    B, T, H, D, DV, HI, DI, K = 8, 32, 2, 16, 8, 2, 8, 6
+    ks = jax.random.split(jax.random.PRNGKey(0), 6)
+    q, k = jax.random.normal(ks[0], (B, T, H, D)), jax.random.normal(ks[1], (B, T, 1, D))
+    qi, ki, w = jax.random.normal(ks[2], (B, T, HI, DI)), jax.random.normal(ks[3], (B, T, DI)), jax.random.normal(ks[4], (B, T, HI))
+    seg = jnp.asarray(np.repeat(np.r_[np.zeros(12), np.ones(T - 12)][None], B, 0).astype(np.int32))
+
+    def model(impl, ctx):
+        def attend(loc, kv, off):
+            at = dict(q_offset=off, kv_segment_ids=None if off is None else kv["seg"])
+            idx = kernels.indexer_topk(loc["qi"], kv["ki"], loc["w"], K, segment_ids=loc["seg"], impl=impl, **at)
+            o = kernels.sparse_attention(loc["q"], kv["k"], None, idx, scale=0.3, impl=impl, dv=DV)
+            return o, idx
+        lay = (lambda x: to_layout(x, ctx)) if ctx > 1 else (lambda x: x)     # the train step's context layout
+        nat = (lambda x: from_layout(x, ctx)) if ctx > 1 else (lambda x: x)
+        def f(q, k):
+            loc = {"q": lay(q), "qi": lay(qi), "w": lay(w), "seg": lay(seg)}
+            o, idx = over_context(attend, loc, {"k": lay(k), "ki": lay(ki), "seg": lay(seg)}, ("token", "token"), n=ctx)
+            return jnp.sum(jnp.sin(nat(o)) * jnp.arange(T)[:, None, None] / T), nat(idx)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+    (v0, i0), g0 = model("xla", 1)(q, k)
+    for spec, ctx in (("data:2,fsdp:2,expert:2", 1), ("data:2,context:4", 4)):
+        with sharding.use_mesh(sharding.make_mesh(spec)):
+            fn = model("pallas", ctx)
+            text = fn.lower(q, k).as_text()
+            (v1, i1), g1 = fn(q, k)
+        assert "shard_map" in text or "sdy.manual_computation" in text, spec
+        np.testing.assert_array_equal(i1, i0)
+        np.testing.assert_allclose(v1, v0, rtol=1e-5)
+        for a, b in zip(g1, g0):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        print("equal", spec)
+    print("OK")
+""")
+
+
+def test_pallas_kernels_under_mesh_equal_xla_unsharded():
+    """The two DSA kernels alone (indexer top-k -> sparse attention in MQA form, packed documents), value
+    and gradients in q and k: attention_impl="pallas" under data:2,fsdp:2,expert:2 (per-device shard_map)
+    and under data:2,context:4 (over_context, global query offsets) equal "xla" unsharded; same indices."""
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr[-6000:]
+    assert "OK" in res.stdout, res.stdout
+
+
 @pytest.mark.slow  # interpret-mode Pallas inside the whole model, 4 compiles: ~2-4 min on 2 loaded cores
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pallas_under_mesh_equals_xla_unsharded(case):
