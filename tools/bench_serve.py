@@ -1,10 +1,10 @@
 """Serving benchmark: a long-tail workload on the tiny model, continuous vs static batching vs Hugging Face
 transformers `generate` on the same weights, with MTP speculation on and off, side by side in one run.
 
-    python -m tools.bench_serve [--json] [--requests=96] [--rate=64] [--max_batch=8] [--seed=0]
+    python -m tools.bench_serve [--json] [--requests=64] [--rate=64] [--max_batch=8] [--seed=0]
 
 Workload: `requests` requests with Poisson arrivals (`rate` per second), prompts of 8..32 random token
-ids, output lengths from a heavy-tailed (log-normal, sigma 1.2, median 12, clipped to [2, 160]) law; every
+ids, output lengths from a heavy-tailed (log-normal, sigma 1.3, median 24, clipped to [2, 256]) law; every
 request decodes exactly its length (ignore_eos, greedy). Policies:
   continuous      glm5_jax.serve.Engine: requests join between decode steps and leave when done
   static          the same engine admitting only into an empty batch: a batch runs to its longest row,
@@ -33,20 +33,23 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     flags.DEFINE_bool("json", False, "Print only the JSON object.")
-    flags.DEFINE_integer("requests", 96, "Requests in the workload.")
+    flags.DEFINE_integer("requests", 64, "Requests in the workload.")
     flags.DEFINE_float("rate", 64.0, "Poisson arrival rate (requests per second): above what the engine serves, so the figures are capacities.")
     flags.DEFINE_integer("max_batch", 8, "Cache slots (and HF batch size).")
-    flags.DEFINE_integer("max_model_len", 256, "Context per request.")
+    flags.DEFINE_integer("max_model_len", 320, "Context per request.")
+    flags.DEFINE_float("out_median", 24.0, "Median output length (log-normal).")
+    flags.DEFINE_float("out_sigma", 1.3, "Log-normal sigma of the output length (the tail).")
+    flags.DEFINE_integer("out_max", 256, "Output lengths are clipped to [2, out_max].")
     flags.DEFINE_integer("seed", 0, "Workload and weights seed.")
     flags.DEFINE_list("policies", ["continuous", "static", "continuous_mtp", "hf_generate"], "Policies to run.")
 
 
-def workload(n: int, rate: float, vocab: int, seed: int):
+def workload(n: int, rate: float, vocab: int, seed: int, median: float = 24.0, sigma: float = 1.3, out_max: int = 256):
     import numpy as np
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     arrivals -= arrivals[0]
-    outs = np.clip(np.round(np.exp(rng.normal(np.log(12.0), 1.2, n))), 2, 160).astype(int)
+    outs = np.clip(np.round(np.exp(rng.normal(np.log(median), sigma, n))), 2, out_max).astype(int)
     prompts = [rng.integers(3, vocab, int(rng.integers(8, 33))).tolist() for _ in range(n)]
     return [dict(arrival=float(a), prompt=p, max_tokens=int(o)) for a, p, o in zip(arrivals, prompts, outs)]
 
@@ -157,7 +160,8 @@ def main(argv):
 
     config = preset("tiny", mtp_depth=1)
     params = model.init_params(config, jax.random.PRNGKey(FLAGS.seed))
-    reqs = workload(FLAGS.requests, FLAGS.rate, config.vocab_size, FLAGS.seed)
+    reqs = workload(FLAGS.requests, FLAGS.rate, config.vocab_size, FLAGS.seed, FLAGS.out_median, FLAGS.out_sigma,
+                    FLAGS.out_max)
     result = {"workload": {"requests": len(reqs), "rate_per_s": FLAGS.rate, "max_batch": FLAGS.max_batch,
                            "output_tokens": int(sum(r["max_tokens"] for r in reqs)),
                            "output_len_p50": float(np.median([r["max_tokens"] for r in reqs])),
