@@ -75,6 +75,7 @@ def run_engine(config, params, reqs, *, batching, max_batch, max_model_len, spec
         eng.generate([r["prompt"] for r in reqs[:max_batch]],
                      SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))   # warm every path
         n0 = eng.compiled_programs()
+        s0 = dict(eng.stats)
         handles = []
         t0 = time.perf_counter()
         for r in reqs:
@@ -89,6 +90,9 @@ def run_engine(config, params, reqs, *, batching, max_batch, max_model_len, spec
                 for r, h in zip(reqs, handles)]
         out = summarize(recs, t0)
         out["recompiles"] = eng.compiled_programs() - n0
+        st = {k: eng.stats[k] - s0.get(k, 0) for k in eng.stats}
+        out.update(prefill_calls=int(st["prefills"]), decode_steps=int(st["steps"]),
+                   prefill_s_total=float(st["prefill_s"]), decode_s_total=float(st["decode_s"]))
         if speculative:
             out["acceptance_length"] = eng.acceptance["length"]
             out["acceptance_per_depth"] = eng.acceptance["per_depth"]
