@@ -182,3 +182,15 @@ def test_a2a_step_with_megablox_leaves_no_dense_expert_weight_gradient(tmp_path)
     assert dense_dw(tmp_path / "rd.hlo.gz"), "the ragged_dot step should keep the dense dW (the test's control)"
     assert mb["budget"]["unknown_cost_kernels"] == []
     assert mb["budget"]["compiled_flops"] < rd["budget"]["compiled_flops"]
+
+
+@pytest.mark.slow   # one TPU compile of the tiny step (~1.5 min on 2 cores)
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
+def test_pallas_dsa_step_lowers_for_tpu_under_a_mesh():
+    """attention_impl=pallas on a 4-chip mesh: the Mosaic kernels (indexer top-k, sparse attention) lower
+    for TPU only inside a shard_map manual over every mesh axis (the lowering refuses a partly automatic
+    region, which CPU interpret mode never sees); every kernel carries a cost estimate."""
+    r = _aot_json("--mesh=fsdp:4", "--batch_size=4", "--seq_len=64", "--set", "model.attention_impl=pallas")
+    assert r["fits"] is True
+    assert r["budget"]["unknown_cost_kernels"] == []
+    assert r["budget"]["compiled_flops"] > 0

@@ -38,18 +38,30 @@ def batch_split_axes(batch: int) -> tuple[str, ...]:
     return axes
 
 
+def _auto_axes() -> tuple[str, ...]:
+    """Axes of the current abstract mesh that are not manual yet (a Mosaic kernel needs all of them manual:
+    the TPU lowering refuses a Pallas call in a partly automatic region, even over axes of size 1)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return tuple(a for a in mesh.axis_names if a not in manual)
+
+
 def per_device(fn, batch_args: dict, scalar_args: dict | None = None):
-    """fn(**batch_args, **scalar_args) run per device in a shard_map over `batch_split_axes`: every
-    non-None entry of batch_args is split on its leading (batch) dim, scalar_args are replicated, the
-    output pytree is split on its leading dim. Without axes to split: fn called directly."""
+    """fn(**batch_args, **scalar_args) run per device in a shard_map manual over every axis of the mesh
+    not manual yet: every non-None entry of batch_args is split on its leading (batch) dim over
+    `batch_split_axes` and replicated over the other axes, scalar_args are replicated, the output pytree
+    is split like the inputs. Without a mesh (or inside a fully manual region): fn called directly."""
     scalar_args = {k: v for k, v in (scalar_args or {}).items() if v is not None}
     arrays = {k: v for k, v in batch_args.items() if v is not None}
     nones = {k: None for k, v in batch_args.items() if v is None}
     b = next(iter(arrays.values())).shape[0]
-    axes = batch_split_axes(b)
-    if not axes:
+    auto = _auto_axes()
+    if not auto:
         return fn(**arrays, **nones, **scalar_args)
-    spec = P(axes)
+    axes = batch_split_axes(b)
+    spec = P(axes) if axes else P()
 
     def body(arrays, scalars):
         return fn(**arrays, **nones, **scalars)
@@ -57,7 +69,7 @@ def per_device(fn, batch_args: dict, scalar_args: dict | None = None):
     in_specs = ({k: spec for k in arrays}, {k: P() for k in scalar_args})
     out = jax.eval_shape(body, arrays, scalar_args)
     out_specs = jax.tree_util.tree_map(lambda _: spec, out)
-    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes),
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(auto),
                          check_vma=False)(arrays, scalar_args)
 
 
