@@ -7,9 +7,10 @@ Triton custom call is opaque: it would be run on the whole, replicated batch). S
 attention_impl="pallas" the kernels run per device inside `jax.shard_map` over the mesh's batch axes
 (`glm5_jax.parallel.ep.BATCH_AXES`: data, fsdp, expert) that are not manual already (under context
 parallelism `glm5_jax.attention.context.over_context` has made them manual, with the `context` axis,
-and passes the global query offset). Every other axis (tensor) stays automatic. The batch dim must
-divide by the product of those axes' sizes; when it does not (only flax's init trace, batch 1, whose
-forward is dead code) the kernels run unwrapped.
+and passes the global query offset). The shard_map is manual over every other not-yet-manual axis too
+(tensor, size-1 axes), the operands replicated over them: the TPU lowering refuses a Mosaic call in a
+partly automatic region. The batch dim must divide by the product of the batch axes' sizes; when it
+does not (only flax's init trace, batch 1, whose forward is dead code) it is replicated.
 """
 
 from __future__ import annotations
