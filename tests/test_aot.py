@@ -133,7 +133,7 @@ def test_compiler_out_of_memory_is_a_report_with_fits_false_and_exit_1(monkeypat
     assert e.temporaries == int(98.29 * 2**30) and e.available == int(95.74 * 2**30)
     assert aot.DoesNotFit("RESOURCE_EXHAUSTED: something else", 1.0, 1.0).temporaries is None
 
-    def refuse(r, log=None):
+    def refuse(r, log=None, save_hlo=None):
         raise aot.DoesNotFit(msg, 30.0, 10.0)
     monkeypatch.setattr(aot, "compile_step", refuse)
     assert aot.main(["--preset=tiny", "--topology=v5p:2x2x1", "--json"]) == 1
