@@ -92,6 +92,8 @@ def test_chat_completions_tool_call_then_reply_keeps_recorded_tokens(template, s
     ("/v1/chat/completions", None, b"x" * 5000, 413),
     ("/v1/rollouts/nope/finish", {"reward": 1}, None, 404),
     ("/v1/other", {}, None, 404),
+    ("/v1/chat/completions", None, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),  # lone surrogate
+    ("/v1/chat/completions", None, b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": NaN}', 400),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_answering(served, path, body, raw, code):
     url, *_ = served
@@ -99,3 +101,55 @@ def test_bad_requests_get_4xx_and_server_keeps_answering(served, path, body, raw
     assert s == code and out["error"]["code"] == code
     s, out = post(url + "/v1/chat/completions", {"messages": [USER]})
     assert s == 200
+
+
+@pytest.mark.parametrize("raw", [b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": -Infinity}',
+                                 b'{"reward": 1e400}', b'{"reward": ' + b"9" * 400 + b'}', b'{"reward": 2e6}',
+                                 b'{"reward": "1"}', b'{"reward": true}'])
+def test_finish_refuses_non_finite_or_unbounded_rewards_and_keeps_the_record_open(served, raw):
+    """NaN / Infinity literals, a float that overflows, a 400-digit int, |reward| > 1e6 and non-numbers
+    are 400 (never 500, never recorded); the rollout stays open and a valid reward then finishes it."""
+    url, gateway, *_ = served
+    assert post(url + "/v1/chat/completions", {"messages": [USER], "rollout_id": "rw"})[0] == 200
+    s, out = post(url + "/v1/rollouts/rw/finish", None, raw)
+    assert s == 400 and out["error"]["code"] == 400, out
+    assert "rw" in gateway.open_ids()
+    assert post(url + "/v1/rollouts/rw/finish", {"reward": -0.5})[0] == 200
+
+
+def test_bad_content_length_is_400_and_a_slow_body_is_408(template):
+    """A Content-Length that is not an integer is a 400; a client that sends headers but not its body is
+    answered 408 after the deadline (its thread freed), and the server keeps answering."""
+    import socket
+    import time
+    server, url = serve_http(ChatEndpoint(template, lambda *a: None), timeout_s=0.5)
+    try:
+        host, port = server.server_address[:2]
+        for head, want in [(b"Content-Length: abc\r\n", b" 400 "), (b"Content-Length: 100\r\n", b" 408 ")]:
+            with socket.create_connection((host, port), timeout=10) as c:
+                t0 = time.time()
+                c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{")
+                reply = c.recv(4096)
+                assert want in reply.split(b"\r\n")[0], reply[:200]
+                assert time.time() - t0 < 5
+        assert post(url + "/v1/rollouts/none/finish", {"reward": 1})[0] == 404
+    finally:
+        server.shutdown()
+
+
+def test_open_rollouts_are_bounded(template):
+    """Beyond max_open open rollouts a new rollout_id is refused (429) until one finishes; a known
+    rollout_id still continues."""
+    toks = _generated_ids(template, [USER], REPLY)
+    gen = lambda rid, req, ids, n: {"tokens": toks, "logprobs": [0.0] * len(toks), "version": 0,
+                                    "finish_reason": "stop"}
+    server, url = serve_http(ChatEndpoint(template, gen, Gateway(), max_tokens=32, max_open=2))
+    try:
+        assert [post(url + "/v1/chat/completions", {"messages": [USER], "rollout_id": r})[0]
+                for r in ("a", "b", "c")] == [200, 200, 429]
+        more = {"messages": [USER, REPLY, {"role": "user", "content": "again"}], "rollout_id": "b"}
+        assert post(url + "/v1/chat/completions", more)[0] == 200          # an open rollout continues at the cap
+        assert post(url + "/v1/rollouts/a/finish", {"reward": 0})[0] == 200
+        assert post(url + "/v1/chat/completions", {"messages": [USER], "rollout_id": "c"})[0] == 200
+    finally:
+        server.shutdown()

@@ -8,14 +8,18 @@ recorded tokens (exactly what was generated) plus the rendering of the messages 
 assistant message (tool results, a new user turn) and the generation prompt, appended as masked
 context. ``finish`` (``POST /v1/rollouts/<id>/finish`` with ``{"reward"}``) closes the record.
 
-Requests are bounded (``max_body`` bytes, ``max_tokens`` <= the server's limit); malformed JSON, bad
-messages or fields get 400, an unknown path 404, an oversized body 413, no live worker 503; the
+Requests are bounded (``max_body`` bytes, ``max_tokens`` <= the server's limit, ``max_open`` rollouts
+open at once, ``timeout_s`` to send a request); malformed JSON (NaN / Infinity literals included), a
+string that is not Unicode text (a lone surrogate such as ``"\\ud800"``), bad messages or fields and a
+reward that is not a finite number within 1e6 get 400, an unknown path 404, a request not sent within
+the deadline 408, an oversized body 413, a new rollout beyond ``max_open`` 429, no live worker 503; the
 response adds ``glm5: {token_ids, logprobs, version}`` so a client can check what was recorded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -23,10 +27,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
 from glm5_jax.agentic.coordinator import NoWorkers, WorkerLost
+from glm5_jax.agentic.envs import find_bad_string
 from glm5_jax.agentic.gateway import Gateway
 from glm5_jax.data.chat import ChatFormatError, ChatTemplate
 
 __all__ = ["ChatEndpoint", "HTTPError", "serve_http"]
+
+MAX_REWARD = 1e6      # |reward| a finish may carry: larger values are a bug in the client's scorer
 
 
 class HTTPError(Exception):
@@ -40,9 +47,9 @@ class ChatEndpoint:
     the routed server call (``Coordinator.generate``)."""
 
     def __init__(self, template: ChatTemplate, generate: Callable, gateway: Optional[Gateway] = None, *,
-                 max_tokens: int = 64, max_context: int = 4096):
+                 max_tokens: int = 64, max_context: int = 4096, max_open: int = 1024):
         self.template, self.generate, self.gateway = template, generate, gateway or Gateway()
-        self.max_tokens, self.max_context = max_tokens, max_context
+        self.max_tokens, self.max_context, self.max_open = max_tokens, max_context, max_open
         self._lock = threading.Lock()
 
     def completions(self, body: dict) -> dict:
@@ -62,7 +69,11 @@ class ChatEndpoint:
         except (ChatFormatError, TypeError, KeyError, AttributeError) as e:
             raise HTTPError(400, f"bad messages: {e}") from None
         with self._lock:
-            known = rid in self.gateway.open_ids()
+            open_ids = self.gateway.open_ids()
+            known = rid in open_ids
+            if not known and len(open_ids) >= self.max_open:
+                raise HTTPError(429, f"{len(open_ids)} rollouts are open (max_open={self.max_open}): finish one "
+                                     "(POST /v1/rollouts/<id>/finish) before starting another")
             if not known:
                 self.gateway.open(rid, rid, rendered.ids)
             else:
@@ -100,16 +111,23 @@ class ChatEndpoint:
         reward = body.get("reward") if isinstance(body, dict) else None
         if not isinstance(reward, (int, float)) or isinstance(reward, bool):
             raise HTTPError(400, "finish needs a numeric reward")
+        if abs(reward) > MAX_REWARD or not math.isfinite(reward):      # (a huge int never reaches float())
+            raise HTTPError(400, f"reward must be a finite number with |reward| <= {MAX_REWARD:g}, got {reward!r}")
         if rid not in self.gateway.open_ids():
             raise HTTPError(404, f"unknown rollout_id {rid!r}")
         rec = self.gateway.finish(rid, float(reward), "done")
         return {"rollout_id": rid, "tokens": len(rec.tokens), "generated": rec.generated_tokens}
 
 
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+
+
 def serve_http(endpoint: ChatEndpoint, host: str = "127.0.0.1", port: int = 0, *, max_body: int = 1 << 20,
-               on_finish: Optional[Callable] = None):
+               on_finish: Optional[Callable] = None, timeout_s: float = 60.0):
     """Start a threaded HTTP server in a daemon thread -> (server, url). ``server.shutdown()`` stops it.
-    ``on_finish(record)`` receives each finished record (e.g. to hand it to the trainer)."""
+    ``on_finish(record)`` receives each finished record (e.g. to hand it to the trainer). ``timeout_s``: the
+    deadline for reading a request (a client that drips its body is answered 408, its thread freed)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):     # quiet
@@ -125,13 +143,27 @@ def serve_http(endpoint: ChatEndpoint, host: str = "127.0.0.1", port: int = 0, *
 
         def do_POST(self):
             try:
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    raise HTTPError(400, f"Content-Length {self.headers.get('Content-Length')!r} is not an "
+                                         "integer") from None
                 if length < 0 or length > max_body:
                     raise HTTPError(413, f"body of {length} bytes exceeds {max_body}")
+                self.connection.settimeout(timeout_s)
                 try:
-                    body = json.loads(self.rfile.read(length) or b"null")
-                except (ValueError, UnicodeDecodeError) as e:
+                    raw = self.rfile.read(length)
+                except TimeoutError:
+                    self.close_connection = True
+                    raise HTTPError(408, f"the request body was not sent within {timeout_s:g} s") from None
+                try:
+                    body = json.loads(raw or b"null", parse_constant=_no_constant)
+                except (ValueError, UnicodeDecodeError, RecursionError) as e:
                     raise HTTPError(400, f"body is not JSON: {e}") from None
+                bad = find_bad_string(body)
+                if bad is not None:
+                    raise HTTPError(400, f"{bad}: not Unicode text (a lone surrogate?); strings must be valid "
+                                         "UTF-8")
                 path = self.path.rstrip("/")
                 if path == "/v1/chat/completions":
                     self._send(200, endpoint.completions(body))
