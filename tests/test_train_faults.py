@@ -152,6 +152,43 @@ def test_nan_gradient_with_finite_loss_is_never_checkpointed(tmp_path):
     assert not _same(states[3]["params"], states[2]["params"])
 
 
+def _loss_scaled_on_poison(tc, scale=1000.0):
+    """The LM loss, multiplied by `scale` on a batch with poison=1: a finite gradient spike (the metrics'
+    loss is the unscaled LM loss)."""
+    base = make_loss_fn(CFG, tc)
+
+    def loss_fn(params, batch):
+        loss, aux = base(params, {k: v for k, v in batch.items() if k != "poison"})
+        return loss * jnp.where(jnp.max(batch["poison"]) > 0, scale, 1.0), aux
+
+    return loss_fn
+
+
+def test_spike_is_skipped_once_the_window_is_full_and_resumes_exactly(tmp_path):
+    """spike_window=3, spike_k=20: a 1000x gradient (finite) at step 2 is applied (the window is not full yet);
+    the same at step 7 is skipped: spike = 1, skipped = 0 (not a non-finite step, no stop in the default
+    stop mode), step 7's params and optimizer state equal step 6's, step 8 trains on; spike_steps counts it.
+    A run stopped after step 7 and resumed gives the rows of the uninterrupted run (the window is in the
+    checkpoint)."""
+    tc = TrainConfig(steps=9, ckpt_every=1, keep_checkpoints=9, learning_rate=1e-3, spike_window=3, spike_k=20.0,
+                     **BASE)
+    loss_fn = _loss_scaled_on_poison(tc)
+    lines = []
+    train(CFG, tc, Data(poison={2, 7}), str(tmp_path / "full"), log=lines.append, loss_fn=loss_fn)
+    rows = _rows(tmp_path / "full")
+    assert [r["spike"] for r in rows] == [0.0] * 6 + [1.0, 0.0, 0.0], [(r["loss"], r["grad_norm"]) for r in rows]
+    assert all(r["skipped"] == 0.0 for r in rows) and rows[-1]["spike_steps"] == 1
+    assert rows[1]["grad_norm"] > 100 * rows[0]["grad_norm"] and rows[6]["grad_norm"] > 100 * rows[5]["grad_norm"]
+    assert sum("a spike" in l for l in lines) == 1
+    st = {s: _restore(tmp_path / "full", tc, s) for s in (6, 7, 8)}
+    assert _same(st[7]["params"], st[6]["params"]) and _same(st[7]["opt_state"], st[6]["opt_state"])
+    assert not _same(st[8]["params"], st[7]["params"]) and int(st[7]["step"]) == 7
+    assert int(st[6]["spike"]["count"]) == 6 and int(st[7]["spike"]["count"]) == 6   # a skipped step is not recorded
+    train(CFG, tc, Data(poison={2, 7}), str(tmp_path / "cut"), log=lambda m: None, loss_fn=loss_fn, stop_after=7)
+    train(CFG, tc, Data(poison={2, 7}), str(tmp_path / "cut"), log=lambda m: None, loss_fn=loss_fn)
+    assert _rows(tmp_path / "cut") == rows
+
+
 def test_sigterm_checkpoints_the_step_reached_and_resumes_bitwise(tmp_path):
     """SIGTERM during step 3's batch: the loop finishes step 3, checkpoints it (not a ckpt_every step),
     logs one line and raises Preempted (exit code 143); the same call again continues to the same rows as
@@ -218,7 +255,9 @@ def test_time_based_checkpoints_and_keep_period(tmp_path):
 @pytest.mark.parametrize("kw,msg", [(dict(nonfinite="ignore"), "allowed: stop, skip"),
                                     (dict(keep_period=-1), "keep_period=-1"),
                                     (dict(ckpt_every_minutes=-1.0), "ckpt_every_minutes=-1.0"),
-                                    (dict(max_skipped_steps=1.5), "max_skipped_steps=1.5")])
+                                    (dict(max_skipped_steps=1.5), "max_skipped_steps=1.5"),
+                                    (dict(spike_window=1), "spike_window=1 is invalid: must be 0 .off. or an integer >= 2"),
+                                    (dict(spike_k=0.0), "spike_k=0.0 is invalid")])
 def test_bad_fault_settings(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         TrainConfig(**kw)

@@ -45,6 +45,8 @@ class TrainConfig:
     nonfinite: str = "stop"              # a step with a NaN/inf loss, gradient or update is never applied;
                                          # stop: end the run naming the last (finite) checkpoint; skip: go on
     max_skipped_steps: int = 10          # skip: stop after this many consecutive skipped steps
+    spike_window: int = 0                # > 0: also skip a (finite) step whose loss or gradient norm exceeds
+    spike_k: float = 6.0                 # mean + spike_k * std of the last spike_window applied steps
     async_checkpoints: bool = True
     seed: int = 0
     profile_steps: tuple[int, int] | None = None  # (first, last) steps to trace with jax.profiler
@@ -81,6 +83,12 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.min_lr_ratio={self.min_lr_ratio!r} is invalid: must be in [0, 1]")
         if self.nonfinite not in NONFINITE:
             raise ConfigError(f"TrainConfig.nonfinite={self.nonfinite!r} is invalid: allowed: {', '.join(NONFINITE)}")
+        if isinstance(self.spike_window, bool) or not isinstance(self.spike_window, int) or self.spike_window < 0 \
+                or self.spike_window == 1:
+            raise ConfigError(f"TrainConfig.spike_window={self.spike_window!r} is invalid: must be 0 (off) or an "
+                              "integer >= 2 (the applied steps whose loss / grad norm mean and std define a spike)")
+        if isinstance(self.spike_k, bool) or not isinstance(self.spike_k, (int, float)) or not self.spike_k > 0:
+            raise ConfigError(f"TrainConfig.spike_k={self.spike_k!r} is invalid: must be > 0 (standard deviations)")
         for f in ("keep_period", "max_skipped_steps"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -204,7 +204,8 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     final = None
     end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
     # skipped (non-finite) steps: the run's total (in each row, read back on resume) and the current streak
-    skips = {"total": int(done[-1].get("skipped_steps", 0)) if done else 0, "streak": 0}
+    skips = {"total": int(done[-1].get("skipped_steps", 0)) if done else 0, "streak": 0,
+             "spikes": int(done[-1].get("spike_steps", 0)) if done else 0}
     watch = PreemptionWatch().__enter__()
 
     def close_all():
@@ -240,9 +241,21 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
                      f"{tcfg.max_skipped_steps}); stopped. {good}")
             if primary:
                 log(f"[{name}] {what}; skipped ({skips['total']} skipped so far)")
+        elif metrics.get("spike", 0.0) > 0:      # finite, but beyond mean + spike_k * std: skipped, never a stop
+            skips["spikes"] += 1
+            skips["streak"] += 1
+            what = (f"step {step}: loss {metrics['loss']:.6g} / grad_norm {metrics.get('grad_norm'):.6g} beyond mean + "
+                    f"{tcfg.spike_k:g} std of the last {tcfg.spike_window} steps (a spike; the step was not applied)")
+            if skips["streak"] > tcfg.max_skipped_steps:
+                stop(f"[{name}] {what}; {skips['streak']} steps in a row skipped (max_skipped_steps="
+                     f"{tcfg.max_skipped_steps}); stopped. The last checkpoint is step {last_good} in {ckpt.directory}")
+            if primary:
+                log(f"[{name}] {what}; skipped ({skips['spikes']} spikes so far)")
         else:
             skips["streak"] = 0
         row = {"step": step, **metrics, "skipped_steps": skips["total"], **(data or {}), **(extra() if extra else {})}
+        if tcfg.spike_window:
+            row["spike_steps"] = skips["spikes"]
         obs.record(step, row, step_seconds=seconds)
         show = step % tcfg.log_every == 0 or step == end or "eval_loss" in row
         metrics_file.write(row, flush=show or step % tcfg.ckpt_every == 0)

@@ -108,7 +108,17 @@ def state_specs(model_cfg: ModelConfig, tcfg: TrainConfig | None, tx=None):
     specs = {"params": pspecs, "opt_state": opt_state_specs(params, pspecs, opt), "step": P(), "rng": P()}
     abstract = {"params": params, "opt_state": opt, "step": jax.ShapeDtypeStruct((), jnp.int32),
                 "rng": jax.eval_shape(lambda: jax.random.PRNGKey(0))}
+    if getattr(tcfg, "spike_window", 0):     # the spike guard's window (glm5_jax.train.step), replicated
+        specs["spike"] = {"loss": P(), "grad_norm": P(), "count": P()}
+        abstract["spike"] = jax.eval_shape(lambda: spike_window_init(tcfg.spike_window))
     return specs, tx, abstract
+
+
+def spike_window_init(window: int) -> dict:
+    """The spike guard's state: the last `window` applied steps' loss and grad norm (a ring) and how many
+    steps were recorded."""
+    return {"loss": jnp.zeros((window,), jnp.float32), "grad_norm": jnp.zeros((window,), jnp.float32),
+            "count": jnp.zeros((), jnp.int32)}
 
 
 def _named(mesh, specs):
@@ -175,7 +185,15 @@ def init_train_state(model_cfg: ModelConfig, tcfg: TrainConfig | None, mesh=None
     specs, tx, _ = state_specs(model_cfg, tcfg, tx)
     sh = _named(mesh, specs)
     rng = jax.random.PRNGKey(seed)
-    rest = lambda: {"step": jnp.zeros((), jnp.int32), "rng": jax.random.fold_in(rng, 2)}
+    spike = getattr(tcfg, "spike_window", 0)
+
+    def rest():
+        out = {"step": jnp.zeros((), jnp.int32), "rng": jax.random.fold_in(rng, 2)}
+        if spike:
+            out["spike"] = spike_window_init(tcfg.spike_window)
+        return out
+
+    other_sh = {k: sh[k] for k in ("step", "rng", "spike") if k in sh}
     if params is None and _INIT_FROM:
         from glm5_jax.train.checkpoint import load_params
         source = _INIT_FROM[-1]
@@ -183,7 +201,7 @@ def init_train_state(model_cfg: ModelConfig, tcfg: TrainConfig | None, mesh=None
         source.used += 1
         with use_mesh(mesh):       # freshly read arrays nobody else holds: the step may donate them as they are
             opt = jax.jit(tx.init, out_shardings=sh["opt_state"])(fresh)
-            other = jax.jit(rest, out_shardings={"step": sh["step"], "rng": sh["rng"]})()
+            other = jax.jit(rest, out_shardings=other_sh)()
         return {"params": fresh, "opt_state": opt, **other}, tx
     with use_mesh(mesh):
         if params is None:
@@ -197,7 +215,7 @@ def init_train_state(model_cfg: ModelConfig, tcfg: TrainConfig | None, mesh=None
         params = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t), out_shardings=sh["params"])(
             jax.device_put(params, sh["params"]))
         opt = jax.jit(tx.init, out_shardings=sh["opt_state"])(params)
-        other = jax.jit(rest, out_shardings={"step": sh["step"], "rng": sh["rng"]})()
+        other = jax.jit(rest, out_shardings=other_sh)()
     return {"params": params, "opt_state": opt, **other}, tx
 
 

@@ -201,6 +201,25 @@ def accumulated_value_and_grad(loss_fn: LossFn, k: int, mesh):
     return run
 
 
+def _spike_guard(window, loss, grad_norm, finite, k):
+    """MaxText-style spike skipping: -> (spike, new window). A finite step is a spike when the window is
+    full and its loss or gradient norm is above mean + k * std of the window (the last W applied steps);
+    an applied step (finite, no spike) enters the window, a skipped one does not."""
+    w = window["loss"].shape[0]
+
+    def above(x, buf):
+        mean = jnp.mean(buf)
+        return x > mean + k * jnp.sqrt(jnp.mean(jnp.square(buf - mean)))
+
+    loss, grad_norm = loss.astype(jnp.float32), grad_norm.astype(jnp.float32)
+    spike = finite & (window["count"] >= w) & (above(loss, window["loss"]) | above(grad_norm, window["grad_norm"]))
+    keep = finite & ~spike
+    at = window["count"] % w
+    put = lambda buf, x: jnp.where(keep, buf.at[at].set(x), buf)     # noqa: E731
+    return spike, {"loss": put(window["loss"], loss), "grad_norm": put(window["grad_norm"], grad_norm),
+                   "count": window["count"] + keep.astype(jnp.int32)}
+
+
 def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.GradientTransformation, mesh=None, *,
                     loss_fn: LossFn | None = None):
     """step(state, batch) -> (state, metrics), jitted on `mesh` (default: the trivial 1-device mesh).
@@ -216,7 +235,9 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
     layer expert_load_max_over_mean/layer_i, dead_experts/layer_i with MoE).
     Non-finite guard: when the loss, the gradient norm, the update or the new params / optimizer state
     hold a NaN or inf, the step keeps the old params and optimizer state (step and rng advance) and
-    reports skipped = 1; the loop then stops or goes on (TrainConfig.nonfinite).
+    reports skipped = 1; the loop then stops or goes on (TrainConfig.nonfinite). With tcfg.spike_window = W
+    the state also carries the last W applied steps' loss and grad norm (state["spike"]), and a finite step
+    whose loss or grad norm exceeds their mean + tcfg.spike_k * std is not applied either (spike = 1).
     tcfg.grad_accum > 1 splits the batch into that many micro-batches (accumulated_value_and_grad): one
     optimizer update from their token-weighted mean gradient, the same update as the whole batch at once.
     The returned callable has .jitted, .lower(state, batch), .shardings, .batch_sharding, .mesh.
@@ -258,8 +279,13 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
         # not applied (params and optimizer state stay as they were; step and rng advance, so the data
         # and the PRNG stream go on exactly as in a run without the bad step)
         ok = _all_finite((metrics["loss"], metrics["grad_norm"], metrics["update_norm"], params, opt_state))
+        apply = ok
+        if tcfg.spike_window:
+            spike, new["spike"] = _spike_guard(state["spike"], metrics["loss"], metrics["grad_norm"], ok, tcfg.spike_k)
+            apply = ok & ~spike
+            metrics["spike"] = spike.astype(jnp.float32)
         new["params"], new["opt_state"] = jax.tree_util.tree_map(
-            lambda a, b: jnp.where(ok, a, b), (params, opt_state), (state["params"], state["opt_state"]))
+            lambda a, b: jnp.where(apply, a, b), (params, opt_state), (state["params"], state["opt_state"]))
         metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
         return new, metrics
 
