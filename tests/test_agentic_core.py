@@ -12,6 +12,7 @@ import pytest
 
 import collections
 import os
+import time
 
 from glm5_jax.agentic.agent import (ChainTask, calculator, hop_probs, make_calc_task, make_chain_task, play,
                                     sft_example)
@@ -213,8 +214,9 @@ def test_server_row_buckets_and_pinning_validation():
 
 
 def test_gateway_records_equal_server_outputs_bit_for_bit():
-    """Trajectories played through the gateway against a (local, Ray-free) RolloutServer: every
-    generated segment in the records is exactly what the server returned for that request."""
+    """Trajectories played through the gateway against a (local, Ray-free) RolloutServer on the engine:
+    every generated segment in the records is exactly what the server returned for that request (with
+    its per-token versions); concurrent requests share decode steps, and nothing compiles after warm-up."""
     from glm5_jax.agentic.server import RolloutServer
     from glm5_jax.config import ModelConfig
     from glm5_jax.model import init_params
@@ -226,7 +228,9 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
     server = RolloutServer(cfg, init_params(cfg, jax.random.PRNGKey(0)), max_batch=8, max_len=40,
                            max_new_tokens=6, stop_tokens=(vocab.newline_id,), keep_outputs=True, version=7,
                            width_buckets=(34,))
-    assert server.warmup() == [(4, 34), (8, 34)]       # every (rows, width) bucket compiled up front
+    # every prefill width and decode row bucket compiled up front
+    assert server.warmup() == {"widths": [34], "rows": [4, 8]}
+    n0, s0 = server.engine.compiled_programs(), server.stats
     loop = asyncio.new_event_loop()
     gateway = Gateway()
     requests = {}
@@ -242,32 +246,107 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
     tasks = [make_calc_task(rng) for _ in range(4)]
     from concurrent.futures import ThreadPoolExecutor
     # the calculator always answers "(": forces multi-turn records with masked observations
+    server.pause()            # the four first turns queue up, then join the batch together
     with ThreadPoolExecutor(4) as ex:
-        recs = list(ex.map(lambda i: play(gateway, generate, f"t{i}", "g", tasks[i], vocab, max_turns=3, max_len=40,
-                                          max_new_tokens=6), range(4)))
+        futs = [ex.submit(play, gateway, generate, f"t{i}", "g", tasks[i], vocab, max_turns=3, max_len=40,
+                          max_new_tokens=6) for i in range(4)]
+        for _ in range(6000):
+            if server.engine.queue_length == 4:
+                break
+            time.sleep(0.01)
+        assert server.engine.queue_length == 4
+        server.resume()
+        recs = [f.result() for f in futs]
     loop.call_soon_threadsafe(loop.stop)
     th.join(timeout=5)
     served = server.outputs()
-    assert server.stats["batches"] < server.stats["requests"]   # concurrent requests were batched
+    st = {k: server.stats[k] - s0[k] for k in s0}
+    server.close()
+    assert st["requests"] == sum(len(r) for r in requests.values()) == len(served)
+    assert st["slot_steps"] > st["steps"]          # concurrent requests shared decode steps
+    assert server.engine.compiled_programs() == n0
     for rec in recs:
         segs, cur = [], None
         for tok, lp, m, v in zip(rec.tokens, rec.logp, rec.mask, rec.versions):
             if m and cur is None:
-                cur = ([], [])
+                cur = ([], [], [])
                 segs.append(cur)
             if m:
                 cur[0].append(tok)
                 cur[1].append(lp)
+                cur[2].append(v)
                 assert v == 7
             else:
                 cur = None
         outs = [served[rid] for rid in requests[rec.traj_id]]
         # a request may return an empty segment? never: max_new >= 1, so one segment per request
         assert len(segs) == len(outs)
-        for (toks, lps), out in zip(segs, outs):
+        for (toks, lps, vs), out in zip(segs, outs):
             np.testing.assert_array_equal(np.asarray(toks, np.int32), out["tokens"])
             assert np.asarray(lps, np.float32).tobytes() == out["logprobs"].tobytes()   # bit for bit
+            assert vs == out["versions"] and out["version"] == 7
         assert rec.tokens[:len(tasks[0].prompt) + 1][0] == vocab.bos_id
+
+
+def test_server_request_straddling_a_weight_push_reports_the_oldest_version():
+    """load_weights while a request decodes: the engine uses the new weights from its next decode step,
+    each token keeps the version that produced it, the request reports the OLDEST ("version" 7), the
+    gateway record keeps the per-token versions (the staleness filter counts from 7), and a request after
+    the push is fresh greedy decoding with the new weights (its context is not reused from rows the old
+    weights wrote)."""
+    from glm5_jax.agentic.server import RolloutServer
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.infer import generate as reference
+    from glm5_jax.model import init_params
+    vocab = CharVocab()
+    cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=1, ffn_dim=64, attention="mha",
+                      num_heads=2, num_kv_heads=2, num_experts=0, mtp_depth=0, attn_chunk=64)
+    p7, p8 = init_params(cfg, jax.random.PRNGKey(0)), init_params(cfg, jax.random.PRNGKey(1))
+    server = RolloutServer(cfg, p7, max_batch=4, max_len=40, max_new_tokens=6, temperature=0.0, version=7,
+                           width_buckets=(34,))
+    server.warmup()
+
+    class PushAfterThirdToken:          # the engine's metrics hook: called in its thread after every token
+        def observe_token(self, h, now):
+            if h.id == "r0" and len(h.tokens) == 3:
+                server.load_weights(8, p8)
+
+        def observe_engine(self, engine):
+            pass
+
+        def observe_finish(self, h):
+            pass
+
+    server.engine.metrics = PushAfterThirdToken()
+    loop = asyncio.new_event_loop()
+    import threading
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    call = lambda rid, ids: asyncio.run_coroutine_threadsafe(server.generate(rid, ids), loop).result(120)
+    try:
+        prompt = [vocab.bos_id] + vocab.encode("12+34=")
+        gateway = Gateway()
+        gateway.open("t", "g", prompt)
+        out = gateway.generate("t", lambda ids: call("r0", ids))
+        assert out["versions"] == [7, 7, 7, 8, 8, 8] and out["version"] == 7
+        rec = gateway.finish("t", 1.0, "done")
+        assert rec.versions == [-1] * len(prompt) + [7, 7, 7, 8, 8, 8] and rec.min_version == 7
+        kept, info = filter_group([rec] * 3, version=10, tau=2)      # 10 - 7 > 2: stale, although 10 - 8 = 2
+        assert kept is None and info["stale"] == 3
+        old = reference(cfg, p7, [prompt], max_new_tokens=6, temperature=0.0)
+        assert out["tokens"][:3].tolist() == old.tokens[0, :3].tolist()
+        assert not np.allclose(out["logprobs"][3:], old.logprobs[0, 3:], atol=1e-3)   # the new weights decoded
+        reused = server.stats["reused_tokens"]
+        again = call("r1", prompt + out["tokens"].tolist() + vocab.encode("5"))
+        fresh = reference(cfg, p8, [prompt + out["tokens"].tolist() + vocab.encode("5")], max_new_tokens=6,
+                          temperature=0.0)
+        assert again["versions"] == [8] * 6 and server.stats["reused_tokens"] == reused
+        assert again["tokens"].tolist() == fresh.tokens[0].tolist()
+        np.testing.assert_allclose(again["logprobs"], fresh.logprobs[0], atol=1e-5)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(timeout=5)
+        server.close()
 
 
 def test_play_with_the_calculator_service_and_env_crash():

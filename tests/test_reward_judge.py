@@ -2,6 +2,9 @@
 in as ids (never re-tokenised), served by a RolloutServer through the TITO gateway, verdict parsed, parse
 failures counted and scored as the default."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -72,8 +75,8 @@ def test_parse_score(text, want):
 
 
 def test_judge_served_by_a_rollout_server_through_the_gateway(template):
-    """A frozen (random) model in a Ray-free RolloutServer as the judge: concurrent judge requests are
-    batched by the server, every record's judge tokens / log-probs are exactly what the server returned
+    """A frozen (random) model in a Ray-free RolloutServer as the judge: concurrent judge requests share
+    the server's decode steps, every record's judge tokens / log-probs are exactly what the server returned
     for that request, and its (unparseable) replies are counted as parse failures at the default score."""
     import jax
     from glm5_jax.agentic.server import RolloutServer
@@ -88,11 +91,20 @@ def test_judge_served_by_a_rollout_server_through_the_gateway(template):
     try:
         judge = GenerativeJudge(template, generate, JudgeConfig(rubric="Grade the reply.", max_new_tokens=6, default_score=0.5))
         items = [("What is the capital of France?", _reply(template, "think", ans)) for ans in ("Paris.", "Rome.", "Lyon.")]
-        results = judge.judge_batch(items)
+        server.pause()                  # the three requests queue up, then join the batch together
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(judge.judge_batch, items)
+            for _ in range(6000):
+                if server.engine.queue_length == 3:
+                    break
+                time.sleep(0.01)
+            server.resume()
+            results = fut.result()
     finally:
         close()
+        server.close()
     served = server.outputs()
-    assert server.stats["requests"] == 3 and server.stats["batches"] < 3
+    assert server.stats["requests"] == 3 and server.stats["slot_steps"] > server.stats["steps"]
     for res in results:
         out = served[f"{res.record.traj_id}@0"]
         n = len(out["tokens"])

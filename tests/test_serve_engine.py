@@ -1,5 +1,5 @@
 """The continuous-batching engine (glm5_jax.serve.engine): greedy against the static decoder, prefix reuse against a full prefill (same slot and copied from a busy slot), nothing recompiles after
-warm-up, weight push with pause / resume, static admission, the bounded queue, MTP speculation (greedy equal
+warm-up, decode row buckets equal to full-width decoding, weight push with pause / resume, static admission, the bounded queue, MTP speculation (greedy equal
 to plain decoding, a perfect drafter fully accepted, sampled rows independent of batch-mates)."""
 
 import time
@@ -79,6 +79,55 @@ def test_no_recompiles_after_warmup_and_seeded_sampling_is_slot_independent(para
         assert eng.compiled_programs() == n0
     finally:
         eng.shutdown()
+
+
+def test_decode_buckets_equal_full_width_decoding_and_nothing_recompiles(params):
+    """decode_buckets=(2, 4): a step runs over the first 2 slots whenever they hold every busy request (new
+    requests take the lowest slots, a draining batch is compacted into them). For a mix of concurrent
+    greedy requests (joining and leaving the batch, later turns reusing a prefix) the tokens and log-probs
+    are exactly those of decode_buckets=(4,) (every step over all 4 slots), and nothing compiles after
+    warm-up."""
+    kw = dict(max_batch=4, max_model_len=48, prefill_buckets=(8, 16, 48))
+    small = Engine(CFG, params, decode_buckets=(2, 4), **kw)
+    full = Engine(CFG, params, decode_buckets=(4,), **kw)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, CFG.vocab_size, int(rng.integers(3, 14))).tolist() for _ in range(6)]
+    lens = [2, 3, 12, 14, 5, 9]
+
+    def run(eng):
+        eng.pause()                      # all six queue first: the same admissions in both engines
+        hs = [eng.submit(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+              for p, n in zip(prompts, lens)]
+        eng.resume()
+        first = [h.result(120) for h in hs]
+        # the longest request's next turn (its row: compacted into a low slot in `small`) and a new prompt
+        eng.pause()
+        later = [eng.submit(q, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+                 for q in (prompts[3] + first[3].tokens + [3, 4], [7, 8, 9])]
+        eng.resume()
+        return first + [h.result(120) for h in later]
+
+    try:
+        small.warmup()
+        full.warmup()
+        n0 = small.compiled_programs()
+        a, b = run(small), run(full)
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [len(h.tokens) for h in a] == lens + [7] * 2
+        assert [h.logprobs for h in a] == [h.logprobs for h in b]                  # exactly
+        assert [h.sample_logprobs for h in a] == [h.sample_logprobs for h in b]
+        assert a[6].reused_tokens == b[6].reused_tokens == len(prompts[3]) + lens[3] - 1
+        assert small.stats["moves"] > 0                                            # the tail was compacted
+        assert small.stats["decode_rows"] < 4 * small.stats["steps"]               # and ran over 2 rows
+        assert full.stats["decode_rows"] == 4 * full.stats["steps"]
+        assert small.compiled_programs() == n0
+    finally:
+        small.shutdown()
+        full.shutdown()
+    with pytest.raises(ValueError, match="decode_buckets"):
+        Engine(CFG, params, max_batch=4, decode_buckets=(2, 3), start=False)
+    with pytest.raises(ValueError, match="decode_buckets"):
+        Engine(CFG, params, max_batch=4, decode_buckets=(0, 4), start=False)
 
 
 def test_weight_push_pause_resume_static_admission_and_bounded_queue(params):

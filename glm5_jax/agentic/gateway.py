@@ -2,9 +2,10 @@
 
 An agent never sends text to a rollout server and the trainer never tokenises text. The gateway holds
 each trajectory's token context; a generation request sends that context (token ids) to a server and
-appends exactly the ids and log-probs the server returned, tagged with the policy version that made
-them (``mask`` 1). Prompt and observation (tool result) tokens are appended with ``mask`` 0, log-prob
-0 and version -1: the model conditions on them, the loss never trains them (tool tokens masked).
+appends exactly the ids and log-probs the server returned, each tagged with the policy version that made
+it (the server's per-token ``versions``, else its ``version``; ``mask`` 1). Prompt and observation (tool
+result) tokens are appended with ``mask`` 0, log-prob 0 and version -1: the model conditions on them, the
+loss never trains them (tool tokens masked).
 
 ``records_to_batch`` turns finished records into the trainer's [B, S] arrays without touching the
 ids or log-probs (next-token layout of ``glm5_jax.rl.rollout.build_batch``: the log-prob of
@@ -44,14 +45,22 @@ class TrajectoryRecord:
         self.mask += [0] * len(ids)
         self.versions += [CONTEXT_VERSION] * len(ids)
 
-    def add_generated(self, ids: Sequence[int], logps: Sequence[float], version: int) -> None:
+    def add_generated(self, ids: Sequence[int], logps: Sequence[float], version) -> None:
+        """``version``: the policy version of every id (an int), or one per id (a request that spanned a
+        weight push)."""
         if len(ids) != len(logps):
             raise ValueError(f"trajectory {self.traj_id}: {len(ids)} generated ids but {len(logps)} log-probs")
+        if isinstance(version, (int, np.integer)):
+            vs = [int(version)] * len(ids)
+        else:
+            vs = [int(v) for v in version]
+            if len(vs) != len(ids):
+                raise ValueError(f"trajectory {self.traj_id}: {len(ids)} generated ids but {len(vs)} versions")
         self.tokens += [int(i) for i in ids]
         # float(np.float32) is exact, so the trainer sees the server's float32 values bit for bit
         self.logp += [float(x) for x in logps]
         self.mask += [1] * len(ids)
-        self.versions += [int(version)] * len(ids)
+        self.versions += vs
 
     @property
     def generated_tokens(self) -> int:
@@ -94,7 +103,8 @@ class Gateway:
     def generate(self, traj_id: str, call) -> dict:
         rec = self.record(traj_id)
         out = call(list(rec.tokens))
-        rec.add_generated(out["tokens"], out["logprobs"], out["version"])
+        # per-token versions when the server reports them (a request may span a weight push), else one
+        rec.add_generated(out["tokens"], out["logprobs"], out.get("versions", out["version"]))
         return out
 
     def observe(self, traj_id: str, ids: Sequence[int]) -> None:

@@ -1,31 +1,40 @@
-"""Rollout servers: the policy served with the project's own cached decoding (``glm5_jax.infer.generate``).
+"""Rollout servers: the policy served by the project's continuous-batching engine (``glm5_jax.serve.Engine``).
 
 ``RolloutServer`` is a plain class; ``start_servers`` wraps it as Ray actors (``ray.remote``). It is an
-asyncio actor: concurrent ``generate`` requests (token ids in, token ids + log-probs out) queue up and
-a batcher runs them together in one ``generate`` call (up to ``max_batch`` rows, waiting
-``batch_wait_s`` for more to arrive). Shapes come from a fixed set so the jitted prefill/decode
-compile once per shape (``warmup`` compiles them all): the rows are padded to the smallest of
-``row_buckets`` (default: powers of two from 4 up to ``max_batch``) that holds the batch (idle rows
-decode a one-token filler prompt), plus a filler row whose length is the smallest of ``width_buckets``
-(default: powers of two from 32 below ``max_len - max_new_tokens``, then that) that holds the longest
-prompt, and the cache has ``max_len`` slots. The server prefills the whole context every turn (no
-cache across turns), so the width matters as much as the rows: most turns of a multi-turn episode
-are short. Why buckets rather than always ``max_batch`` rows: on CPU a
-decode's cost grows with its rows (prefill of 4 vs 32 rows x 98 tokens: ~15 vs ~140 ms on the tiny
-policy), so a half-empty batch at one fixed shape would charge the straggling tail of a synchronous
-step for rows nobody asked for.
+asyncio actor: each ``generate`` request (token ids in, token ids + log-probs out) is submitted to the
+server's ``Engine`` and awaited without blocking the event loop (the engine thread hands the finish to the
+loop with ``call_soon_threadsafe``). The engine batches continuously: a request joins the running batch at
+the next decode step and leaves it when it ends (up to ``max_batch`` slots), so a long episode never holds
+short ones back, and prefix reuse keeps each episode's KV cache across its turns (the coordinator routes
+every turn of a trajectory to the same server; a later turn prefills only the tokens after the cached
+context: the last generated token and the observation).
 
-Weights arrive by version (``load_weights(version, params)``); a batch decodes with the parameters it
-started with and reports that version, so every token carries the version that really produced it.
-The server keeps the outputs it returned (``served``) so tests can check the gateway bit for bit.
+Shapes come from a fixed set so nothing compiles after ``warmup``: ``width_buckets`` (default: powers
+of two from 32 below ``max_len - max_new_tokens``, then that) are the engine's prefill buckets (the new
+tokens of a prompt are padded to the smallest that holds them), ``row_buckets`` (default: powers of two
+from 4 up to ``max_batch``) its decode buckets: a decode step runs over the smallest bucket of rows that
+holds the busy slots (new requests take the lowest free slots; a draining batch is compacted), because on
+CPU a decode's cost grows with its rows (prefill of 4 vs 32 rows x 98 tokens: ~15 vs ~140 ms on the tiny
+policy) and the straggling tail of a synchronous step should not pay for rows nobody asked for.
+
+Sampling: the server's temperature, its ``stop_tokens`` (a request ends after emitting one, included),
+``max_new_tokens`` per request, and a per-request seed derived from the server's seed and a request
+counter. The returned ``logprobs`` are float32 log-probs under the distribution each token was drawn from
+(the temperature-scaled one; greedy: the temperature-1 log-softmax), RL's behaviour log-probs.
+
+Weights arrive by version (``load_weights(version, params)``): the engine uses them from its next decode
+step, so one request may span a push. Every token carries the version that produced it (``versions``);
+``version`` is the OLDEST of them, so staleness measured from it is never under-counted. ``pause()`` /
+``resume()`` hold the engine between two steps. The server keeps the outputs it returned (``served``,
+``keep_outputs``) so tests can check the gateway bit for bit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
-import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
@@ -54,6 +63,10 @@ def pin_process(cpus: Optional[Sequence[int]], tids: Optional[Sequence[int]] = N
 
 
 class RolloutServer:
+    """One rollout server: an ``Engine`` of ``max_batch`` slots x ``max_len`` positions (module doc).
+    ``batch_wait_s`` is accepted for compatibility and unused: the engine admits requests between decode
+    steps, so there is no gathering window."""
+
     def __init__(self, config, params, *, name: str = "server", version: int = 0, max_batch: int = 16,
                  max_len: int = 64, max_new_tokens: int = 8, temperature: float = 1.0,
                  stop_tokens: Sequence[int] = (), batch_wait_s: float = 0.005, seed: int = 0,
@@ -62,6 +75,8 @@ class RolloutServer:
         pin_process(cpus)      # before JAX starts its thread pool in this process
         if max_new_tokens >= max_len:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be < max_len={max_len}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if row_buckets is None:
             row_buckets = [b for b in (4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
         self.row_buckets = sorted({int(b) for b in row_buckets})
@@ -74,101 +89,117 @@ class RolloutServer:
         if self.width_buckets[0] < 1 or self.width_buckets[-1] != wmax:
             raise ValueError(f"width_buckets={list(width_buckets)} must be >= 1 and end at max_len - max_new_tokens "
                              f"= {wmax}")
+        from glm5_jax.serve.engine import Engine, SamplingParams
         self.config, self.name = config, name
-        self._set_params(params)
         self.version = int(version)
         self.max_batch, self.max_len, self.max_new = int(max_batch), int(max_len), int(max_new_tokens)
         self.temperature, self.stop_tokens = float(temperature), tuple(int(t) for t in stop_tokens)
         self.batch_wait_s, self.seed = float(batch_wait_s), int(seed)
+        # the sampling every request shares, checked now (temperature range, stop ids in the vocabulary)
+        self._sampling = SamplingParams(max_tokens=self.max_new, temperature=self.temperature,
+                                        stop_token_ids=self.stop_tokens, ignore_eos=True).validate(config.vocab_size)
         self.keep_outputs = keep_outputs
         self.served: Dict[str, dict] = {}
-        self._pending: List[tuple] = []
-        self._batcher: Optional[asyncio.Task] = None
-        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "busy_s": 0.0, "rows": 0}
+        self._counter = itertools.count()
+        self._requests = 0
+        self._generated = 0
+        self.engine = Engine(config, self._device(params), max_batch=self.max_batch, max_model_len=self.max_len,
+                             prefill_buckets=self.width_buckets, max_prompt_len=wmax,
+                             decode_buckets=self.row_buckets, version=self.version, seed=self.seed,
+                             max_queue=1 << 16)
 
-    def _set_params(self, params):
+    @staticmethod
+    def _device(params):
         import jax
         import jax.numpy as jnp
-        self.params = jax.tree.map(jnp.asarray, params)
+        return jax.tree.map(jnp.asarray, params)
 
     # ------------------------------------------------------------------ API
+    @property
+    def stats(self) -> dict:
+        """requests / generated_tokens (served by ``generate``); busy_s (the engine's prefill + decode
+        seconds, warm-up included); the engine's decode ``steps``, ``slot_steps`` (busy slots summed over
+        steps: > steps when concurrent requests shared decode steps), ``decode_rows`` (rows computed, the
+        decode bucket summed over steps), ``prefills``, ``prefill_tokens``, ``reused_tokens`` (prefix
+        reuse across turns) and ``moves`` (compaction copies)."""
+        e = self.engine.stats
+        return {"requests": self._requests, "generated_tokens": self._generated,
+                "busy_s": float(e["prefill_s"] + e["decode_s"]),
+                **{k: int(e[k]) for k in ("steps", "slot_steps", "decode_rows", "prefills", "prefill_tokens",
+                                          "reused_tokens", "moves")}}
+
     def ping(self) -> dict:
-        return {"name": self.name, "version": self.version, "pid": os.getpid(), **self.stats}
+        return {"name": self.name, "version": self.version, "pid": os.getpid(), "active": self.engine.active,
+                "queued": self.engine.queue_length, **self.stats}
 
     def load_weights(self, version: int, params) -> int:
-        self._set_params(params)
+        """New weights from the engine's next decode step (requests in flight continue with them)."""
+        self.engine.update_weights(self._device(params), int(version))
         self.version = int(version)
         return self.version
 
-    def warmup(self) -> list:
-        """Compile every (rows, width) bucket's prefill/decode now (outside any timed region). Returns them."""
-        for b in self.row_buckets:
-            for w in self.width_buckets:
-                self._decode([(f"warmup{b}x{w}", [1] * w, 1, None)] * b)
-        return [(b, w) for b in self.row_buckets for w in self.width_buckets]
+    def pause(self) -> None:
+        """Hold the engine at a step boundary (requests in flight wait; new ones queue)."""
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def warmup(self) -> dict:
+        """Compile every prefill (width) and decode (rows) bucket now, outside any timed region.
+        Returns them: {"widths": [...], "rows": [...]}."""
+        self.engine.warmup()
+        return {"widths": list(self.engine.buckets), "rows": list(self.engine.decode_buckets)}
 
     def outputs(self) -> Dict[str, dict]:
         return dict(self.served)
 
+    def close(self) -> None:
+        self.engine.shutdown()
+
     async def generate(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: Optional[int] = None) -> dict:
-        """Token ids in -> {"tokens", "logprobs" (float32), "version", "finish_reason", "server"}."""
+        """Token ids in -> {"request_id", "tokens" (int32), "logprobs" (float32), "version" (the oldest
+        that produced a token), "versions" (per token), "finish_reason" (stop | length), "server"}."""
+        import dataclasses
         n = self.max_new if max_new_tokens is None else int(max_new_tokens)
         if not 1 <= n <= self.max_new:
             raise ValueError(f"max_new_tokens={n} must be in [1, {self.max_new}] (the server's max_new_tokens)")
         if not prompt_ids or len(prompt_ids) + self.max_new > self.max_len:
             raise ValueError(f"request {request_id}: prompt of {len(prompt_ids)} tokens; it must be non-empty and "
                              f"fit max_len={self.max_len} - max_new_tokens={self.max_new}")
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append((request_id, [int(t) for t in prompt_ids], n, fut))
-        if self._batcher is None or self._batcher.done():
-            self._batcher = asyncio.ensure_future(self._run_batches())
-        return await fut
-
-    # ------------------------------------------------------------------ batching
-    async def _run_batches(self):
         loop = asyncio.get_running_loop()
-        while self._pending:
-            await asyncio.sleep(self.batch_wait_s)         # let concurrent requests join this batch
-            batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
-            try:
-                outs = await loop.run_in_executor(None, self._decode, batch)
-            except Exception as e:   # a failed batch fails its requests, never the server
-                for *_, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            for (rid, _, _, fut), out in zip(batch, outs):
-                if self.keep_outputs:
-                    self.served[rid] = out
-                if not fut.done():
-                    fut.set_result(out)
+        fut = loop.create_future()
 
-    def _decode(self, batch) -> List[dict]:
-        from glm5_jax.infer import generate
-        params, version = self.params, self.version        # one consistent (params, version) per batch
-        t0 = time.perf_counter()
-        prompts = [p for _, p, _, _ in batch]
-        filler = [self.stop_tokens[0] if self.stop_tokens else 1]
-        rows = next(b for b in self.row_buckets if b >= len(batch))
-        prompts += [filler] * (rows - len(batch))
-        width = next(w for w in self.width_buckets if w >= max(len(p) for p in prompts))
-        prompts.append(filler * width)               # fixes the prompt width to a bucket: one compile each
-        self.stats["batches"] += 1
-        res = generate(self.config, params, prompts, max_new_tokens=self.max_new, temperature=self.temperature,
-                       seed=self.seed * 1_000_003 + self.stats["batches"], stop_tokens=self.stop_tokens,
-                       max_len=self.max_len)
-        outs = []
-        for i, (rid, _, n, _) in enumerate(batch):
-            length = min(int(res.lengths[i]), n)
-            stopped = res.finish_reasons[i] == "stop" and length == int(res.lengths[i])
-            outs.append({"request_id": rid, "tokens": np.asarray(res.tokens[i, :length], np.int32),
-                         "logprobs": np.asarray(res.logprobs[i, :length], np.float32), "version": version,
-                         "finish_reason": "stop" if stopped else "length", "server": self.name})
-            self.stats["generated_tokens"] += length
-        self.stats["requests"] += len(batch)
-        self.stats["rows"] += len(batch)
-        self.stats["busy_s"] += time.perf_counter() - t0
-        return outs
+        def settle():
+            if not fut.done():
+                fut.set_result(None)
+
+        def on_event(handle, ev):        # engine thread; a str is the finish reason (the last event)
+            if isinstance(ev, str):
+                try:
+                    loop.call_soon_threadsafe(settle)
+                except RuntimeError:     # the caller's loop is closed: nobody waits for this request
+                    pass
+
+        k = next(self._counter)
+        sp = dataclasses.replace(self._sampling, max_tokens=n, seed=(self.seed * 1_000_003 + k) % (2 ** 32))
+        h = self.engine.submit([int(t) for t in prompt_ids], sp, request_id=request_id, on_event=on_event)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            h.cancel()
+            raise
+        if h.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"request {request_id} on {self.name}: {h.finish_reason}"
+                               + (f" ({h.error})" if h.error else ""))
+        out = {"request_id": request_id, "tokens": np.asarray(h.tokens, np.int32),
+               "logprobs": np.asarray(h.sample_logprobs, np.float32), "version": int(min(h.versions)),
+               "versions": [int(v) for v in h.versions], "finish_reason": h.finish_reason, "server": self.name}
+        self._requests += 1
+        self._generated += len(h.tokens)
+        if self.keep_outputs:
+            self.served[request_id] = out
+        return out
 
 
 def worker_env(threads: int = 1) -> dict:

@@ -51,9 +51,9 @@ class AgenticConfig:
     servers: int = 2
     server_threads: int = 1          # XLA compute threads per server
     agent_threads: int = 32
-    max_batch: int = 16              # rows per server decode batch
-    row_buckets: Optional[Tuple[int, ...]] = None  # padded row counts of a decode batch (None: the server's default)
-    width_buckets: Optional[Tuple[int, ...]] = None  # padded prompt widths of a decode batch (None: the server's default)
+    max_batch: int = 16              # slots (concurrent requests) per server engine
+    row_buckets: Optional[Tuple[int, ...]] = None  # rows a server's decode step may run over (None: the server's default)
+    width_buckets: Optional[Tuple[int, ...]] = None  # padded widths of a server's prefills (None: the server's default)
     # disaggregated placement (empty: no pinning): the trainer process and the rollout servers on
     # their own CPUs, as GLM-5 runs rollout engines and the trainer on separate accelerators
     trainer_cpus: Tuple[int, ...] = ()

@@ -1,19 +1,26 @@
 """Continuous-batching generation engine on the model's own modules and KV cache.
 
 One cache of ``max_batch`` rows ("slots") x ``max_model_len`` positions (``glm5_jax.infer.cache``);
-every decode step runs all slots through ``glm5_jax.infer.decode.model_step`` (the model's forward with
-``cache=`` and ``write_positions=``), one token per slot at that slot's own position. A request takes a
-free slot between two decode steps (its prompt is prefilled into that row alone) and gives it back when
-it ends, so requests join and leave a running batch; idle slots write nothing (write position -1).
+every decode step runs the slots of a decode bucket (below) through ``glm5_jax.infer.decode.model_step``
+(the model's forward with ``cache=`` and ``write_positions=``), one token per slot at that slot's own
+position. A request takes a free slot between two decode steps (its prompt is prefilled into that row
+alone) and gives it back when it ends, so requests join and leave a running batch; idle slots write
+nothing (write position -1).
 
 Per request: temperature (0 = greedy), top_p, top_k, seed, stop strings and ids, max_tokens. Each
 request samples with its own PRNG key, ``fold_in(PRNGKey(seed), i)`` for its i-th token, and its rows
 never mix with other rows (cache slot == position, per-row visibility; the MoE is dropless), so its
 output does not depend on its batch-mates or its slot.
 
-Shapes are fixed: the decode step has one shape; a prefill pads its new tokens to the smallest of
-``prefill_buckets`` (default powers of two from 16 up to max_model_len), so after ``warmup()`` nothing
-compiles again.
+Shapes are fixed: a prefill pads its new tokens to the smallest of ``prefill_buckets`` (default powers of
+two from 16 up to max_model_len); a decode step runs over the first R slots, R the smallest of
+``decode_buckets`` (default just max_batch: every step runs all slots) that covers the highest busy slot.
+So after ``warmup()`` (every prefill and decode bucket) nothing compiles again.
+
+Decode buckets (on CPU a step's cost grows with its rows, so a draining batch should not pay for
+``max_batch``): a new request takes a free slot that keeps R smallest (lowest rows first; least recently
+used among those), and before each step requests in slots at or past the bucket their count needs are
+moved into free lower slots (a row copy), so the long tail of a batch decodes over few rows.
 
 Prefix reuse: each slot remembers which token ids its cache row holds (the prompt and every generated
 token fed back). A new request whose prompt starts with the tokens of some slot (a later turn of the same
@@ -23,8 +30,10 @@ prefilled, at positions after the prefix. Free slots keep their rows until a new
 (least recently used first).
 
 Weights: ``update_weights(params, version)`` swaps them between two steps; every token carries the
-version of the weights that produced it. ``pause()`` / ``resume()`` hold the loop between steps (an RL
-update), new requests queue meanwhile.
+version of the weights that produced it. Requests in flight continue on the new weights (over the keys
+already cached); cached rows written before a swap are never reused as a prefix afterwards, so a new
+request's context is always prefilled by the weights that sample it. ``pause()`` / ``resume()`` hold
+the loop between steps (an RL update), new requests queue meanwhile.
 """
 
 from __future__ import annotations
@@ -186,6 +195,7 @@ class _Slot:
     next_token: int = 0
     seed: int = 0
     last_used: float = 0.0
+    epoch: int = 0                              # the weights (push count) its row's keys were computed with
 
 
 # ----------------------------------------------------------------------------- sampling (per row)
@@ -290,15 +300,27 @@ def _spec_decode(config, n, greedy, params, cache, hbuf, seq, e, active, temp, t
     return cache, hbuf, seq, g, lp, a
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _decode(config, params, layers, tok, pos, active, temp, top_k, top_p, seeds, counts):
-    """One token per slot at its position (idle slots write nothing) -> (next tokens, sampling lps,
-    model lps, top ids, top lps, layers)."""
-    x, layers = model_step(config, params, layers, tok[:, None], pos[:, None], jnp.where(active, pos, -1)[:, None])
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _decode(config, rows, params, layers, tok, pos, active, temp, top_k, top_p, seeds, counts):
+    """One token per slot of the first ``rows`` slots (a decode bucket) at its position (idle slots write
+    nothing) -> (next tokens, sampling lps, model lps, top ids, top lps, layers). With ``rows`` below the
+    cache's slots, those rows are sliced out (axis 1 of every layer buffer, as `_row_of`) and written back
+    in place (the cache is donated); the other slots are untouched."""
+    full = rows == jax.tree.leaves(layers)[0].shape[1]
+    sub = layers if full else jax.tree.map(lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=1), layers)
+    x, sub = model_step(config, params, sub, tok[:, None], pos[:, None], jnp.where(active, pos, -1)[:, None])
+    layers = sub if full else jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, 0, axis=1),
+                                           layers, sub)
     logits = head(config, params, final_norm(config, params, x[:, 0]))
     nxt, lp_s, model_lp = sample_rows(_row_keys(seeds, counts), logits, temp, top_k, top_p)
     ti, tv = _top(model_lp, TOP_LOGPROBS)
     return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, layers
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _move_row(layers, dst, src):
+    """Copy slot ``src``'s cache row into slot ``dst`` (compaction below a smaller decode bucket)."""
+    return _put_row(layers, _row_of(layers, src), dst)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -317,28 +339,43 @@ class Engine:
     request, QueueFull past ``max_queue`` waiting requests). ``generate(prompts, params)`` is the blocking
     convenience. ``batching="static"`` admits requests only into an empty batch (the batch runs to its
     longest row): the policy of the old rollout servers, kept for comparison (tools.bench_serve).
-    ``tokenizer`` (optional): decodes text deltas and enables stop strings."""
+    ``tokenizer`` (optional): decodes text deltas and enables stop strings. ``decode_buckets`` (default
+    ``(max_batch,)``): the row counts a decode step may run over (module doc). ``max_prompt_len`` (default
+    ``max_model_len - 1``): the longest prompt accepted; ``prefill_buckets`` must reach it."""
 
     def __init__(self, config, params, *, max_batch: int = 8, max_model_len: int = 256, tokenizer=None,
                  stop_token_ids: Sequence[int] = (), max_queue: int = 256, prefill_chunk: int = 512,
                  prefill_buckets: Optional[Sequence[int]] = None, prefix_reuse: bool = True,
                  min_reuse: int = 4, batching: str = "continuous", version: int = 0, seed: int = 0,
-                 metrics=None, start: bool = True, speculative: int = 0):
+                 metrics=None, start: bool = True, speculative: int = 0,
+                 decode_buckets: Optional[Sequence[int]] = None, max_prompt_len: Optional[int] = None):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r}: continuous | static")
         if max_batch < 1 or max_model_len < 2:
             raise ValueError(f"max_batch={max_batch} must be >= 1 and max_model_len={max_model_len} >= 2")
         self.config, self.tokenizer = config, tokenizer
         self.max_batch, self.max_len = int(max_batch), int(max_model_len)
+        self.max_prompt_len = self.max_len - 1 if max_prompt_len is None else int(max_prompt_len)
+        if not 1 <= self.max_prompt_len < self.max_len:
+            raise ValueError(f"max_prompt_len={max_prompt_len} must be in [1, max_model_len - 1 = {self.max_len - 1}]")
         self.buckets = tuple(sorted({int(b) for b in (prefill_buckets or _buckets(self.max_len))}))
-        if self.buckets[-1] < self.max_len or self.buckets[0] < 1:
-            raise ValueError(f"prefill_buckets={self.buckets} must be >= 1 and reach max_model_len={self.max_len}")
+        if self.buckets[-1] < self.max_prompt_len or self.buckets[0] < 1:
+            raise ValueError(f"prefill_buckets={self.buckets} must be >= 1 and reach "
+                             + (f"max_model_len={self.max_len}" if max_prompt_len is None
+                                else f"max_prompt_len={self.max_prompt_len}"))
+        self.decode_buckets = tuple(sorted({int(b) for b in (decode_buckets or (self.max_batch,))}))
+        if self.decode_buckets[0] < 1 or self.decode_buckets[-1] != self.max_batch:
+            raise ValueError(f"decode_buckets={tuple(decode_buckets)} must be >= 1 and end at max_batch={self.max_batch}")
+        if len(self.decode_buckets) > 1 and speculative:
+            raise ValueError(f"decode_buckets={self.decode_buckets}: row buckets are not supported with speculative "
+                             "decoding (speculative steps run over all max_batch slots)")
         self.prefill_chunk = int(prefill_chunk)
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.max_queue, self.prefix_reuse, self.min_reuse = int(max_queue), bool(prefix_reuse), int(min_reuse)
         self.batching = batching
         self.params, self.version = params, int(version)
         self._pending_weights = None
+        self._epoch = 0                       # weight swaps so far: rows of older epochs are never reused
         self.num_draft = int(speculative)
         if self.num_draft:
             _check_speculative(config, self.num_draft)
@@ -408,17 +445,30 @@ class Engine:
             self._cv.notify_all()
 
     def warmup(self, echo: bool = False) -> list:
-        """Compile the decode step and every prefill bucket now. Returns the compiled (bucket, echo) pairs."""
+        """Compile every prefill bucket and every decode bucket's step now. Returns the compiled prefill
+        (bucket, echo) pairs (the decode programs are one per ``decode_buckets`` entry)."""
         p = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         done = []
         for b in self.buckets:
             for e in ((False, True) if echo else (False,)):
-                n = min(b, self.max_len - 1)
+                n = min(b, self.max_prompt_len)
                 self.submit([1] * n, dataclasses.replace(p, prompt_logprobs=e, max_tokens=2),
                             prefix=False).result()
                 done.append((b, e))
         if self.num_draft:                    # the sampled speculative round (greedy-only batches use another)
             self.submit([1, 2], dataclasses.replace(p, temperature=1.0, max_tokens=3), prefix=False).result()
+        else:                                 # every decode bucket (and the compaction copy), the loop held
+            self.pause()
+            try:
+                for r in self.decode_buckets:
+                    z, f = np.zeros((r,), np.int32), np.zeros((r,), np.float32)
+                    *_, self.layers = _decode(self.config, r, self.params, self.layers, z, z, np.zeros((r,), bool),
+                                              f, z, f + 1, np.zeros((r,), np.uint32), z)   # idle rows: no writes
+                if len(self.decode_buckets) > 1:
+                    self.layers = _move_row(self.layers, np.int32(0), np.int32(0))
+                jax.block_until_ready(self.layers)
+            finally:
+                self.resume()
         return done
 
     # ---------------------------------------------------------------- requests
@@ -439,6 +489,9 @@ class Engine:
         if len(ids) >= self.max_len:
             raise EngineError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_len} tokens "
                               f"(max_model_len), leaving room for at least one generated token", "prompt")
+        if len(ids) > self.max_prompt_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens; this engine takes at most {self.max_prompt_len} "
+                              f"(max_prompt_len)", "prompt")
         h = RequestHandle(request_id or uuid.uuid4().hex, ids, params, on_event)
         h._prefix_ok = prefix and self.prefix_reuse and not params.prompt_logprobs
         h._seed = int(params.seed if params.seed is not None else self._rng.integers(0, 2 ** 31)) % (2 ** 32)
@@ -465,8 +518,8 @@ class Engine:
         return sum(s.handle is not None for s in self.slots)
 
     def compiled_programs(self) -> int:
-        """Programs compiled so far (prefill buckets + decode): constant after warmup within the buckets."""
-        return sum(f._cache_size() for f in (_prefill_slot, _decode, _spec_prefill_slot, _spec_decode))
+        """Programs compiled so far (prefill and decode buckets): constant after warmup within the buckets."""
+        return sum(f._cache_size() for f in (_prefill_slot, _decode, _move_row, _spec_prefill_slot, _spec_decode))
 
     # ---------------------------------------------------------------- loop
     def _loop(self):
@@ -482,6 +535,7 @@ class Engine:
                 if self._pending_weights is not None:
                     self.params, self.version = self._pending_weights
                     self._pending_weights = None
+                    self._epoch += 1
             try:
                 self._admit()
                 if self.active:
@@ -515,12 +569,27 @@ class Engine:
                 continue
             self._start(h, free)
 
+    def _keep(self, s: _Slot) -> tuple:
+        """Sort key of free slots to overwrite first: no reusable row, then least recently used."""
+        return len(s.cached) > 0 and s.epoch == self._epoch, s.last_used
+
+    def _rows(self, n: int) -> int:
+        """The decode bucket that covers slots 0..n-1."""
+        return next(b for b in self.decode_buckets if b >= n)
+
     def _choose(self, h, free):
-        """(slot, source slot, reused prefix length) for a new request."""
+        """(slot, source slot, reused prefix length) for a new request. With several decode buckets only
+        the free slots that keep the decode bucket smallest are candidates (lowest rows first)."""
+        if len(self.decode_buckets) > 1:
+            top = max((s.index + 1 for s in self.slots if s.handle is not None), default=0)
+            cost = {s.index: self._rows(max(top, s.index + 1)) for s in free}
+            free = [s for s in free if cost[s.index] == min(cost.values())]
         p = np.asarray(h.prompt, np.int32)
         best, best_n = None, 0
         if h._prefix_ok:
             for s in self.slots:
+                if s.epoch != self._epoch:            # keys computed by older weights: not this policy's
+                    continue
                 m = min(len(s.cached), len(p) - 1)
                 if m <= best_n:
                     continue
@@ -529,11 +598,11 @@ class Engine:
                 if n > best_n or (n == best_n and best is not None and best.handle is not None and s.handle is None):
                     best, best_n = s, n
         if best is not None and best_n >= self.min_reuse:
-            if best.handle is None:
+            if any(s is best for s in free):          # a free candidate: taken as it is
                 return best, best, best_n
             target = min(free, key=lambda s: s.last_used)
             return target, best, best_n
-        return min(free, key=lambda s: (len(s.cached) > 0, s.last_used)), None, 0
+        return min(free, key=self._keep), None, 0
 
     def _start(self, h: RequestHandle, free):
         slot, src, start = self._choose(h, free)
@@ -568,23 +637,44 @@ class Engine:
             n = len(h.prompt)
             h.prompt_logprobs = [None] + [float(x) for x in lps[:n - 1]]
             h.prompt_top_logprobs = [None] + [list(zip(eti[i].tolist(), etv[i].tolist())) for i in range(n - 1)]
-        slot.handle, slot.pos, slot.seed = h, len(h.prompt), h._seed
+        slot.handle, slot.pos, slot.seed, slot.epoch = h, len(h.prompt), h._seed, self._epoch
         slot.cached = np.asarray(h.prompt, np.int32)
         slot.last_used = time.perf_counter()
         self._deliver(slot, int(tok), float(lp_m), float(lp_s), ti, tv)
 
+    def _compact(self):
+        """Move the requests of slots past the decode bucket their count needs into free lower slots (a
+        row copy each), so a draining batch decodes over fewer rows. Outputs do not depend on the slot."""
+        act = [s for s in self.slots if s.handle is not None]
+        need = self._rows(len(act)) if act else 0
+        high = [s for s in act if s.index >= need]
+        if not high:
+            return
+        holes = sorted((s for s in self.slots[:need] if s.handle is None), key=self._keep)
+        for src, dst in zip(high, holes):
+            self.layers = _move_row(self.layers, np.int32(dst.index), np.int32(src.index))
+            dst.handle, dst.pos, dst.next_token, dst.seed = src.handle, src.pos, src.next_token, src.seed
+            dst.cached, dst.last_used, dst.epoch = src.cached, src.last_used, src.epoch   # src's row still holds them
+            src.handle = None
+            self.stats["moves"] += 1
+
     def _step(self):
-        b = self.max_batch
+        for s in self.slots:
+            if s.handle is not None and s.handle._cancel:
+                self._release(s, "cancelled")
+        if len(self.decode_buckets) > 1:
+            self._compact()
+        top = max((s.index + 1 for s in self.slots if s.handle is not None), default=0)
+        if not top:
+            return
+        b = self.max_batch if self.num_draft else self._rows(top)
         tok, pos = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
         active = np.zeros((b,), bool)
         temp, top_p = np.zeros((b,), np.float32), np.ones((b,), np.float32)
         top_k, seeds, counts = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.int32)
-        for s in self.slots:
+        for s in self.slots[:b]:
             h = s.handle
             if h is None:
-                continue
-            if h._cancel:
-                self._release(s, "cancelled")
                 continue
             i = s.index
             tok[i], pos[i], active[i] = s.next_token, s.pos, True
@@ -595,13 +685,14 @@ class Engine:
         if self.num_draft:
             return self._spec_step(tok, pos, active, temp, top_k, top_p, seeds, counts)
         t0 = time.perf_counter()
-        nxt, lp_s, lp_m, ti, tv, self.layers = _decode(self.config, self.params, self.layers, tok, pos, active, temp,
-                                                       top_k, top_p, seeds, counts)
+        nxt, lp_s, lp_m, ti, tv, self.layers = _decode(self.config, b, self.params, self.layers, tok, pos, active,
+                                                       temp, top_k, top_p, seeds, counts)
         nxt, lp_s, lp_m, ti, tv = jax.device_get((nxt, lp_s, lp_m, ti, tv))
         self.stats["steps"] += 1
         self.stats["slot_steps"] += int(active.sum())
+        self.stats["decode_rows"] += b
         self.stats["decode_s"] += time.perf_counter() - t0
-        for s in self.slots:
+        for s in self.slots[:b]:
             if s.handle is not None and active[s.index]:
                 s.cached = np.append(s.cached, np.int32(s.next_token))
                 s.pos += 1
@@ -619,6 +710,7 @@ class Engine:
         g, lp, a = jax.device_get((g, lp, a))
         self.stats["steps"] += 1
         self.stats["slot_steps"] += int(active.sum())
+        self.stats["decode_rows"] += len(tok)
         self.stats["decode_s"] += time.perf_counter() - t0
         acc = self._acc
         acc[0] += int((a[active] + 1).sum())
