@@ -33,6 +33,19 @@ def _cfg(vocab):
                        mtp_depth=0, attn_chunk=64)
 
 
+def _wait_dead(handle, timeout_s=60.0):
+    """Until the killed actor no longer answers (its pings raise RayActorError)."""
+    import time
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(handle.ping.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers pings")
+
+
 def test_heartbeat_deregisters_dead_worker_and_router_moves_its_ids(cluster):
     vocab = CharVocab()
     cfg = _cfg(vocab)
@@ -44,6 +57,7 @@ def test_heartbeat_deregisters_dead_worker_and_router_moves_its_ids(cluster):
     before = {i: coord.route(i) for i in ids}
     assert set(before.values()) == {"server-0", "server-1"}
     ray.kill(workers["server-0"], no_restart=True)
+    _wait_dead(workers["server-0"])        # ray.kill is asynchronous: a ping sent at once may still be served
     assert coord.check_health() == ["server-1"]
     assert coord.dead == ["server-0"]
     assert all(coord.route(i) == "server-1" for i in ids)
