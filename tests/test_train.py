@@ -167,7 +167,10 @@ class _Random:
         return {k: np.asarray(v) for k, v in _batch(self.cfg, seed=self.i).items()}
 
 
-@pytest.mark.parametrize("ckpt_every,bad,good", [pytest.param(1, 4, 3, marks=pytest.mark.slow), (2, 5, 4)])
+# slow: the default suite checks the same stop-and-name-the-last-good-checkpoint path in
+# tests/test_train_faults.py (test_nan_gradient_with_finite_loss_is_never_checkpointed and the lr-overflow test)
+@pytest.mark.parametrize("ckpt_every,bad,good", [pytest.param(1, 4, 3, marks=pytest.mark.slow),
+                                                 pytest.param(2, 5, 4, marks=pytest.mark.slow)])
 def test_nan_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path, ckpt_every, bad, good):
     """ckpt_every=2, NaN at step 5: step 5's metrics are read one step late (after step 6 is dispatched
     on the NaN state), yet the run stops at 5 and the last checkpoint (4) holds finite parameters."""

@@ -164,6 +164,7 @@ def _loss_scaled_on_poison(tc, scale=1000.0):
     return loss_fn
 
 
+@pytest.mark.slow   # three runs, each compiling the step: ~45 s; spike skipping is off by default
 def test_spike_is_skipped_once_the_window_is_full_and_resumes_exactly(tmp_path):
     """spike_window=3, spike_k=20: a 1000x gradient (finite) at step 2 is applied (the window is not full yet);
     the same at step 7 is skipped: spike = 1, skipped = 0 (not a non-finite step, no stop in the default
