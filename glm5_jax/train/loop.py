@@ -226,31 +226,28 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         seconds = max(now - clock["last"], 1e-9)
-        if metrics.get("skipped", 0.0) > 0:
-            skips["total"] += 1
+        nonfinite, spike = metrics.get("skipped", 0.0) > 0, metrics.get("spike", 0.0) > 0
+        if nonfinite or spike:       # the step was not applied: a NaN/inf, or a finite spike (never a stop)
+            kind = "total" if nonfinite else "spikes"
+            skips[kind] += 1
             skips["streak"] += 1
-            what = (f"loss is {metrics['loss']} at step {step} (grad_norm {metrics.get('grad_norm')}, update_norm "
-                    f"{metrics.get('update_norm')}; the step was not applied)")
+            if nonfinite:
+                what = (f"loss is {metrics['loss']} at step {step} (grad_norm {metrics.get('grad_norm')}, "
+                        f"update_norm {metrics.get('update_norm')}; the step was not applied)")
+            else:
+                what = (f"step {step}: loss {metrics['loss']:.6g} / grad_norm {metrics.get('grad_norm'):.6g} beyond "
+                        f"mean + {tcfg.spike_k:g} std of the last {tcfg.spike_window} steps (a spike; the step was not "
+                        "applied)")
             good = (f"The last good checkpoint is step {last_good} in {ckpt.directory}" if last_good is not None
                     else f"No checkpoint was written yet ({ckpt.directory})")
-            if tcfg.nonfinite == "stop":
+            if nonfinite and tcfg.nonfinite == "stop":
                 stop(f"[{name}] {what}; stopped. {good} (lower learning_rate or enable grad_clip; "
                      "train.nonfinite=skip skips such steps)")
             if skips["streak"] > tcfg.max_skipped_steps:
                 stop(f"[{name}] {what}; {skips['streak']} steps in a row skipped (max_skipped_steps="
                      f"{tcfg.max_skipped_steps}); stopped. {good}")
             if primary:
-                log(f"[{name}] {what}; skipped ({skips['total']} skipped so far)")
-        elif metrics.get("spike", 0.0) > 0:      # finite, but beyond mean + spike_k * std: skipped, never a stop
-            skips["spikes"] += 1
-            skips["streak"] += 1
-            what = (f"step {step}: loss {metrics['loss']:.6g} / grad_norm {metrics.get('grad_norm'):.6g} beyond mean + "
-                    f"{tcfg.spike_k:g} std of the last {tcfg.spike_window} steps (a spike; the step was not applied)")
-            if skips["streak"] > tcfg.max_skipped_steps:
-                stop(f"[{name}] {what}; {skips['streak']} steps in a row skipped (max_skipped_steps="
-                     f"{tcfg.max_skipped_steps}); stopped. The last checkpoint is step {last_good} in {ckpt.directory}")
-            if primary:
-                log(f"[{name}] {what}; skipped ({skips['spikes']} spikes so far)")
+                log(f"[{name}] {what}; skipped ({skips[kind]} {'skipped' if nonfinite else 'spikes'} so far)")
         else:
             skips["streak"] = 0
         row = {"step": step, **metrics, "skipped_steps": skips["total"], **(data or {}), **(extra() if extra else {})}
