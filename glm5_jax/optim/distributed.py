@@ -1,8 +1,9 @@
 """Distributed Newton-Schulz: each Muon / Muon-Split matrix orthogonalised where its shards live.
 
-The single-device optimizer (glm5_jax.optim.muon) is the math; this module only decides WHERE each
-matrix is orthogonalised when the parameters are sharded over a mesh, and calls the same pieces
-(`_leaf_to_pieces`, `_orthogonalize_batches` -> `_ns_matrix`, `_pieces_to_leaf`).
+The math is glm5_jax.optim.newton_schulz (which the single-device optimizer glm5_jax.optim.muon calls
+too); this module only decides WHERE each matrix is orthogonalised when the parameters are sharded over
+a mesh, and calls the same pieces (`leaf_to_pieces`, `orthogonalize_batches` -> `ns_matrix`,
+`pieces_to_leaf`).
 
 A Muon leaf [*lead, m, n] (lead = scanned layers, experts) is sharded by its PartitionSpec: lead dims
 over some mesh axes (e.g. experts over `expert`), the matrix dims m / n over others (e.g. the embed or
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .muon import HeadSplit, _leaf_to_pieces, _orthogonalize_batches, _pieces_to_leaf
+from .newton_schulz import HeadSplit, leaf_to_pieces, orthogonalize_batches, pieces_to_leaf
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
@@ -75,8 +76,8 @@ def _orthogonalize_local(mu, g, coefs, combine, split, m_axes, n_axes, mesh, *, 
                          eps, chunk_bytes, out_dtype):
     """Body of the shard_map: this device's shards of one leaf -> its shards of the Muon direction."""
     # an unsplit leaf is only reshaped (no float32 copy of the bf16 gradient); the split leaves are small
-    mps = _leaf_to_pieces(mu, split, cast=split is not None)
-    gps = _leaf_to_pieces(g, split, cast=split is not None)
+    mps = leaf_to_pieces(mu, split, cast=split is not None)
+    gps = leaf_to_pieces(g, split, cast=split is not None)
     exch_n = [] if split is not None else n_axes            # split: whole heads locally, n is not exchanged
     sizes = [mesh.shape[a] for a in m_axes + exch_n]
     group = math.prod(sizes)
@@ -101,7 +102,7 @@ def _orthogonalize_local(mu, g, coefs, combine, split, m_axes, n_axes, mesh, *, 
                 u = jax.lax.all_to_all(u, a, 0, 1, tiled=True)
             for a in reversed(exch_n):
                 u = jax.lax.all_to_all(u, a, 0, 2, tiled=True)
-            o = _orthogonalize_batches([u], rms_scale=rms_scale, coeffs=coeffs, steps=steps, eps=eps)[0]
+            o = orthogonalize_batches([u], rms_scale=rms_scale, coeffs=coeffs, steps=steps, eps=eps)[0]
             for a in exch_n:                                   # the inverse, in the reverse order
                 o = jax.lax.all_to_all(o, a, 2, 0, tiled=True)
             for a in m_axes:
@@ -110,7 +111,7 @@ def _orthogonalize_local(mu, g, coefs, combine, split, m_axes, n_axes, mesh, *, 
 
         _, o = jax.lax.scan(body, None, (mp, gp))
         outs.append(o.reshape((k * c * group, ml, nl))[:num])
-    return _pieces_to_leaf(outs, mu.shape, split)
+    return pieces_to_leaf(outs, mu.shape, split)
 
 
 def orthogonalize_sharded(mu: jax.Array, g: jax.Array, coefs: Sequence, combine: Callable, spec: P,

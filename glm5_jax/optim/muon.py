@@ -18,8 +18,6 @@ with its own fan-in/fan-out) as an independent matrix.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -28,119 +26,11 @@ import optax
 
 from glm5_jax.utils import path_to_str
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
+from .newton_schulz import (NS_COEFFS, NS_STEPS, HeadSplit, leaf_to_pieces, newton_schulz, orthogonalize_batches,
+                            orthogonalize_leaf, pieces_to_leaf)
 
-
-# --------------------------------------------------------------------------------------------
-# Newton-Schulz
-# --------------------------------------------------------------------------------------------
-def _ns_matrix(x: jax.Array, coeffs, steps: int, eps: float) -> jax.Array:
-    """Quintic Newton-Schulz on one [m, n] matrix (float32)."""
-    a, b, c = coeffs
-    transposed = x.shape[0] > x.shape[1]
-    if transposed:  # iterate on the wide orientation: the Gram matrix is then min(m, n)^2
-        x = x.T
-    x = x / (jnp.sqrt(jnp.sum(x * x)) + eps)
-
-    def body(_, x):
-        gram = x @ x.T
-        poly = b * gram + c * (gram @ gram)
-        return a * x + poly @ x
-
-    # a rolled loop keeps the HLO (and compile time) small: one body per matrix shape
-    x = jax.lax.fori_loop(0, steps, body, x)
-    return x.T if transposed else x
-
-
-def newton_schulz(x: jax.Array, *, coeffs: Sequence[float] = NS_COEFFS, steps: int = NS_STEPS,
-                  eps: float = 1e-7) -> jax.Array:
-    """Approximately orthogonalise the last two axes of ``x`` (leading axes are batch axes).
-
-    Computed in float32 on each matrix normalised by its Frobenius norm; returns float32.
-    Singular vectors are preserved; every singular value s (after normalisation) becomes
-    p^steps(s) with p(s) = a s + b s^3 + c s^5, which for s >~ 0.01 lies in [0.682, 1.135].
-    """
-    if x.ndim < 2:
-        raise ValueError(f"newton_schulz needs rank >= 2, got shape {x.shape}")
-    lead, (m, n) = x.shape[:-2], x.shape[-2:]
-    flat = x.astype(jnp.float32).reshape((-1, m, n))
-    coeffs = tuple(float(v) for v in coeffs)
-    out = jax.vmap(lambda mat: _ns_matrix(mat, coeffs, steps, eps))(flat)
-    return out.reshape(lead + (m, n))
-
-
-# --------------------------------------------------------------------------------------------
-# Split description
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class HeadSplit:
-    """View the last axis as [num_heads, sum(segments)]; orthogonalise each (head, segment)."""
-
-    num_heads: int
-    segments: tuple[int, ...]
-
-    @property
-    def head_dim(self) -> int:
-        return sum(self.segments)
-
-
-def _rms_factor(fan_in: int, fan_out: int, rms_scale: Optional[float]) -> float:
-    if rms_scale is None:
-        return 1.0
-    return float(rms_scale) * math.sqrt(max(fan_in, fan_out))
-
-
-def _leaf_to_pieces(x: jax.Array, split: Optional[HeadSplit], *, cast: bool = True) -> list[jax.Array]:
-    """Float32 batches of independent matrices [N, m, n] making up one leaf (cast=False: x's dtype)."""
-    if x.ndim < 2:
-        raise ValueError(f"Muon needs a matrix, got shape {x.shape}")
-    if cast:
-        x = x.astype(jnp.float32)
-    m, n = x.shape[-2:]
-    if split is None:
-        return [x.reshape((-1, m, n))]
-    h, hd = split.num_heads, split.head_dim
-    if n != h * hd:
-        raise ValueError(f"HeadSplit {split} does not fit last axis {n} of shape {x.shape}")
-    x4 = x.reshape(x.shape[:-2] + (m, h, hd))
-    pieces, off = [], 0
-    for seg in split.segments:
-        part = jnp.moveaxis(x4[..., off:off + seg], -2, -3)   # [*lead, h, m, seg] (head = batch)
-        pieces.append(part.reshape((-1, m, seg)))
-        off += seg
-    return pieces
-
-
-def _pieces_to_leaf(pieces: list[jax.Array], shape: tuple,
-                    split: Optional[HeadSplit]) -> jax.Array:
-    if split is None:
-        return pieces[0].reshape(shape)
-    lead, m = tuple(shape[:-2]), shape[-2]
-    h = split.num_heads
-    outs = [jnp.moveaxis(p.reshape(lead + (h, m, p.shape[-1])), -3, -2) for p in pieces]
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
-    return out.reshape(shape)
-
-
-def _orthogonalize_batches(batches: list[jax.Array], *, rms_scale, coeffs, steps,
-                           eps) -> list[jax.Array]:
-    """NS + RMS scale (each matrix's own fan-in/fan-out) for a list of [N_i, m_i, n_i] batches."""
-    coeffs = tuple(float(v) for v in coeffs)
-    ns = jax.vmap(lambda mat: _ns_matrix(mat, coeffs, steps, eps))
-    return [ns(bt) * _rms_factor(bt.shape[1], bt.shape[2], rms_scale) for bt in batches]
-
-
-def orthogonalize_leaf(x: jax.Array, split: Optional[HeadSplit] = None, *,
-                       rms_scale: Optional[float] = 0.2, coeffs=NS_COEFFS,
-                       steps: int = NS_STEPS, eps: float = 1e-7) -> jax.Array:
-    """NS-orthogonalise a (possibly stacked) kernel and apply the RMS scale (each independent
-    matrix uses its own fan-in/fan-out); float32 out, same shape as ``x``."""
-    pieces = _leaf_to_pieces(x, split)
-    outs = _orthogonalize_batches(pieces, rms_scale=rms_scale, coeffs=coeffs, steps=steps,
-                                  eps=eps)
-    return _pieces_to_leaf(outs, x.shape, split)
-
+__all__ = ["NS_COEFFS", "NS_STEPS", "HeadSplit", "newton_schulz", "orthogonalize_leaf", "MuonState", "scale_by_muon",
+           "muon"]
 
 SplitFn = Callable[[str, tuple], Optional[HeadSplit]]
 SpecFn = Callable[[str], Any]     # '/'-joined path -> the leaf's PartitionSpec on the mesh (None: unknown)
@@ -214,9 +104,9 @@ def scale_by_muon(*, beta: float = 0.95, nesterov: bool = True, bias_correction:
                     steps=steps, eps=eps, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES))
                 continue
             u = combine(m, g, c_mu, c_g)
-            pieces = _orthogonalize_batches(_leaf_to_pieces(u, sp), rms_scale=rms_scale,
+            pieces = orthogonalize_batches(leaf_to_pieces(u, sp), rms_scale=rms_scale,
                                             coeffs=coeffs, steps=steps, eps=eps)
-            new_leaves.append(_pieces_to_leaf(pieces, u.shape, sp).astype(g.dtype))
+            new_leaves.append(pieces_to_leaf(pieces, u.shape, sp).astype(g.dtype))
         new_updates = jax.tree_util.tree_unflatten(treedef, new_leaves)
         return new_updates, MuonState(count=count, mu=jax.tree.map(
             lambda m: m.astype(mu_dtype), mu))

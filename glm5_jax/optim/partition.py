@@ -24,7 +24,7 @@ import numpy as np
 
 from glm5_jax.utils import path_to_str
 
-from .muon import HeadSplit
+from .newton_schulz import HeadSplit
 
 OPTIMIZER_NAMES = ("adamw", "muon", "muon_split")
 LABELS = ("muon", "muon_split", "adamw", "adamw_nodecay", "zero", "frozen")
