@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import abstract_params
-from glm5_jax.parallel.ep import BATCH_AXES   # the batch dim is split over all three (activation_batch)
+from glm5_jax.batch import BATCH_AXES   # the batch dim is split over all three (activation_batch)
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from glm5_jax.data.packing import BATCH_KEYS, PackedStream, padding_example
+from glm5_jax.batch import BATCH_KEYS
+from glm5_jax.data.packing import PackedStream, padding_example
 from glm5_jax.data.token_cache import TokenizedSplit
 
 EOS, PAD = 2, 0

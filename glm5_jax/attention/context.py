@@ -113,7 +113,7 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
             raise ValueError(f"reduce {r!r}; allowed: {', '.join(REDUCE)}")
     # manual over the batch axes too: left automatic, GSPMD replicated the batch inside the body (the
     # gathered keys of all 16 sequences on every chip for glm5 at 128K, 2.25 GiB a copy, tools.aot)
-    from glm5_jax.parallel.ep import BATCH_AXES
+    from glm5_jax.batch import BATCH_AXES
     names = set(jax.sharding.get_abstract_mesh().axis_names)
     batch = tuple(a for a in BATCH_AXES if a in names)
     manual = batch + (AXIS,)

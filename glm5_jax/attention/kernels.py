@@ -5,7 +5,7 @@ GPU, interpret mode on CPU). Both have the same signatures; tests compare them.
 Under a mesh (glm5_jax.sharding.use_mesh) a Pallas call cannot be partitioned by GSPMD (a Mosaic /
 Triton custom call is opaque: it would be run on the whole, replicated batch). So with
 attention_impl="pallas" the kernels run per device inside `jax.shard_map` over the mesh's batch axes
-(`glm5_jax.parallel.ep.BATCH_AXES`: data, fsdp, expert) that are not manual already (under context
+(`glm5_jax.batch.BATCH_AXES`: data, fsdp, expert) that are not manual already (under context
 parallelism `glm5_jax.attention.context.over_context` has made them manual, with the `context` axis,
 and passes the global query offset). The shard_map is manual over every other not-yet-manual axis too
 (tensor, size-1 axes), the operands replicated over them: the TPU lowering refuses a Mosaic call in a
@@ -30,7 +30,7 @@ def batch_split_axes(batch: int) -> tuple[str, ...]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
-    from glm5_jax.parallel.ep import BATCH_AXES
+    from glm5_jax.batch import BATCH_AXES
     manual = set(getattr(mesh, "manual_axes", ()))
     shape = dict(mesh.shape)
     axes = tuple(a for a in BATCH_AXES if a in shape and a not in manual and shape[a] > 1)

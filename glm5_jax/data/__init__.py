@@ -4,8 +4,10 @@ checkpointable iterators, and synthetic long-range retrieval data."""
 
 from glm5_jax.data.config import DataConfig, default_cache_dir
 from glm5_jax.data.corpus import Corpus, load_corpus
-from glm5_jax.data.packing import BATCH_KEYS, PackedStream
-from glm5_jax.data.pipeline import LMData, TrainIterator, build_lm_data, make_train_iterator
+from glm5_jax.batch import BATCH_KEYS
+from glm5_jax.data.packing import PackedStream
+from glm5_jax.data.build import build_lm_data, make_train_iterator
+from glm5_jax.data.pipeline import LMData, TrainIterator
 from glm5_jax.data.sources import DataError, Document, SourceFile
 from glm5_jax.data.retrieval import (
     RetrievalInfo,

@@ -36,7 +36,7 @@ import numpy as np
 from glm5_jax.config import ConfigError
 from glm5_jax.data.config import DataConfig, MixSource, parse_mix
 from glm5_jax.data.corpus import Corpus, load_corpus
-from glm5_jax.data.pipeline import LMData, TrainIterator, _prepared, is_prepared_dir, tokenized
+from glm5_jax.data.pipeline import LMData, TrainIterator, is_prepared_dir, prepared_data, tokenized
 from glm5_jax.data.sources import DataError
 from glm5_jax.data.tokenizer import Tokenizer, resolve_tokenizer
 from glm5_jax.data.token_cache import INDEX
@@ -144,7 +144,7 @@ def build_mixture(cfg: DataConfig, log=None) -> MixtureData:
     tok, parts = None, []
     for i, (src, sub) in enumerate(zip(cfg.sources, subs)):
         if prepared[i]:
-            d = _in_source(src, lambda sub=sub: _prepared(sub))
+            d = _in_source(src, lambda sub=sub: prepared_data(sub))
         else:
             if tok is None:
                 from glm5_jax.data.tokenizer import load_tokenizer_setting

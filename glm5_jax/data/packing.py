@@ -38,8 +38,6 @@ import numpy as np
 
 from glm5_jax.data.token_cache import TokenizedSplit
 
-BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
-
 
 class PackedStream:
     """A split as one eos-separated token stream, sliceable into packed windows."""

@@ -49,15 +49,16 @@ from typing import Any, Dict, Iterator, List, Optional
 import grain
 import numpy as np
 
+from glm5_jax.batch import BATCH_KEYS
 from glm5_jax.config import ConfigError
 from glm5_jax.data._cache import settings_key
 from glm5_jax.data.config import DataConfig
-from glm5_jax.data.corpus import Corpus, load_corpus
-from glm5_jax.data.packing import BATCH_KEYS, PackedStream, padding_example
+from glm5_jax.data.corpus import Corpus
+from glm5_jax.data.packing import PackedStream, padding_example
 from glm5_jax.data.retrieval import TRAIN_TAG, RetrievalTask, retrieval_eval_batches
 from glm5_jax.data.sources import DataError
 from glm5_jax.data.token_cache import INDEX, TokenizedSplit, load_or_build_token_cache, load_tokens
-from glm5_jax.data.tokenizer import Tokenizer, load_tokenizer_setting, resolve_tokenizer
+from glm5_jax.data.tokenizer import Tokenizer, load_tokenizer_setting
 
 _STATE_VERSION = 1
 
@@ -323,7 +324,7 @@ def check_vocab(tok: Tokenizer, cfg: DataConfig) -> None:
             f"(the model's vocabulary); set --set data.vocab_size={tok.vocab_size} (or larger)")
 
 
-def _prepared(cfg: DataConfig) -> LMData:
+def prepared_data(cfg: DataConfig) -> LMData:
     d = os.path.expanduser(cfg.path)
     t0 = time.perf_counter()
     splits, index = load_tokens(d)
@@ -340,25 +341,6 @@ def _prepared(cfg: DataConfig) -> LMData:
     return LMData(cfg, None, tok, splits, d, {"tokens_s": round(time.perf_counter() - t0, 3)}, key)
 
 
-def build_lm_data(cfg: DataConfig, log=None) -> "LMData | MixtureData":
-    """Corpus -> (cached) tokenizer -> (cached) token arrays, or a prepared directory. Cheap on a warm
-    cache. `log`: where the tokenization summary goes (progress goes to stderr). With `cfg.sources`: a
-    MixtureData (glm5_jax.data.mixture) of one LMData per source."""
-    if not isinstance(cfg, DataConfig):
-        raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
-    if cfg.sources:
-        from glm5_jax.data.mixture import build_mixture
-        return build_mixture(cfg, log=log)
-    if is_prepared_dir(cfg.path):
-        return _prepared(cfg)
-    t0 = time.perf_counter()
-    corpus = load_corpus(cfg)
-    t1 = time.perf_counter()
-    tok = resolve_tokenizer(cfg, corpus)
-    return tokenized(cfg, corpus, tok, log, {"corpus_s": round(t1 - t0, 3),
-                                             "tokenizer_s": round(time.perf_counter() - t1, 3)})
-
-
 def tokenized(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, log=None, timings=None) -> LMData:
     """LMData of `corpus` tokenized by `tok` (through the token cache)."""
     check_vocab(tok, cfg)                   # before the (long) tokenization
@@ -366,12 +348,3 @@ def tokenized(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, log=None, timings
     splits, tdir = load_or_build_token_cache(cfg.resolved_cache_dir(), tok, corpus, log=log)
     timings = {**(timings or {}), "tokens_s": round(time.perf_counter() - t2, 3)}
     return LMData(cfg, corpus, tok, splits, tdir, timings, os.path.basename(tdir))
-
-
-def make_train_iterator(data: "LMData | MixtureData | DataConfig", batch_size: int,
-                        seq_len: Optional[int] = None, seed: Optional[int] = None,
-                        num_threads: int = 0, mix=None) -> TrainIterator:
-    """`TrainIterator` over `data` (an LMData or MixtureData, or a DataConfig that is built first)."""
-    if isinstance(data, DataConfig):
-        data = build_lm_data(data)
-    return data.train_iter(batch_size, seq_len, seed, num_threads, mix)

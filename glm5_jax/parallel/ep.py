@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from glm5_jax.batch import BATCH_AXES
 from pallas_kernels.gmm import grouped_matmul
 
-BATCH_AXES = ("data", "fsdp", "expert")
 TOKEN_AXES = BATCH_AXES + ("context",)   # [B, T] flattened to N = B*T: batch axes major, context minor
 
 

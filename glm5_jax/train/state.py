@@ -27,13 +27,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.tree_util import DictKey
 
+from glm5_jax.batch import BATCH_KEYS
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import abstract_params, init_params, layer_slice_paths
 from glm5_jax.optim import make_optimizer
 from glm5_jax.sharding import LOGICAL_RULES, batch_spec, logical_specs, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
-
-BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
 
 
 def build_optimizer(model_cfg: ModelConfig, tcfg: TrainConfig, params):

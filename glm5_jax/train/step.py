@@ -26,7 +26,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.losses import chunked_cross_entropy, cross_entropy, mtp_depth_targets, mtp_loss
 from glm5_jax.model import GLM5, per_layer
 from glm5_jax.config import ConfigError
-from glm5_jax.parallel.ep import BATCH_AXES
+from glm5_jax.batch import BATCH_AXES
 from glm5_jax.sharding import batch_sharding, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.state import build_optimizer, state_shardings
