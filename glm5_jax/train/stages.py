@@ -27,15 +27,22 @@ Stage i runs glm5_jax.train.loop.train in workdir/stage_<i>_<name>, starting fro
   starts a fresh stage from the previous stage's final params (in memory, or read back from its final
   checkpoint after a restart), so a killed run ends with exactly the losses of an uninterrupted one.
   A stage.json whose definition differs from the stage now given is refused.
+
+Stages that are not one train() run (SFT, then RL, reward-model and distillation stages on one policy):
+`run_phases(workdir, model_cfg, [(name, fn)], log)`, fn(done) -> (params, result); each completed stage's
+params and result are kept in WORKDIR/<name>/final and loaded, not rerun, by a later invocation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import shutil
 import sys
-from typing import Any, Callable, Mapping, Sequence
+import time
+from typing import Any, Callable, Dict, Mapping, Sequence
 
 import jax
 from etils import epath
@@ -280,4 +287,63 @@ def train_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Sta
     return {"params": params, "model_cfg": plan[-1][0], "stages": results}
 
 
-__all__ = ["MODEL_FIELDS", "Stage", "TRAIN_FIELDS", "graft", "plan_stages", "stage_dir", "train_stages"]
+
+# ---- stages of any kind (RL, distillation, reward model ...): a function per stage ---------------------
+
+def phase_dir(workdir: str, name: str) -> str:
+    return os.path.join(workdir, name, "final")
+
+
+def load_phase(workdir: str, name: str, model_cfg: ModelConfig):
+    """(params, result) of a completed run_phases stage, or None."""
+    import orbax.checkpoint as ocp
+    d = phase_dir(workdir, name)
+    if not os.path.exists(os.path.join(d, "result.json")):
+        return None
+    with open(os.path.join(d, "result.json")) as f:
+        result = json.load(f)
+    # read against this run's own model (the stage was written by it; the config.json beside it is for
+    # --init_from and export, whose HF round trip does not keep every field of a tiny MLA/dense config)
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(os.path.join(os.path.abspath(d), "params"), abstract_param_shapes(model_cfg))
+    return params, result
+
+
+def save_phase(workdir: str, name: str, model_cfg: ModelConfig, params, result: dict) -> None:
+    """Params + result into WORKDIR/<name>/final.tmp, then one rename: a stage is complete or absent."""
+    from glm5_jax.train.checkpoint import save_params
+    d = phase_dir(workdir, name)
+    tmp = d + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_params(tmp, model_cfg, params)
+    with open(os.path.join(tmp, "result.json"), "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+    os.replace(tmp, d)
+
+
+def run_phases(workdir: str, model_cfg: ModelConfig, phases: Sequence[tuple], log: Callable[[str], None], *,
+               tag: str = "phases") -> dict:
+    """Run ``phases`` = [(name, fn)] in order; fn(done) -> (params, result), where ``done`` maps every earlier
+    stage to (params, result); each stage's params (one ModelConfig throughout) and result (JSON, plus its
+    wall_s) are written to WORKDIR/<name>/final atomically. A stage already complete there is loaded, not
+    run, so a re-run continues with the first missing one (a stage resumes inside itself only through
+    its own checkpoints, e.g. train()'s or run_grpo's). Returns done."""
+    done: Dict[str, tuple] = {}
+    t0 = time.time()
+    for i, (name, fn) in enumerate(phases, 1):
+        got = load_phase(workdir, name, model_cfg)
+        if got is not None:
+            log(f"[{tag}] stage {i}/{len(phases)} {name}: complete in {phase_dir(workdir, name)}, loaded")
+            done[name] = got
+            continue
+        log(f"[{tag}] stage {i}/{len(phases)} {name}: starting ({time.time() - t0:.0f} s into this invocation)")
+        t = time.time()
+        params, result = fn(done)
+        result = dict(result, wall_s=time.time() - t)
+        save_phase(workdir, name, model_cfg, params, result)
+        done[name] = (params, result)
+        skills = ", ".join(f"{k} {v:.3f}" for k, v in result.get("skills", {}).items())
+        log(f"[{tag}] stage {i}/{len(phases)} {name}: done in {result['wall_s']:.0f} s" + (f"; skills {skills}" if skills else ""))
+    return done
+
+__all__ = ["MODEL_FIELDS", "Stage", "TRAIN_FIELDS", "graft", "load_phase", "phase_dir", "plan_stages", "run_phases", "save_phase", "stage_dir", "train_stages"]
