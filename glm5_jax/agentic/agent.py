@@ -35,7 +35,7 @@ from glm5_jax.agentic.coordinator import NoWorkers, WorkerLost
 from glm5_jax.agentic.gateway import Gateway
 from glm5_jax.rl.tasks import safe_eval_arith
 
-__all__ = ["CalcTask", "ChainTask", "make_calc_task", "make_chain_task", "hop_probs", "calculator",
+__all__ = ["CalcTask", "ChainTask", "TurnTask", "make_calc_task", "make_chain_task", "hop_probs", "calculator",
            "service_calculator", "sft_example", "play", "RolloutPool"]
 
 
@@ -84,6 +84,38 @@ class ChainTask:
             out += [(f"({k})\n", 1), (f">{self.tool(str(k))}\n", 0)]
         return out + [(f"{self.answer}\n", 1)]
 
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnTask:
+    """One turn of an episode as a single-turn task (on-policy distillation of one turn): the prompt is the
+    worked episode up to policy turn ``turn`` (its tool results included: the same ids a multi-turn
+    context holds, one character being one token), the expected text that turn's (a tool call ``(kkk)``
+    or the final answer)."""
+    chain: ChainTask
+    turn: int
+    kind = "agentic"
+
+    @property
+    def prompt(self) -> str:
+        out, k = [self.chain.prompt], 0
+        for text, trained in self.chain.transcript():       # policy turns trained, tool results not
+            if trained:
+                if k == self.turn:
+                    break
+                k += 1
+            out.append(text)
+        return "".join(out)
+
+    @property
+    def expected(self) -> str:
+        return [t for t, m in self.chain.transcript() if m][self.turn].rstrip("\n")
+
+    def score(self, text: str):
+        final = text.split("\n")[0] if "\n" in text else None
+        if final is None:
+            return 0.0, "truncated"
+        return (1.0, "correct") if final == self.expected else (0.0, "wrong")
 
 def hop_probs(max_hops: int, alpha: float) -> list:
     """P(hops = k) for k = 1..max_hops, proportional to k^-alpha (alpha 0: uniform)."""

@@ -38,7 +38,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RolloutServer", "start_servers", "worker_env", "pin_process"]
+__all__ = ["RolloutServer", "start_servers", "stop_servers", "ray_init", "worker_env", "pin_process"]
 
 
 def pin_process(cpus: Optional[Sequence[int]], tids: Optional[Sequence[int]] = None) -> Optional[set]:
@@ -221,3 +221,18 @@ def start_servers(n: int, config, params, *, threads: int = 1, **kw) -> dict:
     seed = kw.pop("seed", 0)
     return {f"server-{i}": actor.remote(config, ref, name=f"server-{i}", seed=seed + i, **kw)
             for i in range(n)}
+
+
+def ray_init(cpus: int) -> None:
+    """Start a local Ray cluster of ``cpus`` CPUs for the rollout fleet (no dashboard, workers' logs not
+    forwarded to the driver), unless one is already initialised in this process."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+
+
+def stop_servers(servers: dict) -> None:
+    """Kill the rollout actors of start_servers ({name: handle}) for good (no restart)."""
+    import ray
+    for h in servers.values():
+        ray.kill(h, no_restart=True)

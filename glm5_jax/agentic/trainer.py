@@ -35,6 +35,7 @@ from glm5_jax.agentic.coordinator import Coordinator, filter_group
 from glm5_jax.agentic.gateway import Gateway, TrajectoryRecord, records_to_batch
 from glm5_jax.agentic.loss import agentic_loss, group_centered_advantages
 from glm5_jax.agentic.server import pin_process, start_servers
+from glm5_jax.train.observe import fmt_eta
 
 __all__ = ["AgenticConfig", "make_agentic_loss_fn", "run_agentic"]
 
@@ -281,7 +282,8 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                 snapshot = {"step": step, "params": jax.tree.map(np.array, host)}
             log(f"[{cfg.mode}] step {step}/{cfg.steps} reward {row['reward_mean']:.3f} tokens {ntok} "
                 f"wait {row['wait_s']:.1f}s train {row['train_s']:.1f}s masked {row['masked_frac']:.3f} "
-                f"stale {info_sum['stale']} ({row['wall_s']:.0f} s)")
+                f"stale {info_sum['stale']} ({row['wall_s']:.0f} s, "
+                f"ETA {fmt_eta(row['wall_s'] / (step - first + 1) * (cfg.steps - step))})")
             preempted = watch is not None and watch.reached(step)
             if ckpt is not None and (step % ckpt_every == 0 or step == cfg.steps or preempted):
                 ckpt.save(step, state, {"version": version, "n_groups": n_groups[0], "rng": _rng_json(rng),

@@ -18,6 +18,7 @@ Teachers share the student's ModelConfig (one compiled forward for all of them).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Callable, Dict, Sequence
 
@@ -26,7 +27,25 @@ import numpy as np
 
 from glm5_jax.rl.program import run_grpo, token_logprobs
 
-__all__ = ["distill_advantages", "make_teacher_advantage_fn", "run_distill"]
+__all__ = ["Taught", "distill_advantages", "make_teacher_advantage_fn", "run_distill"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Taught:
+    """A distillation prompt with the name of its teacher (``skill_of=lambda t: t.teacher``)."""
+    task: object
+    teacher: str
+
+    @property
+    def prompt(self) -> str:
+        return self.task.prompt
+
+    @property
+    def kind(self) -> str:
+        return self.task.kind
+
+    def score(self, text: str):
+        return self.task.score(text)
 
 
 def distill_advantages(teacher_logp, student_logp, mask) -> np.ndarray:

@@ -45,6 +45,7 @@ from glm5_jax.rl.losses import get_loss, group_advantages
 from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
 from glm5_jax.rl.tasks import aggregate_statuses
 from glm5_jax.train.config import TrainConfig
+from glm5_jax.train.observe import fmt_eta
 from glm5_jax.train.state import init_train_state
 from glm5_jax.train.step import make_train_step
 
@@ -331,7 +332,8 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             if step == 1 or step % 5 == 0 or step == rl.steps:
                 ev = f" eval_acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
                 log(f"[{name}] step {step}/{rl.steps} reward {row['reward_mean']:.3f} pop {row['pop_frac']:.4f} "
-                    f"clip {row['clip_frac']:.4f} mismatch_kl {row['mismatch_kl']:.2e}{ev} ({time.time() - t0:.0f} s)")
+                    f"clip {row['clip_frac']:.4f} mismatch_kl {row['mismatch_kl']:.2e}{ev} ({time.time() - t0:.0f} s, "
+                    f"ETA {fmt_eta((time.time() - t0) / (step - first + 1) * (rl.steps - step))})")
             if stop_fn is not None and evals and evals[-1]["step"] == step and stop_fn(evals[-1]):
                 stopped_at = step
                 log(f"[{name}] stop condition met at step {step}")

@@ -26,9 +26,21 @@ from typing import Callable, List, Sequence
 
 import numpy as np
 
-__all__ = ["CHARS", "CharVocab", "SFTIterator", "pack_examples"]
+from glm5_jax.config import ModelConfig
+
+__all__ = ["CHARS", "CharVocab", "SFTIterator", "char_policy", "pack_examples"]
 
 CHARS = "0123456789+-*/=;():> \n"
+
+
+def char_policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
+    """The tiny DSA policy of the RL experiments on the character vocabulary: d_model ``d``, ``h`` heads,
+    ``layers`` dense layers of FFN width ``ffn``, MLA ranks d/2, indexer top-16 (2 heads of 16), no MoE,
+    no MTP."""
+    return ModelConfig(vocab_size=CharVocab().padded_size(), d_model=d, num_layers=layers, ffn_dim=ffn,
+                       attention="dsa", num_heads=h, q_lora_rank=d // 2, kv_lora_rank=d // 2,
+                       qk_nope_head_dim=d // h, qk_rope_head_dim=max(4, d // (2 * h)), v_head_dim=d // h,
+                       index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0, mtp_depth=0, attn_chunk=64)
 
 
 class CharVocab:

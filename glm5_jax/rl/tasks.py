@@ -61,6 +61,13 @@ __all__ = [
     "make_tasks",
     "ARITH_LEVELS",
     "COUNTDOWN_LEVELS",
+    "NAMED_TASKS",
+    "d2d1_task",
+    "named_task",
+    "SortTask",
+    "sort_task",
+    "sort_preference_pair",
+    "distinct_tasks",
 ]
 
 TERMINATOR = "\n"
@@ -489,3 +496,101 @@ def make_tasks(kind: str, n: int, seed: int, level: Union[int, Sequence[int], No
         rng = random.Random(seed)
         return [rng.choice(pool) for _ in range(n)]
     raise ValueError(f"unknown task kind {kind!r}")
+
+
+# ----------------------------------------------------------------------------- experiment tasks
+
+NAMED_TASKS = ("d2d1", "level0", "level1", "level2", "level3", "level4")
+
+
+def d2d1_task(rng: random.Random) -> Task:
+    """Two-digit +/- one-digit arithmetic ("47+8=" -> "55", "53-6=" -> "47"; 1,800 problems)."""
+    a, b, op = rng.randint(10, 99), rng.randint(0, 9), rng.choice("+-")
+    v = a + b if op == "+" else a - b
+    return Task(kind="arithmetic", prompt=f"{a}{op}{b}=", answer=str(v), solution=f"{v}\n", level=-1)
+
+
+def named_task(rng: random.Random, name: str) -> Task:
+    """A task by name (NAMED_TASKS): ``d2d1`` (d2d1_task) or ``levelN`` (arithmetic_task at level N)."""
+    if name.startswith("level"):
+        return arithmetic_task(rng, int(name[5:]))
+    if name != "d2d1":
+        raise ValueError(f"unknown task {name!r}: d2d1 | level0..level4")
+    return d2d1_task(rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class SortTask:
+    """Digit sorting: ``"4827>"`` -> ``"2478"`` + newline. ``score`` is the rule (the sorted digits, exactly)."""
+    digits: str
+    kind = "general"
+
+    @property
+    def prompt(self) -> str:
+        return self.digits + ">"
+
+    @property
+    def answer(self) -> str:
+        return "".join(sorted(self.digits))
+
+    @property
+    def solution(self) -> str:
+        return self.answer + TERMINATOR
+
+    def score(self, text: str):
+        final = extract_final(text)
+        if final is None:
+            return 0.0, "truncated"
+        if not final.isdigit():
+            return 0.0, "malformed"
+        return (1.0, "correct") if final == self.answer else (0.0, "wrong")
+
+
+def sort_task(rng: random.Random, n_digits: int) -> SortTask:
+    return SortTask("".join(rng.choice("0123456789") for _ in range(n_digits)))
+
+
+def sort_preference_pair(task: SortTask, rng: random.Random) -> tuple:
+    """(chosen, rejected) replies for a reward model: chosen = the sorted digits; rejected = one of an
+    unsorted permutation, the sorted digits with one digit changed, one digit dropped, or descending order
+    (whichever differs from the chosen reply)."""
+    good = task.answer
+    d = list(good)
+    for _ in range(20):
+        kind = rng.randrange(4)
+        if kind == 0:
+            p = d[:]
+            rng.shuffle(p)
+            bad = "".join(p)
+        elif kind == 1:
+            i = rng.randrange(len(d))
+            p = d[:]
+            p[i] = rng.choice([c for c in "0123456789" if c != d[i]])
+            bad = "".join(sorted(p))
+        elif kind == 2:
+            p = d[:]
+            p.pop(rng.randrange(len(p)))
+            bad = "".join(p)
+        else:
+            bad = good[::-1]
+        if bad != good:
+            return good + "\n", bad + "\n"
+    return good + "\n", good[:-1] + "\n"                    # all digits equal: a dropped one
+
+
+def distinct_tasks(make_task, n: int, rng: random.Random, *, exclude=(), max_draws: Optional[int] = None) -> list:
+    """The first ``n`` tasks ``make_task(rng)`` draws whose prompts are distinct and not in ``exclude``
+    (held-out splits: draw the splits of one stream in one call and slice it). Raises ValueError after
+    ``max_draws`` draws (default 200 n) without n of them."""
+    seen, out = set(exclude), []
+    for _ in range(200 * n if max_draws is None else max_draws):
+        if len(out) == n:
+            return out
+        t = make_task(rng)
+        if t.prompt not in seen:
+            seen.add(t.prompt)
+            out.append(t)
+    if len(out) == n:
+        return out
+    raise ValueError(f"found only {len(out)} distinct prompts of the {n} wanted; lower the held-out sizes "
+                     "(most prompts must stay for training)")
