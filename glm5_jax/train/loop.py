@@ -15,80 +15,84 @@ its own iterator state; only process 0 writes metrics.jsonl and TensorBoard even
 `data_metrics()` (a mixture of sources) adds its per-source counts after each step's batch to that
 step's row (`data_tokens/NAME`, `data_sequences/NAME`: cumulative over the run, restored on resume). The workdir is an
 etils.epath path, so it may be a URL (gs://...) as well as a local folder.
+
+Hooks (`train(..., hooks=[Hook(fn, every=N, at_end=True, params=True)])`) run at their steps with a read-only
+StepContext (step, params, the metrics row so far, step time, workdir, name, log); what they return joins
+that step's row. eval_fn is the first hook (every tcfg.eval_every steps and at the end). Evaluation goes
+through glm5_jax.eval (`evaluate` here is its LM-loss metric).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import sys
 import time
-from typing import Callable, Iterable
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.eval.evaluator import LMLoss, evaluate as run_eval
+from glm5_jax.eval.placement import global_batch, local_rows
 from glm5_jax.optim import optimizer_table
 from glm5_jax.parallel.distributed import check_shared_workdir
-from glm5_jax.sharding import batch_sharding, single_device_mesh
+from glm5_jax.sharding import single_device_mesh
 from glm5_jax.train.checkpoint import MODEL_CONFIG, Checkpointer
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.observe import RunObserver
 from glm5_jax.train.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch, agree
 from glm5_jax.train.state import abstract_param_shapes, abstract_state, build_optimizer, init_train_state
-from glm5_jax.train.step import make_eval_step, make_monitor_fn, make_train_step
+from glm5_jax.train.step import make_monitor_fn, make_train_step
 
 
 class TrainingDiverged(RuntimeError):
     """A step's loss, gradient or update became NaN/inf (it was not applied); the last good checkpoint is kept."""
 
 
-def local_rows(sharding, batch_size: int) -> list[int]:
-    """The rows of a [batch_size, ...] global batch that this process's devices hold under `sharding`,
-    in the order jax.make_array_from_process_local_data expects its local data (ascending)."""
-    rows = set()
-    for idx in sharding.addressable_devices_indices_map((batch_size,)).values():
-        rows.update(range(*idx[0].indices(batch_size)))
-    return sorted(rows)
-
-
-def global_batch(sharding, local: dict, batch_size: int) -> dict:
-    """The global [batch_size, ...] arrays from this process's rows (local_rows) of each leaf."""
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (batch_size,) + np.shape(v)[1:])
-            for k, v in local.items()}
-
-
-def _params_mesh(params):
-    sh = getattr(jax.tree_util.tree_leaves(params)[0], "sharding", None)
-    return sh.mesh if isinstance(sh, NamedSharding) else None
-
-
 def evaluate(model_cfg: ModelConfig, params, batches: Iterable[dict], eval_step=None) -> dict:
     """Token-mean eval loss over `batches` (full host batches, the same on every process) and top-1
-    accuracy on masked positions. Params on a mesh get each batch split over its batch axes, which also
-    makes this work when the params span several processes."""
-    eval_step = eval_step or make_eval_step(model_cfg)
-    mesh = _params_mesh(params)
-    tot, n, correct = 0.0, 0.0, 0.0
-    for batch in batches:
-        if mesh is None:
-            b = {k: jnp.asarray(v) for k, v in batch.items()}
-        else:
-            size = len(batch["tokens"])
-            bsh = batch_sharding(mesh)
-            if size % math.prod(mesh.shape[a] for a in bsh.spec[0]):
-                bsh = NamedSharding(mesh, P())          # rows do not split evenly: every device gets all
-            rows = local_rows(bsh, size)
-            b = global_batch(bsh, {k: np.asarray(v)[rows] for k, v in batch.items()}, size)
-        s, c, pred = eval_step(params, b)
-        # on device: pred may be split over processes, the scalar sum is not
-        hit = jnp.sum((pred == b["targets"]).astype(jnp.float32) * b["loss_mask"].astype(jnp.float32))
-        tot, n, correct = tot + float(s), n + float(c), correct + float(hit)
-    return {"eval_loss": tot / max(n, 1.0), "eval_accuracy": correct / max(n, 1.0)}
+    accuracy on masked positions: glm5_jax.eval.evaluate with its LM-loss metric (params on a mesh get each
+    batch split over its batch axes, also when they span several processes). eval_step: accepted for
+    older callers and unused (the evaluator compiles one forward per model)."""
+    del eval_step
+    return run_eval(model_cfg, params, batches, [LMLoss()])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a hook sees at a step (read-only): the step, the total steps, the params after that step's update
+    (None for a hook with params=False: it runs when the row is recorded, without holding a step back), the
+    step's metrics row so far (a read-only mapping: the loop's metrics and the outputs of the hooks before this
+    one), the step's wall time (s), the run's workdir, name and log."""
+    step: int
+    total_steps: int
+    params: Any
+    row: Mapping
+    step_seconds: float
+    workdir: epath.Path
+    name: str
+    log: Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """fn(StepContext) -> dict | None, run every `every` steps (0: never periodically) and at the run's last
+    step (tcfg.steps) when at_end. A dict it returns is added to that step's metrics row (metrics.jsonl).
+    params=True (default): a step where the hook is due is read at once (the next step waits), so the hook sees
+    that step's params; params=False: it runs when the row is recorded (one step late while the loop keeps a
+    step in flight) and sees no params (timing, progress, bookkeeping). Hooks never change the training
+    computation (the step, the data order and the checkpoints are the same with or without them)."""
+    fn: Callable[[StepContext], dict | None]
+    every: int = 0
+    at_end: bool = True
+    params: bool = True
+
+    def due(self, step: int, total: int) -> bool:
+        return bool(self.every and step % self.every == 0) or (self.at_end and step == total)
 
 
 def _read_metrics(path: epath.Path, upto: int | None, log=None) -> list[dict]:
@@ -143,14 +147,16 @@ class _MetricsFile:
 
 def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
           init_params=None, eval_fn: Callable[[object], dict] | None = None, log=None,
-          name: str = "train", stop_after: int | None = None, mesh=None, loss_fn=None) -> dict:
+          name: str = "train", stop_after: int | None = None, mesh=None, loss_fn=None,
+          hooks: Sequence[Hook] = ()) -> dict:
     """Train for tcfg.steps steps in `workdir` (a path or URL), resuming from its latest checkpoint if any.
 
     train_iter: an iterator of numpy batch dicts of the global batch (tcfg.batch_size rows) with
     get_state()/set_state() (glm5_jax.data). With select_rows(rows) (glm5_jax.data.TrainIterator) it is
     told the rows this process holds and yields only those; without it, a multi-process run reads full
     batches and keeps its rows.
-    eval_fn(params) -> dict of eval metrics, run every eval_every steps and at the end.
+    eval_fn(params) -> dict of eval metrics, run every eval_every steps and at the end (the first hook).
+    hooks: Hook(fn, every, at_end, params) run at their steps (Hook); their dicts join the metrics rows.
     mesh: where the state lives and the step runs (default: one device); a checkpoint written on any
     mesh is resharded onto it. loss_fn: plugged into the step (default: the LM loss, make_loss_fn).
     Returns {"params", "history" (metrics rows), "final" (last eval row), "labels"}.
@@ -202,6 +208,16 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     clock = {"last": time.perf_counter(), "saved": time.monotonic()}
     last_good = latest
     final = None
+    hooks = list(hooks)
+    if eval_fn is not None:
+        def eval_hook(ctx):
+            nonlocal final
+            final = {"step": ctx.step, **eval_fn(ctx.params)}
+            return final
+        hooks.insert(0, Hook(eval_hook, every=tcfg.eval_every, at_end=True))
+
+    def context(step, params, row, seconds):
+        return StepContext(step, tcfg.steps, params, MappingProxyType(dict(row)), seconds, workdir, name, log)
     end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
     # skipped (non-finite) steps: the run's total (in each row, read back on resume) and the current streak
     skips = {"total": int(done[-1].get("skipped_steps", 0)) if done else 0, "streak": 0,
@@ -250,7 +266,12 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
                 log(f"[{name}] {what}; skipped ({skips[kind]} {'skipped' if nonfinite else 'spikes'} so far)")
         else:
             skips["streak"] = 0
-        row = {"step": step, **metrics, "skipped_steps": skips["total"], **(data or {}), **(extra() if extra else {})}
+        row = {"step": step, **metrics, "skipped_steps": skips["total"], **(data or {})}
+        if extra is not None:
+            row.update(extra(row, seconds))
+        for h in hooks:                                # the hooks that need no params: when the row is read
+            if not h.params and h.due(step, tcfg.steps):
+                row.update(h.fn(context(step, None, row, seconds)) or {})
         if tcfg.spike_window:
             row["spike_steps"] = skips["spikes"]
         obs.record(step, row, step_seconds=seconds)
@@ -281,20 +302,18 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
                 clock["last"] = time.perf_counter()
                 pending = None
             do_ckpt = step % tcfg.ckpt_every == 0 or step == tcfg.steps or preempted or timed
-            do_eval = eval_fn is not None and (step % tcfg.eval_every == 0 or step == tcfg.steps)
+            due = [h for h in hooks if h.params and h.due(step, tcfg.steps)]     # eval first (eval_fn)
             do_mon = monitor_fn is not None and (step % tcfg.monitor_every == 0 or step == tcfg.steps)
-            if not (do_ckpt or do_eval or do_mon or step == end):
+            if not (do_ckpt or due or do_mon or step == end):
                 pending = (step, metrics, data_row)
                 continue
 
-            def extra(step=step, batch=batch, do_eval=do_eval, do_mon=do_mon):
-                nonlocal final
+            def extra(row, seconds, step=step, batch=batch, due=due, do_mon=do_mon):
                 out = {}
                 if do_mon:         # after the update, on this step's batch: a separate forward, no gradients
                     out.update({k: float(v) for k, v in jax.device_get(monitor_fn(state["params"], batch)).items()})
-                if do_eval:
-                    final = {"step": step, **eval_fn(state["params"])}
-                    out.update(final)
+                for h in due:      # this step's params (the next step is not dispatched before they ran)
+                    out.update(h.fn(context(step, state["params"], {**row, **out}, seconds)) or {})
                 return out
 
             record(step, metrics, data_row, extra)         # before the save: only a finite step is checkpointed

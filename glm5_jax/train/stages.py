@@ -36,6 +36,7 @@ params and result are kept in WORKDIR/<name>/final and loaded, not rerun, by a l
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -87,6 +88,7 @@ class Stage:
     model: Any = ()          # a dict or a tuple of (field, value) items
     train: Any = ()
     data: str | None = None
+    init_seed: int | None = None   # the key of the fresh params a model change adds (None: seed + stage index)
 
     def __post_init__(self):
         def bad(field, value, allowed):
@@ -118,7 +120,19 @@ class Stage:
             object.__setattr__(self, f, _frozen(items))
 
     def to_json(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        d = dataclasses.asdict(self)
+        if d["init_seed"] is None:       # the stage.json of a stage without one reads as before the field
+            del d["init_seed"]
+        return json.loads(json.dumps(d))
+
+    @classmethod
+    def of(cls, name: str, tcfg: TrainConfig, base: TrainConfig, *, model=(), data=None, init_seed=None) -> "Stage":
+        """The stage that trains with exactly `tcfg` when run from the base TrainConfig `base`: its seq_len,
+        steps and schedule, and every other field that differs from the base as a `train` override."""
+        return cls(name, seq_len=tcfg.seq_len, steps=tcfg.steps,
+                   **{f: getattr(tcfg, f) for f in SCHEDULE_FIELDS if getattr(tcfg, f) != getattr(base, f)},
+                   model=model, data=data, init_seed=init_seed,
+                   train={f: getattr(tcfg, f) for f in TRAIN_FIELDS if getattr(tcfg, f) != getattr(base, f)})
 
 
 def graft(dst, src):
@@ -214,14 +228,53 @@ def _latest_step(wd: epath.Path, tcfg: TrainConfig) -> int | None:
         ckpt.close()
 
 
-def _final_params(model_cfg, tcfg, wd: epath.Path, mesh):
-    """A finished stage's final params, read back from its last checkpoint (after a restart)."""
-    ckpt = Checkpointer(wd / "checkpoints", keep=tcfg.keep_checkpoints, async_save=False)
+def stage_params(model_cfg, tcfg, wd, mesh=None, step: int | None = None):
+    """A stage's params at its kept checkpoint `step` (default: its last, tcfg.steps), read back onto `mesh`
+    (None: one device, as train_stages)."""
+    mesh = single_device_mesh() if mesh is None else mesh
+    step = tcfg.steps if step is None else step
+    ckpt = Checkpointer(epath.Path(wd) / "checkpoints", keep=tcfg.keep_checkpoints, async_save=False)
     try:
-        state, _ = ckpt.restore(tcfg.steps, abstract_state(model_cfg, tcfg, mesh)[0])
+        if step not in ckpt.all_steps():
+            raise ValueError(f"no checkpoint at step {step} in {wd} (kept: {ckpt.all_steps()})")
+        state, _ = ckpt.restore(step, abstract_state(model_cfg, tcfg, mesh)[0])
     finally:
         ckpt.close()
     return state["params"]
+
+
+_final_params = stage_params
+
+
+def cached_json(workdir, name: str, key, fn):
+    """fn() once per (name, key) in `workdir`: the result is kept as JSON in workdir/evals/<name>-<digest of
+    key>.json (written atomically by the primary process), so a rerun of the same settings skips it."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = epath.Path(workdir) / "evals" / f"{name}-{digest}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    out = fn()
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, json.dumps(out))
+    return out
+
+
+class PhaseProgress:
+    """Progress over a program's phases (stages, arms, evaluations) weighted by an estimate of their cost:
+    finished(phase) logs the elapsed time, the share of the estimated work done and the ETA."""
+
+    def __init__(self, log, weights: dict, tag: str = "progress", t0: float | None = None):
+        self.log, self.weights, self.tag, self.done = log, dict(weights), tag, 0.0
+        self.t0 = time.time() if t0 is None else t0
+
+    def finished(self, phase: str) -> None:
+        self.done += self.weights.get(phase, 0.0)
+        el = time.time() - self.t0
+        total = sum(self.weights.values())
+        eta = el / self.done * (total - self.done) if self.done else float("nan")
+        self.log(f"[{self.tag}] {phase} done; elapsed {el:.0f} s, {100 * self.done / total:.0f}% of the estimated "
+                 f"work, ETA ~{eta:.0f} s")
 
 
 def _carry(prev_cfg, cfg, params, key):
@@ -235,13 +288,17 @@ def _carry(prev_cfg, cfg, params, key):
 def train_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Stage],
                  make_iter: Callable[[Stage, int], Any], workdir, *, init_params=None,
                  eval_fn_for_stage: Callable[[Stage, int, ModelConfig], Callable | None] | None = None,
-                 mesh=None, log=None, loss_fn=None) -> dict:
+                 mesh=None, log=None, loss_fn=None,
+                 hooks_for_stage: Callable[[Stage, int, ModelConfig], Sequence] | None = None) -> dict:
     """Run `stages` in order (module docstring), resuming a killed run where it stopped.
 
     make_iter(stage, i): a fresh train iterator of stage i's batches ([tcfg.batch_size, stage.seq_len];
     e.g. LMData.train_iter(B, stage.seq_len), or a mix chosen by stage.data); the loop restores its state
     from the stage's checkpoint. eval_fn_for_stage(stage, i, model_cfg) -> eval_fn for that stage's
-    train() (or None). init_params: stage 0's starting params (default: the seed, or `init_from`).
+    train() (or None); hooks_for_stage(stage, i, model_cfg) -> that train()'s hooks (glm5_jax.train.loop.Hook).
+    init_params: stage 0's starting params (default: the seed, or `init_from`). Stage.init_seed keys the fresh
+    params a model change adds (default fold_in(seed, i)). A stage chain that repeats done stages (a branch:
+    [base, a] then [base, b] in one workdir) reruns nothing: done stages are skipped, their params read back.
     Returns {"params" (the last stage's), "model_cfg" (the last stage's), "stages": [{"name", "workdir",
     "model_cfg", "train_cfg", "history", "final"}]}.
     """
@@ -268,15 +325,18 @@ def train_stages(model_cfg: ModelConfig, tcfg: TrainConfig, stages: Sequence[Sta
                 prev_cfg, prev_tc = plan[i - 1]
                 if params is None:
                     params = _final_params(prev_cfg, prev_tc, stage_dir(workdir, i - 1, stages[i - 1]), mesh)
-                start = _carry(prev_cfg, cfg, params, jax.random.fold_in(jax.random.PRNGKey(tc.seed), i))
+                key = (jax.random.fold_in(jax.random.PRNGKey(tc.seed), i) if stage.init_seed is None
+                       else jax.random.PRNGKey(stage.init_seed))
+                start = _carry(prev_cfg, cfg, params, key)
         if primary and rec is None:
             _write_atomic(wd / STAGE_FILE, json.dumps({"stage": stage.to_json(), "done": False, "final": None}))
         log(f"[stages] {where}: T={stage.seq_len}, {stage.steps} steps, rope_theta={cfg.rope_theta}, "
             f"rope_scaling={cfg.rope_scaling}, attention={cfg.attention}, lr {tc.lr_schedule} "
             f"(peak {tc.learning_rate})" + (f", data mix {stage.data}" if stage.data else "") + f" ({wd})")
         eval_fn = eval_fn_for_stage(stage, i, cfg) if eval_fn_for_stage is not None else None
+        hooks = hooks_for_stage(stage, i, cfg) if hooks_for_stage is not None else ()
         out = train(cfg, tc, make_iter(stage, i), wd, init_params=start, eval_fn=eval_fn, log=log,
-                    name=f"stage{i}-{stage.name}", mesh=mesh, loss_fn=loss_fn)
+                    name=f"stage{i}-{stage.name}", mesh=mesh, loss_fn=loss_fn, hooks=hooks)
         if primary:
             _write_atomic(wd / STAGE_FILE, json.dumps({"stage": stage.to_json(), "done": True, "final": out["final"]}))
         params = out["params"]
@@ -346,4 +406,5 @@ def run_phases(workdir: str, model_cfg: ModelConfig, phases: Sequence[tuple], lo
         log(f"[{tag}] stage {i}/{len(phases)} {name}: done in {result['wall_s']:.0f} s" + (f"; skills {skills}" if skills else ""))
     return done
 
-__all__ = ["MODEL_FIELDS", "Stage", "TRAIN_FIELDS", "graft", "load_phase", "phase_dir", "plan_stages", "run_phases", "save_phase", "stage_dir", "train_stages"]
+__all__ = ["MODEL_FIELDS", "PhaseProgress", "Stage", "TRAIN_FIELDS", "cached_json", "graft", "load_phase", "phase_dir",
+           "plan_stages", "run_phases", "save_phase", "stage_dir", "stage_params", "train_stages"]
