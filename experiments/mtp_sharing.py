@@ -42,7 +42,7 @@ from experiments.report import (eval_series, fmt_interval, md_table, mean_interv
 from glm5_jax.config import ConfigError, ModelConfig, preset  # noqa: E402
 from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
 from glm5_jax.infer import generate, speculative_generate  # noqa: E402
-from glm5_jax.losses import mtp_targets  # noqa: E402
+from glm5_jax.mtp import mtp_targets  # noqa: E402
 from glm5_jax.model import GLM5  # noqa: E402
 from glm5_jax.train import TrainConfig, evaluate, train  # noqa: E402
 from glm5_jax.train.step import make_eval_step  # noqa: E402

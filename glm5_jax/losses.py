@@ -1,10 +1,12 @@
-"""Language-model losses: masked cross-entropy with optional z-loss, and the MTP loss."""
+"""Language-model losses: masked cross-entropy with optional z-loss (the MTP loss, built on it: glm5_jax.mtp)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from glm5_jax.layers.common import constrain
 
 
 @jax.custom_vjp
@@ -68,7 +70,6 @@ def chunked_cross_entropy(head, hidden, targets, mask, *, chunk: int, shards: in
     by chunk, so one [B, shards, chunk, V] logits block (and its gradient) lives at once and the head
     weight's gradient is accumulated once for all groups. Same sums as cross_entropy, in another order.
     """
-    from glm5_jax.layers.common import constrain
     g, b, t, d = hidden.shape
     if t % shards:
         raise ValueError(f"sequence length {t} is not divisible by {shards} shards")
@@ -94,31 +95,3 @@ def chunked_cross_entropy(head, hidden, targets, mask, *, chunk: int, shards: in
                            (jnp.arange(g * m), split(hidden), split(targets), split(mask)))
     denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32), axis=(1, 2)), 1.0)
     return sums[:, 0] / denom, sums[:, 1] / denom
-
-
-def mtp_targets(targets, mask, segment_ids, depth: int):
-    """Targets and mask for MTP depth k (1-based): position i predicts token i + k + 1, i.e.
-    `targets` shifted left by k; positions whose target leaves the document (or the window) are masked."""
-    from glm5_jax.model import shift_left
-    t = shift_left(targets, depth)
-    m = shift_left(mask, depth) * mask
-    if segment_ids is not None:
-        m = m * (shift_left(segment_ids, depth) == segment_ids)
-    return t, m
-
-
-def mtp_depth_targets(targets, mask, segment_ids, k: int, shifted=None):
-    """(targets, mask) of the k-th MTP depth (0-based): `shifted`'s [k] when the caller built them
-    (context parallelism: glm5_jax.attention.context.layout_batch), else mtp_targets(..., k + 1)."""
-    return mtp_targets(targets, mask, segment_ids, k + 1) if shifted is None else (shifted[0][k], shifted[1][k])
-
-
-def mtp_loss(mtp_logits, targets, mask, segment_ids=None, shifted=None):
-    """Mean over depths of the masked cross-entropy; mtp_logits [depth, B, T, V]. shifted: the
-    per-depth (targets, mask) [depth, B, T] already built (context parallelism:
-    glm5_jax.attention.context.layout_batch), instead of mtp_targets here."""
-    losses = []
-    for k in range(mtp_logits.shape[0]):
-        t, m = mtp_depth_targets(targets, mask, segment_ids, k, shifted)
-        losses.append(cross_entropy(mtp_logits[k], t, m)[1])
-    return jnp.mean(jnp.stack(losses)), losses

@@ -22,18 +22,14 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.attention.context import context_size
-from glm5_jax.attention.mha import GQAttention
-from glm5_jax.attention.mla import MLAttention
 from glm5_jax.config import LayerStack, ModelConfig
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of, init_normal
-from glm5_jax.layers.mlp import SwiGLU
-from glm5_jax.layers.moe import MoE
+from glm5_jax.layers.decoder import ACT, DecoderLayer
 from glm5_jax.layers.rope import rope_angles
-
-ACT = ("activation_batch", "activation_seq", "activation_embed")
+from glm5_jax.mtp import MTPBlock, shift_left
 
 LAYER_INPUT = "decoder_layer_input"     # checkpoint_name of a scan step's input (see REMAT["offload"])
-LAYER_MID = "decoder_layer_mid"         # the residual stream between a layer's attention and its MLP / MoE
+# (LAYER_MID, the residual between attention and MLP / MoE: glm5_jax.layers.decoder)
 
 # ModelConfig.remat -> jax checkpoint policy (None: no rematerialisation at all). A remat'd block always keeps
 # its inputs (the layer input); the named policies also keep the tagged activations (checkpoint_name:
@@ -64,38 +60,6 @@ def remat_policy(cfg: ModelConfig):
         return REMAT[cfg.remat]
     split = [item.split(":") for item in cfg.remat_custom]
     return _offload(save=[n for n, p in split if p == "device"], offload=[n for n, p in split if p == "offload"])
-
-
-class DecoderLayer(nn.Module):
-    cfg: ModelConfig
-    moe: bool
-    indexer_type: str | None
-
-    @nn.compact
-    def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, indexer_loss=None,
-                 monitor_logits: bool = False, *, positions=None, cache=None, write_positions=None):
-        """x [B, T, D] -> (x, top-k indices [B, T, K] or None, new layer cache or None)."""
-        c = self.cfg
-        pdt, dt = dtype_of(c.param_dtype), dtype_of(c.dtype)
-        h = RMSNorm(c.rms_norm_eps, pdt, name="input_norm")(x)
-        kw = dict(positions=positions, cache=cache, write_positions=write_positions)
-        if c.is_mla:
-            attn, indices, cache = MLAttention(c, self.indexer_type, name="attn")(
-                h, cos, sin, segment_ids, prev_indices, indexer_loss, monitor_logits, **kw)
-        else:
-            attn, indices, cache = GQAttention(c, name="attn")(h, cos, sin, segment_ids,
-                                                               monitor_logits=monitor_logits, **kw)
-        x = checkpoint_name(constrain(x + attn, ACT), LAYER_MID)
-        h = RMSNorm(c.rms_norm_eps, pdt, name="post_attn_norm")(x)
-        if self.moe:
-            mlp = MoE(c.num_experts, c.experts_per_tok, c.moe_ffn_dim, c.num_shared_experts, c.n_group,
-                      c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, c.moe_impl,
-                      c.initializer_range, dt, pdt, capacity_factor=c.moe_capacity_factor,
-                      token_chunk=c.moe_token_chunk, round_factor=c.moe_round_capacity_factor,
-                      kernel=c.moe_kernel, name="moe")(h)
-        else:
-            mlp = SwiGLU(c.ffn_dim, c.initializer_range, dt, pdt, name="mlp")(h)
-        return constrain(x + mlp, ACT), indices, cache
 
 
 class Block(nn.Module):
@@ -131,36 +95,6 @@ def stack_module(cfg: ModelConfig, stack: LayerStack):
                    in_axes=(0,) + (nn.broadcast,) * 7, length=stack.repeats,
                    unroll=1 if cfg.scan_layers else stack.repeats,
                    metadata_params={nn.PARTITION_NAME: "layers"})
-
-
-class MTPBlock(nn.Module):
-    """h' = eh_proj([RMSNorm(embed(next token)) ; RMSNorm(h_prev)]) -> decoder layer -> RMSNorm.
-
-    The concatenation order (embedding first) follows the released DeepSeek-V3-style checkpoints.
-    """
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, h_prev, emb, cos, sin, segment_ids=None, indexer_loss=None, *, positions=None, cache=None,
-                 write_positions=None):
-        """-> (h [B, T, D], final-normed h, new cache or None). indexer_loss as GLM5: the MTP layer's DSA
-        indexer learns from the same KL as the trunk's (sown at mtp_<k>/layer/attn/indexer_kl)."""
-        c = self.cfg
-        pdt, dt = dtype_of(c.param_dtype), dtype_of(c.dtype)
-        e = RMSNorm(c.rms_norm_eps, pdt, name="enorm")(emb)
-        hp = RMSNorm(c.rms_norm_eps, pdt, name="hnorm")(h_prev)
-        h = Dense(c.d_model, ("mtp_in", "embed"), c.initializer_range, dt, pdt, name="eh_proj")(
-            jnp.concatenate([e, hp], axis=-1))
-        idx_type = "full" if c.attention == "dsa" else None
-        h, _, cache = DecoderLayer(c, c.num_experts > 0, idx_type, name="layer")(
-            h, cos, sin, segment_ids, None, indexer_loss, positions=positions, cache=cache,
-            write_positions=write_positions)
-        return h, RMSNorm(c.rms_norm_eps, pdt, name="final_norm")(h), cache
-
-
-def shift_left(x, k: int, fill=0):
-    """x [B, T] -> x[:, k:] padded with `fill` on the right (the token k steps ahead)."""
-    return jnp.concatenate([x[:, k:], jnp.full((x.shape[0], k), fill, x.dtype)], axis=1) if k else x
 
 
 def num_indices(config: ModelConfig, cache_size: int | None) -> int:
@@ -238,7 +172,7 @@ class GLM5(nn.Module):
         and a query at position p attends the cache slots 0..p. logits=False skips the head.
         mtp_tokens [depth, B, T]: the input token k steps ahead for MTP depth k (default: tokens shifted
         left by k); needed under context parallelism, where the sequence is in the context layout
-        (glm5_jax.attention.context.layout_batch builds it).
+        (glm5_jax.mtp.mtp_batch builds it).
         reward=True (needs cfg.reward_head): "reward" [B, T] float32, the reward head's scalar at every position
         (a reward model reads it at a sequence's last token, glm5_jax.rl.reward_model).
         """
@@ -251,7 +185,7 @@ class GLM5(nn.Module):
         if use_mtp:
             if mtp_tokens is None and context_size() > 1 and not self.is_initializing():
                 raise ValueError("MTP under context parallelism needs mtp_tokens (the sequence is in the context "
-                                 "layout: shifting it is wrong); glm5_jax.attention.context.layout_batch builds them")
+                                 "layout: shifting it is wrong); glm5_jax.mtp.mtp_batch builds them")
             if mtp_tokens is None:
                 mtp_tokens = jnp.stack([shift_left(tokens, k) for k in range(1, c.mtp_depth + 1)])
             # one lookup for the trunk and every MTP depth: each lookup's backward is a scatter-add into

@@ -1,6 +1,6 @@
 """Pallas kernels for DeepSeek Sparse Attention (DSA): lightning-indexer top-k and sparse attention.
 
-Conventions are those of `pallas_kernels.reference` (read its docstring): bottom-right causal
+Conventions are those of the XLA path `pallas_kernels.dsa_xla` (read its docstring): bottom-right causal
 alignment (query t of T sees key s of S iff s <= t + S - T), -1 for empty top-k slots, top-k ties
 broken towards the lower key index (the order of `jax.lax.top_k`: values descending, equal values by
 ascending key index), attention rows without a valid index return zeros.
@@ -77,7 +77,7 @@ from pallas_kernels._bounds import block_visible, bound_cost, dot_t, head_bound,
 from pallas_kernels import sparse_attn_tpu as _tpu
 from pallas_kernels import sparse_attn_triton as _triton
 
-from pallas_kernels.reference import NEG_INF
+from pallas_kernels.dsa_xla import NEG_INF
 _F32 = jnp.float32
 
 
@@ -106,16 +106,12 @@ def _dispatch(args, make_tpu, make_gpu, interpret, kernels="auto"):
                                       default=tpu(False))
 
 
-_GPU_BACKEND = {"name": "triton"}
-
-
 def set_gpu_backend(name):
     """Kept for compatibility. sparse_attention always lowers through Pallas Triton on GPU
     (Mosaic GPU has no in-kernel row gather and staged the whole K/V block in shared memory);
     None and "triton" are both accepted and mean Triton."""
     if name not in (None, "triton"):
         raise ValueError(f"unknown GPU backend {name!r}")
-    _GPU_BACKEND["name"] = "triton"
 
 
 def _cdiv(a, b):
@@ -354,7 +350,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
     past the number of visible keys. `segment_ids` [B, T] (packed documents, needs S == T): a key
     is visible only to queries of its own document, as in the reference. `kernels`: "auto" picks
     the Mosaic kernels on TPU (and in interpret mode), the Triton ones on GPU; "tpu" / "gpu" force
-    one family (kernels="gpu", interpret=True tests the GPU kernels on CPU). mode="exact" returns exactly `reference.indexer_topk`'s result
+    one family (kernels="gpu", interpret=True tests the GPU kernels on CPU). mode="exact" returns exactly `dsa_xla.indexer_topk`'s result
     (same set, same order, same tie-break) up to float rounding of the scores; mode="approx" keeps
     the `approx_blocks` best key blocks per query block by the block bound (default
     2 * ceil(topk / block_size)) and the exact top-k inside them.
@@ -362,7 +358,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, causal: bool = True, block
     q_offset .. q_offset + T - 1 of the S keys (an int or a traced int32 scalar; causal: query t sees
     keys s <= q_offset + t; default: bottom-right alignment, s <= t + S - T), and kv_segment_ids [B, S]
     are the keys' segment ids (with segment_ids [B, T] for the queries). Returns what
-    `reference.indexer_topk` returns with the same arguments.
+    `dsa_xla.indexer_topk` returns with the same arguments.
     """
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")

@@ -1,4 +1,5 @@
-"""Pure-jnp references for the DSA kernels: the XLA path the model uses on CPU.
+"""The DSA kernels in plain jnp, compiled by XLA: the production path (`ModelConfig.attention_impl="xla"`,
+the default, and every CPU run) and what the Pallas kernels (`pallas_kernels.dsa`) are tested against.
 
 Both functions work chunk by chunk over queries, so neither writes a [T, S] array (or a full
 gathered [T, K, D] tensor) to memory: peak extra memory is [B, chunk, S] for the indexer and

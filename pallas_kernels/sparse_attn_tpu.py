@@ -16,7 +16,7 @@ is rejected by Mosaic, "Offsets along tiled dimensions must be aligned to tiles"
 the V gather overlaps the Q.K^T / softmax part); -1 slots copy row 0 and are masked. The
 gathered tiles feed batched dense matmuls ("qhd,qkd->qhk", batch = query).
 
-Empty slots / rows follow `pallas_kernels.reference`: masked logits are -inf, a row with no
+Empty slots / rows follow `pallas_kernels.dsa_xla`: masked logits are -inf, a row with no
 valid index gets O = 0 and LSE = -inf.
 """
 
@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._bounds import sparse_bwd_cost, sparse_fwd_cost
-from pallas_kernels.reference import NEG_INF
+from pallas_kernels.dsa_xla import NEG_INF
 _F32 = jnp.float32
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._bounds import sparse_bwd_cost, sparse_fwd_cost
-from pallas_kernels.reference import NEG_INF
+from pallas_kernels.dsa_xla import NEG_INF
 _F32 = jnp.float32
 
 

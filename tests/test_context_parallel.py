@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.attention.context import chunk_order, from_layout, layout_index, to_layout
-from pallas_kernels import reference as ref
+from pallas_kernels import dsa_xla as ref
 from pallas_kernels.dense import flash_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -61,7 +61,7 @@ def test_flash_key_mask_equals_sparse_attention_over_the_same_indices(h, hk, t, 
     gradients (softmax over exactly the selected keys): causal indices with -1 slots, packed
     documents, and a query that selects nothing (zeros, finite gradients). T % block != 0 for
     (37, 16): padded rows see no key."""
-    from pallas_kernels import reference as ref
+    from pallas_kernels import dsa_xla as ref
     from pallas_kernels.dense import topk_key_mask
     rng = np.random.default_rng(t)
     b, d, dv, kk = 2, 8, 5, 6

@@ -11,7 +11,7 @@ from glm5_jax.attention.kernels import indexer_topk
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.moe import MoE, route
 from glm5_jax.layers.rope import apply_rope, rope_angles
-from pallas_kernels import reference as ref
+from pallas_kernels import dsa_xla as ref
 
 
 def test_rope_matches_complex_rotation():

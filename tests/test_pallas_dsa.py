@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dsa
-from pallas_kernels import reference as ref
+from pallas_kernels import dsa_xla as ref
 
 
 def _np_scores(q, k, w):

@@ -16,7 +16,7 @@ from experiments.overrides import OverrideError, all_keys, apply_overrides, as_d
 from experiments.sweep import sweep
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.losses import mtp_targets
+from glm5_jax.mtp import mtp_targets
 from glm5_jax.train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import reference as ref
+from pallas_kernels import dsa_xla as ref
 
 
 def _inputs(seed, b, t, s, hi, di, integer):

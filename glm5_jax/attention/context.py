@@ -4,7 +4,7 @@ Layout (load balance). With N = context size, every sequence is cut into 2N equa
 i holds chunks i and 2N-1-i (Megatron's order): under causal attention chunk c's queries see c+1
 chunks of keys, so every device does (i+1) + (2N-i) = 2N+1 chunk pairs of work. The permutation is
 applied once, to the token-level batch at the start of the train step (`layout_batch`; shifted
-targets, e.g. MTP's, are built in natural order first), and every token-wise layer (norms,
+targets, e.g. MTP's (glm5_jax.mtp.mtp_batch), are built in natural order first), and every token-wise layer (norms,
 projections, MoE routing and its all-to-all, MTP blocks, head, losses) runs on the permuted
 sequence unchanged: only attention needs to know where a token sits.
 
@@ -25,6 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from glm5_jax.batch import BATCH_AXES
+from glm5_jax.layers.common import constrain
 
 AXIS = "context"
 REDUCE = ("token", "mean", "max")   # how over_context combines one output of the two local chunks
@@ -61,21 +64,10 @@ def from_layout(x, n: int, axis: int = 1):
     return jnp.take(x, jnp.asarray(np.argsort(layout_index(x.shape[axis], n))), axis=axis)
 
 
-def layout_batch(batch: dict, n: int, mtp_depth: int = 0) -> dict:
-    """The train step's batch ({tokens, targets, positions, segment_ids, loss_mask, ...}, leaves [B, T])
-    in the context layout. With mtp_depth > 0 it first adds, in natural order, what MTP depth k needs
-    from k tokens ahead: "mtp_tokens" [depth, B, T] (the input token k steps ahead) and "mtp_targets" /
-    "mtp_mask" [depth, B, T] (glm5_jax.losses.mtp_targets), then permutes every [.., T] leaf."""
-    from glm5_jax.losses import mtp_targets
-    from glm5_jax.model import shift_left
-    out = dict(batch)
-    if mtp_depth:
-        seg = batch.get("segment_ids")
-        tm = [mtp_targets(batch["targets"], batch["loss_mask"], seg, k) for k in range(1, mtp_depth + 1)]
-        out["mtp_tokens"] = jnp.stack([shift_left(batch["tokens"], k) for k in range(1, mtp_depth + 1)])
-        out["mtp_targets"] = jnp.stack([a for a, _ in tm])
-        out["mtp_mask"] = jnp.stack([m for _, m in tm]).astype(batch["loss_mask"].dtype)
-    from glm5_jax.layers.common import constrain
+def layout_batch(batch: dict, n: int) -> dict:
+    """The train step's batch ({tokens, targets, positions, segment_ids, loss_mask, ...}, leaves [.., B, T])
+    in the context layout: every [.., T] leaf permuted. Leaves shifted along the sequence (MTP's,
+    glm5_jax.mtp.mtp_batch) are built in natural order before this."""
     t = batch["tokens"].shape[1]
     seq = ("activation_batch", "activation_seq")
 
@@ -83,7 +75,7 @@ def layout_batch(batch: dict, n: int, mtp_depth: int = 0) -> dict:
         if v is None or v.shape[-1] != t:
             return v
         return constrain(to_layout(v, n, axis=v.ndim - 1), (None,) * (v.ndim - 2) + seq)
-    return {k: permute(v) for k, v in out.items()}
+    return {k: permute(v) for k, v in batch.items()}
 
 
 def _natural_keys(x, n: int):
@@ -113,7 +105,6 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
             raise ValueError(f"reduce {r!r}; allowed: {', '.join(REDUCE)}")
     # manual over the batch axes too: left automatic, GSPMD replicated the batch inside the body (the
     # gathered keys of all 16 sequences on every chip for glm5 at 128K, 2.25 GiB a copy, tools.aot)
-    from glm5_jax.batch import BATCH_AXES
     names = set(jax.sharding.get_abstract_mesh().axis_names)
     batch = tuple(a for a in BATCH_AXES if a in names)
     manual = batch + (AXIS,)

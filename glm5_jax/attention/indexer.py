@@ -15,7 +15,7 @@ from glm5_jax.attention.core import visible_slots
 from glm5_jax.utils import NEG_INF
 from glm5_jax.layers.common import Dense, LayerNorm, dtype_of
 from glm5_jax.layers.rope import apply_rope
-from pallas_kernels import reference as ref
+from pallas_kernels import dsa_xla as ref
 
 
 class Indexer(nn.Module):

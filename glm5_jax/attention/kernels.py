@@ -1,5 +1,5 @@
-"""The one place that picks a DSA kernel: `ModelConfig.attention_impl` "xla" runs the jnp references
-(pallas_kernels.reference), "pallas" the Pallas kernels (pallas_kernels.dsa: Mosaic on TPU, Triton on
+"""The one place that picks a DSA kernel: `ModelConfig.attention_impl` "xla" runs the jnp XLA path
+(pallas_kernels.dsa_xla), "pallas" the Pallas kernels (pallas_kernels.dsa: Mosaic on TPU, Triton on
 GPU, interpret mode on CPU). Both have the same signatures; tests compare them.
 
 Under a mesh (glm5_jax.sharding.use_mesh) a Pallas call cannot be partitioned by GSPMD (a Mosaic /
@@ -20,7 +20,8 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import reference as ref
+from glm5_jax.batch import BATCH_AXES
+from pallas_kernels import dsa_xla as ref
 
 
 def batch_split_axes(batch: int) -> tuple[str, ...]:
@@ -30,7 +31,6 @@ def batch_split_axes(batch: int) -> tuple[str, ...]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
-    from glm5_jax.batch import BATCH_AXES
     manual = set(getattr(mesh, "manual_axes", ()))
     shape = dict(mesh.shape)
     axes = tuple(a for a in BATCH_AXES if a in shape and a not in manual and shape[a] > 1)
@@ -96,7 +96,7 @@ def indexer_topk(q_idx, k_idx, weights, topk: int, *, segment_ids=None, impl: st
 def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int = 128, dv: int | None = None):
     """q [B, T, H, D] over the keys `indices` [B, T, K] (-1 = none) of k/v [B, S, Hk, D] -> [B, T, H, Dv].
     v=None with `dv`: the value is k[..., :dv] (MLA's MQA form); the xla path then gathers each row
-    once and scatters one gradient row per slot (see reference.sparse_attention). The indices are
+    once and scatters one gradient row per slot (see dsa_xla.sparse_attention). The indices are
     global key positions, so no query offset is needed under context parallelism."""
     if impl == "pallas":
         from pallas_kernels import dsa

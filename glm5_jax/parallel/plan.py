@@ -44,7 +44,7 @@ ESTIMATE_MODE = {"none": "none", "full": "layer", "offload": "layer_offload", "d
                  # named-activation policies: estimated as "full" (the saved names are not counted: a lower bound)
                  "save_qkv": "layer", "save_attention": "layer", "custom": "layer"}
 _DT = {"float32": 4, "bfloat16": 2, "float16": 2}
-_TILE_BYTES = 4 * 2 ** 20   # the reference kernels' cache-sized tile bound (pallas_kernels.reference)
+_TILE_BYTES = 4 * 2 ** 20   # the reference kernels' cache-sized tile bound (pallas_kernels.dsa_xla)
 
 
 def abstract_mesh(sizes: Mapping[str, int]):
@@ -91,7 +91,7 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
                   gathered [r, K, kv_lora + rope] float32 tile under 4 MiB)
       index tile  (dsa) f*b*r_I*S*(index_heads + 2) [the [r_I, index_heads, S] dot, the weighted
                   scores, their sort keys], r_I = min(attn_chunk, max(32, 4 MiB / (4*b*index_heads*S)))
-                  as pallas_kernels.reference.indexer_topk picks it.
+                  as pallas_kernels.dsa_xla.indexer_topk picks it.
     Terms that scale with the number of KEYS use S (the full sequence), per layer and sequence held,
     times b (context > 1 only: with context = 1 the keys are the local tokens' own, per-token terms):
       gathered keys        DSA and absorbed MLA: c*(kv_lora + rope)*S (one MQA key row per key, an

@@ -23,8 +23,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.attention.context import context_size, layout_batch
 from glm5_jax.config import ModelConfig
-from glm5_jax.losses import chunked_cross_entropy, cross_entropy, mtp_depth_targets, mtp_loss
+from glm5_jax.losses import chunked_cross_entropy, cross_entropy
 from glm5_jax.model import GLM5, per_layer
+from glm5_jax.mtp import mtp_batch, mtp_depth_targets, mtp_loss
 from glm5_jax.config import ConfigError
 from glm5_jax.batch import BATCH_AXES
 from glm5_jax.sharding import batch_sharding, single_device_mesh, use_mesh
@@ -97,7 +98,7 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
     def loss_fn(params, batch):
         n = context_size()
         if n > 1:   # context parallelism: the sequence in the load-balanced layout, MTP shifts built first
-            batch = layout_batch(batch, n, model_cfg.mtp_depth if use_mtp else 0)
+            batch = layout_batch(mtp_batch(batch, model_cfg.mtp_depth) if use_mtp else batch, n)
         chunked = tcfg.logits_chunk > 0
         out, state = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
                                  indexer_loss=tcfg.indexer_loss, mtp=use_mtp, mutable=["intermediates"],
