@@ -46,23 +46,20 @@ def _diag_mask(blk, g):
     return jnp.arange(blk)[None, :] <= (jnp.arange(blk * g) // g)[:, None]
 
 
-def _block_mask(i, j, tri, segq, segk, km, off=0, bh=1):
-    """Bool [B*Hk, M, blk] (or [M, blk] without segments or key mask) for query block i (global block
-    i + off) and key block j (bh = B*Hk rows of q). km [B, n, blk, nk, blk] holds one row per query (not per head): the
-    tile is repeated to the M = blk*g rows and the Hk key heads here, so only a tile is ever repeated."""
+def _block_mask(i, j, tri, segq, segk, km, off=0):
+    """Bool [B, M, blk] (or [M, blk] without segments or key mask) for query block i (global block
+    i + off) and key block j."""
     mask = jnp.logical_or(j != i + off, tri)
     if segq is not None:
         mask = mask & (segq[:, i][:, :, None] == segk[:, j][:, None, :])
     if km is not None:
-        kmb = jnp.repeat(km[:, i, :, j], tri.shape[0] // tri.shape[1], axis=1)   # [B, M, blk]
-        hk = bh // kmb.shape[0]
-        mask = mask & (jnp.repeat(kmb, hk, axis=0) if hk > 1 else kmb)
+        mask = mask & km[:, i, :, j]
     return mask
 
 
 def _fwd(q, k, v, segq, segk, km, off, scale, blk):
     """q [B, n, blk*g, D], k [B, nk, blk, D], v [B, nk, blk, Dv], segq [B, n, M], segk [B, nk, blk],
-    km [B/Hk, n, blk, nk, blk] (each or None), off: global block index of query block 0 (int, maybe
+    km [B, n, M, nk, blk] (each or None), off: global block index of query block 0 (int, maybe
     traced) -> o [B, n, M, Dv], lse [B, n, M] (+inf for a row that sees no key: only a key mask or
     padding can empty a row; its output is 0)."""
     b, n, m, _ = q.shape
@@ -74,7 +71,7 @@ def _fwd(q, k, v, segq, segk, km, off, scale, blk):
         def step(j, c):
             mx, l, acc = c
             s = _mm("bmd,bkd->bmk", qb, k[:, j]) * scale
-            s = jnp.where(_block_mask(i, j, tri, segq, segk, km, off, b), s, -jnp.inf)
+            s = jnp.where(_block_mask(i, j, tri, segq, segk, km, off), s, -jnp.inf)
             m_new = jnp.maximum(mx, s.max(-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - m_safe[..., None])
@@ -118,7 +115,7 @@ def _flash_bwd(scale, blk, res, do):
             dk, dv, dq = c
             qb, dob = q[:, i], do[:, i]
             s_t = _mm("bkd,bmd->bkm", kb, qb) * scale
-            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk, km, off, b), -1, -2)
+            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk, km, off), -1, -2)
             s_t = jnp.where(mask_t, s_t, -jnp.inf)
             p_t = jnp.exp(s_t - lse[:, i][:, None, :])  # [B, k, M]
             dp_t = _mm("bkd,bmd->bkm", vb, dob)
@@ -197,7 +194,7 @@ def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512
         if key_mask.shape != (b, t, t):
             raise ValueError(f"key_mask {key_mask.shape} must be [B={b}, T={t}, T={t}]")
         km = jnp.pad(key_mask.astype(bool), [(0, 0), (0, tp - t), (0, tp - t)])  # padded keys: never
-        km = km.reshape(b, n, blk, n, blk)
+        km = jnp.repeat(jnp.repeat(km, hk, axis=0), g, axis=1).reshape(b * hk, n, blk * g, n, blk)
     o = _flash(qf, fold(k), fold(v), segq, segk, km, off, float(scale), blk)  # [B*Hk, n, blk*g, Dv]
     o = jnp.swapaxes(o.reshape(b, hk, tp, g, dv), 1, 2).reshape(b, tp, h, dv)
     return o[:, :t]
