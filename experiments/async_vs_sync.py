@@ -40,12 +40,14 @@ from typing import ClassVar
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import (fmt_interval, md_table, mean_interval, paired_bootstrap_interval, plot_curves,
-                                wilson_interval, write_report)
+from experiments.report import (fmt_interval, md_table, mean_interval, paired_interval, plot_curves,
+                                proportion_interval, write_report)
 from glm5_jax.agentic.agent import make_chain_task, sft_example
-from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic
+from glm5_jax.agentic.server import ray_init, start_servers, stop_servers
+from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic, run_summary
 from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.rl.sft import CharVocab, SFTIterator
+from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
+from glm5_jax.rl.tasks import distinct_tasks, draw_excluding
 from glm5_jax.train import TrainConfig, train
 
 # async first: its wall time is the clock point at which the sync arm's policy is kept for the matched
@@ -95,15 +97,8 @@ class AsyncVsSyncConfig:
             raise ConfigError("AsyncVsSyncConfig.kill_in_async needs agentic.servers >= 2")
 
 
-def _policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
-    return ModelConfig(vocab_size=CharVocab().padded_size(), d_model=d, num_layers=layers, ffn_dim=ffn,
-                       attention="dsa", num_heads=h, q_lora_rank=d // 2, kv_lora_rank=d // 2,
-                       qk_nope_head_dim=d // h, qk_rope_head_dim=max(4, d // (2 * h)), v_head_dim=d // h,
-                       index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0, mtp_depth=0, attn_chunk=64)
-
-
 TINY = AsyncVsSyncConfig(
-    model=_policy(64, 4, 2, 192),
+    model=char_policy(64, 4, 2, 192),
     # indexer_loss="dense": DSA's dense warm-up. The indexer learns only from its KL to the main
     # attention; without it the SFT's sparse attention picks its top-16 keys with a random indexer and
     # the copying the task needs never forms (validation probe: sampled reward ~0.06 after 800 steps)
@@ -120,7 +115,7 @@ TINY = AsyncVsSyncConfig(
 )
 
 SMALL = dataclasses.replace(
-    TINY, model=_policy(128, 4, 4, 384),
+    TINY, model=char_policy(128, 4, 4, 384),
     train=TINY.train.replace(steps=1000, batch_size=32, eval_every=750, log_every=250, ckpt_every=750), sft_steps=750,
     agentic=dataclasses.replace(TINY.agentic, steps=200, groups_per_step=16, in_flight_groups=32, servers=4,
                                 agent_threads=128),
@@ -129,36 +124,19 @@ SMALL = dataclasses.replace(
 
 def test_split(n: int, make_task, seed: int = 12345) -> list:
     """Tasks with distinct held-out prompts (start keys); training draws exclude them."""
-    rng, seen, out = random.Random(seed), set(), []
-    while len(out) < n:
-        t = make_task(rng)
-        if t.prompt not in seen:
-            seen.add(t.prompt)
-            out.append(t)
-    return out
-
-
-def _ray_init(cpus: int):
-    import ray
-    if not ray.is_initialized():
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    return distinct_tasks(make_task, n, random.Random(seed))
 
 
 @register("async_vs_sync", "multi-turn calculator-tool RL, synchronous vs asynchronous (Ray rollout servers, "
           "TITO gateway, staleness bound, worker kill)", {"tiny": TINY, "small": SMALL})
 def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
-    from glm5_jax.agentic.server import start_servers
     t_start = time.time()
     vocab = CharVocab()
     make_task = functools.partial(make_chain_task, max_hops=cfg.max_hops, alpha=cfg.hop_alpha)
     test = test_split(cfg.test_tasks, make_task)
     exclude = {t.prompt for t in test}
 
-    def sample_task(rng):
-        while True:
-            t = make_task(rng)
-            if t.prompt not in exclude:
-                return t
+    sample_task = functools.partial(draw_excluding, make_task, exclude)
 
     log("primary metric (named before the run): trained tokens/s async / sync (>= 1.5 wanted); "
         "secondary: TEST sampled reward after RL, reward vs wall time")
@@ -167,7 +145,7 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
     sft = train(cfg.model, cfg.train, it, os.path.join(workdir, "sft"), log=log, name="sft", mesh=mesh,
                 stop_after=cfg.sft_steps)
     sft_params = sft["params"]
-    _ray_init(cfg.ray_cpus)
+    ray_init(cfg.ray_cpus)
     ag = cfg.agentic
     arms, before, matched = {}, None, {}
     for arm in ARMS:
@@ -192,35 +170,10 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
         # each arm's policy as it stood when the async arm finished: async's final one, sync's snapshot
         matched[arm] = (after if arm == "async" else
                         dict(evaluate_on_test(r["snapshot"]["params"]), step=r["snapshot"]["step"]))
-        import ray
-        for h in workers.values():
-            ray.kill(h, no_restart=True)
-        acc = r["accounting"]
-        counted = acc["trained"] + acc["dropped"] + acc["unused"] + acc["warmup"]
-        arms[arm] = {
-            "tokens_per_s": r["trained_tokens"] / r["wall_s"], "final_reward": after["reward"],
-            "test_reward_interval": list(wilson_interval(after["successes"], after["n"])),
-            "train_reward_last5": float(np.mean([h["reward_mean"] for h in r["history"][-5:]])),
-            "wall_s": r["wall_s"], "trained_tokens": r["trained_tokens"],
-            "trainer_idle_frac": r["trainer_idle_s"] / r["wall_s"], "steps": len(r["history"]),
-            "dead_workers": r["dead"], "requeued": r["requeued"],
-            "ids_issued": len(acc["issued"]), "ids_accounted": len(counted),
-            "ids_duplicated": len(counted) - len(set(counted)),
-            "ids_lost": len(set(acc["issued"]) - set(counted)),
-            "curve": [[h["wall_s"], h["reward_mean"]] for h in r["history"]],
-            # the trainer's own step time: in the async arm it shares the CPU (and the driver's GIL)
-            # with the rollouts, in the sync arm it runs alone
-            "train_step_s_mean": float(np.mean([h["train_s"] for h in r["history"]])),
-            "update_s_mean": float(np.mean([h["update_s"] for h in r["history"]])),
-            "push_s_mean": float(np.mean([h["push_s"] for h in r["history"]])),
-            "masked_frac_mean": float(np.mean([h["masked_frac"] for h in r["history"]])),
-            "stale_dropped": int(sum(h["stale"] for h in r["history"])),
-            "groups_dropped": int(sum(h["dropped"] for h in r["history"])) // acfg.group_size,
-            # decode seconds / (wall x servers alive at the end): how busy the fleet was
-            "server_busy_frac": (float(np.mean(list(r["server_busy_s"].values()))) / r["wall_s"]
-                                 if r["server_busy_s"] else float("nan")),
-            "staleness": dict(collections.Counter(r["staleness"])), "arm_total_s": time.time() - t_arm,
-        }
+        stop_servers(workers)
+        arms[arm] = {**run_summary(r, acfg.group_size), "final_reward": after["reward"],
+                     "test_reward_interval": proportion_interval(after["successes"], after["n"]),
+                     "arm_total_s": time.time() - t_arm}
         log(f"[{arm}] {arms[arm]['tokens_per_s']:.1f} trained tokens/s, idle {arms[arm]['trainer_idle_frac']:.2f}, "
             f"TEST reward {before['reward']:.3f} -> {after['reward']:.3f}, ids lost {arms[arm]['ids_lost']} "
             f"duplicated {arms[arm]['ids_duplicated']}, requeued {r['requeued']}")
@@ -236,14 +189,12 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
                for lo, hi in zip(edges[:-1], edges[1:])]
     time_avg = {a: mean_interval(steps_in(a, 0.0, t_common)) for a in ARMS}
     # TEST at the same wall-clock time (the async arm's end), paired over tasks
-    diff = paired_bootstrap_interval(matched["async"]["rewards"], matched["sync"]["rewards"])
+    diff = paired_interval(matched["async"]["rewards"], matched["sync"]["rewards"])
     matched_report = {"wall_s": arms["async"]["wall_s"], "sync_step": matched["sync"]["step"],
                       "async_step": arms["async"]["steps"],
                       **{a: {"test_reward": matched[a]["reward"],
-                             "interval": list(wilson_interval(matched[a]["successes"], matched[a]["n"]))} for a in ARMS},
-                      "async_minus_sync": list(diff)}
-    def fmt_mi(m):
-        return "-" if m is None else fmt_interval(m["mean"], m["lo"], m["hi"])
+                             "interval": proportion_interval(matched[a]["successes"], matched[a]["n"])} for a in ARMS},
+                      "async_minus_sync": diff}
     hist = {str(k): v for k, v in sorted(arms["async"]["staleness"].items())}
     plot_curves(os.path.join(workdir, "reward_vs_wall.png"),
                 {a: ([c[0] for c in arms[a]["curve"]], [c[1] for c in arms[a]["curve"]]) for a in ARMS},
@@ -263,23 +214,23 @@ Primary (named before the run): trained tokens/s async / sync = **{ratio:.2f}** 
            "TEST reward after (Wilson 95%)", "dead workers", "requeued", "ids lost", "ids duplicated"],
           [[a, arms[a]["tokens_per_s"], arms[a]["trainer_idle_frac"], arms[a]["server_busy_frac"],
             arms[a]["train_step_s_mean"], arms[a]["update_s_mean"], arms[a]["wall_s"], arms[a]["steps"],
-            before["reward"], fmt_interval(arms[a]["final_reward"], *arms[a]["test_reward_interval"]),
+            before["reward"], fmt_interval(arms[a]["test_reward_interval"]),
             ",".join(arms[a]["dead_workers"]) or "-", arms[a]["requeued"], arms[a]["ids_lost"],
             arms[a]["ids_duplicated"]] for a in ARMS])}
 
 Reward against wall time. TEST sampled reward of each arm's policy at the same wall-clock time, the
 async arm's end ({matched_report["wall_s"]:.0f} s: async step {matched_report["async_step"]}, sync step
-{matched_report["sync_step"]}; Wilson 95%): sync {fmt_interval(matched_report["sync"]["test_reward"], *matched_report["sync"]["interval"])},
-async {fmt_interval(matched_report["async"]["test_reward"], *matched_report["async"]["interval"])};
-async - sync, paired over the TEST tasks (bootstrap 95%): {fmt_interval(*diff)}.
+{matched_report["sync_step"]}; Wilson 95%): sync {fmt_interval(matched_report["sync"]["interval"])},
+async {fmt_interval(matched_report["async"]["interval"])};
+async - sync, paired over the TEST tasks (bootstrap 95%): {fmt_interval(diff)}.
 
 Training batch reward over the {t_common:.0f} s both arms ran: mean over the steps of the whole
-window (t 95% over steps) sync {fmt_mi(time_avg["sync"])}, async {fmt_mi(time_avg["async"])}; by equal
+window (t 95% over steps) sync {fmt_interval(time_avg["sync"])}, async {fmt_interval(time_avg["async"])}; by equal
 wall-clock window:
 
 {md_table(["wall s", "sync steps", "sync reward", "async steps", "async reward"],
-          [[f"{w['wall_s'][0]:.0f}-{w['wall_s'][1]:.0f}", w["sync"]["n"] if w["sync"] else 0, fmt_mi(w["sync"]),
-            w["async"]["n"] if w["async"] else 0, fmt_mi(w["async"])] for w in windows])}
+          [[f"{w['wall_s'][0]:.0f}-{w['wall_s'][1]:.0f}", w["sync"]["n"] if w["sync"] else 0, fmt_interval(w["sync"]),
+            w["async"]["n"] if w["async"] else 0, fmt_interval(w["async"])] for w in windows])}
 
 Staleness histogram of the async arm's trained samples (trainer version - oldest token's version):
 {hist}; stale samples dropped: sync {arms["sync"]["stale_dropped"]}, async {arms["async"]["stale_dropped"]};

@@ -19,6 +19,7 @@ are never used to choose anything. Neither split is ever trained on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import time
@@ -26,14 +27,13 @@ from typing import ClassVar
 
 import jax
 
-from experiments.grpo_icepop import _policy, make_task
 from experiments.registry import register
 from experiments.report import md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.distill import run_distill
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
-from glm5_jax.rl.sft import CharVocab, SFTIterator
-from glm5_jax.rl.tasks import countdown_task
+from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
+from glm5_jax.rl.tasks import countdown_task, d2d1_task, distinct_tasks, draw_excluding
 from glm5_jax.train import TrainConfig, train
 
 SKILLS = ("a", "b")
@@ -42,7 +42,7 @@ STAGES = ("sft_a", "rl_b", "distill")
 
 def skill_task(rng: random.Random, skill: str):
     if skill == "a":
-        return make_task(rng, "d2d1")
+        return d2d1_task(rng)
     if skill == "b":
         return countdown_task(rng, 0)
     raise ValueError(f"unknown skill {skill!r}: a | b")
@@ -90,14 +90,14 @@ _RL = RLConfig(steps=80, prompts_per_step=32, group_size=8, max_new_tokens=6, ma
                learning_rate=1e-3, optimizer="adamw", adam_b2=0.999, adv_norm="informative",
                frozen_patterns=("indexer",), mismatch="none", seed=0)
 TINY = DistillRecoveryConfig(
-    model=_policy(64, 4, 2, 192),
+    model=char_policy(64, 4, 2, 192),
     train=TrainConfig(steps=400, batch_size=16, seq_len=64, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                       weight_decay=0.0, eval_every=400, log_every=100, ckpt_every=400, seed=0),
     rl_b=_RL,
     distill=_RL.replace(steps=60, prompts_per_step=64, group_size=1, learning_rate=5e-4, seed=1),
 )
 SMALL = dataclasses.replace(
-    TINY, model=_policy(256, 8, 4, 768),
+    TINY, model=char_policy(256, 8, 4, 768),
     train=TINY.train.replace(steps=1500, batch_size=64, seq_len=128, learning_rate=1e-3, eval_every=1500,
                              ckpt_every=1500),
     rl_b=_RL.replace(steps=200, learning_rate=3e-4), distill=TINY.distill.replace(steps=200, learning_rate=2e-4),
@@ -109,18 +109,11 @@ def splits(cfg: DistillRecoveryConfig):
     out = {}
     for k, skill in enumerate(SKILLS):
         n_val, n_test = (cfg.val_tasks, cfg.test_tasks) if skill == "a" else (cfg.val_tasks_b, cfg.test_tasks_b)
-        rng = random.Random(30_000 + 17 * k + cfg.train.seed)
-        seen, ts = set(), []
-        for _ in range(200 * (n_val + n_test)):
-            if len(ts) == n_val + n_test:
-                break
-            t = skill_task(rng, skill)
-            if t.prompt not in seen:
-                seen.add(t.prompt)
-                ts.append(t)
-        else:
-            raise ConfigError(f"skill {skill}: found only {len(ts)} distinct prompts for val + test = "
-                              f"{n_val + n_test}; lower the split sizes (most prompts must stay for training)")
+        try:
+            ts = distinct_tasks(lambda rng: skill_task(rng, skill), n_val + n_test,
+                                random.Random(30_000 + 17 * k + cfg.train.seed))
+        except ValueError as e:
+            raise ConfigError(f"skill {skill}: {e} (val + test = {n_val + n_test})") from None
         out[skill] = (ts[:n_val], ts[n_val:])
     return out
 
@@ -135,11 +128,7 @@ def run(cfg: DistillRecoveryConfig, workdir: str, log, mesh=None) -> dict:
     exclude = {t.prompt for v, te in sp.values() for t in v + te}
     max_new = cfg.rl_b.max_new_tokens
 
-    def draw(rng, skill):
-        while True:
-            t = skill_task(rng, skill)
-            if t.prompt not in exclude:
-                return t
+    draw = functools.partial(draw_excluding, skill_task, exclude)
 
     def success(params, tasks):
         return evaluate_accuracy(mcfg, params, tasks, vocab, max_new_tokens=max_new, greedy=True)["accuracy"]

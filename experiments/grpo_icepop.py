@@ -32,15 +32,15 @@ import jax
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import fmt_interval, mean_interval, wilson_interval, md_table, plot_curves, write_report
+from experiments.report import (eval_series, fmt_interval, md_table, mean_interval, paired_seeds, per_seed_interval,
+                                plot_curves, proportion_interval, write_report)
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
-from glm5_jax.rl.sft import CharVocab, SFTIterator
-from glm5_jax.rl.tasks import Task, arithmetic_task
+from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
+from glm5_jax.rl.tasks import NAMED_TASKS as TASKS, distinct_tasks, draw_excluding, named_task as make_task
 from glm5_jax.train import TrainConfig, train
 
 ARMS = ("icepop", "none", "tis")
-TASKS = ("d2d1", "level0", "level1", "level2", "level3", "level4")
 PRIMARY = ("greedy", "sampled")
 
 
@@ -76,15 +76,8 @@ class GrpoIcepopConfig:
                 raise ConfigError(f"GrpoIcepopConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
 
 
-def _policy(d: int, h: int, layers: int, ffn: int) -> ModelConfig:
-    return ModelConfig(vocab_size=CharVocab().padded_size(), d_model=d, num_layers=layers, ffn_dim=ffn,
-                       attention="dsa", num_heads=h, q_lora_rank=d // 2, kv_lora_rank=d // 2,
-                       qk_nope_head_dim=d // h, qk_rope_head_dim=max(4, d // (2 * h)), v_head_dim=d // h,
-                       index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0, mtp_depth=0, attn_chunk=64)
-
-
 TINY = GrpoIcepopConfig(
-    model=_policy(64, 4, 2, 192),
+    model=char_policy(64, 4, 2, 192),
     train=TrainConfig(steps=400, batch_size=16, seq_len=64, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                       weight_decay=0.0, eval_every=100, log_every=100, ckpt_every=400, seed=0),
     # issue 36: the rollout engine's weights fake-quantised to int4 (per output channel), the level a sweep
@@ -98,44 +91,23 @@ TINY = GrpoIcepopConfig(
     seeds=(0, 1, 2), eval_every=40,
 )
 SMALL = dataclasses.replace(
-    TINY, model=_policy(256, 8, 4, 768),
+    TINY, model=char_policy(256, 8, 4, 768),
     train=TINY.train.replace(steps=1500, batch_size=64, seq_len=128, learning_rate=1e-3, eval_every=375,
                              log_every=375, ckpt_every=1500),
     rl=TINY.rl.replace(steps=300, prompts_per_step=64, group_size=16),
     eval_tasks=1024, eval_every=25, sampled_eval_samples=4)
 
 
-def make_task(rng: random.Random, task: str) -> Task:
-    """``d2d1``: two-digit +/- one-digit ("47+8=", "53-6="; 1,800 problems); ``levelN``: tasks.arithmetic_task."""
-    if task.startswith("level"):
-        return arithmetic_task(rng, int(task[5:]))
-    if task != "d2d1":
-        raise ValueError(f"unknown task {task!r}: d2d1 | level0..level4")
-    a, b, op = rng.randint(10, 99), rng.randint(0, 9), rng.choice("+-")
-    v = a + b if op == "+" else a - b
-    return Task(kind="arithmetic", prompt=f"{a}{op}{b}=", answer=str(v), solution=f"{v}\n", level=-1)
-
-
 def held_out(cfg: GrpoIcepopConfig, split: str = "dev") -> list:
     """Distinct held-out prompts: "dev" (eval_tasks) or "test" (test_tasks, disjoint from dev)."""
     if split not in ("dev", "test"):
         raise ValueError(f"split={split!r} is invalid; allowed: 'dev', 'test'")
-    rng = random.Random(10_000 + cfg.train.seed)
-    seen, out = set(), {"dev": [], "test": []}
-    for name, n in (("dev", cfg.eval_tasks), ("test", cfg.test_tasks)):
-        tries = 0
-        while len(out[name]) < n:
-            t = make_task(rng, cfg.task)
-            tries += 1
-            if tries > 200 * (cfg.eval_tasks + cfg.test_tasks):
-                raise ConfigError(f"GrpoIcepopConfig: task {cfg.task!r} has too few distinct prompts for "
-                                  f"eval_tasks={cfg.eval_tasks} + test_tasks={cfg.test_tasks}")
-            if t.prompt not in seen:
-                seen.add(t.prompt)
-                out[name].append(t)
-        if name == split:
-            return out[name]
-    return out[split]
+    try:
+        ts = distinct_tasks(lambda rng: make_task(rng, cfg.task), cfg.eval_tasks + cfg.test_tasks,
+                            random.Random(10_000 + cfg.train.seed))
+    except ValueError as e:
+        raise ConfigError(f"GrpoIcepopConfig: task {cfg.task!r}: {e} (eval_tasks + test_tasks)") from None
+    return ts[:cfg.eval_tasks] if split == "dev" else ts[cfg.eval_tasks:]
 
 
 SIGNALS = ("first_reward", "last10_reward", "max_reward", "mean_mismatch_kl", "last10_mismatch_kl", "mean_pop_frac")
@@ -152,24 +124,12 @@ def training_signals(history: list[dict]) -> dict:
             "mean_pop_frac": float(np.mean([h["pop_frac"] for h in history]))}
 
 
-def delta_interval(finals: list[float], initial: float) -> dict:
-    """The change from the shared SFT model's test accuracy, per seed, mean with a 95% t interval over seeds
-    ({"mean", "lo", "hi", "n"}; lo = hi = None for one seed), and the per-seed changes."""
-    d = [float(v) - float(initial) for v in finals]
-    return {**mean_interval(d), "per_seed": d}
-
-
 def paired_arm_differences(test_by_seed: dict) -> dict:
     """test accuracy of arm a minus arm b, paired by RL seed (same prompts and samples per step), with a
     95% t interval over seeds, for icepop - none, tis - none and icepop - tis."""
-    out = {}
-    for a, b in (("icepop", "none"), ("tis", "none"), ("icepop", "tis")):
-        if a in test_by_seed and b in test_by_seed:
-            d = [test_by_seed[a][s]["accuracy"] - test_by_seed[b][s]["accuracy"] for s in test_by_seed[a]
-                 if s in test_by_seed[b]]
-            if d:
-                out[f"{a} - {b}"] = {**mean_interval(d), "per_seed": d}
-    return out
+    acc = {a: {s: v["accuracy"] for s, v in by_seed.items()} for a, by_seed in test_by_seed.items()}
+    pairs = [(a, b) for a, b in (("icepop", "none"), ("tis", "none"), ("icepop", "tis")) if a in acc and b in acc]
+    return {f"{a} - {b}": d for a, b in pairs if (d := paired_seeds(acc[a], acc[b])) is not None}
 
 
 @register("grpo_icepop", "GRPO on arithmetic from an SFT'd tiny DSA model under an int4 rollout mismatch: "
@@ -185,10 +145,7 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
     level = cfg.task
 
     def sample_task(rng):
-        while True:
-            t = make_task(rng, level)
-            if t.prompt not in exclude:
-                return t
+        return draw_excluding(make_task, exclude, rng, level)
 
     max_new = rl.max_new_tokens
     primary = cfg.primary
@@ -249,8 +206,9 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
         vals = [v["accuracy"] for v in test_by_seed[arm].values()]
         iv = mean_interval(vals)
         if iv["n"] == 1:      # one seed: Wilson over completions (treats them as independent: optimistic)
-            iv["lo"], iv["hi"] = wilson_interval(round(vals[0] * n_test), n_test)
-        delta = delta_interval(vals, initial_test["accuracy"])
+            w = proportion_interval(round(vals[0] * n_test), n_test)
+            iv["lo"], iv["hi"] = w["lo"], w["hi"]
+        delta = per_seed_interval([v - initial_test["accuracy"] for v in vals])
         return {"test_initial_accuracy": initial_test["accuracy"], "test_final_accuracy": iv["mean"],
                 "test_initial_greedy_accuracy": initial_test["greedy_accuracy"],
                 "test_final_accuracy_interval": iv, "test_delta": delta["mean"], "test_delta_interval": delta,
@@ -279,16 +237,12 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
               "rl_steps": rl.steps, "rollouts_per_step": rl.prompts_per_step * rl.group_size,
               "params": int(sum(x.size for x in jax.tree.leaves(sft_params))), "wall_time_s": None}
 
-    steps_of = lambda h: [row["step"] for row in h]  # noqa: E731
-    plot_curves(os.path.join(workdir, "reward.png"),
-                {a: (steps_of(r["history"]), [x["reward_mean"] for x in r["history"]]) for a, r in runs.items()},
-                title=f"GRPO rollout reward (mismatch {rl.mismatch})", xlabel="RL step", ylabel="mean reward")
-    plot_curves(os.path.join(workdir, "pop_frac.png"),
-                {a: (steps_of(r["history"]), [x["pop_frac"] for x in r["history"]]) for a, r in runs.items()},
-                title="fraction of tokens popped (icepop) / truncated (tis)", xlabel="RL step", ylabel="fraction")
-    plot_curves(os.path.join(workdir, "mismatch_kl.png"),
-                {a: (steps_of(r["history"]), [x["mismatch_kl"] for x in r["history"]]) for a, r in runs.items()},
-                title="mismatch KL(pi_infer || pi_old), k3 estimate", xlabel="RL step", ylabel="KL")
+    for key, title, ylabel in (("reward_mean", f"GRPO rollout reward (mismatch {rl.mismatch})", "mean reward"),
+                               ("pop_frac", "fraction of tokens popped (icepop) / truncated (tis)", "fraction"),
+                               ("mismatch_kl", "mismatch KL(pi_infer || pi_old), k3 estimate", "KL")):
+        plot_curves(os.path.join(workdir, "reward.png" if key == "reward_mean" else f"{key}.png"),
+                    {a: eval_series(r["history"], key) for a, r in runs.items()}, title=title, xlabel="RL step",
+                    ylabel=ylabel)
     plot_curves(os.path.join(workdir, "heldout_accuracy.png"),
                 {a: ([0] + [e["step"] for e in r["evals"]], [initial["accuracy"]] + [e["accuracy"] for e in r["evals"]])
                  for a, r in runs.items()},
@@ -299,13 +253,12 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
              v["initial_sampled_accuracy"], v["final_sampled_accuracy"], v["first_reward"], v["last5_reward"],
              v["mean_pop_frac"], v["mean_clip_frac"], v["mean_mismatch_kl"], f"{v['wall_s']:.0f}"]
             for a, v in arms.items()]
-    trows = [[a, v["test_initial_accuracy"], fmt_interval(v["test_final_accuracy"], v["test_final_accuracy_interval"]["lo"],
-                                                          v["test_final_accuracy_interval"]["hi"]),
-              fmt_interval(v["test_delta"], v["test_delta_interval"]["lo"], v["test_delta_interval"]["hi"]),
+    trows = [[a, v["test_initial_accuracy"], fmt_interval(v["test_final_accuracy_interval"]),
+              fmt_interval(v["test_delta_interval"]),
               ", ".join(f"{x:+.3f}" for x in v["test_delta_interval"]["per_seed"]), v["degraded_seeds"],
               v["test_initial_greedy_accuracy"], v["test_final_greedy_accuracy"]]
              for a, v in arms.items()]
-    prows = [[k, fmt_interval(d["mean"], d["lo"], d["hi"]), ", ".join(f"{x:+.3f}" for x in d["per_seed"])]
+    prows = [[k, fmt_interval(d), ", ".join(f"{x:+.3f}" for x in d["per_seed"])]
              for k, d in report["paired_differences"].items()]
     sig = lambda a, f: float(np.mean([v[f] for v in arms[a]["signals_per_seed"].values()]))  # noqa: E731
     srows = [[a] + [sig(a, f) for f in SIGNALS] for a in arms]

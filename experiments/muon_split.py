@@ -22,7 +22,8 @@ from typing import ClassVar
 from experiments.registry import register
 import numpy as np
 
-from experiments.report import eval_series, fmt_interval, md_table, mean_interval, plot_curves, write_report
+from experiments.report import (eval_series, fmt_interval, md_table, mean_interval, paired_seeds, plot_curves,
+                                trajectory_bands, write_report)
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.train import TrainConfig, evaluate, train
@@ -135,23 +136,11 @@ def count_loss_spikes(losses, *, warmup: int, nats: float, window: int) -> int:
     return n
 
 
-def trajectory_bands(histories: list[list[dict]], key: str = "max_attn_logit") -> tuple[list, list, list, list]:
-    """(steps, mean, lo, hi) of `key` at the steps every history recorded it: the mean over runs with a
-    95% t interval (lo = hi = mean for one run)."""
-    per = [{r["step"]: r[key] for r in h if key in r} for h in histories]
-    steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
-    ivs = [mean_interval([p[st] for p in per]) for st in steps]
-    return (steps, [iv["mean"] for iv in ivs], [iv["mean"] if iv["lo"] is None else iv["lo"] for iv in ivs],
-            [iv["mean"] if iv["hi"] is None else iv["hi"] for iv in ivs])
-
-
 def paired_difference(per_seed: dict, a: str, b: str, key: str) -> dict | None:
     """per-seed a - b of `key` over the seeds where both ran and are finite, mean with a 95% t interval."""
     if a not in per_seed or b not in per_seed:
         return None
-    d = [per_seed[a][s][key] - per_seed[b][s][key] for s in per_seed[a]
-         if s in per_seed[b] and math.isfinite(per_seed[a][s][key]) and math.isfinite(per_seed[b][s][key])]
-    return {**mean_interval(d), "per_seed": d} if d else None
+    return paired_seeds(*({s: v[key] for s, v in per_seed[x].items()} for x in (a, b)))
 
 
 def verdict(diff: dict | None) -> str:
@@ -272,15 +261,14 @@ def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
 
     plot_curves(os.path.join(workdir, "eval_loss.png"), {a: eval_series(r["history"]) for a, r in runs.items()},
                 title=f"muon_split: dev eval loss (B={B}, T={T}, {tc.steps} steps, seed {cfg.seeds[0]})")
-    bands = {a: trajectory_bands(h) for a, h in histories.items()}
-    plot_curves(os.path.join(workdir, "max_attn_logit.png"), {a: (b[0], b[1]) for a, b in bands.items()},
-                bands={a: (b[2], b[3]) for a, b in bands.items()},
+    bands = {a: trajectory_bands(h, "max_attn_logit") for a, h in histories.items()}
+    plot_curves(os.path.join(workdir, "max_attn_logit.png"), {a: (b["steps"], b["mean"]) for a, b in bands.items()},
+                bands={a: (b["lo"], b["hi"]) for a, b in bands.items()},
                 title=f"muon_split: max |q.k|*scale (mean over {len(cfg.seeds)} seeds, band 95% t)",
                 ylabel="max attention logit")
     mla, gqa = cfgs["mla"], cfgs["gqa"]
     report = {"primary_metric": cfg.PRIMARY, "arms": arms, "per_seed": per_seed, "seeds": list(cfg.seeds),
-              "paired_differences": primary_diff, "logit_trajectory": {a: {"steps": b[0], "mean": b[1], "lo": b[2],
-                                                                            "hi": b[3]} for a, b in bands.items()},
+              "paired_differences": primary_diff, "logit_trajectory": bands,
               "stability": {"spike_nats": cfg.spike_nats, "spike_window": cfg.spike_window, "qk_clip": False,
                             "diverged_runs": sum(v["diverged_seeds"] for v in arms.values()),
                             "loss_spikes": {a: v["loss_spikes"] for a, v in arms.items()}},
@@ -290,9 +278,9 @@ def run(cfg: MuonSplitConfig, workdir: str, log, mesh=None) -> dict:
     report["verdict"] = verdict(primary_diff["mla_muon_split - mla_muon"]["max_attn_logit"])
     ref = arms.get("gqa_muon", {}).get("final_eval_loss")
     rows = [[a, v["optimizer"], v["learning_rate"],
-             fmt_interval(v["final_eval_loss"], v["final_eval_loss_interval"]["lo"], v["final_eval_loss_interval"]["hi"], 4),
+             fmt_interval(v["final_eval_loss_interval"], digits=4),
              f"{100.0 * (v['final_eval_loss'] - ref) / ref:+.2f}%" if ref else "-", v["final_eval_accuracy"],
-             fmt_interval(v["max_attn_logit"], v["max_attn_logit_interval"]["lo"], v["max_attn_logit_interval"]["hi"], 2),
+             fmt_interval(v["max_attn_logit_interval"], digits=2),
              v["max_attn_logit_peak"], v["loss_spikes"], v["diverged_seeds"]] for a, v in arms.items()]
     srows = [[r["learning_rate"], r["dev_eval_loss"], r["max_attn_logit"], r["max_attn_logit_peak"]] for r in sweep]
     sweep_md = (f"""## Regime search (plain-Muon MLA, {cfg.sweep_steps} steps per LR, dev loss)
@@ -306,7 +294,7 @@ Chosen: muon_learning_rate = {muon_lr:g} (largest final max logit with a finite 
                   ", ".join(f"{k} {x:.1f}" for k, x in sorted(v["max_attn_logit_per_layer"].items()))]
                  for a, by_seed in per_seed.items() for s, v in by_seed.items()]
     iv = "95% t interval over seeds" if len(cfg.seeds) > 1 else "one seed, no interval"
-    cell = lambda d, k, n: "-" if not d or not d.get(k) else fmt_interval(d[k]["mean"], d[k]["lo"], d[k]["hi"], n)  # noqa: E731
+    cell = lambda d, k, n: "-" if not d or not d.get(k) else fmt_interval(d[k], digits=n)  # noqa: E731
     diff_rows = [[name, cell(d, "max_attn_logit", 2), cell(d, "test_eval_loss", 4)] for name, d in primary_diff.items()]
     md = f"""# muon_split
 

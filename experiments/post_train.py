@@ -51,154 +51,37 @@ stages after T (before distill):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
 import random
-import re
-import shutil
 import time
-from typing import Callable, ClassVar, Dict, Sequence
+from typing import ClassVar, Dict
 
 import jax
 import numpy as np
 
-from experiments.async_vs_sync import _policy, _ray_init
-from experiments.grpo_icepop import make_task
 from experiments.registry import register
-from experiments.report import fmt_interval, md_table, plot_curves, wilson_interval, write_report
-from glm5_jax.agentic.agent import ChainTask, make_chain_task, sft_example
-from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic
+from experiments.report import fmt_interval, md_table, plot_curves, proportion_interval, write_report
+from glm5_jax.agentic.agent import ChainTask, TurnTask, make_chain_task, sft_example
+from glm5_jax.agentic.server import ray_init, start_servers, stop_servers
+from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic, run_summary
 from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.rl.distill import run_distill
+from glm5_jax.rl.distill import Taught, run_distill
 from glm5_jax.rl.guards import ANOMALIES, GuardConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
-from glm5_jax.rl.rewards import HybridConfig, HybridReward, make_hybrid_advantage_fn
-from glm5_jax.rl.sft import CharVocab, SFTIterator
-from glm5_jax.rl.tasks import extract_final
+from glm5_jax.rl.reward_model import RewardModel, train_reward_model
+from glm5_jax.rl.rewards import TOTAL_KEYS, HybridConfig, HybridReward, make_hybrid_advantage_fn
+from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
+from glm5_jax.rl.tasks import d2d1_task, distinct_tasks, draw_excluding, sort_preference_pair, sort_task
 from glm5_jax.train import TrainConfig, train
+from glm5_jax.train.stages import run_phases
 
 SKILLS = ("reasoning", "agentic", "general")
 STAGES = ("sft", "reasoning_rl", "agentic_rl", "general_rl", "distill")
 RL_STAGES = ("reasoning_rl", "agentic_rl", "general_rl")
 TRAINED_AT = {"reasoning": "reasoning_rl", "agentic": "agentic_rl", "general": "general_rl"}
 PRIMARY_METRIC = "greedy TEST success per skill after every stage (stages.<stage>.skills.<skill>)"
-HACKING_KEYS = ("samples", "truncated", "anomalous", *ANOMALIES, "judge_requests", "judge_parse_failures")
-
-
-# ---------------------------------------------------------------------------------------------- tasks
-
-
-@dataclasses.dataclass(frozen=True)
-class SortTask:
-    """The general skill: ``"4827>"`` -> ``"2478"`` + newline. ``score`` is the independent rule."""
-    digits: str
-    kind: ClassVar[str] = "general"
-
-    @property
-    def prompt(self) -> str:
-        return self.digits + ">"
-
-    @property
-    def answer(self) -> str:
-        return "".join(sorted(self.digits))
-
-    @property
-    def solution(self) -> str:
-        return self.answer + "\n"
-
-    def score(self, text: str):
-        final = extract_final(text)
-        if final is None:
-            return 0.0, "truncated"
-        if not final.isdigit():
-            return 0.0, "malformed"
-        return (1.0, "correct") if final == self.answer else (0.0, "wrong")
-
-
-def sort_task(rng: random.Random, n_digits: int) -> SortTask:
-    return SortTask("".join(rng.choice("0123456789") for _ in range(n_digits)))
-
-
-@dataclasses.dataclass(frozen=True)
-class TurnTask:
-    """One turn of an agentic episode for single-turn on-policy distillation: the prompt is the worked
-    episode up to policy turn ``turn`` (its tool results included), the expected text that turn's
-    (a tool call ``(kkk)`` or the final answer)."""
-    chain: ChainTask
-    turn: int
-    kind: ClassVar[str] = "agentic"
-
-    def _pieces(self):
-        return self.chain.transcript()       # (text, trained): policy turns trained, tool results not
-
-    @property
-    def prompt(self) -> str:
-        pieces, out, k = self._pieces(), [self.chain.prompt], 0
-        for text, trained in pieces:
-            if trained:
-                if k == self.turn:
-                    break
-                k += 1
-            out.append(text)
-        return "".join(out)
-
-    @property
-    def expected(self) -> str:
-        return [t for t, m in self._pieces() if m][self.turn].rstrip("\n")
-
-    def score(self, text: str):
-        final = text.split("\n")[0] if "\n" in text else None
-        if final is None:
-            return 0.0, "truncated"
-        return (1.0, "correct") if final == self.expected else (0.0, "wrong")
-
-
-@dataclasses.dataclass(frozen=True)
-class Taught:
-    """A distillation prompt with the name of its teacher (a skill, or "sft")."""
-    task: object
-    teacher: str
-
-    @property
-    def prompt(self) -> str:
-        return self.task.prompt
-
-    @property
-    def kind(self) -> str:
-        return self.task.kind
-
-    def score(self, text: str):
-        return self.task.score(text)
-
-
-def rm_pair(task: SortTask, rng: random.Random) -> tuple:
-    """(chosen, rejected) replies for a general prompt: chosen = the sorted digits; rejected = one of an
-    unsorted permutation, the sorted digits with one digit changed, one digit dropped, or descending order
-    (whichever differs from the chosen reply)."""
-    good = task.answer
-    d = list(good)
-    for _ in range(20):
-        kind = rng.randrange(4)
-        if kind == 0:
-            p = d[:]
-            rng.shuffle(p)
-            bad = "".join(p)
-        elif kind == 1:
-            i = rng.randrange(len(d))
-            p = d[:]
-            p[i] = rng.choice([c for c in "0123456789" if c != d[i]])
-            bad = "".join(sorted(p))
-        elif kind == 2:
-            p = d[:]
-            p.pop(rng.randrange(len(p)))
-            bad = "".join(p)
-        else:
-            bad = good[::-1]
-        if bad != good:
-            return good + "\n", bad + "\n"
-    return good + "\n", good[:-1] + "\n"                    # all digits equal: a dropped one
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -286,7 +169,7 @@ _RL = RLConfig(loss="icepop", steps=100, prompts_per_step=64, group_size=8, max_
                minibatches=1, learning_rate=2e-4, optimizer="adamw", adam_b2=0.999, adv_norm="informative",
                frozen_patterns=("indexer", "embed", "layer_0/attn"), mismatch="int4", beta=2.0, seed=0)
 TINY = PostTrainConfig(
-    model=_policy(64, 4, 2, 192),
+    model=char_policy(64, 4, 2, 192),
     train=TrainConfig(steps=800, batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                       weight_decay=0.0, eval_every=800, log_every=100, ckpt_every=400, seed=0, indexer_loss="dense"),
     reasoning_rl=_RL,
@@ -304,7 +187,7 @@ TINY = PostTrainConfig(
     sort_digits=8, max_hops=5, hop_alpha=1.0, sft_mix=(0.45, 0.4, 0.15),
 )
 SMALL = dataclasses.replace(
-    TINY, model=_policy(128, 4, 4, 384),
+    TINY, model=char_policy(128, 4, 4, 384),
     train=TINY.train.replace(steps=2000, batch_size=32, eval_every=2000, log_every=250, ckpt_every=500),
     reasoning_rl=_RL.replace(steps=300, group_size=16),
     agentic=dataclasses.replace(TINY.agentic, steps=200, groups_per_step=16, in_flight_groups=32, servers=4,
@@ -320,7 +203,7 @@ SMALL = dataclasses.replace(
 
 def make_skill_task(rng: random.Random, skill: str, cfg: PostTrainConfig):
     if skill == "reasoning":
-        return make_task(rng, "d2d1")
+        return d2d1_task(rng)
     if skill == "agentic":
         return make_chain_task(rng, max_hops=cfg.max_hops, alpha=cfg.hop_alpha)
     if skill == "general":
@@ -330,16 +213,10 @@ def make_skill_task(rng: random.Random, skill: str, cfg: PostTrainConfig):
 
 def _distinct_prompts(cfg: PostTrainConfig, skill: str, n: int, stream: int, exclude=frozenset()) -> list:
     """The first ``n`` distinct tasks of ``skill`` drawn from ``random.Random(stream)``, none in ``exclude``."""
-    rng, seen, ts = random.Random(stream), set(exclude), []
-    for _ in range(200 * n):
-        if len(ts) == n:
-            return ts
-        t = make_skill_task(rng, skill, cfg)
-        if t.prompt not in seen:
-            seen.add(t.prompt)
-            ts.append(t)
-    raise ConfigError(f"skill {skill}: found only {len(ts)} distinct prompts for the {n} held-out ones; "
-                      "lower test_tasks / test_tasks_agentic / rm_eval_pairs")
+    try:
+        return distinct_tasks(lambda rng: make_skill_task(rng, skill, cfg), n, random.Random(stream), exclude=exclude)
+    except ValueError as e:
+        raise ConfigError(f"skill {skill}: {e} (lower test_tasks / test_tasks_agentic / rm_eval_pairs)") from None
 
 
 # the held-out sizes of the development runs the tiny settings were chosen on (test_tasks, test_tasks_agentic,
@@ -382,81 +259,6 @@ def recovery(skills: Dict[str, Dict[str, float]]) -> dict:
     return out
 
 
-def skill_interval(successes: int, n: int) -> dict:
-    lo, hi = wilson_interval(successes, n)
-    return {"mean": successes / n, "lo": lo, "hi": hi, "n": n}
-
-
-def with_eta(log: Callable[[str], None], stage: str) -> Callable[[str], None]:
-    """Log lines of run_grpo / run_agentic ("... step K/N ... (T s)") with the stage's ETA appended."""
-    pat = re.compile(r"step (\d+)/(\d+)\b.*\((\d+) s\)\s*$")
-
-    def say(msg: str):
-        m = pat.search(msg)
-        if m and int(m.group(1)) > 0:
-            k, n, t = int(m.group(1)), int(m.group(2)), int(m.group(3))
-            msg = f"{msg} [{stage} ETA {t * (n - k) / k:.0f} s]"
-        log(msg)
-    return say
-
-
-# ---------------------------------------------------------------------------------------------- stages
-
-
-def stage_dir(workdir: str, stage: str) -> str:
-    return os.path.join(workdir, stage, "final")
-
-
-def load_stage(workdir: str, stage: str, model_cfg: ModelConfig):
-    """(params, result) of a completed stage, or None."""
-    import orbax.checkpoint as ocp
-    from glm5_jax.train.state import abstract_param_shapes
-    d = stage_dir(workdir, stage)
-    if not os.path.exists(os.path.join(d, "result.json")):
-        return None
-    with open(os.path.join(d, "result.json")) as f:
-        result = json.load(f)
-    # read against this run's own model (the stage was written by it; the config.json beside it is for
-    # --init_from and export, whose HF round trip does not keep every field of a tiny MLA/dense config)
-    with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(os.path.join(os.path.abspath(d), "params"), abstract_param_shapes(model_cfg))
-    return params, result
-
-
-def save_stage(workdir: str, stage: str, model_cfg: ModelConfig, params, result: dict) -> None:
-    """Params + result into WORKDIR/<stage>/final.tmp, then one rename: a stage is complete or absent."""
-    from glm5_jax.train.checkpoint import save_params
-    d = stage_dir(workdir, stage)
-    tmp = d + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_params(tmp, model_cfg, params)
-    with open(os.path.join(tmp, "result.json"), "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True)
-    os.replace(tmp, d)
-
-
-def run_stages(workdir: str, model_cfg: ModelConfig, stages: Sequence[tuple], log: Callable[[str], None]) -> dict:
-    """Run ``stages`` = [(name, fn)] in order; fn(done) -> (params, result), where ``done`` maps every earlier
-    stage to (params, result). A stage already complete in the workdir is loaded, not run. Returns done."""
-    done: Dict[str, tuple] = {}
-    t0 = time.time()
-    for i, (name, fn) in enumerate(stages, 1):
-        got = load_stage(workdir, name, model_cfg)
-        if got is not None:
-            log(f"[post_train] stage {i}/{len(stages)} {name}: complete in {stage_dir(workdir, name)}, loaded")
-            done[name] = got
-            continue
-        log(f"[post_train] stage {i}/{len(stages)} {name}: starting ({time.time() - t0:.0f} s into this invocation)")
-        t = time.time()
-        params, result = fn(done)
-        result = dict(result, wall_s=time.time() - t)
-        save_stage(workdir, name, model_cfg, params, result)
-        done[name] = (params, result)
-        log(f"[post_train] stage {i}/{len(stages)} {name}: done in {result['wall_s']:.0f} s; skills "
-            + ", ".join(f"{k} {v:.3f}" for k, v in result.get("skills", {}).items()))
-    return done
-
-
 # ---------------------------------------------------------------------------------------------- run
 
 
@@ -473,10 +275,7 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
     log(f"primary metric (fixed before the run): {PRIMARY_METRIC}; then distill_recovery per skill")
 
     def draw(rng, skill):
-        while True:
-            t = make_skill_task(rng, skill, cfg)
-            if t.prompt not in exclude:
-                return t
+        return draw_excluding(make_skill_task, exclude, rng, skill, cfg)
 
     def draw_mix(rng):
         return draw(rng, rng.choices(SKILLS, weights=cfg.sft_mix)[0])
@@ -484,10 +283,9 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
     eval_servers: dict = {}
 
     def agentic_eval(params, version: int) -> dict:
-        from glm5_jax.agentic.server import start_servers
         ag = cfg.agentic
         if not eval_servers:
-            _ray_init(cfg.ray_cpus)
+            ray_init(cfg.ray_cpus)
             eval_servers.update({f"eval-{k}": h for k, h in start_servers(
                 1, mcfg, params, threads=1, max_batch=ag.max_batch, max_len=ag.max_len,
                 max_new_tokens=ag.max_new_tokens, temperature=0.0, stop_tokens=(vocab.newline_id,), seed=0,
@@ -504,7 +302,7 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
         a = agentic_eval(params, version)
         counts["agentic"] = (a["successes"], a["n"])
         return {"skills": {s: counts[s][0] / counts[s][1] for s in SKILLS},
-                "skills_interval": {s: skill_interval(*counts[s]) for s in SKILLS}}
+                "skills_interval": {s: proportion_interval(*counts[s]) for s in SKILLS}}
 
     # ---- the stages
     def sft_stage(done):
@@ -517,7 +315,7 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
 
     def reasoning_stage(done):
         rl = run_grpo(mcfg, done["sft"][0], cfg.reasoning_rl, lambda rng: draw(rng, "reasoning"), vocab,
-                      log=with_eta(log, "reasoning_rl"), metrics_path=os.path.join(workdir, "reasoning_rl.jsonl"),
+                      log=log, metrics_path=os.path.join(workdir, "reasoning_rl.jsonl"),
                       name="reasoning_rl", mesh=mesh)
         h = rl["history"]
         return rl["params"], {**test_eval(rl["params"], 2), "steps": len(h),
@@ -525,55 +323,37 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
                               "pop_frac_mean": float(np.mean([r["pop_frac"] for r in h]))}
 
     def agentic_stage(done):
-        _ray_init(cfg.ray_cpus)
-        r = run_agentic(mcfg, done["reasoning_rl"][0], cfg.agentic, vocab, lambda rng: draw(rng, "agentic"),
-                        log=with_eta(log, "agentic_rl"))
-        h = r["history"]
+        ray_init(cfg.ray_cpus)
+        r = run_agentic(mcfg, done["reasoning_rl"][0], cfg.agentic, vocab, lambda rng: draw(rng, "agentic"), log=log)
+        h, summary = r["history"], run_summary(r, cfg.agentic.group_size)
         with open(os.path.join(workdir, "agentic_rl.jsonl"), "w") as f:
-            for row in h:
-                f.write(json.dumps(row) + "\n")
+            f.writelines(json.dumps(row) + "\n" for row in h)
         return r["params"], {**test_eval(r["params"], 3), "steps": len(h), "mode": cfg.agentic.mode,
                              "train_reward_first_last": [h[0]["reward_mean"], h[-1]["reward_mean"]],
-                             "trained_tokens_per_s": r["trained_tokens"] / r["wall_s"],
-                             "trainer_idle_frac": r["trainer_idle_s"] / r["wall_s"],
-                             "staleness_histogram": {str(k): int(v) for k, v in
-                                                     sorted(collections.Counter(r["staleness"]).items())}}
+                             "trained_tokens_per_s": summary["tokens_per_s"],
+                             "trainer_idle_frac": summary["trainer_idle_frac"],
+                             "staleness_histogram": {str(k): int(v) for k, v in sorted(summary["staleness"].items())}}
 
     def general_stage(done):
-        rm_params, rm_summary = train_reward_model(done)
-        from glm5_jax.rl.reward_model import RewardModel
+        rm_params, rm_summary = reward_model_phase(done)
         rm = RewardModel(mcfg.replace(reward_head=True), rm_params, seq_len=cfg.rm_train.seq_len, batch_size=64)
         w = cfg.general_weights
         hybrid = HybridReward(HybridConfig(weights={"general": w}, rm_center=0.0, rm_scale=cfg.rm_scale,
                                            guards=GuardConfig(truncation=cfg.truncation)),
                               reward_model=rm, log=os.path.join(workdir, "general_rl_rewards.jsonl"))
-        totals = {k: 0 for k in HACKING_KEYS}
-        totals["reward_removed_sum"] = 0.0
-        sources = {"rule": [], "rm": []}
-
-        def on_batch(rewards, recs, counters):
-            for k in HACKING_KEYS:
-                totals[k] += int(counters.get(k, 0) or 0)
-            totals["reward_removed_sum"] += float(counters["reward_removed"]) * int(counters["samples"])
-            for s in sources:
-                if counters.get(f"{s}_mean") is not None:
-                    sources[s].append(float(counters[f"{s}_mean"]))
-
-        adv_fn = make_hybrid_advantage_fn(hybrid, vocab.decode, (vocab.newline_id,), cfg.general_rl.group_size,
-                                          on_batch=on_batch)
-        rl = run_grpo(mcfg, done["agentic_rl"][0], cfg.general_rl, lambda rng: draw(rng, "general"), vocab,
-                      log=with_eta(log, "general_rl"), metrics_path=os.path.join(workdir, "general_rl.jsonl"),
+        adv_fn = make_hybrid_advantage_fn(hybrid, vocab.decode, (vocab.newline_id,), cfg.general_rl.group_size)
+        rl = run_grpo(mcfg, done["agentic_rl"][0], cfg.general_rl, lambda rng: draw(rng, "general"), vocab, log=log,
+                      metrics_path=os.path.join(workdir, "general_rl.jsonl"),
                       name="general_rl", mesh=mesh, advantage_fn=adv_fn)
-        h = rl["history"]
-        hacking = {**totals, "truncations_penalised": totals["truncated"] if cfg.truncation != "off" else 0,
+        h, totals, sources = rl["history"], hybrid.totals, hybrid.source_means
+        hacking = {**{k: totals[k] for k in (*TOTAL_KEYS, "reward_removed_sum")}, "truncations_penalised": totals["truncated"] if cfg.truncation != "off" else 0,
                    "layout_anomalies": totals["anomalous"], "truncation_mode": cfg.truncation}
         return rl["params"], {**test_eval(rl["params"], 4), "steps": len(h), "reward_model": rm_summary,
                               "reward_hacking": hacking, "hybrid_weights": dict(zip(("rule", "rm", "judge"), w)),
                               "rule_reward_first_last": [sources["rule"][0], sources["rule"][-1]] if sources["rule"] else None,
                               "rm_reward_first_last": [sources["rm"][0], sources["rm"][-1]] if sources["rm"] else None}
 
-    def train_reward_model(done):
-        from glm5_jax.rl.reward_model import PairIterator, evaluate_pairs, make_rm_loss, rm_init_params
+    def reward_model_phase(done):
         rm_cfg = mcfg.replace(reward_head=True)
         rng = random.Random(7_000 + cfg.rm_train.seed)
 
@@ -581,24 +361,12 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
             return vocab.encode(t.prompt, bos=True) + vocab.encode(reply)
 
         def pairs(tasks):
-            return [tuple(enc(t, r) for r in rm_pair(t, rng)) for t in tasks]
+            return [tuple(enc(t, r) for r in sort_preference_pair(t, rng)) for t in tasks]
         train_pairs = pairs([draw(rng, "general") for _ in range(cfg.rm_pairs)])
         eval_pairs = pairs(val_general)
-        seq = cfg.rm_train.seq_len
-        rm_dir = os.path.join(workdir, "reward_model")
-        fresh = not os.path.isdir(os.path.join(rm_dir, "checkpoints"))
-        init = rm_init_params(done["sft"][0], rm_cfg, seed=cfg.rm_train.seed) if fresh else None
-
-        def eval_fn(params):
-            ev = evaluate_pairs(rm_cfg, params, eval_pairs, seq_len=seq, batch_size=64)
-            log(f"[reward_model] held-out pairwise_accuracy {ev['pairwise_accuracy']:.3f} bt_loss "
-                f"{ev['eval_bt_loss']:.3f} ({ev['eval_pairs']} pairs)")
-            return ev
-        out = train(rm_cfg, cfg.rm_train, PairIterator(train_pairs, cfg.rm_train.batch_size, seq,
-                                                       seed=cfg.rm_train.seed),
-                    rm_dir, init_params=init, eval_fn=eval_fn, log=log, name="reward_model", mesh=mesh,
-                    loss_fn=make_rm_loss(rm_cfg, cfg.rm_center_weight))
-        final = out["final"] or eval_fn(out["params"])
+        out = train_reward_model(rm_cfg, cfg.rm_train, train_pairs, eval_pairs, os.path.join(workdir, "reward_model"),
+                                 trunk=done["sft"][0], center_weight=cfg.rm_center_weight, log=log, mesh=mesh)
+        final = out["final"]
         return out["params"], {"train_pairs": len(train_pairs), "eval_pairs": len(eval_pairs),
                                "pairwise_accuracy": final["pairwise_accuracy"], "eval_bt_loss": final["eval_bt_loss"],
                                "eval_margin": final["eval_margin"], "steps": cfg.rm_train.steps}
@@ -619,7 +387,7 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
                 t = TurnTask(t, rng.randrange(t.hops + 1))
             return Taught(t, teacher)
         dist = run_distill(mcfg, done["general_rl"][0], teachers, cfg.distill, sample, lambda t: t.teacher, vocab,
-                           log=with_eta(log, "distill"), metrics_path=os.path.join(workdir, "distill.jsonl"),
+                           log=log, metrics_path=os.path.join(workdir, "distill.jsonl"),
                            name="distill", mesh=mesh)
         h = dist["history"]
         return dist["params"], {**test_eval(dist["params"], 5), "steps": len(h), "teachers": {
@@ -629,12 +397,9 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
     fns = {"sft": sft_stage, "reasoning_rl": reasoning_stage, "agentic_rl": agentic_stage,
            "general_rl": general_stage, "distill": distill_stage}
     try:
-        done = run_stages(workdir, mcfg, [(s, fns[s]) for s in STAGES], log)
+        done = run_phases(workdir, mcfg, [(s, fns[s]) for s in STAGES], log, tag="post_train")
     finally:
-        if eval_servers:
-            import ray
-            for h in eval_servers.values():
-                ray.kill(h, no_restart=True)
+        stop_servers(eval_servers)
     results = {s: done[s][1] for s in STAGES}
     report = build_report(cfg, results, params=int(sum(x.size for x in jax.tree.leaves(done["sft"][0]))),
                           wall_s=time.time() - t_start)
@@ -720,5 +485,5 @@ Wall time {report['wall_time_s']:.0f} s in this invocation (stages when run: {wa
 """
 
 
-__all__ = ["PostTrainConfig", "SKILLS", "STAGES", "SortTask", "TurnTask", "recovery", "run_stages", "splits",
-           "rm_pair", "TINY", "SMALL"]
+
+__all__ = ["PostTrainConfig", "SKILLS", "STAGES", "recovery", "splits", "TINY", "SMALL"]

@@ -12,7 +12,7 @@ model's vocabulary (model.vocab_size follows it): a loaded tokenizer must not be
 With neither `data.path` nor `data.sources`: `default_data` says what to use. "docs+code" (default) is a
 two-source mixture written into WORKDIR/data: `docs`, the docstrings of the running Python's standard
 library (one document per module; glm5_jax.data.stdlib_text), and `code`, the same modules' code with
-their docstrings removed (`write_stdlib_code`; so no held-out docstring is trained on as code), weights
+their docstrings removed (glm5_jax.data.stdlib_code; so no held-out docstring is trained on as code), weights
 0.5 / 0.5. "docstrings" trains on the docstrings alone; "stdlib_py" on the stdlib *.py sources.
 
 Annealing (a mixture with `anneal_mix` set and `anneal_fraction` > 0): the run is two stages of the one
@@ -30,9 +30,7 @@ same batches, at the initial parameters). Nothing here is tuned on that split.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import json
 import os
 import time
 from typing import ClassVar, Optional
@@ -43,9 +41,8 @@ from experiments.registry import register
 from experiments.report import chain_series, md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
-from glm5_jax.data.config import DEFAULT_EXCLUDE_DIRS, parse_mix
-from glm5_jax.data.corpus import stdlib_root
-from glm5_jax.data.sources import walk_files
+from glm5_jax.data.config import parse_mix
+from glm5_jax.data.stdlib_code import write_stdlib_code
 from glm5_jax.data.stdlib_text import write_stdlib_docs
 from glm5_jax.train import Stage, TrainConfig, evaluate, train, train_stages
 from glm5_jax.train.step import make_eval_step
@@ -125,50 +122,6 @@ SMALL = dataclasses.replace(
     train=TINY.train.replace(steps=2000, batch_size=16, seq_len=2048, learning_rate=1e-3, warmup_steps=100,
                              eval_every=250, log_every=50, ckpt_every=250, eval_batches=16),
     data=dataclasses.replace(TINY.data, vocab_size=32768))
-
-
-def strip_docstrings(source: str) -> Optional[str]:
-    """A module's code without its module / class / function docstrings (ast.unparse: comments and
-    formatting are normalised too); None if it does not parse."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return None
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-                    and isinstance(body[0].value.value, str):
-                node.body = body[1:] or [ast.Pass()]
-    try:
-        return ast.unparse(tree)
-    except (ValueError, RecursionError):
-        return None
-
-
-def write_stdlib_code(path: str, max_bytes: int = 2_000_000) -> dict:
-    """The code of the stdlib modules (relative-path order, tests excluded) without docstrings, one jsonl
-    document per module ({"text", "source"}), until max_bytes of text; written atomically. Returns
-    {"documents", "bytes"}."""
-    root = stdlib_root()
-    paths = sorted(walk_files(root, DEFAULT_EXCLUDE_DIRS, (".py",)), key=lambda p: os.path.relpath(p, root))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    n = size = 0
-    with open(path + ".tmp", "w", encoding="utf-8") as fh:
-        for p in paths:
-            if size >= max_bytes:
-                break
-            try:
-                with open(p, encoding="utf-8") as src:
-                    code = strip_docstrings(src.read())
-            except (UnicodeDecodeError, OSError):
-                continue
-            if code and code.strip():
-                rel = os.path.relpath(p, root).replace(os.sep, "/")
-                fh.write(json.dumps({"text": code, "source": rel}, ensure_ascii=False) + "\n")
-                n, size = n + 1, size + len(code.encode("utf-8"))
-    os.replace(path + ".tmp", path)
-    return {"documents": n, "bytes": size}
 
 
 def resolve_data(cfg: PretrainConfig, workdir: str, log) -> DataConfig:

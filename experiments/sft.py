@@ -32,8 +32,8 @@ from experiments.report import eval_series, md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.data.chat import MODES, ChatTemplate, sft_samples
 from glm5_jax.post.agent import run_conversations, summarize
-from glm5_jax.post.tooldata import TOOL_ARGS, execute_tool, heldout, make_conversation
-from glm5_jax.rl.sft import SFTIterator, pack_examples
+from glm5_jax.post.tooldata import TOOL_ARGS, execute_tool, heldout, make_conversation, tokenizer_texts
+from glm5_jax.rl.sft import SFTIterator, pack_eval_batches
 from glm5_jax.train import TrainConfig, train
 from glm5_jax.train.loop import evaluate
 from glm5_jax.train.state import init_train_state
@@ -96,21 +96,6 @@ SMALL = dataclasses.replace(
     eval_conversations=512, eval_loss_conversations=256, tokenizer_vocab=1024, max_len=512)
 
 
-def tokenizer_texts(cfg: ChatSFTConfig) -> list:
-    """Plain texts of synthetic conversations (no template tokens: those are added tokens)."""
-    rng = random.Random(f"tokenizer-{cfg.train.seed}")
-    out = []
-    for _ in range(cfg.tokenizer_conversations):
-        c = make_conversation(rng, p_followup=cfg.p_followup, p_error=cfg.p_error)
-        parts = []
-        for m in c.messages:
-            parts += ["\n" + m.get("reasoning", ""), "\n" + m["content"]]
-            for tc in m.get("tool_calls", ()):
-                parts += ["\n" + tc["name"]] + [f"\n{k}\n{v}" for k, v in tc["arguments"].items()]
-        out.append("".join(parts))
-    return out
-
-
 @register("sft", "chat SFT (GLM template, loss on assistant tokens) of a tiny model on synthetic multi-turn "
           "tool use: held-out task success and well-formed tool calls before and after",
           {"tiny": TINY, "small": SMALL})
@@ -119,11 +104,12 @@ def run(cfg: ChatSFTConfig, workdir: str, log, mesh=None) -> dict:
 
     t_start = time.time()
     mcfg, tc = cfg.model, cfg.train
-    tok = train_hf_tokenizer(tokenizer_texts(cfg), cfg.tokenizer_vocab, os.path.join(workdir, "tokenizer.json"))
+    kw = dict(p_followup=cfg.p_followup, p_error=cfg.p_error)
+    tok = train_hf_tokenizer(tokenizer_texts(cfg.tokenizer_conversations, tc.seed, **kw), cfg.tokenizer_vocab,
+                             os.path.join(workdir, "tokenizer.json"))
     if tok.vocab_size > mcfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} ids > model.vocab_size {mcfg.vocab_size}")
     template = ChatTemplate(tok, cfg.mode)
-    kw = dict(p_followup=cfg.p_followup, p_error=cfg.p_error)
     evals = heldout(cfg.eval_conversations, tc.seed, **kw)
     loss_convs = heldout(cfg.eval_conversations + cfg.eval_loss_conversations, tc.seed, **kw)[cfg.eval_conversations:]
     exclude = {c.prompt for c in evals + loss_convs}
@@ -131,12 +117,7 @@ def run(cfg: ChatSFTConfig, workdir: str, log, mesh=None) -> dict:
 
     # held-out SFT loss: the held-out conversations' samples, packed like training batches
     loss_samples = [s for c in loss_convs for s in encode(c)]
-    loss_batches, i = [], 0
-    per_batch = max(1, len(loss_samples) // max(1, tc.eval_batches))
-    while i < len(loss_samples):
-        chunk = loss_samples[i:i + per_batch]
-        loss_batches.append(pack_examples(chunk, len(chunk), tc.seq_len))
-        i += per_batch
+    loss_batches = pack_eval_batches(loss_samples, tc.eval_batches, tc.seq_len)
     lens = [len(s) for s in loss_samples]
     log(f"[sft] tokenizer {tok.vocab_size} ids; held-out samples: {len(loss_samples)}, tokens/sample mean "
         f"{np.mean(lens):.0f} max {max(lens)}; trained tokens/sample {np.mean([sum(s.loss_mask) for s in loss_samples]):.0f}")

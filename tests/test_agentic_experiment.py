@@ -34,7 +34,7 @@ def test_async_vs_sync_micro_run_writes_complete_report(tmp_path):
     m = rep["matched_wall"]
     assert m["wall_s"] == rep["arms"]["async"]["wall_s"] and m["async_step"] == 4
     assert m["sync_step"] == sum(w <= m["wall_s"] for w, _ in rep["arms"]["sync"]["curve"])
-    lo, hi = m["async_minus_sync"][1:]
+    lo, hi = m["async_minus_sync"]["lo"], m["async_minus_sync"]["hi"]
     assert lo <= m["async"]["test_reward"] - m["sync"]["test_reward"] <= hi
     # the windows cover the time both arms ran and hold every step of it exactly once
     t_common = min(rep["arms"][a]["wall_s"] for a in ("sync", "async"))

@@ -162,7 +162,8 @@ def test_loss_spike_count_against_hand_count():
 
 def test_paired_difference_and_verdict_closed_form():
     """Per-seed differences split - plain with a t interval (t(2) = 4.303); the verdict follows its sign."""
-    from experiments.muon_split import paired_difference, trajectory_bands, verdict
+    from experiments.muon_split import paired_difference, verdict
+    from experiments.report import trajectory_bands
     per = {"mla_muon": {"0": {"max_attn_logit": 10.0}, "1": {"max_attn_logit": 20.0}, "2": {"max_attn_logit": 30.0}},
            "mla_muon_split": {"0": {"max_attn_logit": 9.0}, "1": {"max_attn_logit": 18.0},
                               "2": {"max_attn_logit": 27.0}}}
@@ -181,7 +182,7 @@ def test_paired_difference_and_verdict_closed_form():
     # trajectory bands: mean over runs at the shared monitor steps
     h1 = [{"step": 10, "max_attn_logit": 1.0}, {"step": 20, "max_attn_logit": 3.0}, {"step": 25, "loss": 1.0}]
     h2 = [{"step": 10, "max_attn_logit": 3.0}, {"step": 20, "max_attn_logit": 5.0}]
-    steps, mean, lo, hi = trajectory_bands([h1, h2])
-    assert steps == [10, 20] and mean == [2.0, 4.0] and lo[0] < 2.0 < hi[0]
-    steps, mean, lo, hi = trajectory_bands([h1])
-    assert lo == mean == hi == [1.0, 3.0]
+    b = trajectory_bands([h1, h2], "max_attn_logit")
+    assert b["steps"] == [10, 20] and b["mean"] == [2.0, 4.0] and b["lo"][0] < 2.0 < b["hi"][0]
+    b = trajectory_bands([h1], "max_attn_logit")
+    assert b["lo"] == b["mean"] == b["hi"] == [1.0, 3.0]

@@ -11,6 +11,9 @@ import pytest
 
 from experiments import registry
 from experiments import post_train as pt
+from glm5_jax.agentic.agent import TurnTask
+from glm5_jax.rl.tasks import SortTask, sort_preference_pair, sort_task
+from glm5_jax.train.stages import run_phases
 from glm5_jax.config import ConfigError
 
 MICRO = {"model.d_model": "32", "model.num_heads": "2", "model.ffn_dim": "64", "model.q_lora_rank": "16",
@@ -72,11 +75,11 @@ def test_stage_order_and_resume_loads_completed_stages_without_rerunning(tmp_pat
 
     stages = [(s, stage(s, fail=(s == "agentic_rl"))) for s in pt.STAGES]
     with pytest.raises(RuntimeError, match="killed in agentic_rl"):
-        pt.run_stages(str(tmp_path), cfg.model, stages, log=lambda m: None)
+        run_phases(str(tmp_path), cfg.model, stages, log=lambda m: None)
     assert calls == ["sft", "reasoning_rl", "agentic_rl"]
     assert not (tmp_path / "agentic_rl" / "final").exists()          # an interrupted stage leaves nothing
     calls.clear()
-    done = pt.run_stages(str(tmp_path), cfg.model, [(s, stage(s)) for s in pt.STAGES], log=lambda m: None)
+    done = run_phases(str(tmp_path), cfg.model, [(s, stage(s)) for s in pt.STAGES], log=lambda m: None)
     assert calls == ["agentic_rl", "general_rl", "distill"]           # the completed two were loaded
     assert seen["distill"] == ["sft", "reasoning_rl", "agentic_rl", "general_rl"]
     leaf = lambda p: np.asarray(jax.tree.leaves(p)[0])
@@ -84,23 +87,23 @@ def test_stage_order_and_resume_loads_completed_stages_without_rerunning(tmp_pat
         np.testing.assert_array_equal(leaf(done[s][0]), leaf(base) + k)
         assert done[s][1]["skills"]["general"] == k / 10
     calls.clear()
-    pt.run_stages(str(tmp_path), cfg.model, [(s, stage(s)) for s in pt.STAGES], log=lambda m: None)
+    run_phases(str(tmp_path), cfg.model, [(s, stage(s)) for s in pt.STAGES], log=lambda m: None)
     assert calls == []
 
 
 def test_tasks_rules_turn_prefixes_and_reward_model_pairs():
     cfg = _cfg()
     rng = random.Random(0)
-    t = pt.SortTask("4827")
+    t = SortTask("4827")
     assert t.prompt == "4827>" and t.score("2478\n") == (1.0, "correct") and t.score("2487\n")[1] == "wrong"
     assert t.score("2478")[1] == "truncated" and t.score("24x\n")[1] == "malformed"
     for _ in range(50):                                  # the rule prefers every chosen reply to its rejected one
-        task = pt.sort_task(rng, 4)
-        good, bad = pt.rm_pair(task, rng)
+        task = sort_task(rng, 4)
+        good, bad = sort_preference_pair(task, rng)
         assert task.score(good)[0] == 1.0 and task.score(bad)[0] == 0.0
     from glm5_jax.agentic.agent import make_chain_task
     chain = make_chain_task(random.Random(3), max_hops=3, alpha=0.0)
-    turns = [pt.TurnTask(chain, k) for k in range(chain.hops + 1)]
+    turns = [TurnTask(chain, k) for k in range(chain.hops + 1)]
     # prompt of turn k + its expected text + the tool result = prompt of turn k + 1: the episode's own text
     episode = chain.prompt + "".join(text for text, _ in chain.transcript())
     assert turns[-1].prompt + turns[-1].expected + "\n" == episode

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from experiments import registry
-from experiments.pretrain import strip_docstrings, write_stdlib_code
+from glm5_jax.data.stdlib_code import strip_docstrings, write_stdlib_code
 from glm5_jax.config import ConfigError
 from tests.test_data_common import small_cache_dir
 

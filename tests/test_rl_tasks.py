@@ -139,3 +139,23 @@ def test_function_tasks_sandboxed():
     assert add.score("    return a + b\n") == (0.0, "truncated")
     assert add.score("    return a +\n\n") == (0.0, "malformed")
     assert add.score("    while True:\n        pass\n\n", timeout_s=0.5) == (0.0, "wrong")
+
+
+def test_held_out_helpers_distinct_tasks_and_draw_excluding():
+    import random
+    from glm5_jax.rl.tasks import d2d1_task, distinct_tasks, draw_excluding, named_task
+    ts = distinct_tasks(d2d1_task, 50, random.Random(0))
+    assert len({t.prompt for t in ts}) == 50
+    # one call drawing dev + test is the two splits drawn one after the other from the same stream
+    rng = random.Random(0)
+    dev = distinct_tasks(d2d1_task, 20, rng)
+    test = distinct_tasks(d2d1_task, 30, rng, exclude={t.prompt for t in dev})
+    assert [t.prompt for t in dev + test] == [t.prompt for t in ts]
+    with pytest.raises(ValueError, match="distinct prompts"):
+        distinct_tasks(lambda rng: d2d1_task(random.Random(1)), 2, random.Random(0))
+    held = {t.prompt for t in ts}
+    rng = random.Random(5)
+    assert all(draw_excluding(d2d1_task, held, rng).prompt not in held for _ in range(200))
+    assert named_task(random.Random(0), "level1").kind == "arithmetic"
+    with pytest.raises(ValueError, match="unknown task"):
+        named_task(random.Random(0), "sorting")

@@ -22,6 +22,7 @@ that step to exercise deregistration and re-queueing.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import time
@@ -37,7 +38,7 @@ from glm5_jax.agentic.loss import agentic_loss, group_centered_advantages
 from glm5_jax.agentic.server import pin_process, start_servers
 from glm5_jax.train.observe import fmt_eta
 
-__all__ = ["AgenticConfig", "make_agentic_loss_fn", "run_agentic"]
+__all__ = ["AgenticConfig", "make_agentic_loss_fn", "run_agentic", "run_summary"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +324,28 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             "accounting": {"issued": list(pool.issued), "trained": trained, "dropped": dropped,
                            "unused": unused, "warmup": warmup, "open": gateway.open_ids()}}
 
+
+
+def run_summary(r: dict, group_size: int) -> dict:
+    """The figures of one run_agentic result: trained tokens/s, the trainer's idle fraction and step-time
+    split (in an async run the trainer shares the CPU and the driver's GIL with the rollouts), the
+    accounting of trajectory ids (every issued id trained, dropped, unused or warm-up exactly once: lost /
+    duplicated), staleness, dropped groups and the fleet's busy fraction (decode seconds / (wall x servers
+    alive at the end))."""
+    acc, h, wall = r["accounting"], r["history"], r["wall_s"]
+    counted = acc["trained"] + acc["dropped"] + acc["unused"] + acc["warmup"]
+    mean = lambda k: float(np.mean([x[k] for x in h]))  # noqa: E731
+    return {"tokens_per_s": r["trained_tokens"] / wall,
+            "train_reward_last5": float(np.mean([x["reward_mean"] for x in h[-5:]])), "wall_s": wall, "trained_tokens": r["trained_tokens"], "trainer_idle_frac": r["trainer_idle_s"] / wall,
+            "steps": len(h), "dead_workers": r["dead"], "requeued": r["requeued"], "ids_issued": len(acc["issued"]),
+            "ids_accounted": len(counted), "ids_duplicated": len(counted) - len(set(counted)),
+            "ids_lost": len(set(acc["issued"]) - set(counted)), "curve": [[x["wall_s"], x["reward_mean"]] for x in h],
+            "train_step_s_mean": mean("train_s"), "update_s_mean": mean("update_s"), "push_s_mean": mean("push_s"),
+            "masked_frac_mean": mean("masked_frac"), "stale_dropped": int(sum(x["stale"] for x in h)),
+            "groups_dropped": int(sum(x["dropped"] for x in h)) // group_size,
+            "server_busy_frac": (float(np.mean(list(r["server_busy_s"].values()))) / wall if r["server_busy_s"]
+                                 else float("nan")),
+            "staleness": dict(collections.Counter(r["staleness"]))}
 
 def _rng_json(rng: random.Random) -> list:
     version, internal, gauss = rng.getstate()

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 from glm5_jax.rl.tasks import safe_eval_arith
 
-__all__ = ["KINDS", "TOOLS", "Conversation", "execute_tool", "heldout", "make_conversation"]
+__all__ = ["KINDS", "TOOLS", "Conversation", "execute_tool", "heldout", "make_conversation", "tokenizer_texts"]
 
 KINDS = ("calc", "kv", "kv_calc")
 TOOLS = (
@@ -170,4 +170,21 @@ def heldout(n: int, seed: int, **kw) -> List[Conversation]:
         if c.prompt not in seen:
             seen.add(c.prompt)
             out.append(c)
+    return out
+
+
+def tokenizer_texts(n: int, seed, **kw) -> List[str]:
+    """Plain texts of ``n`` synthetic conversations from stream ``f"tokenizer-{seed}"`` (make_conversation
+    ``kw``) to train a tokenizer on: every message's reasoning and content, tool names and arguments,
+    without template tokens (those are the tokenizer's added tokens)."""
+    rng = random.Random(f"tokenizer-{seed}")
+    out = []
+    for _ in range(n):
+        c = make_conversation(rng, **kw)
+        parts = []
+        for m in c.messages:
+            parts += ["\n" + m.get("reasoning", ""), "\n" + m["content"]]
+            for tc in m.get("tool_calls", ()):
+                parts += ["\n" + tc["name"]] + [f"\n{k}\n{v}" for k, v in tc["arguments"].items()]
+        out.append("".join(parts))
     return out

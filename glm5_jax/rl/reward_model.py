@@ -39,16 +39,18 @@ import numpy as np
 
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.data.chat import ChatFormatError, ChatTemplate
+from glm5_jax.errors import Glm5Error
 from glm5_jax.model import GLM5
 from glm5_jax.rl.sft import SFTIterator
 
 __all__ = ["PairFormatError", "Pair", "load_pairs", "pair_texts", "encode_pair", "encode_pairs", "pair_batch",
-           "PairIterator", "make_rm_loss", "reward_scores", "evaluate_pairs", "RewardModel", "rm_init_params"]
+           "PairIterator", "make_rm_loss", "reward_scores", "evaluate_pairs", "RewardModel", "rm_init_params",
+           "train_reward_model"]
 
 FIELDS = ("prompt", "chosen", "rejected")
 
 
-class PairFormatError(ValueError):
+class PairFormatError(Glm5Error):
     """A preference-pair file line that is not a valid pair (the message names file, line and field)."""
 
 
@@ -291,3 +293,27 @@ def rm_init_params(path, model_cfg: ModelConfig, mesh=None, seed: int = 0):
     head = Dense(1, ("embed", None), c.initializer_range, jnp.float32, dtype_of(c.param_dtype), out_dtype=jnp.float32)
     params["reward_head"] = nn.unbox(head.init(jax.random.PRNGKey(seed), jnp.zeros((1, c.d_model), jnp.float32))["params"])
     return params
+
+
+def train_reward_model(model_cfg: ModelConfig, tcfg, train_pairs: Sequence[tuple], eval_pairs: Sequence[tuple],
+                       workdir: str, *, trunk=None, center_weight: float = 0.0, eval_batch_size: int = 64,
+                       pad_id: int = 0, log=print, name: str = "reward_model", mesh=None) -> dict:
+    """A reward model trained by the one loop (glm5_jax.train.train with make_rm_loss) on encoded
+    (chosen, rejected) id pairs, evaluated on ``eval_pairs`` (evaluate_pairs, logged) at every eval and at
+    the end. ``trunk``: a policy's params (or checkpoint path) the trunk starts from (rm_init_params; used
+    only when ``workdir`` holds no checkpoint yet: a restart resumes from it). Returns train()'s output,
+    with "final" the held-out metrics of the final params."""
+    from glm5_jax.train import train
+    seq = tcfg.seq_len
+
+    def eval_fn(params):
+        ev = evaluate_pairs(model_cfg, params, eval_pairs, seq_len=seq, batch_size=eval_batch_size, pad_id=pad_id)
+        log(f"[{name}] held-out pairwise_accuracy {ev['pairwise_accuracy']:.3f} bt_loss {ev['eval_bt_loss']:.3f} "
+            f"({ev['eval_pairs']} pairs)")
+        return ev
+    fresh = not os.path.isdir(os.path.join(workdir, "checkpoints"))
+    init = rm_init_params(trunk, model_cfg, seed=tcfg.seed) if trunk is not None and fresh else None
+    out = train(model_cfg, tcfg, PairIterator(train_pairs, tcfg.batch_size, seq, seed=tcfg.seed, pad_id=pad_id),
+                workdir, init_params=init, eval_fn=eval_fn, log=log, name=name, mesh=mesh,
+                loss_fn=make_rm_loss(model_cfg, center_weight))
+    return {**out, "final": out["final"] or eval_fn(out["params"])}

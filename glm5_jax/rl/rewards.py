@@ -27,11 +27,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from glm5_jax.rl.guards import GuardConfig, count, guard
+from glm5_jax.rl.guards import ANOMALIES, GuardConfig, count, guard
 
-__all__ = ["SOURCES", "HybridConfig", "Sample", "HybridReward", "samples_from_batch", "make_hybrid_advantage_fn"]
+__all__ = ["SOURCES", "TOTAL_KEYS", "HybridConfig", "Sample", "HybridReward", "samples_from_batch", "make_hybrid_advantage_fn"]
 
 SOURCES = ("rule", "rm", "judge")
+# the counters HybridReward.totals sums over every batch it scored (plus reward_removed_sum)
+TOTAL_KEYS = ("samples", "truncated", "anomalous", *ANOMALIES, "judge_requests", "judge_parse_failures")
 
 
 def _canonical_weights(weights) -> tuple:
@@ -84,12 +86,15 @@ class HybridReward:
     """``hybrid(samples) -> (rewards float32 [N], records, counters)``.
 
     reward_model: seqs (lists of ids) -> raw rewards [N] (RewardModel); judge: a GenerativeJudge. Either
-    may be None when no task kind gives its source a weight."""
+    may be None when no task kind gives its source a weight. Over a run: ``totals`` (every TOTAL_KEYS
+    counter summed over the batches, and reward_removed_sum = the reward the guards took away, summed over
+    samples) and ``source_means`` (per source, each batch's mean of it; the sources computed only)."""
 
     def __init__(self, cfg: HybridConfig = HybridConfig(), *, reward_model: Optional[Callable] = None, judge=None,
                  log: Optional[str] = None):
         self.cfg, self.reward_model, self.judge, self.log_path = cfg, reward_model, judge, log
-        self.totals: Dict[str, float] = {}
+        self.totals: Dict[str, float] = {**{k: 0 for k in TOTAL_KEYS}, "reward_removed_sum": 0.0}
+        self.source_means: Dict[str, List[float]] = {k: [] for k in SOURCES}
 
     def __call__(self, samples: Sequence[Sample]):
         cfg = self.cfg
@@ -135,8 +140,12 @@ class HybridReward:
         for k, j in (("rule", 0), ("rm", 1), ("judge", 2)):
             sel = w[:, j] > 0
             counters[f"{k}_mean"] = float(x[sel, j].mean()) if sel.any() else None
-        for k in ("samples", "truncated", "anomalous", "judge_parse_failures", "judge_requests"):
-            self.totals[k] = self.totals.get(k, 0) + counters[k]
+        for k in TOTAL_KEYS:
+            self.totals[k] += int(counters.get(k, 0) or 0)
+        self.totals["reward_removed_sum"] += float(counters["reward_removed"]) * int(counters["samples"])
+        for k in SOURCES:
+            if counters.get(f"{k}_mean") is not None:
+                self.source_means[k].append(float(counters[f"{k}_mean"]))
         if self.log_path:
             with open(self.log_path, "a") as f:
                 for r in recs:

@@ -28,7 +28,7 @@ import numpy as np
 
 from glm5_jax.config import ModelConfig
 
-__all__ = ["CHARS", "CharVocab", "SFTIterator", "char_policy", "pack_examples"]
+__all__ = ["CHARS", "CharVocab", "SFTIterator", "char_policy", "pack_examples", "pack_eval_batches"]
 
 CHARS = "0123456789+-*/=;():> \n"
 
@@ -125,6 +125,17 @@ def pack_examples(examples: Sequence, batch_size: int, seq_len: int) -> dict:
         col, sid = col + n, sid + 1
     return {"tokens": tokens, "targets": targets, "loss_mask": mask, "segment_ids": seg, "positions": pos}
 
+
+
+def pack_eval_batches(examples: Sequence, n_batches: int, seq_len: int) -> List[dict]:
+    """Held-out examples packed like training batches, in order: about ``n_batches`` batches of
+    len(examples) // n_batches examples each (one row per example: pack_examples' rows), the last one the
+    remainder."""
+    per, out = max(1, len(examples) // max(1, n_batches)), []
+    for i in range(0, len(examples), per):
+        chunk = examples[i:i + per]
+        out.append(pack_examples(chunk, len(chunk), seq_len))
+    return out
 
 class SFTIterator:
     """Infinite iterator of packed SFT batches from ``make_task(rng) -> Task`` (seeded per batch).

@@ -68,6 +68,7 @@ __all__ = [
     "sort_task",
     "sort_preference_pair",
     "distinct_tasks",
+    "draw_excluding",
 ]
 
 TERMINATOR = "\n"
@@ -594,3 +595,12 @@ def distinct_tasks(make_task, n: int, rng: random.Random, *, exclude=(), max_dra
         return out
     raise ValueError(f"found only {len(out)} distinct prompts of the {n} wanted; lower the held-out sizes "
                      "(most prompts must stay for training)")
+
+
+def draw_excluding(make_task, exclude, rng: random.Random, *args):
+    """``make_task(rng, *args)``, drawn again until its prompt is not in ``exclude`` (training draws around
+    the held-out prompts)."""
+    while True:
+        t = make_task(rng, *args)
+        if t.prompt not in exclude:
+            return t
