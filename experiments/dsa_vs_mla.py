@@ -37,30 +37,26 @@ All recorded by the continued phases' evaluations (every short_adaptation_steps)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from typing import ClassVar
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 from experiments.registry import register
 from experiments.report import (chain_series, eval_series, fmt_interval, md_table, mean_interval,
                                 paired_bootstrap_interval, plot_curves, wilson_interval, write_report)
-from glm5_jax.attention.mla import MLAttention
-from glm5_jax.attention.selection import attention_mass, mass_beyond
+from glm5_jax.attention.selection import mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
-from glm5_jax.data import DataConfig, build_lm_data, retrieval_accuracy
-from glm5_jax.data.retrieval import EVAL_TAG, TEST_TAG, retrieval_correct, retrieval_probe_batches
-from glm5_jax.layers.rope import rope_angles
-from glm5_jax.model import GLM5, init_params
+from glm5_jax.data import DataConfig, build_lm_data
+from glm5_jax.data.retrieval import EVAL_TAG, TEST_TAG, retrieval_probe_batches
+from glm5_jax.eval import IndexerRecall, LMLoss, RetrievalAccuracy, evaluate
+from glm5_jax.eval.dsa import as_oracle, decomposition_fn, mass_buckets, time_attention
+from glm5_jax.eval.metrics import attention_mass
+from glm5_jax.eval.probes import score_probes
+from glm5_jax.eval.stats import distance_curve, metric_at
 from glm5_jax.optim.schedules import warmup_cosine
-from glm5_jax.train import TrainConfig, evaluate, train
-from glm5_jax.train.stages import graft
-from glm5_jax.train.step import make_eval_step
+from glm5_jax.train import Stage, TrainConfig, train_stages
 
 
 PRIMARY_METRIC = ("test LM-loss gap of dsa vs mla, 100 x (loss_dsa - loss_mla) / loss_mla on held-out real text after "
@@ -246,214 +242,20 @@ def lr_choice_plan(cfg: DsaVsMlaConfig) -> TrainConfig | None:
     return phase_plan(cfg)["dsa_short"].replace(learning_rate=float(cfg.lr_choice_learning_rate))
 
 
-def mass_buckets(T: int) -> tuple[tuple[int, int], ...]:
-    """Query-position buckets of the attention-mass figures: [0, T/8), [T/8, T/4), [T/4, T/2), [T/2, T)."""
-    cuts = sorted({0, T // 8, T // 4, T // 2, T})
-    return tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a)
-
-
-@functools.lru_cache(maxsize=None)
-def _indexer_placeholder(dsa_cfg: ModelConfig):
-    """A DSA parameter tree of zeros: a dense MLA model's params grafted onto it run as DSA with oracle
-    top-k (the indexer's params are never read then: the selection comes from the main attention)."""
-    shapes = jax.eval_shape(lambda: init_params(dsa_cfg, jax.random.PRNGKey(0)))
-    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
-
-
-def oracle_config(dsa_cfg: ModelConfig, k: int) -> ModelConfig:
-    return dsa_cfg.replace(index_topk=k, dsa_topk_source="oracle")
-
-
-def as_oracle(dsa_cfg: ModelConfig, k: int, params) -> tuple[ModelConfig, dict]:
-    """(config, params) of `params` (a dense MLA model's, or a DSA model's) evaluated with oracle top-k k."""
-    cfg = oracle_config(dsa_cfg, k)
-    flat = traverse_util.flatten_dict(params)
-    if not any("indexer" in key for key in flat):       # MLA params: graft onto the DSA tree
-        params = graft(_indexer_placeholder(dsa_cfg.replace(index_topk=1)), params)
-    return cfg, params
-
-
-def _mass_row(prefix: str, res: dict, keys=("selected_mass", "oracle_mass", "recall")) -> dict:
-    """Flat metrics-row entries of an attention_mass result: over all positions and per bucket (mean over layers)."""
-    out = {}
-    allpos = mass_beyond(res, 0)
-    for key in keys:
-        name = {"selected_mass": "indexer_mass", "oracle_mass": "oracle_mass", "recall": "indexer_recall_of_oracle"}[key]
-        out[f"{prefix}{name}"] = allpos[key]
-        for j, v in enumerate(res["mean"][key]):
-            if v is not None:
-                out[f"{prefix}{name}_b{j}"] = v
-    return out
-
-
-def decomposition_fn(dsa_cfg: ModelConfig, test_lm, mass_lm, ks, arm: str, mass_ks=None):
-    """The gap decomposition's evaluations, recorded in a continued phase's eval rows (issue 45).
-    arm "mla" (params of the dense continued model): for each top-k k, the test LM loss with oracle top-k
-    ("oracle_test_loss_k<k>": the cost of attending to k keys at all), and its oracle mass ("mla_oracle_mass_k<k>")
-    for k in mass_ks (default: every k; the experiment measures it at the primary k only, to save compiles).
-    arm "dsa" (a DSA model at top-k ks[0]): the attention mass on its indexer's keys and on the oracle's
-    ("indexer_mass", "oracle_mass", "indexer_recall_of_oracle", per bucket "_b<j>") and its test LM loss
-    with oracle top-k instead of its indexer ("oracle_test_loss")."""
-    T = test_lm[0]["tokens"].shape[1]
-    buckets = mass_buckets(T)
-
-    def fn(params):
-        out = {}
-        if arm == "mla":
-            for k in ks:
-                c, p = as_oracle(dsa_cfg, k, params)
-                out[f"oracle_test_loss_k{k}"] = evaluate(c, p, test_lm, _eval_step(c))["eval_loss"]
-                if mass_ks is None or k in mass_ks:
-                    out[f"mla_oracle_mass_k{k}"] = mass_beyond(attention_mass(c, p, mass_lm, buckets), 0)["oracle_mass"]
-        else:
-            (k,) = ks
-            c = dsa_cfg.replace(index_topk=k)
-            out.update(_mass_row("", attention_mass(c, params, mass_lm, buckets)))
-            oc, op = as_oracle(dsa_cfg, k, params)
-            out["oracle_test_loss"] = evaluate(oc, op, test_lm, _eval_step(oc))["eval_loss"]
-        return out
-    return fn
-
-
 def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches, test_lm=None, extra=None):
-    """Eval during training: LM loss on the dev LM batches and dev retrieval accuracy (if probes are
-    given); with test_lm, the test LM loss too ("test_loss", "test_accuracy"), recorded for the report
-    and never used to choose anything; extra(params) -> more entries (decomposition_fn)."""
-    eval_step = _eval_step(cfg)
-    fwd = _forward(cfg)
-
+    """Eval during training (glm5_jax.eval): LM loss on the dev LM batches and dev retrieval accuracy (if probes
+    are given); with test_lm, the test LM loss too ("test_loss", "test_accuracy"), recorded for the report and
+    never used to choose anything; extra(params) -> more entries (glm5_jax.eval.dsa.decomposition_fn)."""
     def eval_fn(params):
-        out = evaluate(cfg, params, lm_batches, eval_step)
+        out = evaluate(cfg, params, lm_batches)
         if ret_batches:
-            accs = [retrieval_accuracy(np.asarray(fwd(params, _dev(b))), b) for b in ret_batches]
-            out["retrieval_accuracy"] = float(np.mean(accs))
+            out["retrieval_accuracy"] = evaluate(cfg, params, ret_batches, [RetrievalAccuracy()])["retrieval_accuracy"]
         if test_lm:
-            t = evaluate(cfg, params, test_lm, eval_step)
-            out["test_loss"], out["test_accuracy"] = t["eval_loss"], t["eval_accuracy"]
+            out.update(evaluate(cfg, params, test_lm, [LMLoss("test_loss", "test_accuracy")]))
         if extra is not None:
             out.update(extra(params))
         return out
-
     return eval_fn
-
-
-def _dev(b):
-    return {k: jnp.asarray(v) for k, v in b.items()}
-
-
-_eval_step = functools.lru_cache(maxsize=None)(make_eval_step)   # one jit per config for the whole run
-
-
-@functools.lru_cache(maxsize=None)
-def _forward(cfg: ModelConfig):
-    """jit fn(params, batch) -> logits; one per config for the whole run (seeds reuse the trace)."""
-    return jax.jit(lambda p, b: GLM5(cfg).apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"])["logits"])
-
-
-def _is_attention(mdl, method_name: str) -> bool:
-    return method_name == "__call__" and isinstance(mdl, MLAttention)
-
-
-@functools.lru_cache(maxsize=None)
-def topk_indices_fn(cfg: ModelConfig):
-    """jit fn(params, batch) -> {layer path: [B, T, K] top-k key indices the indexer selected}, one per
-    DSA attention layer (a scanned stack gives [repeats, B, T, K] under one path; split here). Read
-    with flax capture_intermediates: the attention module's outputs are (out, indices, cache)."""
-    def f(p, b):
-        _, st = GLM5(cfg).apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"],
-                                capture_intermediates=_is_attention, mutable=["intermediates"])
-        flat = traverse_util.flatten_dict(st["intermediates"])
-        return {"/".join(k[:-2]): v[0][1] for k, v in flat.items() if k[-1] == "__call__" and v[0][1] is not None}
-    f = jax.jit(f)
-
-    def g(params, batch):
-        out = {}
-        for path, idx in f(params, _dev(batch)).items():
-            idx = np.asarray(idx)
-            if idx.ndim == 4:                        # scanned stack: [repeats, B, T, K]
-                for r in range(idx.shape[0]):
-                    out[f"{path}[{r}]"] = idx[r]
-            else:
-                out[path] = idx
-        return out
-    return g
-
-
-def answer_key_hits(indices: np.ndarray, infos, value_digits: int) -> np.ndarray:
-    """[B] fraction of a probe's answer digits whose answer-bearing key (the planted record's value
-    digit, the token the query must copy) is among the top-k keys selected at the position that
-    predicts it. indices [B, T, K] (-1 = none); answer digit j is predicted at T - value_digits + j."""
-    T = indices.shape[1]
-    hits = np.zeros(len(infos))
-    for b, info in enumerate(infos):
-        for j in range(value_digits):
-            hits[b] += float(np.any(indices[b, T - value_digits + j] == info.value_start + j))
-    return hits / value_digits
-
-
-def score_probes(cfg: ModelConfig, params, probes, value_digits: int) -> dict:
-    """Per-probe correctness, distance and (DSA) per-layer answer-key recall on the given probes."""
-    fwd = _forward(cfg)
-    sel = topk_indices_fn(cfg) if cfg.attention == "dsa" else None
-    correct, dist, hits = [], [], {}
-    for batch, infos in probes:
-        correct.append(retrieval_correct(np.asarray(fwd(params, _dev(batch))), batch))
-        dist.append(np.array([i.distance for i in infos]))
-        if sel is not None:
-            for layer, idx in sel(params, batch).items():
-                hits.setdefault(layer, []).append(answer_key_hits(idx, infos, value_digits))
-    out = {"correct": np.concatenate(correct).astype(np.float64), "distance": np.concatenate(dist)}
-    out["answer_key_recall"] = {k: np.concatenate(v) for k, v in hits.items()}
-    return out
-
-
-def indexer_recall(cfg: ModelConfig, params, batches) -> float:
-    """Mean recall of the true (head-summed main attention) top-k keys by the indexer's top-k."""
-    f = _indexer_recall_fn(cfg)
-    return float(np.mean([float(f(params, _dev(b))) for b in batches]))
-
-
-@functools.lru_cache(maxsize=None)
-def _indexer_recall_fn(cfg: ModelConfig):
-    def f(p, b):
-        _, st = GLM5(cfg).apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"],
-                                indexer_loss="dense", mutable=["intermediates"])
-        flat = traverse_util.flatten_dict(st["intermediates"])
-        # one value per layer; a scanned stack sows [repeats] values under one path
-        return jnp.mean(jnp.concatenate([jnp.ravel(v[0]) for k, v in flat.items() if k[-1] == "indexer_recall"]))
-    return jax.jit(f)
-
-
-def distance_curve(scores: list[dict], key, bins: np.ndarray) -> tuple[list, list]:
-    """Mean of a per-probe quantity (pooled over seeds) in each distance bin -> (bin centres, means)."""
-    d = np.concatenate([s["distance"] for s in scores])
-    v = np.concatenate([key(s) for s in scores])
-    xs, ys = [], []
-    for lo, hi in zip(bins[:-1], bins[1:]):
-        m = (d >= lo) & (d < hi)
-        if m.any():
-            xs.append(float((lo + hi) / 2))
-            ys.append(float(v[m].mean()))
-    return xs, ys
-
-
-def time_attention(cfg_dense: ModelConfig, cfg_sparse: ModelConfig, seq_len: int, batch: int, reps: int = 2) -> dict:
-    """Forward+backward wall time of one attention layer (with the indexer for DSA), dense vs sparse."""
-    out = {}
-    x = jax.random.normal(jax.random.PRNGKey(0), (batch, seq_len, cfg_dense.d_model), jnp.float32)
-    pos = jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len))
-    cos, sin = rope_angles(pos, cfg_dense.qk_rope_head_dim, cfg_dense.rope_theta)
-    for name, cfg, itype in (("dense_mla", cfg_dense, None), ("sparse_dsa", cfg_sparse, "full")):
-        mod = MLAttention(cfg.replace(attn_chunk=256), itype)
-        params = mod.init(jax.random.PRNGKey(1), x[:, :8], cos[:, :8], sin[:, :8])["params"]
-        loss = jax.jit(jax.grad(lambda p, x: jnp.sum(mod.apply({"params": p}, x, cos, sin)[0] ** 2), argnums=(0, 1)))
-        jax.block_until_ready(loss(params, x))
-        t = time.perf_counter()
-        for _ in range(reps):
-            jax.block_until_ready(loss(params, x))
-        out[name] = (time.perf_counter() - t) / reps
-    out["dense_over_sparse"] = out["dense_mla"] / out["sparse_dsa"]
-    return out
 
 
 def eval_fns(cfg: DsaVsMlaConfig, probes: dict, lm: dict) -> dict:
@@ -472,78 +274,71 @@ def eval_fns(cfg: DsaVsMlaConfig, probes: dict, lm: dict) -> dict:
     return out
 
 
-def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes: dict, lm: dict,
-             evals: dict) -> dict:
-    """Every phase for one seed; returns the trained arms' runs, the top-k sweep's runs, test probe
-    scores and indexer figures. evals: eval_fns(...). The continued phases' histories hold the test
-    LM loss at every short_adaptation_steps (make_eval_fn with test_lm)."""
-    cfgs = model_configs(cfg.model)
+def phase_stages(cfg: DsaVsMlaConfig, s: int) -> dict:
+    """Every phase of seed s as a glm5_jax.train.stages.Stage run from the base phase's TrainConfig (model
+    overrides on the MLA model: the warm-up adds the indexer, seeded train.seed + s + 7; the top-k sweep changes
+    index_topk); chains of them share one workdir, so a branch reruns nothing its trunk has done."""
     seed = cfg.train.seed + s
     plan = {k: v.replace(seed=seed) for k, v in phase_plan(cfg).items() if k != "scale"}
-    tc = plan["mla"]
-    B, T = tc.batch_size, tc.seq_len
-    it = lambda offset: data.train_iter(B, T, seed=cfg.data.seed + 1000 * s + offset)  # noqa: E731
-    wd = lambda name: os.path.join(workdir, f"seed_{s}", name)  # noqa: E731
-    tag = f"s{s}"
-    runs = {}
-    base = train(cfgs["mla"], plan["base"], it(0), wd("base"),
-                 eval_fn=evals["mla"], log=log, name=f"base-mla-{tag}", mesh=mesh)
-    runs["mla"] = train(cfgs["mla"], plan["mla"], it(1), wd("mla"), init_params=base["params"],
-                        eval_fn=evals["mla_cont"], log=log, name=f"mla-{tag}", mesh=mesh)
-    dsa_init = graft(init_params(cfgs["dsa"], jax.random.PRNGKey(tc.seed + 7)), base["params"])
-    warm = train(cfgs["dsa"], plan["dsa_warmup"], it(2), wd("dsa_warmup"), init_params=dsa_init, eval_fn=evals["dsa"],
-                 log=log, name=f"dsa-warmup-{tag}", mesh=mesh)
-    runs["dsa"] = train(cfgs["dsa"], plan["dsa"], it(1), wd("dsa"), init_params=warm["params"],
-                        eval_fn=evals["dsa_cont"], log=log, name=f"dsa-{tag}", mesh=mesh)
-    sweep = {}                 # top-k -> history of the short sparse adaptation at that k (the primary k: its run)
-    for k in topk_list(cfg):
-        if k == cfgs["dsa"].index_topk:
-            sweep[k] = runs["dsa"]["history"]
-            continue
-        ck = cfgs["dsa"].replace(index_topk=k)
-        sweep[k] = train(ck, plan["dsa_short"], it(1), wd(f"dsa_topk{k}"), init_params=warm["params"],
-                         eval_fn=evals[k], log=log,
-                         name=f"dsa-topk{k}-{tag}", mesh=mesh)["history"]
-    lr_plan = lr_choice_plan(cfg)
-    lr_run = None
-    if lr_plan is not None:    # the learning-rate choice (issue 45): top-k K, short adaptation, another rate
-        lr_run = train(cfgs["dsa"], lr_plan.replace(seed=seed), it(1), wd("dsa_lr"), init_params=warm["params"],
-                       eval_fn=evals["dsa_lr"], log=log, name=f"dsa-lr-{tag}", mesh=mesh)["history"]
+    base, K = plan["base"], cfg.model.index_topk
+    st = {"base": Stage.of("base", base, base), "mla": Stage.of("mla", plan["mla"], base),
+          "dsa_warmup": Stage.of("dsa_warmup", plan["dsa_warmup"], base, model={"attention": "dsa"}, init_seed=seed + 7),
+          "dsa": Stage.of("dsa", plan["dsa"], base)}
+    st.update({f"dsa_topk{k}": Stage.of(f"dsa_topk{k}", plan["dsa_short"], base, model={"index_topk": k})
+               for k in topk_list(cfg) if k != K})
+    if lr_choice_plan(cfg) is not None:
+        st["dsa_lr"] = Stage.of("dsa_lr", lr_choice_plan(cfg).replace(seed=seed), base)
     if cfg.mha_arm:
-        runs["mha"] = train(cfgs["mha"], plan["mha"], it(0), wd("mha"),
-                            eval_fn=evals["mha"], log=log, name=f"mha-{tag}", mesh=mesh)
-    log(f"[{tag}] scoring test probes ...")
+        st["mha"] = Stage.of("mha", plan["mha"], base)
+    return st
+
+
+def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes: dict, lm: dict,
+             evals: dict) -> dict:
+    """Every phase for one seed (glm5_jax.train.train_stages chains in seed_<s>/); returns the trained arms'
+    runs, the top-k sweep's histories, test probe scores and indexer figures. evals: eval_fns(...)."""
+    cfgs, st, K = model_configs(cfg.model), phase_stages(cfg, s), cfg.model.index_topk
+    base_tc = phase_plan(cfg)["base"].replace(seed=cfg.train.seed + s)
+    offset = {"base": 0, "mha": 0, "dsa_warmup": 2}
+    eval_key = {"base": "mla", "mla": "mla_cont", "dsa_warmup": "dsa", "dsa": "dsa_cont", "dsa_lr": "dsa_lr", "mha": "mha",
+                **{f"dsa_topk{k}": k for k in topk_list(cfg)}}
+
+    def chain(*names, model=cfgs["mla"], folder=f"seed_{s}"):
+        out = train_stages(model, base_tc, [st[n] for n in names], lambda stage, i: data.train_iter(
+            base_tc.batch_size, base_tc.seq_len, seed=cfg.data.seed + 1000 * s + offset.get(stage.name, 1)),
+            os.path.join(workdir, folder), mesh=mesh, log=log, eval_fn_for_stage=lambda stage, i, c: evals[eval_key[stage.name]])
+        last = out["stages"][-1]
+        return {"params": out["params"], "history": last["history"], "final": last["final"], "all": out["stages"]}
+
+    runs = {"mla": chain("base", "mla")}
+    base = runs["mla"]["all"][0]
+    warm = chain("base", "dsa_warmup")
+    runs["dsa"] = chain("base", "dsa_warmup", "dsa")
+    # top-k -> history of the short sparse adaptation at that k (the primary k: its run)
+    sweep = {k: runs["dsa"]["history"] if k == K else chain("base", "dsa_warmup", f"dsa_topk{k}")["history"]
+             for k in topk_list(cfg)}
+    lr_run = chain("base", "dsa_warmup", "dsa_lr")["history"] if "dsa_lr" in st else None
+    if cfg.mha_arm:
+        runs["mha"] = chain("mha", model=cfgs["mha"], folder=f"seed_{s}_mha")
+    log(f"[s{s}] scoring test probes ...")
     vd = cfg.data.retrieval_value_digits
     test = {name: score_probes(cfgs[name], r["params"], probes["test"], vd) for name, r in runs.items()}
-    test_lm = {name: evaluate(cfgs[name], r["params"], lm["test"], _eval_step(cfgs[name]))
-               for name, r in runs.items()}
+    test_lm = {name: evaluate(cfgs[name], r["params"], lm["test"]) for name, r in runs.items()}
     warm_scores = score_probes(cfgs["dsa"], warm["params"], probes["test"], vd)
     # per-layer / per-bucket attention mass after the full adaptation (report.json "attention_mass")
-    mass_lm, K = lm["test"][:cfg.mass_batches], cfgs["dsa"].index_topk
+    mass_lm, T = lm["test"][:cfg.mass_batches], base_tc.seq_len
     mass = {"dsa": attention_mass(cfgs["dsa"], runs["dsa"]["params"], mass_lm, mass_buckets(T)),
             "mla_oracle": attention_mass(*as_oracle(cfgs["dsa"], K, runs["mla"]["params"]), mass_lm, mass_buckets(T))}
+    recall = lambda p: evaluate(cfgs["dsa"], p, lm["dev"][:2], [IndexerRecall()])["indexer_recall"]  # noqa: E731
     return {"base": base, "runs": runs, "warm": warm, "test": test, "test_lm": test_lm, "sweep": sweep,
             "lr_choice": lr_run, "mass": mass,
             "answer_key_recall_after_warmup": {k: float(v.mean()) for k, v in warm_scores["answer_key_recall"].items()},
-            "indexer_recall_after_warmup": indexer_recall(cfgs["dsa"], warm["params"], lm["dev"][:2]),
-            "indexer_recall_final": indexer_recall(cfgs["dsa"], runs["dsa"]["params"], lm["dev"][:2])}
+            "indexer_recall_after_warmup": recall(warm["params"]), "indexer_recall_final": recall(runs["dsa"]["params"])}
 
 
 def recorded_test_loss(history: list[dict], step: int) -> float:
     """The test LM loss a continued phase recorded at `step` (its eval rows, make_eval_fn with test_lm)."""
-    for row in history:
-        if row.get("step") == step and "test_loss" in row:
-            return float(row["test_loss"])
-    raise KeyError(f"no test_loss recorded at step {step} (eval steps: "
-                   f"{[r['step'] for r in history if 'test_loss' in r]})")
-
-
-def recorded_metric(history: list[dict], step: int, key: str) -> float:
-    """A metric a continued phase's eval row recorded at `step` (e.g. decomposition_fn's)."""
-    for row in history:
-        if row.get("step") == step and key in row:
-            return float(row[key])
-    raise KeyError(f"no {key} recorded at step {step}")
+    return metric_at(history, step, "test_loss")
 
 
 def _row(history: list[dict], step: int) -> dict:
@@ -558,15 +353,15 @@ def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buc
     model's gap with oracle top-k instead of its indexer, and the attention mass figures; intervals over
     seeds (mean_interval's shape)."""
     mla = [recorded_test_loss(h, step) for h in mla_hists]
-    og = [gap_pct(recorded_metric(h, step, f"oracle_test_loss_k{k}"), m) for h, m in zip(mla_hists, mla)]
+    og = [gap_pct(metric_at(h, step, f"oracle_test_loss_k{k}"), m) for h, m in zip(mla_hists, mla)]
     ig = [gap_pct(recorded_test_loss(h, step), m) for h, m in zip(dsa_hists, mla)]
-    dg = [gap_pct(recorded_metric(h, step, "oracle_test_loss"), m) for h, m in zip(dsa_hists, mla)]
-    per = lambda key: [recorded_metric(h, step, key) for h in dsa_hists]  # noqa: E731
+    dg = [gap_pct(metric_at(h, step, "oracle_test_loss"), m) for h, m in zip(dsa_hists, mla)]
+    per = lambda key: [metric_at(h, step, key) for h in dsa_hists]  # noqa: E731
     im, om, rc = per("indexer_mass"), per("oracle_mass"), per("indexer_recall_of_oracle")
     mom = [h_row.get(f"mla_oracle_mass_k{k}") for h_row in (_row(h, step) for h in mla_hists)]
     mom = None if any(v is None for v in mom) else float(np.mean(mom))
     sel = [i - o for i, o in zip(ig, og)]
-    bucket = lambda key: [float(np.mean([recorded_metric(h, step, f"{key}_b{j}") for h in dsa_hists]))  # noqa: E731
+    bucket = lambda key: [float(np.mean([metric_at(h, step, f"{key}_b{j}") for h in dsa_hists]))  # noqa: E731
                           for j in range(len(buckets))]
     o_iv, s_iv = mean_interval(og), mean_interval(sel)
     return {"topk": k, "adaptation_steps": step,

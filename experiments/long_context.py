@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
@@ -34,21 +33,20 @@ from typing import ClassVar
 import jax
 import numpy as np
 
-from etils import epath
-
-from experiments.dsa_vs_mla import as_oracle, time_attention
-from experiments.long_context_eval import (beyond, bucket_means_interval, eval_fn, paired_difference, passkey_probes,
-                                           position_losses, score_passkey)
 from experiments.registry import register
 from experiments.report import fmt_interval, md_table, plot_curves, plot_heatmap, write_report
+from glm5_jax.attention.selection import mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
+from glm5_jax.eval import PositionLoss, evaluate
+from glm5_jax.eval.dsa import as_oracle, time_attention
+from glm5_jax.eval.metrics import attention_mass
+from glm5_jax.eval.probes import passkey_probes, score_passkey
+from glm5_jax.eval.stats import beyond, bucket_means_interval, paired_difference
 from glm5_jax.flops import estimate
-from glm5_jax.attention.selection import attention_mass, mass_beyond
-from glm5_jax.sharding import single_device_mesh
 from glm5_jax.train import Stage, TrainConfig, train_stages
-from glm5_jax.train.checkpoint import Checkpointer
-from glm5_jax.train.state import abstract_state
+from glm5_jax.train.loop import Hook
+from glm5_jax.train.stages import PhaseProgress, cached_json, stage_params
 
 PRIMARY_METRIC = ("held-out LM loss over positions >= 128 (token mean, at T = the last stage length) after the "
                   "extension stages minus before them (the base model), per arm, with a paired bootstrap interval "
@@ -227,78 +225,6 @@ def dsa_long_stages(cfg: LongContextConfig) -> list[Stage]:
                   train={"indexer_loss": "sparse", "batch_size": B, "ckpt_every": g, "keep_period": g})]
 
 
-def params_at(model_cfg, tcfg, stage_workdir, step: int, mesh):
-    """A stage's params at a kept checkpoint `step` (mesh None: one device, as train_stages)."""
-    mesh = single_device_mesh() if mesh is None else mesh
-    ckpt = Checkpointer(epath.Path(stage_workdir) / "checkpoints", keep=tcfg.keep_checkpoints, async_save=False)
-    try:
-        if step not in ckpt.all_steps():
-            raise ValueError(f"no checkpoint at step {step} in {stage_workdir} (kept: {ckpt.all_steps()})")
-        state, _ = ckpt.restore(step, abstract_state(model_cfg, tcfg, mesh)[0])
-    finally:
-        ckpt.close()
-    return state["params"]
-
-
-class _TimedIter:
-    """The stage's train iterator, recording when each batch is asked for: the loop keeps one step in flight,
-    so the gaps between requests are the step times once it runs steadily (the median leaves out the
-    compile and checkpoint steps)."""
-
-    def __init__(self, it, times: list):
-        self.it, self.times = it, times
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.times.append(time.perf_counter())
-        return next(self.it)
-
-    def get_state(self):
-        return self.it.get_state()
-
-    def set_state(self, state):
-        self.it.set_state(state)
-
-    def select_rows(self, rows):
-        self.it.select_rows(rows)
-
-
-def _cache_path(workdir: str, name: str, key) -> str:
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return os.path.join(workdir, "evals", f"{name}-{digest}.json")
-
-
-def _cached(workdir: str, name: str, key, fn):
-    """fn() once per (name, key): the result is kept as JSON in workdir/evals (a rerun skips it)."""
-    path = _cache_path(workdir, name, key)
-    if os.path.exists(path):
-        return json.load(open(path))
-    out = fn()
-    if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        json.dump(out, open(tmp, "w"))
-        os.replace(tmp, path)
-    return out
-
-
-class _Progress:
-    """Experiment-level progress: phases weighted by an estimate of their cost (steps x tokens x (1 + T/1024))."""
-
-    def __init__(self, log, t0: float, weights: dict):
-        self.log, self.t0, self.weights, self.done = log, t0, weights, 0.0
-
-    def finished(self, phase: str) -> None:
-        self.done += self.weights.get(phase, 0.0)
-        el = time.time() - self.t0
-        total = sum(self.weights.values())
-        eta = el / self.done * (total - self.done) if self.done else float("nan")
-        self.log(f"[long_context] {phase} done; elapsed {el:.0f} s, {100 * self.done / total:.0f}% of the estimated "
-                 f"work, ETA ~{eta:.0f} s")
-
-
 def _cost(steps, B, T):
     return steps * B * T * (1.0 + T / 1024.0)
 
@@ -318,12 +244,18 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     far = [j for j, (lo, _) in enumerate(buckets) if lo >= T0]
     step_times: dict[str, list] = {}
 
-    def iters(arm):
-        def make_iter(stage, i):
+    def make_iter(stage, i):
+        return data.train_iter(dict(stage.train).get("batch_size", tc.batch_size), stage.seq_len,
+                               seed=cfg.data.seed + 100 * i)
+
+    def timed(arm):          # hooks_for_stage: each step's wall time, by arm / stage
+        def hooks(stage, i, model_cfg):
             times = step_times.setdefault(f"{arm}/{stage.name}", [])
-            B = dict(stage.train).get("batch_size", tc.batch_size)
-            return _TimedIter(data.train_iter(B, stage.seq_len, seed=cfg.data.seed + 100 * i), times)
-        return make_iter
+            return [Hook(lambda ctx: times.append(ctx.step_seconds), every=1, at_end=False, params=False)]
+        return hooks
+    stages = lambda arm, chain, wd, **kw: train_stages(  # noqa: E731
+        kw.pop("model", None) or base["model_cfg"], tc, chain, make_iter, os.path.join(workdir, wd), mesh=mesh, log=log,
+        hooks_for_stage=timed(arm), **kw)
 
     w = {"base": _cost(tc.steps, tc.batch_size, T0)}
     ext = sum(_cost(s, B, T) for s, B, T in zip(cfg.ext_steps, cfg.ext_batch_sizes, cfg.ext_seq_lens))
@@ -331,78 +263,73 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
               "dsa": _cost(6 * cfg.dsa_warmup_steps + 3 * cfg.dsa_steps, cfg.ext_batch_sizes[-1], TL),
               "dsa_long": _cost(3 * cfg.dsa_adaptation_lengths[-1], cfg.ext_batch_sizes[-1], TL),
               "evaluation": 2.0 * ext})                    # weights as measured at the tiny defaults
-    prog = _Progress(log, t_start, w)
+    prog = PhaseProgress(log, w, "long_context", t_start)
     runs = {}
-    base = train_stages(cfg.model, tc, [base_stage(cfg)], iters("base"), os.path.join(workdir, "base"), mesh=mesh, log=log)
+    base = stages("base", [base_stage(cfg)], "base", model=cfg.model)
     prog.finished("base")
     ext_adj, ext_none = extension_stages(cfg, True), extension_stages(cfg, False)
     # the base stage's params start each arm; its folder is shared, so the arms' stages are numbered from 0
-    runs["mla"] = train_stages(base["model_cfg"], tc, ext_adj, iters("mla"), os.path.join(workdir, "mla"),
-                               init_params=base["params"], mesh=mesh, log=log)
+    runs["mla"] = stages("mla", ext_adj, "mla", init_params=base["params"])
     prog.finished("mla")
-    runs["mla_no_adjust"] = train_stages(base["model_cfg"], tc, ext_none, iters("mla_no_adjust"),
-                                         os.path.join(workdir, "mla_no_adjust"), init_params=base["params"],
-                                         mesh=mesh, log=log)
+    runs["mla_no_adjust"] = stages("mla_no_adjust", ext_none, "mla_no_adjust", init_params=base["params"])
     prog.finished("mla_no_adjust")
     # dsa: the mla arm's stages (already done: skipped, its final params read back) + the two DSA stages
-    runs["dsa"] = train_stages(base["model_cfg"], tc, ext_adj + dsa_stages(cfg), iters("mla"), os.path.join(workdir, "mla"),
-                               init_params=base["params"], mesh=mesh, log=log)
+    runs["dsa"] = stages("mla", ext_adj + dsa_stages(cfg), "mla", init_params=base["params"])
     prog.finished("dsa")
     # dsa_long (issue 45): after the same warm-up (done: skipped), one longer sparse adaptation, checkpoints kept
-    long_stages = ext_adj + dsa_long_stages(cfg)
-    runs_long = train_stages(base["model_cfg"], tc, long_stages, iters("mla"), os.path.join(workdir, "mla"),
-                             init_params=base["params"], mesh=mesh, log=log)
+    runs_long = stages("mla", ext_adj + dsa_long_stages(cfg), "mla", init_params=base["params"])
     prog.finished("dsa_long")
 
     log("[long_context] evaluating: held-out loss by position, passkey probes ...")
     eval_batches = list(data.eval_batches(cfg.eval_batch, TL, max_batches=-(-cfg.eval_windows // cfg.eval_batch)))
     filler = data.eval_stream.stream
-    pk_batches, placements = passkey_probes(data.tokenizer, filler, cfg, cfg.data.seed)
+    d = cfg.data
+    pk = dict(lengths=cfg.passkey_lengths, depths=cfg.passkey_depths, per_cell=cfg.passkey_per_cell)
+    pk_batches, placements = passkey_probes(data.tokenizer, filler, **pk, window=TL, batch_size=cfg.eval_batch,
+                                            key_digits=d.retrieval_key_digits, value_digits=d.retrieval_value_digits,
+                                            seed=d.seed)
     # an evaluation is reused only by a rerun of the same settings (the whole config) on the same tokens
     ekey = pkey = {"config": dataclasses.asdict(cfg), "data": data.data_key}
 
-    def pos_eval(name, f, params):
+    def pos_eval(name, m, params):
         def go():
-            s, c = position_losses(f, params() if callable(params) else params, eval_batches, buckets)
-            return {"sums": s.tolist(), "counts": c.tolist()}
-        r = _cached(workdir, f"position_loss-{name}", ekey, go)
+            r = evaluate(m, params() if callable(params) else params, eval_batches, [PositionLoss(buckets)])
+            return {"sums": r["position_loss_sums"].tolist(), "counts": r["position_loss_counts"].tolist()}
+        r = cached_json(workdir, f"position_loss-{name}", ekey, go)
         return np.asarray(r["sums"]), np.asarray(r["counts"])
 
     models = {"base": (base["model_cfg"], base["params"])}
     models.update({a: (r["model_cfg"], r["params"]) for a, r in runs.items()})
     pos, passkey = {}, {}
     for name, (m, p) in models.items():
-        f = eval_fn(m)
-        pos[name] = pos_eval(name, f, p)
-        passkey[name] = _cached(workdir, f"passkey-{name}", pkey,
-                                lambda m=m, f=f, p=p: score_passkey(m, f, p, pk_batches, placements, cfg))
+        pos[name] = pos_eval(name, m, p)
+        passkey[name] = cached_json(workdir, f"passkey-{name}", pkey, lambda m=m, p=p: score_passkey(
+            m, p, pk_batches, placements, **pk, value_digits=d.retrieval_value_digits))
 
     # ---- issue 45: the DSA gap against sparse-adaptation length, with oracle top-k and the attention mass
     log("[long_context] dsa_long: gap vs adaptation length, oracle top-k, attention mass ...")
     long_cfg, st_long = runs_long["model_cfg"], runs_long["stages"][-1]
     K = long_cfg.index_topk
     mass_batches = eval_batches[:max(1, -(-cfg.mass_windows // cfg.eval_batch))]
-    f_dsa = eval_fn(long_cfg)
     oracle_cfg, mla_oracle_params = as_oracle(long_cfg, K, runs["mla"]["params"])
-    f_oracle = eval_fn(oracle_cfg)
-    pos["mla_oracle"] = pos_eval("mla_oracle", f_oracle, mla_oracle_params)
-    mass_mla_oracle = _cached(workdir, "mass-mla_oracle", ekey,
-                              lambda: attention_mass(oracle_cfg, mla_oracle_params, mass_batches, buckets))
+    pos["mla_oracle"] = pos_eval("mla_oracle", oracle_cfg, mla_oracle_params)
+    mass_mla_oracle = cached_json(workdir, "mass-mla_oracle", ekey,
+                                  lambda: attention_mass(oracle_cfg, mla_oracle_params, mass_batches, buckets))
     long_evals = {}
     for L in cfg.dsa_adaptation_lengths:
-        p_at = functools.lru_cache(maxsize=1)(lambda L=L: params_at(long_cfg, st_long["train_cfg"], st_long["workdir"],
-                                                                     L, mesh))
-        pd = pos_eval(f"dsa_long{L}", f_dsa, p_at)                  # params read back only when not cached
-        po = pos_eval(f"dsa_long{L}-oracle", f_oracle, lambda p_at=p_at: as_oracle(long_cfg, K, p_at())[1])
-        m = _cached(workdir, f"mass-dsa_long{L}", ekey, lambda: attention_mass(long_cfg, p_at(), mass_batches, buckets))
+        p_at = functools.lru_cache(maxsize=1)(lambda L=L: stage_params(long_cfg, st_long["train_cfg"], st_long["workdir"],
+                                                                       mesh, L))
+        pd = pos_eval(f"dsa_long{L}", long_cfg, p_at)                  # params read back only when not cached
+        po = pos_eval(f"dsa_long{L}-oracle", oracle_cfg, lambda p_at=p_at: as_oracle(long_cfg, K, p_at())[1])
+        m = cached_json(workdir, f"mass-dsa_long{L}", ekey, lambda: attention_mass(long_cfg, p_at(), mass_batches, buckets))
         long_evals[L] = (pd, po, m)
 
     log("[long_context] timing attention dense vs DSA per stage length ...")
     mla_cfg, dsa_cfg = runs["mla"]["model_cfg"].replace(attention="mla"), runs["dsa"]["model_cfg"]
     timing, flops = {}, {}
     for T in cfg.bench_lengths:
-        timing[f"T={T}"] = _cached(workdir, f"attention_time-{T}", {"T": T, "model": dataclasses.asdict(dsa_cfg)},
-                                   lambda T=T: time_attention(mla_cfg, dsa_cfg, T, 1, reps=2 if T <= 1024 else 1))
+        timing[f"T={T}"] = cached_json(workdir, f"attention_time-{T}", {"T": T, "model": dataclasses.asdict(dsa_cfg)},
+                                       lambda T=T: time_attention(mla_cfg, dsa_cfg, T, 1, reps=2 if T <= 1024 else 1))
         em, ed = estimate(mla_cfg, T), estimate(dsa_cfg, T)
         flops[f"T={T}"] = {"dense_mla_attention_fwd_per_token": em["attention_flops_per_token_fwd"],
                            "dsa_attention_fwd_per_token": ed["attention_flops_per_token_fwd"],
@@ -417,7 +344,7 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     st_path = os.path.join(workdir, "step_times.json")
     recorded = json.load(open(st_path)) if os.path.exists(st_path) else {}
     for name, ts in step_times.items():
-        gaps = np.diff(ts)[1:]                       # leave out the first gap (compilation)
+        gaps = ts[1:]                                # leave out the first step (compilation)
         if len(gaps):
             recorded[name] = {"median_s": float(np.median(gaps)), "steps_timed": int(len(gaps))}
     if jax.process_index() == 0:

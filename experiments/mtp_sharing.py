@@ -23,7 +23,6 @@ the GLM-5 report (2.76 for GLM-5 vs 2.55 for DeepSeek-V3.2 with 4 speculative st
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from typing import ClassVar
@@ -33,7 +32,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.registry import register  # noqa: E402
@@ -41,11 +39,10 @@ from experiments.report import (eval_series, fmt_interval, md_table, mean_interv
                                 plot_curves, write_report)  # noqa: E402
 from glm5_jax.config import ConfigError, ModelConfig, preset  # noqa: E402
 from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
-from glm5_jax.infer import generate, speculative_generate  # noqa: E402
-from glm5_jax.mtp import mtp_targets  # noqa: E402
-from glm5_jax.model import GLM5  # noqa: E402
-from glm5_jax.train import TrainConfig, evaluate, train  # noqa: E402
-from glm5_jax.train.step import make_eval_step  # noqa: E402
+from glm5_jax.eval import evaluate  # noqa: E402
+from glm5_jax.eval.mtp import (greedy_by_prompt, held_out_contexts, held_out_prompts, measure_acceptance,  # noqa: E402
+                               sampled_acceptance, sampled_generation, teacher_forced, unigram_cross_entropy)
+from glm5_jax.train import TrainConfig, train  # noqa: E402
 
 # arm -> (mtp_depth, mtp_share, label)
 ARMS = {
@@ -139,191 +136,6 @@ def arm_configs(model: ModelConfig) -> dict[str, ModelConfig]:
     return {arm: model.replace(mtp_depth=d, mtp_share=sh) for arm, (d, sh, _) in ARMS.items()}
 
 
-def held_out_prompts(data, num: int, length: int) -> list[np.ndarray]:
-    """The first `length` tokens of `num` held-out files (those at least that long), evenly spread."""
-    split = data.splits["eval"]
-    long = [d for d in range(split.num_docs) if split.offsets[d + 1] - split.offsets[d] >= length]
-    if not long:
-        raise ValueError(f"no held-out file has >= {length} tokens; lower prompt_len")
-    pick = [long[int(i)] for i in np.linspace(0, len(long) - 1, num=min(num, len(long)))]
-    pick = list(dict.fromkeys(pick))
-    return [np.asarray(split.doc(d)[:length], np.int32) for d in pick]
-
-
-def inference_model(cfg: ModelConfig, params, num_draft: int):
-    """(config, params) that draft `num_draft` tokens: unshared blocks beyond the trained depth reuse the
-    last trained block (shared configs already reuse their one block at every depth)."""
-    if cfg.mtp_share or num_draft <= cfg.mtp_depth:
-        return cfg, params
-    extra = {f"mtp_{k}": params[f"mtp_{cfg.mtp_depth - 1}"] for k in range(cfg.mtp_depth, num_draft)}
-    return cfg.replace(mtp_depth=num_draft), {**params, **extra}
-
-
-def measure_acceptance(cfg: ModelConfig, params, prompts, num_draft: int, max_new_tokens: int) -> dict:
-    icfg, ip = inference_model(cfg, params, num_draft)
-    t0 = time.time()
-    r = speculative_generate(icfg, ip, prompts, max_new_tokens=max_new_tokens, num_draft=num_draft)
-    toks = np.asarray(r.tokens)
-    distinct = float(np.mean(distinct_fraction(toks, r.lengths)))
-    return {"acceptance_length": float(r.acceptance_length), "verify_steps": int(r.verify_steps),
-            "generated_tokens": int(np.sum(r.lengths)), "distinct_token_fraction": distinct,
-            "time_s": time.time() - t0}
-
-
-@functools.lru_cache(maxsize=None)
-def _teacher_forced_fn(icfg: ModelConfig, num_draft: int):
-    """jit fn(params, batch) -> per-depth (hits, counts), per-row (sum of 1 + accepted prefix, positions),
-    per-depth chained hits; one per inference config for the whole run (seeds reuse the trace)."""
-    @jax.jit
-    def f(p, b):
-        logits = GLM5(icfg).apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"], mtp=True)["mtp_logits"]
-        hits, masks = [], []
-        for k in range(num_draft):
-            t, m = mtp_targets(b["targets"], b["loss_mask"], b["segment_ids"], k + 1)
-            hits.append((jnp.argmax(logits[k], -1) == t).astype(jnp.float32))
-            masks.append(m.astype(jnp.float32))
-        hits, masks = jnp.stack(hits), jnp.stack(masks)                    # [n, B, T]
-        acc = jnp.sum(hits * masks, axis=(1, 2)), jnp.sum(masks, axis=(1, 2))
-        chain = jnp.cumprod(hits, axis=0)                                     # [n, B, T]
-        run = 1.0 + jnp.sum(chain, axis=0)                                    # [B, T]
-        full = masks[-1]                                                      # all depths in the document
-        return acc, (jnp.sum(run * full, axis=1), jnp.sum(full, axis=1)), jnp.sum(chain * full, axis=(1, 2))
-    return f
-
-
-def teacher_forced(cfg: ModelConfig, params, batches, num_draft: int) -> dict:
-    """MTP drafts on held-out TEXT (teacher forcing): per-depth top-1 accuracy of depth k at position t against
-    the true token t+k+1, and the oracle acceptance length = mean over positions (where all depths stay in the
-    document) of 1 + the longest prefix of correct depths, i.e. the acceptance length of drafting against a
-    target that emits the held-out text. Not distorted by greedy repetition, unlike self-speculation.
-    "oracle_per_sequence": the same mean within each held-out sequence (rows of the batches, in order)."""
-    icfg, ip = inference_model(cfg, params, num_draft)
-    icfg = icfg.replace(mtp_depth=num_draft)
-    f = _teacher_forced_fn(icfg, num_draft)
-    hit, cnt, ch = np.zeros(num_draft), np.zeros(num_draft), np.zeros(num_draft)
-    row_sum, row_cnt = [], []
-    for b in batches:
-        (h, c), (r, n), cd = f(ip, {k: jnp.asarray(v) for k, v in b.items()})
-        hit, cnt, ch = hit + np.asarray(h), cnt + np.asarray(c), ch + np.asarray(cd)
-        row_sum.append(np.asarray(r, np.float64))
-        row_cnt.append(np.asarray(n, np.float64))
-    rs, rc = np.concatenate(row_sum), np.concatenate(row_cnt)
-    return {"oracle_acceptance_length": float(rs.sum() / max(rc.sum(), 1.0)),
-            "draft_accuracy_by_depth": [float(x) for x in hit / np.maximum(cnt, 1.0)],
-            # teacher-forced acceptance per depth: P(drafts 1..k all equal the held-out tokens)
-            "oracle_acceptance_by_depth": [float(x) for x in ch / max(rc.sum(), 1.0)],
-            "oracle_per_sequence": np.where(rc > 0, rs / np.maximum(rc, 1.0), np.nan)}
-
-
-def distinct_fraction(tokens: np.ndarray, lengths) -> np.ndarray:
-    """[B] distinct tokens / generated tokens per row (rows of `tokens` cut at `lengths`)."""
-    return np.array([len(set(row[:n].tolist())) / max(int(n), 1) for row, n in zip(np.asarray(tokens), lengths)])
-
-
-def sampled_generation(cfg: ModelConfig, params, prompts, max_new_tokens: int, seed: int) -> dict:
-    """Temperature-1 continuations of the held-out prompts (the decoding whose drafts the primary metric
-    verifies): per-prompt distinct-token fraction; non-degenerate text does not repeat a few tokens."""
-    r = generate(cfg, params, [p.tolist() for p in prompts], max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
-    return {"sampled_distinct_per_prompt": distinct_fraction(r.tokens, r.lengths)}
-
-
-def unigram_cross_entropy(train_tokens: np.ndarray, batches, vocab_size: int) -> float:
-    """Cross-entropy (nats/token) of the held-out batches' scored targets under the training split's
-    add-one-smoothed unigram distribution: the level a model that ignores context would reach."""
-    counts = np.bincount(np.asarray(train_tokens, np.int64), minlength=vocab_size)[:vocab_size] + 1.0
-    logp = np.log(counts / counts.sum())
-    num = den = 0.0
-    for b in batches:
-        m = np.asarray(b["loss_mask"]) > 0
-        num -= float(logp[np.asarray(b["targets"])[m]].sum())
-        den += float(m.sum())
-    return num / max(den, 1.0)
-
-
-def held_out_contexts(data, num: int, length: int) -> np.ndarray:
-    """[num', length] windows of held-out files (each within one file, positions 0..length-1), taken at
-    offsets 0, length, 2*length, ... of the files at least that long, spread over the eval split."""
-    split = data.splits["eval"]
-    out = []
-    for d in range(split.num_docs):
-        doc = np.asarray(split.doc(d), np.int32)
-        out += [doc[o:o + length] for o in range(0, len(doc) - length + 1, length)]
-    if not out:
-        raise ValueError(f"no held-out file has >= {length} tokens; lower prompt_len")
-    pick = np.unique(np.linspace(0, len(out) - 1, num=min(num, len(out))).astype(int))
-    return np.stack([out[i] for i in pick])
-
-
-def speculative_accepts(p_draft: np.ndarray, q_draft: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """[N, K] 0/1 acceptance of K chained drafts (speculative-sampling verification): draft k, drawn from
-    q with probability q_draft[:, k], is accepted iff u_j < min(1, p_j / q_j) for every j <= k (the chain
-    stops at the first rejection). p_draft: the target's probability of each draft; u ~ U[0, 1)."""
-    ok = u < np.minimum(1.0, p_draft / np.maximum(q_draft, 1e-30))
-    return np.cumprod(ok, axis=1).astype(np.float64)
-
-
-@functools.lru_cache(maxsize=None)
-def _mtp_forward(icfg: ModelConfig, L: int):
-    """jit fn(params, tokens [N, L]) -> model outputs with MTP logits; one per config for the whole run."""
-    return jax.jit(lambda p, toks: GLM5(icfg).apply(
-        {"params": p}, toks, jnp.broadcast_to(jnp.arange(L), toks.shape), jnp.ones_like(toks), mtp=True))
-
-
-def sampled_acceptance(cfg: ModelConfig, params, contexts: np.ndarray, num_draft: int, draws: int,
-                       seed: int = 0) -> dict:
-    """Speculative SAMPLING acceptance at temperature 1 after each held-out context (as in Leviathan et
-    al. / DeepSeek-V3's MTP drafting): the main head samples the next token x1 ~ p; MTP depth k samples
-    draft d_k ~ q_k given the trunk state and the tokens so far; the main model then scores every
-    draft and d_k is accepted with probability min(1, p(d_k) / q_k(d_k)) while all before it were.
-    Acceptance length = 1 + accepted drafts, averaged over contexts x draws (each draw independent).
-    The committed context is real held-out text, so the figure is not inflated by the model's own
-    repetitive continuations."""
-    icfg, ip = inference_model(cfg, params, num_draft)
-    icfg = icfg.replace(mtp_depth=num_draft)
-    n, c = contexts.shape
-    K = num_draft
-    L = c + K + 1
-    fwd = _mtp_forward(icfg, L)
-    toks = np.zeros((n * draws, L), np.int32)
-    toks[:, :c] = np.repeat(contexts, draws, axis=0)
-    key = jax.random.PRNGKey(seed)
-    t = c - 1
-    out = fwd(ip, jnp.asarray(toks))
-    key, k0 = jax.random.split(key)
-    toks[:, c] = np.asarray(jax.random.categorical(k0, out["logits"][:, t]))
-    q_of_draft = np.zeros((n * draws, K))
-    for k in range(K):               # depth k+1 at position t reads token t+k+1 and predicts t+k+2
-        out = fwd(ip, jnp.asarray(toks))
-        logq = jax.nn.log_softmax(out["mtp_logits"][k][:, t], -1)
-        key, kk = jax.random.split(key)
-        d = np.asarray(jax.random.categorical(kk, logq))
-        toks[:, c + 1 + k] = d
-        q_of_draft[:, k] = np.exp(np.take_along_axis(np.asarray(logq), d[:, None], -1)[:, 0])
-    logp = jax.nn.log_softmax(fwd(ip, jnp.asarray(toks))["logits"], -1)          # [N, L, V]
-    p_of_draft = np.stack([np.exp(np.asarray(logp[np.arange(n * draws), c + k, toks[:, c + 1 + k]]))
-                           for k in range(K)], axis=1)
-    key, ku = jax.random.split(key)
-    accepted = speculative_accepts(p_of_draft, q_of_draft, np.asarray(jax.random.uniform(ku, p_of_draft.shape)))
-    lengths = 1.0 + accepted.sum(1)
-    per_context = lengths.reshape(n, draws).mean(1)
-    return {"sampled_acceptance_length": float(lengths.mean()),
-            "sampled_acceptance_by_depth": [float(x) for x in accepted.mean(0)],
-            "sampled_per_context": per_context}
-
-
-def greedy_by_prompt(cfg: ModelConfig, params, prompts, num_draft: int, max_new_tokens: int,
-                     repetitive_below: float) -> dict:
-    """Greedy self-speculative acceptance per prompt, split by whether the greedy continuation is
-    repetitive (distinct-token fraction < repetitive_below), so loop-following is shown apart."""
-    rows = [measure_acceptance(cfg, params, [p], num_draft, max_new_tokens) for p in prompts]
-    rep = [r for r in rows if r["distinct_token_fraction"] < repetitive_below]
-    non = [r for r in rows if r["distinct_token_fraction"] >= repetitive_below]
-    mean = lambda rs: float(np.mean([r["acceptance_length"] for r in rs])) if rs else None  # noqa: E731
-    return {"greedy_acceptance_repetitive": mean(rep), "greedy_acceptance_non_repetitive": mean(non),
-            "greedy_prompts_repetitive": len(rep), "greedy_prompts_non_repetitive": len(non),
-            "greedy_distinct_per_prompt": np.array([r["distinct_token_fraction"] for r in rows])}
-
-
 def plot_acceptance(path: str, arms: dict, num_draft: int, sweep: list[int]) -> str:
     """Grouped bars per arm: self-speculative (greedy) and oracle (teacher-forced, held-out text) acceptance
     length, with the paper's two numbers; plus, with a draft sweep, acceptance vs number of draft steps."""
@@ -366,8 +178,8 @@ def plot_acceptance(path: str, arms: dict, num_draft: int, sweep: list[int]) -> 
     return path
 
 
-def evaluate_arm(cfg: "MtpSharingConfig", mcfg: ModelConfig, params, prompts, contexts, lm_test, sweep, seed: int,
-                 eval_step) -> dict:
+def evaluate_arm(cfg: "MtpSharingConfig", mcfg: ModelConfig, params, prompts, contexts, lm_test, sweep,
+                 seed: int) -> dict:
     """Every held-out figure of one trained arm (one seed). Arrays: per held-out context / sequence / prompt."""
     nd = cfg.num_draft
     main = measure_acceptance(mcfg, params, prompts, nd, cfg.max_new_tokens)
@@ -379,7 +191,7 @@ def evaluate_arm(cfg: "MtpSharingConfig", mcfg: ModelConfig, params, prompts, co
     sam = sampled_acceptance(mcfg, params, contexts, nd, cfg.sampled_draws, seed=seed)
     gsplit = greedy_by_prompt(mcfg, params, prompts, nd, cfg.max_new_tokens, cfg.repetitive_below)
     gen = sampled_generation(mcfg, params, prompts, cfg.max_new_tokens, seed=seed)
-    test = evaluate(mcfg, params, lm_test, eval_step)
+    test = evaluate(mcfg, params, lm_test)
     return {"acceptance_length": main["acceptance_length"], "verify_steps": main["verify_steps"],
             "acceptance_by_num_draft": by_n, "spec_time_s": main["time_s"], **tf, **sam, **gsplit, **gen,
             "test_eval_loss": float(test["eval_loss"]), "test_eval_accuracy": float(test["eval_accuracy"])}
@@ -449,7 +261,6 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
     nd = cfg.num_draft
     sweep = sorted(set(cfg.draft_sweep) | ({nd} if cfg.draft_sweep else set()))
     names = [a for a in ARMS if a in cfg.arms]
-    eval_steps = {arm: make_eval_step(cfgs[arm]) for arm in names}
     runs, per_seed, train_s = {}, {arm: {} for arm in names}, {arm: [] for arm in names}
     for i, s in enumerate(cfg.seeds):
         log(f"== seed {s} ({i + 1}/{len(cfg.seeds)})" + (
@@ -459,12 +270,12 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
             t0 = time.time()
             wd = os.path.join(workdir, arm) if s == cfg.seeds[0] else os.path.join(workdir, f"seed_{s}", arm)
             r = train(mcfg, tc.replace(seed=tc.seed + s), data.train_iter(B, T, seed=cfg.data.seed + s), wd,
-                      eval_fn=lambda p, c=mcfg, e=eval_steps[arm]: evaluate(c, p, lm_eval, e), log=log,
+                      eval_fn=lambda p, c=mcfg: evaluate(c, p, lm_eval), log=log,
                       name=f"{arm}-s{s}", mesh=mesh)
             train_s[arm].append(time.time() - t0)
             log(f"[{arm}-s{s}] held-out evaluation: {len(contexts)} contexts x {cfg.sampled_draws} sampled draft "
                 f"chains, {len(prompts)} prompts x {cfg.max_new_tokens} new tokens (greedy speculative, T=1) ...")
-            row = evaluate_arm(cfg, mcfg, r["params"], prompts, contexts, lm_test, sweep, tc.seed + s, eval_steps[arm])
+            row = evaluate_arm(cfg, mcfg, r["params"], prompts, contexts, lm_test, sweep, tc.seed + s)
             mtp_rows = [h for h in r["history"] if "mtp_loss" in h]
             row.update(final_eval_loss=float(r["final"]["eval_loss"]), final_eval_accuracy=float(r["final"]["eval_accuracy"]),
                        final_train_mtp_loss=float(mtp_rows[-1]["mtp_loss"]) if mtp_rows else None)

@@ -24,15 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.grpo_icepop import make_task
 from experiments.registry import register
 from experiments.report import eval_series, md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.eval import LMLoss, evaluate, task_success
 from glm5_jax.quant import ALL_LINEAR, QuantConfig, export_int4, load_int4, ptq_params, qat_params, quantized_paths
-from glm5_jax.rl.program import evaluate_accuracy
 from glm5_jax.rl.sft import CharVocab, SFTIterator, pack_examples
+from glm5_jax.rl.tasks import distinct_tasks, draw_excluding, named_task as make_task
 from glm5_jax.train import TrainConfig, train
-from glm5_jax.train.step import make_eval_step, make_loss_fn
+from glm5_jax.train.step import make_loss_fn
 
 ARMS = ("bf16", "ptq_int4", "qat_int4")
 
@@ -88,27 +88,21 @@ SMALL = dataclasses.replace(
 
 def splits(cfg: QatConfig):
     """Disjoint VALIDATION and TEST prompt sets (training never sees either)."""
-    rng = random.Random(20_000 + cfg.train.seed)
-    seen, out = set(), []
-    while len(out) < cfg.val_tasks + cfg.test_tasks:
-        t = make_task(rng, cfg.task)
-        if t.prompt not in seen:
-            seen.add(t.prompt)
-            out.append(t)
+    out = distinct_tasks(lambda rng: make_task(rng, cfg.task), cfg.val_tasks + cfg.test_tasks,
+                         random.Random(20_000 + cfg.train.seed))
     return out[:cfg.val_tasks], out[cfg.val_tasks:]
 
 
 def eval_loss_fn(cfg: QatConfig, tasks, vocab):
-    """Teacher-forced answer cross entropy over ``tasks`` (packed like SFT, loss on the answer only)."""
-    step = make_eval_step(cfg.model)
+    """Teacher-forced answer cross entropy over ``tasks`` (packed like SFT, loss on the answer only; the
+    evaluator's LM loss on one batch, its float32 ratio)."""
     exs = [(vocab.encode(t.prompt, bos=True), vocab.encode(t.solution)) for t in tasks]
     per_row = cfg.train.seq_len // max(len(a) + len(b) for a, b in exs)
-    rows = -(-len(exs) // per_row)
-    batch = {k: jnp.asarray(v) for k, v in pack_examples(exs, rows, cfg.train.seq_len).items()}
+    batch = pack_examples(exs, -(-len(exs) // per_row), cfg.train.seq_len)
 
     def f(params):
-        loss, n, _ = step(params, batch)
-        return float(loss / n)
+        r = evaluate(cfg.model, params, [batch], [LMLoss(sums=True)])
+        return float(r["eval_loss_sums"][0] / r["eval_loss_tokens"][0])
     return f
 
 
@@ -127,13 +121,10 @@ def run(cfg: QatConfig, workdir: str, log, mesh=None) -> dict:
     exclude = {t.prompt for t in val + test}
 
     def sample_task(rng):
-        while True:
-            t = make_task(rng, cfg.task)
-            if t.prompt not in exclude:
-                return t
+        return draw_excluding(make_task, exclude, rng, cfg.task)
 
     def success(params, tasks):
-        return evaluate_accuracy(mcfg, params, tasks, vocab, max_new_tokens=cfg.max_new_tokens, greedy=True)["accuracy"]
+        return task_success(mcfg, params, tasks, vocab, max_new_tokens=cfg.max_new_tokens)
 
     test_loss, val_loss = eval_loss_fn(cfg, test, vocab), eval_loss_fn(cfg, val, vocab)
     base_loss = make_loss_fn(mcfg, tc)

@@ -1,4 +1,4 @@
-"""long_context (experiments/long_context.py, long_context_eval.py): the position-bucket losses against a numpy reference, the
+"""long_context (experiments/long_context.py; its measurements in glm5_jax.eval): the position-bucket losses against a numpy reference, the
 passkey probe's construction and packing, and (slow) a micro run end to end and the same losses with a
 `context` mesh axis on 8 fake CPU devices."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from experiments.long_context import BUCKETS, TINY, LongContextConfig
-from experiments.long_context_eval import (bucket_means_interval, bucket_sums, paired_difference, passkey_offset,
-                                           passkey_probes, passkey_scores)
+from glm5_jax.eval.probes import passkey_offset, passkey_probes, passkey_scores
+from glm5_jax.eval.stats import bucket_means_interval, bucket_sums, paired_difference
 from experiments.registry import get, resolve_config
 from glm5_jax.config import ConfigError
 from glm5_jax.data.retrieval import KEY_LETTERS, RetrievalTask
@@ -76,7 +76,9 @@ def test_passkey_probes_plant_one_key_at_the_depth_and_pack_as_segments():
                                                        "passkey_per_cell": "2", "ext_seq_lens": "256,512",
                                                        "eval_batch": "2"})
     tok, filler = _Tok(), np.arange(200, 300, dtype=np.int32)   # filler never holds a key or a digit
-    batches, placements = passkey_probes(tok, filler, cfg, seed=3)
+    batches, placements = passkey_probes(tok, filler, lengths=cfg.passkey_lengths, depths=cfg.passkey_depths,
+                                         per_cell=cfg.passkey_per_cell, window=cfg.last_len, batch_size=cfg.eval_batch,
+                                         key_digits=2, value_digits=3, seed=3)
     assert len(placements) == 3 * 3 * 2
     keys = set(range(100, 100 + len(KEY_LETTERS)))
     for r, s, L, depth, info in placements:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from experiments import registry
-from experiments.mtp_sharing import (ARMS, TINY, arm_configs, inference_model, primary_differences,
-                                     speculative_accepts)
+from experiments.mtp_sharing import ARMS, TINY, arm_configs, primary_differences
+from glm5_jax.eval.mtp import inference_model, speculative_accepts
 from experiments.overrides import OverrideError
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.model import init_params
@@ -117,7 +117,7 @@ def test_mtp_sharing_micro_run(tmp_path):
 def test_distinct_fraction_and_unigram_cross_entropy_closed_forms():
     """distinct / generated per row (cut at its length); unigram cross-entropy = -mean log of add-one
     smoothed training frequencies at the scored targets."""
-    from experiments.mtp_sharing import distinct_fraction, unigram_cross_entropy
+    from glm5_jax.eval.mtp import distinct_fraction, unigram_cross_entropy
     toks = np.array([[1, 1, 1, 1], [1, 2, 3, 4], [5, 6, 5, 9]])
     np.testing.assert_allclose(distinct_fraction(toks, [4, 4, 3]), [0.25, 1.0, 2 / 3])
     train = np.array([0, 0, 0, 1])                     # counts+1 over vocab 3: [4, 2, 1] / 7

@@ -21,9 +21,9 @@ import tempfile
 import numpy as np
 from absl import app, flags
 
-from experiments.dsa_vs_mla import TINY, _dev, _forward, model_configs
+from experiments.dsa_vs_mla import TINY, model_configs
 from glm5_jax.data.retrieval import EVAL_TAG, KEY_LETTERS, TRAIN_TAG, RetrievalTask, retrieval_probe_batches
-from glm5_jax.data import retrieval_accuracy
+from glm5_jax.eval import RetrievalAccuracy, evaluate
 from glm5_jax.train import TrainConfig, train
 
 FLAGS = flags.FLAGS
@@ -86,10 +86,8 @@ def main(argv):
                          min_distance=FLAGS.min_distance, min_pairs=FLAGS.min_pairs)
     cfg = model_configs(TINY.model.replace(vocab_size=VOCAB))[FLAGS.attention]
     probes = [b for b, _ in retrieval_probe_batches(task, 64, max(1, FLAGS.probes // 64), 0, EVAL_TAG)]
-    fwd = _forward(cfg)                                   # the experiment's own scoring forward
-
-    def eval_fn(params):
-        return {"probe_accuracy": float(np.mean([retrieval_accuracy(np.asarray(fwd(params, _dev(b))), b) for b in probes]))}
+    def eval_fn(params):                                  # exact match of the last value, through glm5_jax.eval
+        return {"probe_accuracy": evaluate(cfg, params, probes, [RetrievalAccuracy()])["retrieval_accuracy"]}
 
     tc = TrainConfig(steps=FLAGS.steps, batch_size=FLAGS.batch, seq_len=FLAGS.seq, learning_rate=FLAGS.lr,
                      warmup_steps=50, eval_every=FLAGS.eval_every, log_every=FLAGS.eval_every,

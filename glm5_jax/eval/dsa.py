@@ -65,4 +65,47 @@ def time_attention(cfg_dense: ModelConfig, cfg_sparse: ModelConfig, seq_len: int
     return out
 
 
-__all__ = ["as_oracle", "mass_buckets", "oracle_config", "time_attention"]
+def mass_row(prefix: str, res: dict, keys=("selected_mass", "oracle_mass", "recall")) -> dict:
+    """Flat metrics-row entries of an attention-mass result: over all positions and per bucket (mean over layers)."""
+    from glm5_jax.attention.selection import mass_beyond
+    out = {}
+    allpos = mass_beyond(res, 0)
+    for key in keys:
+        name = {"selected_mass": "indexer_mass", "oracle_mass": "oracle_mass", "recall": "indexer_recall_of_oracle"}[key]
+        out[f"{prefix}{name}"] = allpos[key]
+        for j, v in enumerate(res["mean"][key]):
+            if v is not None:
+                out[f"{prefix}{name}_b{j}"] = v
+    return out
+
+
+def decomposition_fn(dsa_cfg: ModelConfig, test_lm, mass_lm, ks, arm: str, mass_ks=None):
+    """fn(params) -> the evaluations that split a DSA model's loss gap (recorded in a training run's eval rows).
+    arm "mla" (params of a dense model): for each top-k k, the test LM loss with oracle top-k
+    ("oracle_test_loss_k<k>": the cost of attending to k keys at all) and its oracle mass ("mla_oracle_mass_k<k>")
+    for k in mass_ks (default: every k). arm "dsa" (a DSA model at top-k ks[0]): the attention mass on its
+    indexer's keys and on the oracle's ("indexer_mass", "oracle_mass", "indexer_recall_of_oracle", per bucket
+    "_b<j>") and its test LM loss with oracle top-k instead of its indexer ("oracle_test_loss")."""
+    from glm5_jax.attention.selection import mass_beyond
+    from glm5_jax.eval.evaluator import evaluate
+    from glm5_jax.eval.metrics import attention_mass
+    buckets = mass_buckets(test_lm[0]["tokens"].shape[1])
+
+    def fn(params):
+        out = {}
+        if arm == "mla":
+            for k in ks:
+                c, p = as_oracle(dsa_cfg, k, params)
+                out[f"oracle_test_loss_k{k}"] = evaluate(c, p, test_lm)["eval_loss"]
+                if mass_ks is None or k in mass_ks:
+                    out[f"mla_oracle_mass_k{k}"] = mass_beyond(attention_mass(c, p, mass_lm, buckets), 0)["oracle_mass"]
+        else:
+            (k,) = ks
+            out.update(mass_row("", attention_mass(dsa_cfg.replace(index_topk=k), params, mass_lm, buckets)))
+            oc, op = as_oracle(dsa_cfg, k, params)
+            out["oracle_test_loss"] = evaluate(oc, op, test_lm)["eval_loss"]
+        return out
+    return fn
+
+
+__all__ = ["as_oracle", "decomposition_fn", "mass_buckets", "mass_row", "oracle_config", "time_attention"]

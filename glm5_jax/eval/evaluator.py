@@ -7,7 +7,8 @@ variant, metrics), per-token NLL from glm5_jax.losses.token_logsumexp_and_target
 A metric is a frozen dataclass with
   forward          the forward variant it reads: "plain" (logits), "mtp" (+ MTP logits), "indexer_dense" (the DSA
                    indexer's dense KL / recall sown), "attention" (each attention module's outputs captured:
-                   the DSA top-k indices);
+                   the DSA top-k indices), "intermediates" (everything the model sows, e.g. the DSA selection
+                   stats of a config with dsa_selection_stats);
   device(out, b)   traced inside the jitted program: `out` holds "logits" (float32 [B, T, V]), "pred" (argmax),
                    and when the batch has targets "nll" ([B, T] logsumexp - target logit, unmasked) and "mask"
                    (float32 loss mask), plus "mtp_logits" / "intermediates" per variant; returns a pytree;
@@ -32,7 +33,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.eval.placement import params_mesh, place_batch
 from glm5_jax.losses import token_logsumexp_and_target
 
-VARIANTS = ("plain", "mtp", "indexer_dense", "attention")
+VARIANTS = ("plain", "mtp", "indexer_dense", "attention", "intermediates")
 _FROM_PARAMS = object()
 
 
@@ -86,12 +87,15 @@ def _forward(cfg: ModelConfig, variant: str):
         kw = {"mtp": True} if variant == "mtp" else {}
         if variant == "indexer_dense":
             kw.update(indexer_loss="dense", mutable=["intermediates"])
+        elif variant == "intermediates":
+            kw.update(mutable=["intermediates"])
         elif variant == "attention":
             kw.update(capture_intermediates=_is_attention, mutable=["intermediates"])
         res = model.apply({"params": params}, b["tokens"], b["positions"], b["segment_ids"], **kw)
-        res, inter = res if "mutable" in kw else (res, {})
+        res, state = res if "mutable" in kw else (res, {})
+        inter = state.get("intermediates", {})
         logits = res["logits"].astype(jnp.float32)
-        out = {"logits": logits, "pred": jnp.argmax(logits, axis=-1), "intermediates": inter}
+        out = {"logits": logits, "pred": jnp.argmax(logits, axis=-1), "intermediates": inter}   # unused: not computed
         if "mtp_logits" in res:
             out["mtp_logits"] = res["mtp_logits"]
         if "targets" in b:

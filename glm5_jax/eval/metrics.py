@@ -151,5 +151,58 @@ class MTPAcceptance(Metric):
                 "oracle_per_sequence": np.where(rc > 0, rs / np.maximum(rc, 1.0), np.nan)}
 
 
-__all__ = ["IndexerRecall", "Logits", "MTPAcceptance", "PositionLoss", "RetrievalAccuracy", "TokenOutputs",
-           "TopKIndices"]
+@dataclasses.dataclass(frozen=True)
+class AttentionMass(Metric):
+    """Per DSA layer and query-position bucket [lo, hi): token means of the head-averaged dense softmax mass on
+    the selected keys, on the oracle's keys and the recall of the oracle's keys (glm5_jax.attention.selection;
+    the model config needs dsa_selection_stats=True: `attention_mass` below sets it) -> {"attention_mass":
+    {"buckets", "tokens", "layers": {layer: {stat: [per bucket]}}, "mean": over layers}}; sums in float64 on
+    the host. Tokens with loss_mask 0 are left out."""
+    buckets: tuple = ()
+    forward = "intermediates"
+
+    def device(self, out, batch):
+        from glm5_jax.attention.selection import STATS
+        flat = traverse_util.flatten_dict(out["intermediates"])
+        return {("/".join(k[:-1]), k[-1]): v[0] for k, v in flat.items() if k[-1] in STATS}
+
+    def reduce(self, values, batches):
+        from glm5_jax.attention.selection import KEYS, STATS
+        sums: dict = {}
+        counts = np.zeros(len(self.buckets))
+        for v, b in zip(values, batches):
+            pos = np.asarray(b["positions"])
+            m = np.asarray(b.get("loss_mask", np.ones_like(pos))) > 0
+            masks = [m & (pos >= lo) & (pos < hi) for lo, hi in self.buckets]
+            counts += [mk.sum() for mk in masks]
+            stats: dict = {}
+            for (path, name), x in v.items():      # a scanned stack's [repeats, B, T] split as path[r]
+                x = np.asarray(x, np.float64)
+                for layer, y in ([(f"{path}[{r}]", x[r]) for r in range(x.shape[0])] if x.ndim == 3 else [(path, x)]):
+                    stats.setdefault(layer, {})[name] = y
+            for layer, st in stats.items():
+                acc = sums.setdefault(layer, {n: np.zeros(len(self.buckets)) for n in STATS})
+                for n in STATS:
+                    acc[n] += [st[n][mk].sum() for mk in masks]
+        if not sums:
+            raise ValueError("attention_mass: the model sowed no selection stats (no DSA layer?)")
+        mean = lambda a: [None if c == 0 else float(x / c) for x, c in zip(a, counts)]  # noqa: E731
+        layers = {layer: {KEYS[n]: mean(acc[n]) for n in STATS} for layer, acc in sorted(sums.items())}
+        avg = {KEYS[n]: mean(np.mean([acc[n] for acc in sums.values()], axis=0)) for n in STATS}
+        return {"attention_mass": {"buckets": [list(b) for b in self.buckets], "tokens": [int(c) for c in counts],
+                                   "layers": layers, "mean": avg}}
+
+
+def attention_mass(cfg, params, batches, buckets) -> dict:
+    """AttentionMass of a DSA model (its keys from cfg.dsa_topk_source) over the batches, through the evaluator."""
+    from glm5_jax.config import ConfigError
+    from glm5_jax.eval.evaluator import evaluate
+    if cfg.attention != "dsa":
+        raise ConfigError(f"attention_mass needs a DSA model config (attention='dsa'), got {cfg.attention!r}; "
+                          "evaluate a dense MLA model's oracle with its params grafted onto the DSA config")
+    return evaluate(cfg.replace(dsa_selection_stats=True), params, batches,
+                    [AttentionMass(tuple(map(tuple, buckets)))])["attention_mass"]
+
+
+__all__ = ["AttentionMass", "IndexerRecall", "Logits", "MTPAcceptance", "PositionLoss", "RetrievalAccuracy", "TokenOutputs",
+           "TopKIndices", "attention_mass"]
