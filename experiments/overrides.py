@@ -16,14 +16,14 @@ import types
 import typing
 from typing import Any, Iterable, Mapping
 
-from glm5_jax.config import ConfigError
+from glm5_jax.errors import ConfigError, Glm5Error
 
 NONE_WORDS = ("none", "null")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
-class OverrideError(ValueError):
+class OverrideError(Glm5Error):
     """An override names no field, or its value does not parse as the field's type."""
 
 

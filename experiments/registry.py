@@ -19,13 +19,14 @@ import importlib
 from typing import Any, Callable, Iterable, Mapping
 
 from experiments.overrides import OverrideError, apply_overrides, split_item
+from glm5_jax.errors import Glm5Error
 
 MODULES = ("experiments.dsa_vs_mla", "experiments.muon_split", "experiments.mtp_sharing", "experiments.grpo_icepop",
            "experiments.pretrain", "experiments.sft", "experiments.qat", "experiments.distill_recovery",
            "experiments.async_vs_sync", "experiments.long_context", "experiments.post_train")
 
 
-class ExperimentError(ValueError):
+class ExperimentError(Glm5Error):
     """Unknown experiment or scale."""
 
 

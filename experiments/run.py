@@ -22,9 +22,10 @@ JSON for tuples). A bad key, value or combination exits with status 2 before any
 AXIS:N,... over data, fsdp, expert, context, tensor (docs/scaleout.md); `context` splits each sequence
 (train.seq_len must divide by 2*context), the batch goes over data*fsdp*expert.
 `--init_from=PATH` starts the experiment from the weights at PATH: a Hugging Face folder (config.json +
-safetensors, e.g. GLM-5, bf16 or FP8) or a params checkpoint (tools.convert_hf). Every fresh train state
-the experiment creates (glm5_jax.train.state.init_from) is read from it onto the mesh, shard by shard;
-the experiment's model must be the checkpoint's (else exit 2 naming the `--set model.*` to add).
+safetensors, e.g. GLM-5, bf16 or FP8) or a params checkpoint (tools.convert_hf). It sets init_from on every
+TrainConfig of the experiment's config (`with_init_from`), so every fresh train state the experiment creates
+from them (glm5_jax.train.state.init_train_state) is read from it onto the mesh, shard by shard; the
+experiment's model must be the checkpoint's (else exit 2 naming the `--set model.*` to add).
 
 Every run writes settings.json (the full resolved config), metrics.jsonl (per phase), report.json
 (with the resolved config under "config"), report.md and PNG plots into its workdir (default
@@ -35,6 +36,7 @@ runs do not compile the same step again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -44,19 +46,11 @@ from absl import app, flags, logging
 from etils import epath
 
 from experiments import registry
-from experiments.overrides import OverrideError, as_dict, flat_items
-from glm5_jax.config import ConfigError
+from experiments.overrides import as_dict, flat_items
 from glm5_jax import hugepages
+from glm5_jax.cli import main_wrapper
 
 FLAGS = flags.FLAGS
-USAGE_ERRORS = (registry.ExperimentError, OverrideError, ConfigError)
-
-
-def _init_from_errors():
-    from glm5_jax.hf import CheckpointError
-    from glm5_jax.train.checkpoint import InitFromError
-    return InitFromError, CheckpointError
-
 
 def define_flags() -> None:
     """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
@@ -94,13 +88,8 @@ def start_distributed(coordinator: str | None = None, num_processes: int | None 
 
 def start_from_flags() -> None:
     """start_distributed from --coordinator_address/--num_processes/--process_id (else GLM5_*), before
-    anything touches a device; a bad setting exits with status 2."""
-    from glm5_jax.parallel.distributed import DistributedConfigError
-    try:
-        start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    except DistributedConfigError as e:
-        log(f"error: {e}")
-        sys.exit(2)
+    anything touches a device; a bad setting raises DistributedConfigError (a Glm5Error: exit status 2)."""
+    start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
 
 def is_primary() -> bool:
@@ -145,16 +134,32 @@ def check_init_from(path: str, cfg) -> None:
         check_compatible(model, ckpt_cfg, path)
 
 
+def with_init_from(cfg, path: str):
+    """(cfg with TrainConfig.init_from = path on every TrainConfig in its tree, how many there were)."""
+    from glm5_jax.train.config import TrainConfig
+    if isinstance(cfg, TrainConfig):
+        return cfg.replace(init_from=path), 1
+    if not dataclasses.is_dataclass(cfg):
+        return cfg, 0
+    new, count = {}, 0
+    for f in dataclasses.fields(cfg):
+        v, n = with_init_from(getattr(cfg, f.name), path)
+        if n:
+            new[f.name], count = v, count + n
+    return (dataclasses.replace(cfg, **new) if new else cfg), count
+
+
 def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), steps=None, mesh=None,
                    init_from: str | None = None) -> dict:
     """Resolve (and validate) the config, write settings.json, run, and add the config to report.json.
     `mesh`: None, a spec string ("data:2,fsdp:2,expert:2") or a jax Mesh. `init_from`: a checkpoint
-    every fresh train state of the run starts from (glm5_jax.train.state.init_from)."""
-    from glm5_jax.train.state import init_from as init_from_ctx
+    every fresh train state of the run starts from (with_init_from: TrainConfig.init_from)."""
     exp = registry.get(name)
     cfg = registry.resolve_config(exp, scale, overrides, steps)
+    takers = 0
     if init_from:
         check_init_from(init_from, cfg)
+        cfg, takers = with_init_from(cfg, init_from)
     mesh_spec = mesh if isinstance(mesh, str) or mesh is None else dict(mesh.shape)
     if isinstance(mesh, str):
         mesh = make_mesh(mesh, cfg)
@@ -171,11 +176,9 @@ def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), s
     say(f"== {name} ({scale}) -> {workdir}" + (f" on mesh {mesh_spec}" if mesh is not None else ""))
     if init_from:
         say(f"== starting from the weights at {init_from}")
-    with init_from_ctx(init_from) as source:
-        report = exp.run(cfg, workdir, say, mesh=mesh)
-    if source is not None and not source.used:
-        say(f"warning: {name} created no fresh train state, so --init_from {init_from} was not used "
-            f"(resumed from its workdir's checkpoints, or it builds its params itself)")
+    if init_from and not takers:
+        say(f"warning: {name}'s config holds no TrainConfig, so --init_from {init_from} is not used")
+    report = exp.run(cfg, workdir, say, mesh=mesh)
     report["config"] = resolved
     if init_from:
         report["init_from"] = init_from
@@ -204,6 +207,7 @@ def use_compile_cache(spec: str, workdir: str) -> str | None:
     return path
 
 
+@main_wrapper      # a Glm5Error (bad experiment, --set, mesh, --init_from, ...) -> one line on stderr, exit 2
 def main(argv):
     logging.set_verbosity(logging.WARNING)        # orbax logs every save at INFO
     if len(argv) > 1:
@@ -215,22 +219,17 @@ def main(argv):
         return
     if not FLAGS.config:
         raise app.UsageError("--config is required; registered: " + ", ".join(sorted(registry.load_all())))
-    from glm5_jax.sharding import MeshError
     overrides = list(FLAGS.set)
     if FLAGS.profile_steps:
         overrides.append(f"train.profile_steps={FLAGS.profile_steps}")
-    try:
-        if FLAGS.show:
-            cfg = registry.resolve_config(registry.get(FLAGS.config), FLAGS.preset, overrides, FLAGS.steps)
-            for key, value in flat_items(cfg):
-                print(f"{key} = {json.dumps(value, default=str)}")
-            return
-        workdir = FLAGS.workdir or os.path.join("runs", FLAGS.config)
-        use_compile_cache(FLAGS.compile_cache, workdir)
-        run_experiment(FLAGS.config, workdir, FLAGS.preset, overrides, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
-    except USAGE_ERRORS + (MeshError,) + _init_from_errors() as e:
-        log(f"error: {e}")
-        sys.exit(2)
+    if FLAGS.show:
+        cfg = registry.resolve_config(registry.get(FLAGS.config), FLAGS.preset, overrides, FLAGS.steps)
+        for key, value in flat_items(cfg):
+            print(f"{key} = {json.dumps(value, default=str)}")
+        return
+    workdir = FLAGS.workdir or os.path.join("runs", FLAGS.config)
+    use_compile_cache(FLAGS.compile_cache, workdir)
+    run_experiment(FLAGS.config, workdir, FLAGS.preset, overrides, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
 
 
 if __name__ == "__main__":

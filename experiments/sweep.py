@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from absl import app, flags, logging
 from etils import epath
@@ -23,9 +22,9 @@ from etils import epath
 from experiments import registry
 from experiments.report import md_table
 from experiments.run import define_flags as run_flags
-from experiments.run import (USAGE_ERRORS, _init_from_errors, check_mesh, is_primary, make_mesh, run_experiment,
-                             start_from_flags)
+from experiments.run import check_init_from, check_mesh, is_primary, make_mesh, run_experiment, start_from_flags
 from glm5_jax import hugepages
+from glm5_jax.cli import main_wrapper
 
 FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh, --init_from come from experiments.run
 
@@ -61,7 +60,6 @@ def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=
     for v in values:                                     # validate every arm before the first compile
         arm = registry.resolve_config(exp, scale, [*fixed, f"{key}={v}"], steps)
         if init_from:
-            from experiments.run import check_init_from
             check_init_from(init_from, arm)
     if isinstance(mesh, str):
         mesh = make_mesh(mesh, registry.resolve_config(exp, scale, fixed, steps))
@@ -83,6 +81,7 @@ def sweep(name: str, sweep_spec: str, workdir: str, scale: str, fixed=(), steps=
     return results
 
 
+@main_wrapper      # a Glm5Error -> one line on stderr, exit status 2 (glm5_jax.cli)
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -90,13 +89,8 @@ def main(argv):
         raise app.UsageError("--config and --sweep are required")
     key = FLAGS.sweep.split("=", 1)[0]
     start_from_flags()
-    from glm5_jax.sharding import MeshError
-    try:
-        sweep(FLAGS.config, FLAGS.sweep, FLAGS.workdir or os.path.join("runs", f"sweep_{FLAGS.config}_{key}"),
-              FLAGS.preset, FLAGS.set, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
-    except USAGE_ERRORS + (MeshError,) + _init_from_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sweep(FLAGS.config, FLAGS.sweep, FLAGS.workdir or os.path.join("runs", f"sweep_{FLAGS.config}_{key}"),
+          FLAGS.preset, FLAGS.set, FLAGS.steps, FLAGS.mesh, FLAGS.init_from)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ import json
 import os
 from typing import Any, Mapping
 
+from glm5_jax.errors import ConfigError
+from glm5_jax.fields import check_fields, fields_with, invalid, setting
+
 ATTENTION_KINDS = ("mha", "gqa", "mla", "dsa")
 INDEXER_TYPES = ("full", "shared")
 DSA_TOPK_SOURCES = ("indexer", "oracle")     # ModelConfig.dsa_topk_source
@@ -61,76 +64,103 @@ def _smallest_period(kinds: tuple) -> int:
     return len(kinds)
 
 
-class ConfigError(ValueError):
-    """A config field has a value that is not allowed; the message names field, value and rule."""
-
-
 def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
+    raise invalid("ModelConfig", field, value, allowed)
+
+
+def _mla(c) -> bool:
+    return c.is_mla
+
+
+def _not_mla(c) -> bool:
+    return not c.is_mla
+
+
+def _dsa(c) -> bool:
+    return c.attention == "dsa"
+
+
+def _moe(c) -> bool:
+    return c.num_experts > 0
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     # Trunk.
-    vocab_size: int = 256
-    d_model: int = 64
-    num_layers: int = 3
-    ffn_dim: int = 128                    # dense SwiGLU width (HF intermediate_size)
-    rms_norm_eps: float = 1e-5
+    vocab_size: int = setting(256, integer=True, min=1)
+    d_model: int = setting(64, integer=True, min=1)
+    num_layers: int = setting(3, integer=True, min=1)
+    ffn_dim: int = setting(128, integer=True, min=1)   # dense SwiGLU width (HF intermediate_size)
+    rms_norm_eps: float = setting(1e-5, gt=0)
     tie_embeddings: bool = False
-    initializer_range: float = 0.02
+    initializer_range: float = setting(0.02, runtime=True)   # read only when parameters are initialised
     # Attention.
-    attention: str = "dsa"                # mha | gqa | mla | dsa
-    num_heads: int = 4
-    num_kv_heads: int = 4                 # gqa/mha only
-    head_dim: int = 16                    # gqa/mha only
-    q_lora_rank: int = 32                 # mla/dsa
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8
-    v_head_dim: int = 16
+    attention: str = setting("dsa", choices=ATTENTION_KINDS)   # mha | gqa | mla | dsa
+    num_heads: int = setting(4, integer=True, min=1)
+    num_kv_heads: int = setting(4, integer=True, min=1, when=_not_mla)   # gqa/mha only
+    head_dim: int = setting(16, integer=True, min=1, when=_not_mla)      # gqa/mha only
+    q_lora_rank: int = setting(32, integer=True, min=1, when=_mla)       # mla/dsa
+    kv_lora_rank: int = setting(32, integer=True, min=1, when=_mla)
+    qk_nope_head_dim: int = setting(16, integer=True, min=1, when=_mla)
+    qk_rope_head_dim: int = setting(8, integer=True, min=1, when=_mla)
+    v_head_dim: int = setting(16, integer=True, min=1, when=_mla)
     # DSA lightning indexer.
-    index_topk: int = 16
-    index_n_heads: int = 4
-    index_head_dim: int = 16
+    index_topk: int = setting(16, integer=True, min=1, when=_dsa)
+    index_n_heads: int = setting(4, integer=True, min=1, when=_dsa)
+    index_head_dim: int = setting(16, integer=True, min=1, when=_dsa)
     indexer_types: tuple[str, ...] | None = None   # per layer full | shared; None = all full
     # MoE (num_experts == 0: dense everywhere).
-    num_experts: int = 4
-    num_shared_experts: int = 1
-    experts_per_tok: int = 2
-    moe_ffn_dim: int = 32
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 2.5
+    num_experts: int = setting(4, min=0, note="(0 = dense MLP in every layer)")
+    num_shared_experts: int = setting(1, min=0, when=_moe)
+    experts_per_tok: int = setting(2, integer=True, min=1, when=_moe)
+    moe_ffn_dim: int = setting(32, integer=True, min=1, when=_moe)
+    n_group: int = setting(1, integer=True, min=1, when=_moe)
+    topk_group: int = setting(1, integer=True, min=1, when=_moe)
+    routed_scaling_factor: float = setting(2.5, gt=0, when=_moe)
     norm_topk_prob: bool = True
     first_k_dense: int = 1                # leading layers with a dense MLP
-    moe_impl: str = "ragged"              # ragged (sorted dispatch, dropless) | dense (all experts)
+    moe_impl: str = setting("ragged", choices=MOE_IMPLS, same_weights=True)
+                                          # ragged (sorted dispatch, dropless) | dense (all experts)
                                           # | a2a (shard_map expert parallelism, glm5_jax.parallel.ep)
-    moe_capacity_factor: float = 1.25     # a2a only: slots per device pair = cf * n*k/ep; <= 0 = dropless
-    moe_round_capacity_factor: float = 1.25   # a2a dropless: slots per device pair per all-to-all round = this * n*k/ep,
+    moe_capacity_factor: float = setting(1.25, finite=True, when=_moe, note="(<= 0 means dropless)", same_weights=True)
+                                          # a2a only: slots per device pair = cf * n*k/ep; <= 0 = dropless
+    moe_round_capacity_factor: float = setting(1.25, finite=True, when=_moe, runtime=True, note=(
+        "(> 0: dropless a2a in rounds of this x the mean pair load; <= 0: one round sized for the worst case)"))
+                                          # a2a dropless: slots per device pair per all-to-all round = this * n*k/ep,
                                           # rounds until every slot is sent; <= 0: one round of n*k (worst-case buffers)
-    moe_kernel: str = "auto"              # a2a only: local experts' grouped matmul: auto (megablox on TPU, ragged_dot
+    moe_kernel: str = setting("auto", choices=MOE_KERNELS, runtime=True)
+                                          # a2a only: local experts' grouped matmul: auto (megablox on TPU, ragged_dot
                                           # elsewhere) | megablox (interpret mode on CPU) | ragged_dot (pallas_kernels.gmm)
-    moe_token_chunk: int = 0              # a2a only: > 0 dispatches each device's tokens in chunks of at most this many (recomputed in the backward)
+    moe_token_chunk: int = setting(0, integer=True, min=0, when=_moe, same_weights=True,
+                                   note="(0: one dispatch of all of a device's tokens)")
+                                          # a2a only: > 0 dispatches each device's tokens in chunks of at most this many (recomputed in the backward)
     # Multi-token prediction.
-    mtp_depth: int = 1
+    mtp_depth: int = setting(1, min=0, note="(0 = no MTP)", same_weights=True)
     mtp_share: bool = True                # one MTP layer reused at every depth (GLM-5)
     reward_head: bool = False             # + a scalar head on the final-normed hidden state (reward model, glm5_jax.rl.reward_model)
     # RoPE.
-    rope_theta: float = 10000.0
+    rope_theta: float = setting(10000.0, gt=0)
     rope_scaling: tuple[tuple[str, Any], ...] | None = None   # None (default) | e.g. (("factor", 4.0), ("type", "linear")); ROPE_SCALING_KEYS
-    # Numerics / implementation.
-    param_dtype: str = "float32"
-    dtype: str = "float32"                # compute dtype; softmax, router and norms stay float32
-    attention_impl: str = "xla"           # xla | pallas (DSA kernels)
-    attn_chunk: int = 256                 # query chunk for attention paths (bounds [chunk, S] memory)
-    dsa_short_dense: int = 8              # CPU, xla: DSA's sparse stage as top-k-masked dense attention at T <= this * index_topk (0: never)
-    dsa_topk_source: str = "indexer"      # DSA's k keys: indexer (the lightning indexer) | oracle (top-k of the main attention's own head-averaged dense softmax: an evaluation, glm5_jax.attention.indexer.oracle_topk)
-    dsa_selection_stats: bool = False     # DSA layers sow per-query attention mass on the selected keys / the oracle's and recall (glm5_jax.attention.selection)
-    remat: str = "none"                   # none | full (keep layer inputs only) | offload (full, inputs on host) | dots | dots_no_batch
+    # Numerics / implementation. runtime: how the model runs, not what it computes (may change on resume,
+    # between stages and against an --init_from checkpoint); same_weights: what it computes changes, what
+    # its weights mean does not (a checkpoint of one value starts a run of another). glm5_jax.fields.
+    param_dtype: str = setting("float32", choices=DTYPES, same_weights=True)
+    dtype: str = setting("float32", choices=DTYPES, same_weights=True)   # compute dtype; softmax, router and norms stay float32
+    attention_impl: str = setting("xla", choices=ATTENTION_IMPLS, runtime=True)   # xla | pallas (DSA kernels)
+    attn_chunk: int = setting(256, integer=True, min=1, runtime=True)   # query chunk for attention paths (bounds [chunk, S] memory)
+    dsa_short_dense: int = setting(8, integer=True, min=0, note="(0: always the sparse gather)", runtime=True)
+                                          # CPU, xla: DSA's sparse stage as top-k-masked dense attention at T <= this * index_topk (0: never)
+    dsa_topk_source: str = setting("indexer", choices=DSA_TOPK_SOURCES, note=(
+        "(oracle: the top-k of the main attention's own dense softmax, for evaluation)"))
+                                          # DSA's k keys: indexer (the lightning indexer) | oracle (top-k of the main attention's own head-averaged dense softmax: an evaluation, glm5_jax.attention.indexer.oracle_topk)
+    dsa_selection_stats: bool = setting(False, runtime=True)
+                                          # DSA layers sow per-query attention mass on the selected keys / the oracle's and recall (glm5_jax.attention.selection)
+    remat: str = setting("none", choices=REMAT_POLICIES, runtime=True)
+                                          # none | full (keep layer inputs only) | offload (full, inputs on host) | dots | dots_no_batch
                                           # | save_qkv | save_attention | custom (glm5_jax.model.remat_policy)
-    remat_custom: tuple[str, ...] = ()    # remat="custom": "NAME:device|offload" per saved name (REMAT_NAMES); the rest is recomputed
-    scan_layers: bool = True              # nn.scan over each layer stack (False: the same stacks unrolled)
+    remat_custom: tuple[str, ...] = setting((), runtime=True)
+                                          # remat="custom": "NAME:device|offload" per saved name (REMAT_NAMES); the rest is recomputed
+    scan_layers: bool = setting(True, runtime=True)   # nn.scan over each layer stack (False: the same stacks unrolled)
 
     def __post_init__(self):
         if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
@@ -189,28 +219,21 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
+    @classmethod
+    def runtime_fields(cls) -> tuple[str, ...]:
+        """How the model runs, not what it computes: may change on resume and between stages."""
+        return fields_with(cls, "runtime")
+
+    @classmethod
+    def same_weights_fields(cls) -> tuple[str, ...]:
+        """What a checkpoint of another value of these still means to this config: the runtime fields and
+        those that change the computation but not the weights (dtypes, MoE dispatch, MTP depth)."""
+        return fields_with(cls, "runtime") + fields_with(cls, "same_weights")
+
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
-        positive = ["vocab_size", "d_model", "num_layers", "ffn_dim", "num_heads", "attn_chunk"]
-        if self.is_mla:
-            positive += ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
-        else:
-            positive += ["num_kv_heads", "head_dim"]
-        if self.attention == "dsa":
-            positive += ["index_n_heads", "index_head_dim"]
-        if self.num_experts > 0:
-            positive += ["moe_ffn_dim", "experts_per_tok", "n_group", "topk_group"]
-        for f in positive:
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                _fail(f, v, "must be an integer >= 1")
-        if self.attention not in ATTENTION_KINDS:
-            _fail("attention", self.attention, f"allowed: {', '.join(ATTENTION_KINDS)}")
-        for f, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
-                           ("attention_impl", ATTENTION_IMPLS), ("moe_impl", MOE_IMPLS),
-                           ("moe_kernel", MOE_KERNELS)):
-            if getattr(self, f) not in allowed:
-                _fail(f, getattr(self, f), f"allowed: {', '.join(allowed)}")
+        """The declared field rules (glm5_jax.fields.check_fields), then the rules over several fields."""
+        check_fields(self)
         for item in self.remat_custom:
             name, _, place = str(item).partition(":")
             if name not in REMAT_NAMES or place not in REMAT_PLACES:
@@ -218,17 +241,8 @@ class ModelConfig:
                       f"PLACE in {', '.join(REMAT_PLACES)}")
         if self.remat_custom and self.remat != "custom":
             _fail("remat_custom", self.remat_custom, "is only read with remat='custom'")
-        if not isinstance(self.dsa_short_dense, int) or isinstance(self.dsa_short_dense, bool) or self.dsa_short_dense < 0:
-            _fail("dsa_short_dense", self.dsa_short_dense, "must be an integer >= 0 (0: always the sparse gather)")
-        if self.dsa_topk_source not in DSA_TOPK_SOURCES:
-            _fail("dsa_topk_source", self.dsa_topk_source, f"allowed: {', '.join(DSA_TOPK_SOURCES)} (oracle: the top-k of the "
-                  "main attention's own dense softmax, for evaluation)")
         if not isinstance(self.dsa_selection_stats, bool):
             _fail("dsa_selection_stats", self.dsa_selection_stats, "must be a bool")
-        if self.rms_norm_eps <= 0:
-            _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if self.rope_theta <= 0:
-            _fail("rope_theta", self.rope_theta, "must be > 0")
         if self.attention == "mha" and self.num_kv_heads != self.num_heads:
             _fail("num_kv_heads", self.num_kv_heads, f"mha needs num_kv_heads == num_heads ({self.num_heads}); use attention='gqa'")
         if self.attention == "gqa" and self.num_heads % self.num_kv_heads:
@@ -241,8 +255,6 @@ class ModelConfig:
             if self.qk_rope_head_dim > self.index_head_dim:
                 _fail("qk_rope_head_dim", self.qk_rope_head_dim,
                       f"the indexer applies RoPE to its first qk_rope_head_dim dims, so it must be <= index_head_dim={self.index_head_dim}")
-            if not isinstance(self.index_topk, int) or self.index_topk < 1:
-                _fail("index_topk", self.index_topk, "must be an integer >= 1")
             types = self.layer_indexer_types
             if len(types) != self.num_layers:
                 _fail("indexer_types", self.indexer_types, f"needs one entry per layer (num_layers={self.num_layers})")
@@ -253,8 +265,6 @@ class ModelConfig:
                 _fail("indexer_types", self.indexer_types, "layer 0 is 'shared' but a shared layer reuses the previous full layer's indices, so layer 0 must be 'full'")
         elif self.indexer_types is not None:
             _fail("indexer_types", self.indexer_types, f"only meaningful with attention='dsa' (got attention={self.attention!r}); set it to None")
-        if self.num_experts < 0:
-            _fail("num_experts", self.num_experts, "must be >= 0 (0 = dense MLP in every layer)")
         if self.num_experts > 0:
             if self.experts_per_tok > self.num_experts:
                 _fail("experts_per_tok", self.experts_per_tok, f"must be <= num_experts={self.num_experts}")
@@ -268,24 +278,8 @@ class ModelConfig:
             if self.experts_per_tok > self.topk_group * per_group:
                 _fail("experts_per_tok", self.experts_per_tok,
                       f"must be <= topk_group * experts per group = {self.topk_group * per_group}")
-            if self.num_shared_experts < 0:
-                _fail("num_shared_experts", self.num_shared_experts, "must be >= 0")
-            cf = self.moe_capacity_factor
-            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf != cf or cf in (float("inf"), float("-inf")):
-                _fail("moe_capacity_factor", cf, "must be a finite number (<= 0 means dropless)")
-            rf = self.moe_round_capacity_factor
-            if isinstance(rf, bool) or not isinstance(rf, (int, float)) or rf != rf or rf in (float("inf"), float("-inf")):
-                _fail("moe_round_capacity_factor", rf, "must be a finite number (> 0: dropless a2a in rounds of "
-                      "this x the mean pair load; <= 0: one round sized for the worst case)")
-            if self.routed_scaling_factor <= 0:
-                _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
-            mc = self.moe_token_chunk
-            if isinstance(mc, bool) or not isinstance(mc, int) or mc < 0:
-                _fail("moe_token_chunk", mc, "must be an integer >= 0 (0: one dispatch of all of a device's tokens)")
         if not 0 <= self.first_k_dense <= self.num_layers:
             _fail("first_k_dense", self.first_k_dense, f"must be in [0, num_layers={self.num_layers}]")
-        if self.mtp_depth < 0:
-            _fail("mtp_depth", self.mtp_depth, "must be >= 0 (0 = no MTP)")
         if self.rope_scaling is not None:
             _validate_rope_scaling(self.rope_scaling_dict)
 

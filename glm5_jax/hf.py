@@ -30,6 +30,7 @@ import numpy as np
 from flax import traverse_util
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.errors import Glm5Error
 from glm5_jax.model import abstract_params
 
 _RENAME = {"attn": "self_attn", "moe": "mlp", "router": "gate", "q_a_norm": "q_a_layernorm",
@@ -48,7 +49,7 @@ _FP8 = {np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)}
 _READ_CHUNK = 64 << 20          # bytes read at once when only some columns of a tensor are wanted
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Glm5Error):
     """A checkpoint tensor is missing, unexpected or has the wrong shape."""
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.errors import Glm5Error
 from glm5_jax.model import abstract_params
 from glm5_jax.batch import BATCH_AXES   # the batch dim is split over all three (activation_batch)
 
@@ -56,7 +57,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(Glm5Error):
     """The requested mesh does not fit the devices or the model."""
 
 

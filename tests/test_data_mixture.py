@@ -176,7 +176,7 @@ def test_bad_mixtures_and_empty_sources(paths, data):
         data.train_iter(2, T, mix="low:1,up:0")
     with pytest.raises(ConfigError, match="DataConfig.path=.*None when data.sources is set"):
         DataConfig(path=paths["low"], sources=f"up={paths['up']}")
-    with pytest.raises(ConfigError, match="DataConfig.retrieval_fraction=0.1 is invalid; allowed: 0 when data.sources is set"):
+    with pytest.raises(ConfigError, match="DataConfig.retrieval_fraction=0.1 is invalid: allowed: 0 when data.sources is set"):
         DataConfig(retrieval_fraction=0.1, sources=f"up={paths['up']}")
     with pytest.raises(DataError, match=r"data.sources 'empty' .*empty.jsonl.* is empty \(no documents\)"):
         build_lm_data(_cfg(paths, f"low={paths['low']}:1,empty={paths['empty']}:1"))

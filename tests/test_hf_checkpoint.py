@@ -224,7 +224,7 @@ def test_hf_orbax_hf_round_trip_is_bit_exact_with_mtp(tmp_path, bf16_mtp_checkpo
 def test_init_from_starts_from_the_checkpoint_exactly(tmp_path, bf16_mtp_checkpoint):
     from glm5_jax.train.checkpoint import InitFromError
     from glm5_jax.train.config import TrainConfig
-    from glm5_jax.train.state import init_from, init_train_state
+    from glm5_jax.train.state import init_train_state
     from tools.convert_hf import convert
     cfg, src = bf16_mtp_checkpoint
     _, ref = hf.load_checkpoint(src)
@@ -234,17 +234,14 @@ def test_init_from_starts_from_the_checkpoint_exactly(tmp_path, bf16_mtp_checkpo
     tcfg = TrainConfig(steps=1)
     orbax_dir = convert(str(src), str(tmp_path / "orbax"))
     for path in (src, orbax_dir):
-        with init_from(path) as source:
-            state, _ = init_train_state(cfg, tcfg)
-        assert source.used == 1
+        state, _ = init_train_state(cfg, tcfg.replace(init_from=str(path)))
         np.testing.assert_array_equal(np.asarray(logits(state["params"])), want)
-    fresh, _ = init_train_state(cfg, tcfg)                  # outside the block: the seed again
+    fresh, _ = init_train_state(cfg, tcfg)                  # no init_from: the seed again
     assert not np.array_equal(np.asarray(logits(fresh["params"])), want)
-    with init_from(src), pytest.raises(InitFromError, match=r"num_layers=3 \(checkpoint: 4\).*--set model\.num_layers=4"):
-        init_train_state(cfg.replace(num_layers=3, indexer_types=None), tcfg)
+    with pytest.raises(InitFromError, match=r"num_layers=3 \(checkpoint: 4\).*--set model\.num_layers=4"):
+        init_train_state(cfg.replace(num_layers=3, indexer_types=None), tcfg.replace(init_from=str(src)))
     with pytest.raises(InitFromError, match="no config.json"):
-        with init_from(tmp_path):
-            init_train_state(cfg, tcfg)
+        init_train_state(cfg, tcfg.replace(init_from=str(tmp_path)))
 
 
 def test_check_compatible_ignores_runtime_fields_and_names_model_fields():
@@ -285,30 +282,30 @@ def test_training_run_is_a_source_for_init_from_and_export(tmp_path):
     from experiments.run import run_experiment
     from glm5_jax.train.config import TrainConfig
     from glm5_jax.train.loop import train
-    from glm5_jax.train.state import init_from, init_train_state
+    from glm5_jax.train.state import init_train_state
     from tools.export_hf import export
     cfg = ModelConfig(index_topk=4, mtp_depth=1, num_layers=2)
     tc = TrainConfig(steps=1, batch_size=2, seq_len=16, async_checkpoints=False, log_every=1)
     first = train(cfg, tc, _RandomBatches(cfg), str(tmp_path / "run"), log=lambda m: None)
     want = jax.tree_util.tree_map(np.asarray, first["params"])
-    with init_from(tmp_path / "run") as source:
-        state, _ = init_train_state(cfg, tc)
-    assert source.used == 1
+    state, _ = init_train_state(cfg, tc.replace(init_from=str(tmp_path / "run")))
     _tree_equal(state["params"], want)
     out = export(str(tmp_path / "run"), str(tmp_path / "hf"), max_shard_bytes=0)
     cfg2, params2 = hf.load_checkpoint(out)
     assert cfg2 == cfg and "mtp_0" in params2
     _tree_equal(params2, want)
 
-    # the experiment CLI's path: run_experiment(init_from=...) -> every fresh train() starts from it
+    # the experiment CLI's path: run_experiment(init_from=...) sets it on the config's TrainConfigs ->
+    # every fresh train() of them starts from it
     seen = {}
 
     @dataclasses.dataclass(frozen=True)
     class Probe:
         model: ModelConfig = cfg
+        train: TrainConfig = tc
 
     def probe(c, workdir, log, mesh=None):
-        r = train(c.model, tc.replace(steps=1), _RandomBatches(c.model), os.path.join(workdir, "arm"), log=log)
+        r = train(c.model, c.train.replace(steps=1), _RandomBatches(c.model), os.path.join(workdir, "arm"), log=log)
         seen["arm"] = os.path.join(workdir, "arm")
         return {"arms": {}}
 
@@ -323,8 +320,7 @@ def test_training_run_is_a_source_for_init_from_and_export(tmp_path):
     # as a run initialised from those params directly
     direct = train(cfg, tc.replace(steps=1), _RandomBatches(cfg), str(tmp_path / "direct"), init_params=want,
                    log=lambda m: None)
-    with init_from(seen["arm"]):
-        via_cli, _ = init_train_state(cfg, tc)
+    via_cli, _ = init_train_state(cfg, tc.replace(init_from=seen["arm"]))
     _tree_equal(via_cli["params"], jax.tree_util.tree_map(np.asarray, direct["params"]))
 
 

@@ -46,8 +46,7 @@ MODEL = dict(vocab_size=8192, d_model=256, num_layers=4, ffn_dim=512, attention=
              q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
              index_topk=128, index_n_heads=8, index_head_dim=32, num_experts=8, num_shared_experts=1,
              experts_per_tok=2, moe_ffn_dim=128, first_k_dense=1, mtp_depth=0)
-TRAIN_SHAPES = ((4, 1024), (1, 4096))   # (batch, seq_len) of the timed train steps
-HUGEPAGES = False                        # --hugepages=on: both workers with glibc.malloc.hugetlb=1
+TRAIN_SHAPES = ((4, 1024), (1, 4096))   # default (batch, seq_len) of the timed train steps (--train)
 CHECK_T = 256
 LR, B1, B2, WD, EPS = 1e-3, 0.9, 0.95, 0.1, 1e-8
 
@@ -73,7 +72,7 @@ def matmul_call():
 
 # ----------------------------------------------------------------------------- workers
 class _JaxSide:
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, train_shapes):
         import jax
         import jax.numpy as jnp
 
@@ -89,7 +88,7 @@ class _JaxSide:
         self.params = jax.device_put(params)
         self.fwd = jax.jit(lambda p, t: forward(self.cfg, p, t))
         # AdamW as HF users run it (torch.optim.AdamW): constant lr, no clipping, the same betas
-        b0, t0 = TRAIN_SHAPES[0]   # the step retraces per batch shape; the config's shape is nominal
+        b0, t0 = train_shapes[0]   # the step retraces per batch shape; the config's shape is nominal
         tcfg = TrainConfig(batch_size=b0, seq_len=t0, optimizer="adamw", learning_rate=LR,
                            weight_decay=WD, grad_clip=0.0, mtp_weight=0.0, indexer_loss=None)
         tx, _ = make_optimizer("adamw", params, learning_rate=LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS,
@@ -170,7 +169,7 @@ def _timed(fn):
     return wall, (time.process_time() - c0) / max(wall, 1e-9), out
 
 
-def worker(side: str, ckpt: str, threads: int) -> None:
+def worker(side: str, ckpt: str, threads: int, train_shapes=TRAIN_SHAPES) -> None:
     """Line protocol on stdin/stdout: {"op": "logits"|"forward"|"train", ...} -> one JSON reply.
     Pins itself to the first `threads` cores before torch / jax start their thread pools."""
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
@@ -179,7 +178,7 @@ def worker(side: str, ckpt: str, threads: int) -> None:
         torch.set_num_threads(threads)
         impl = _HFSide(ckpt)
     else:
-        impl = _JaxSide(ckpt)
+        impl = _JaxSide(ckpt, train_shapes)
     out = sys.stdout
     sys.stdout = sys.stderr   # library prints must not break the protocol
     fns = {}
@@ -206,18 +205,18 @@ def worker(side: str, ckpt: str, threads: int) -> None:
 
 # ----------------------------------------------------------------------------- orchestration
 class _Proc:
-    def __init__(self, side, ckpt, threads):
+    def __init__(self, side, ckpt, threads, train_shapes, hugepages_on: bool):
         from glm5_jax import hugepages
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), JAX_PLATFORMS="cpu")
         # both sides in the same host-allocator environment (glm5_jax.hugepages): the machine's
         # default, or glibc's large allocations as transparent huge pages
-        env = (hugepages.env_with_hugepages(dict(env, GLM5_HUGEPAGES="1")) if HUGEPAGES
+        env = (hugepages.env_with_hugepages(dict(env, GLM5_HUGEPAGES="1")) if hugepages_on
                else hugepages.env_without_hugepages(env))
         if threads == 1:   # XLA CPU: no Eigen intra-op pool at all on one thread
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                                 "intra_op_parallelism_threads=1").strip()
         self.p = subprocess.Popen([sys.executable, "-m", "tools.bench_vs_hf", "--worker", side, "--ckpt", ckpt,
-                                   "--threads", str(threads), "--train", _shapes_arg(TRAIN_SHAPES)],
+                                   "--threads", str(threads), "--train", _shapes_arg(train_shapes)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   env=env, text=True)
         self.hello = self._read()
@@ -286,7 +285,7 @@ def _best(results):
     return min(results, key=lambda r: r["s"])
 
 
-def run(threads_list, seqs, reps, log):
+def run(threads_list, seqs, reps, log, train_shapes=TRAIN_SHAPES, hugepages_on: bool = False):
     import numpy as np
 
     results, check = [], {}
@@ -294,7 +293,7 @@ def run(threads_list, seqs, reps, log):
         ckpt = os.path.join(tmp, "ckpt")
         make_checkpoint(ckpt)
         for n in threads_list:
-            hf, jx = _Proc("hf", ckpt, n), _Proc("jax", ckpt, n)
+            hf, jx = (_Proc(side, ckpt, n, train_shapes, hugepages_on) for side in ("hf", "jax"))
             try:
                 if not check:
                     check["hugepages"] = [bool(jx.hello.get("hugepages")), bool(hf.hello.get("hugepages"))]
@@ -317,7 +316,7 @@ def run(threads_list, seqs, reps, log):
                 peak = PEAK_FLOPS / peak_s
                 log(f"threads={n}: 1024^3 float32 matmul {peak / 1e9:.1f} GFLOP/s (XLA, best of {reps + 1})")
                 jobs = [dict(op="forward", seq=t) for t in seqs] + [dict(op="train", batch=b, seq=t)
-                                                                    for b, t in TRAIN_SHAPES]
+                                                                    for b, t in train_shapes]
                 for job in jobs:
                     runs = {"hf": [], "jax": []}
                     for r in range(reps + 1):          # rep 0 warms up (and compiles the JAX side)
@@ -352,7 +351,6 @@ def run(threads_list, seqs, reps, log):
 
 
 def main(argv=None):
-    global TRAIN_SHAPES, HUGEPAGES  # noqa: PLW0603 (module constants the workers read)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (each pinned to that many cores)")
     ap.add_argument("--seq", default="1024,2048,4096", help="forward sequence lengths")
@@ -368,20 +366,20 @@ def main(argv=None):
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    TRAIN_SHAPES = _parse_shapes(args.train, ap)
-    HUGEPAGES = args.hugepages == "on"
+    train_shapes = _parse_shapes(args.train, ap)
+    hugepages_on = args.hugepages == "on"
     from glm5_jax.hugepages import supported
-    if HUGEPAGES and not supported():
+    if hugepages_on and not supported():
         ap.error("--hugepages=on needs Linux, glibc >= 2.35 and transparent huge pages not 'never'")
     if args.worker:
-        worker(args.worker, args.ckpt, int(args.threads))
+        worker(args.worker, args.ckpt, int(args.threads), train_shapes)
         return 0
     threads = [int(x) for x in args.threads.split(",") if x]
     avail = len(os.sched_getaffinity(0))
     if any(n < 1 or n > avail for n in threads):
         ap.error(f"--threads={args.threads}: each count must be in 1..{avail} (cores available)")
     seqs = [int(x) for x in args.seq.split(",") if x]
-    results, check = run(threads, seqs, args.reps, lambda s: print(s, flush=True))
+    results, check = run(threads, seqs, args.reps, lambda s: print(s, flush=True), train_shapes, hugepages_on)
     if check.get("positions_within_1e-4", 1.0) < 0.9 or check.get("loss_abs_diff", 0.0) > 1e-3:
         print("WARNING: the two sides disagree beyond float32 round-off at most positions: not the same "
               "computation", flush=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
+from glm5_jax.cli import main_wrapper
+
 FLAGS = flags.FLAGS
 
 
@@ -42,6 +44,7 @@ def restore(path: str, mesh=None):
     return config, load_params(path, config, mesh)
 
 
+@main_wrapper      # a Glm5Error (bad checkpoint, mesh, setting): one line on stderr, exit 2
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)

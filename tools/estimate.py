@@ -12,6 +12,7 @@ import json
 
 from absl import app, flags
 
+from glm5_jax.cli import main_wrapper
 from glm5_jax.config import preset
 from glm5_jax.flops import estimate
 
@@ -25,6 +26,7 @@ def define_flags() -> None:
     flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 
+@main_wrapper      # a Glm5Error (bad checkpoint, mesh, setting): one line on stderr, exit 2
 def main(argv):
     del argv
     r = estimate(preset(FLAGS.preset), FLAGS.seq_len)

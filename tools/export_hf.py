@@ -16,6 +16,8 @@ import os
 
 from absl import app, flags, logging
 
+from glm5_jax.cli import main_wrapper
+
 FLAGS = flags.FLAGS
 
 
@@ -42,6 +44,7 @@ def export(checkpoint: str, out: str, max_shard_bytes: int | None = 5 * 10**9, m
     return out
 
 
+@main_wrapper      # a Glm5Error (bad checkpoint, mesh, setting): one line on stderr, exit 2
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)

@@ -26,6 +26,7 @@ import sys
 
 from absl import app, flags
 
+from glm5_jax.cli import main_wrapper
 from glm5_jax.config import REMAT_POLICIES
 
 FLAGS = flags.FLAGS
@@ -74,20 +75,16 @@ def _force_cpu_devices(argv) -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
 
 
+@main_wrapper      # a bad preset, mesh or setting (Glm5Error): one line on stderr, exit 2
 def main(argv):
     del argv
-    from glm5_jax.config import ConfigError, preset
+    from glm5_jax.config import preset
     from glm5_jax.parallel.plan import format_plan, plan
-    from glm5_jax.sharding import MeshError
-    try:
-        cfg = preset(FLAGS.preset, remat=FLAGS.remat, moe_token_chunk=FLAGS.moe_token_chunk,
-                     **({"moe_impl": FLAGS.moe_impl} if FLAGS.moe_impl else {}))
-        p = plan(cfg, FLAGS.mesh, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, optimizer=FLAGS.optimizer,
-                 logits_chunk=FLAGS.logits_chunk,
-                 activations=FLAGS.activations, preset_name=FLAGS.preset)
-    except (ConfigError, MeshError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cfg = preset(FLAGS.preset, remat=FLAGS.remat, moe_token_chunk=FLAGS.moe_token_chunk,
+                 **({"moe_impl": FLAGS.moe_impl} if FLAGS.moe_impl else {}))
+    p = plan(cfg, FLAGS.mesh, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, optimizer=FLAGS.optimizer,
+             logits_chunk=FLAGS.logits_chunk,
+             activations=FLAGS.activations, preset_name=FLAGS.preset)
     print(json.dumps(p, indent=1) if FLAGS.json else format_plan(p))
 
 

@@ -37,6 +37,7 @@ import os
 import shutil
 import sys
 
+from glm5_jax.cli import main_wrapper
 from glm5_jax.data.clean import FILTERS, CleanConfig, DocumentCleaner
 from glm5_jax.data.config import DataConfig
 from glm5_jax.data.corpus import load_corpus
@@ -87,6 +88,7 @@ def prepare(input: str, tokenizer: str, out: str, *, vocab_size: int | None = No
     return index
 
 
+@main_wrapper(also=(OSError,))    # a bad setting or input (Glm5Error), a missing file: one line, exit 2
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", required=True)
@@ -113,19 +115,15 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{f}", type=float, default=getattr(d, f))
     a = ap.parse_args(argv)
     split = lambda v: tuple(x.strip() for x in v.split(",") if x.strip())     # noqa: E731
-    try:
-        clean = CleanConfig(dedup=split(a.dedup), filters=split(a.filters), near_threshold=a.near_threshold,
-                            shingle_words=a.shingle_words, num_perm=a.num_perm, min_words=a.min_words,
-                            max_words=a.max_words, min_alpha_fraction=a.min_alpha_fraction,
-                            max_dup_line_fraction=a.max_dup_line_fraction,
-                            max_top_ngram_fraction=a.max_top_ngram_fraction,
-                            max_dup_ngram_fraction=a.max_dup_ngram_fraction)
-        index = prepare(a.input, a.tokenizer, a.out, vocab_size=a.vocab_size, text_field=a.text_field,
-                        messages_field=a.messages_field, eval_fraction=a.eval_fraction, max_files=a.max_files,
-                        max_bytes=a.max_bytes, cache_dir=a.cache_dir, clean=clean)
-    except (ValueError, OSError) as e:    # DataError / ConfigError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    clean = CleanConfig(dedup=split(a.dedup), filters=split(a.filters), near_threshold=a.near_threshold,
+                        shingle_words=a.shingle_words, num_perm=a.num_perm, min_words=a.min_words,
+                        max_words=a.max_words, min_alpha_fraction=a.min_alpha_fraction,
+                        max_dup_line_fraction=a.max_dup_line_fraction,
+                        max_top_ngram_fraction=a.max_top_ngram_fraction,
+                        max_dup_ngram_fraction=a.max_dup_ngram_fraction)
+    index = prepare(a.input, a.tokenizer, a.out, vocab_size=a.vocab_size, text_field=a.text_field,
+                    messages_field=a.messages_field, eval_fraction=a.eval_fraction, max_files=a.max_files,
+                    max_bytes=a.max_bytes, cache_dir=a.cache_dir, clean=clean)
     if a.json:
         print(json.dumps(index))
     else:

@@ -16,6 +16,8 @@ import os
 
 from absl import app, flags, logging
 
+from glm5_jax.cli import main_wrapper
+
 FLAGS = flags.FLAGS
 
 
@@ -64,6 +66,7 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     return OpenAIServer(engine, tok, model_name=name, chat_mode=chat_mode)
 
 
+@main_wrapper      # a Glm5Error (bad checkpoint, mesh, setting): one line on stderr, exit 2
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)

@@ -30,22 +30,21 @@ import os
 import sys
 import time
 
+from glm5_jax.cli import main_wrapper
 from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.fields import check_fields, setting
 from glm5_jax.train.config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class RMConfig:
-    center_weight: float = 0.01          # weight of mean (r_chosen + r_rejected)^2 (pins the reward's offset)
+    center_weight: float = setting(0.01, min=0)   # weight of mean (r_chosen + r_rejected)^2 (pins the reward's offset)
     tokenizer_vocab: int = 512           # size of a tokenizer trained here (no --tokenizer)
     template_mode: str = "interleaved"   # chat template thinking mode (glm5_jax.data.chat.MODES)
-    eval_batch_size: int = 32
+    eval_batch_size: int = setting(32, integer=True, min=1)
 
     def __post_init__(self):
-        if not self.center_weight >= 0:
-            raise ConfigError(f"RMConfig.center_weight={self.center_weight!r} is invalid: must be >= 0")
-        if self.eval_batch_size < 1:
-            raise ConfigError(f"RMConfig.eval_batch_size={self.eval_batch_size!r} is invalid: must be >= 1")
+        check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +139,7 @@ def run(args) -> dict:
     return summary
 
 
+@main_wrapper(also=(OSError,))    # bad pairs, settings or checkpoint (Glm5Error), a missing file: one line, exit 2
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="training pairs (jsonl)")
@@ -151,14 +151,7 @@ def main(argv=None) -> int:
                     help="model.* / train.* / rm.* overrides, e.g. --set train.steps=400")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the results")
     args = ap.parse_args(argv)
-    from experiments.overrides import OverrideError
-    from glm5_jax.rl.reward_model import PairFormatError
-    from glm5_jax.train.checkpoint import InitFromError
-    try:
-        summary = run(args)
-    except (PairFormatError, ConfigError, OverrideError, InitFromError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    summary = run(args)
     if args.json:
         print(json.dumps(summary))
     else:

@@ -44,6 +44,8 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Sequence
 
+from glm5_jax.errors import Glm5Error
+
 __all__ = ["ChatFormatError", "ChatTemplate", "MODES", "ROLE_IDS", "ParsedMessage", "Rendered", "TEMPLATE_TOKENS",
            "canonical_messages", "parse_assistant", "parse_conversation", "sft_samples"]
 
@@ -62,7 +64,7 @@ _MESSAGE_KEYS = {"system": {"role", "content"}, "user": {"role", "content", "thi
                  "tool": {"role", "content", "name", "tool_call_id"}}
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(Glm5Error):
     """A message list, tool call or generated text that does not fit the template."""
 
 

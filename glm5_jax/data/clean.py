@@ -36,28 +36,31 @@ from typing import Optional
 
 import numpy as np
 
+from glm5_jax.errors import Glm5Error
+from glm5_jax.fields import check_fields, setting
+
 DEDUP_KINDS = ("exact", "near")
 FILTERS = ("length", "alpha", "dup_lines", "top_ngram", "dup_ngram")
 _WS = re.compile(r"\s+")
 
 
-class CleanConfigError(ValueError):
+class CleanConfigError(Glm5Error):
     """A cleaning setting outside what is allowed."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CleanConfig:
     dedup: tuple[str, ...] = ()
-    near_threshold: float = 0.8
-    num_perm: int = 128
-    shingle_words: int = 2
+    near_threshold: float = setting(0.8, gt=0, max=1)
+    num_perm: int = setting(128, integer=True, min=1)
+    shingle_words: int = setting(2, integer=True, min=1)
     filters: tuple[str, ...] = ()
-    min_words: int = 50
-    max_words: int = 100_000
-    min_alpha_fraction: float = 0.8
-    max_dup_line_fraction: float = 0.3
-    max_top_ngram_fraction: float = 0.2
-    max_dup_ngram_fraction: float = 0.1
+    min_words: int = setting(50, integer=True, min=1)
+    max_words: int = setting(100_000, integer=True, min=1)
+    min_alpha_fraction: float = setting(0.8, min=0, max=1)
+    max_dup_line_fraction: float = setting(0.3, min=0, max=1)
+    max_top_ngram_fraction: float = setting(0.2, min=0, max=1)
+    max_dup_ngram_fraction: float = setting(0.1, min=0, max=1)
     seed: int = 1
 
     def __post_init__(self):
@@ -69,14 +72,7 @@ class CleanConfig:
             if f not in FILTERS:
                 raise CleanConfigError(f"--filters has {f!r}; allowed: gopher or a comma list of {', '.join(FILTERS)}")
         object.__setattr__(self, "filters", tuple(filters))
-        if not 0 < self.near_threshold <= 1:
-            raise CleanConfigError(f"--near_threshold={self.near_threshold!r} is invalid: must be in (0, 1]")
-        for f in ("num_perm", "shingle_words", "min_words", "max_words"):
-            if getattr(self, f) < 1:
-                raise CleanConfigError(f"--{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
-        for f in ("min_alpha_fraction", "max_dup_line_fraction", "max_top_ngram_fraction", "max_dup_ngram_fraction"):
-            if not 0 <= getattr(self, f) <= 1:
-                raise CleanConfigError(f"--{f}={getattr(self, f)!r} is invalid: must be in [0, 1]")
+        check_fields(self, prefix="--", error=CleanConfigError)   # the fields are tools.prepare_data's flags
 
     @property
     def active(self) -> bool:

@@ -28,7 +28,8 @@ import os
 import re
 from typing import Any, Mapping, Optional, Tuple
 
-from glm5_jax.config import ConfigError
+from glm5_jax.errors import ConfigError
+from glm5_jax.fields import check_fields, invalid, setting
 
 # Directory names skipped anywhere below the stdlib root (test suites and third-party code).
 DEFAULT_EXCLUDE_DIRS: Tuple[str, ...] = (
@@ -176,16 +177,12 @@ def parse_mix(spec, names) -> Tuple[Tuple[str, float], ...]:
 
 
 def _bad(field: str, value, allowed: str) -> ConfigError:
-    # ConfigError (a ValueError) like ModelConfig / TrainConfig, so one except clause covers a config tree
-    return ConfigError(f"DataConfig.{field}={value!r} is invalid; allowed: {allowed}")
+    # the one message form of every config (glm5_jax.fields.invalid), a ConfigError like ModelConfig's / TrainConfig's
+    return invalid("DataConfig", field, value, f"allowed: {allowed}")
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,24 +221,24 @@ class DataConfig:
         shares the tokenizer and the other settings here; each keeps its own held-out split.
     """
 
-    vocab_size: int = 2048
-    seq_len: int = 256
+    vocab_size: int = setting(2048, integer=True, min=320, max=MAX_VOCAB)
+    seq_len: int = setting(256, integer=True, min=2, max=1 << 20)
     path: Optional[str] = None
     tokenizer: Optional[str] = None
     text_field: str = "text"
     messages_field: str = "messages"
     cache_dir: Optional[str] = None
-    max_files: Optional[int] = None
-    max_bytes: Optional[int] = None
-    eval_fraction: float = 0.02
-    seed: int = 0
-    retrieval_fraction: float = 0.0
-    retrieval_pairs: int = 4
+    max_files: Optional[int] = setting(None, integer=True, min=2, optional=True)
+    max_bytes: Optional[int] = setting(None, integer=True, min=1, optional=True)
+    eval_fraction: float = setting(0.02, gt=0, lt=0.5)
+    seed: int = setting(0, integer=True, min=0, lt=2**32)
+    retrieval_fraction: float = setting(0.0, min=0, lt=1)
+    retrieval_pairs: int = setting(4, integer=True, min=1, max=4096)
     retrieval_min_pairs: Optional[int] = None
-    retrieval_min_distance: Optional[int] = None
-    retrieval_key_digits: int = 3
-    retrieval_value_digits: int = 3
-    tokenizer_train_bytes: int = 8_000_000
+    retrieval_min_distance: Optional[int] = setting(None, integer=True, min=0, optional=True)
+    retrieval_key_digits: int = setting(3, integer=True, min=1, max=6)
+    retrieval_value_digits: int = setting(3, integer=True, min=1, max=6)
+    tokenizer_train_bytes: int = setting(8_000_000, integer=True, min=10_000)
     stdlib_root: Optional[str] = None
     exclude_dirs: Tuple[str, ...] = DEFAULT_EXCLUDE_DIRS
     sources: Any = ()
@@ -254,8 +251,7 @@ class DataConfig:
         if self.sources and self.retrieval_fraction:
             raise _bad("retrieval_fraction", self.retrieval_fraction,
                        "0 when data.sources is set (the retrieval probe is built from one corpus)")
-        if not _is_int(self.vocab_size) or not (320 <= self.vocab_size <= MAX_VOCAB):
-            raise _bad("vocab_size", self.vocab_size, f"int in [320, {MAX_VOCAB}]")
+        check_fields(self)
         for f in ("path", "tokenizer"):
             v = getattr(self, f)
             if v is not None and not (isinstance(v, str) and v.strip()):
@@ -264,43 +260,19 @@ class DataConfig:
             v = getattr(self, f)
             if not (isinstance(v, str) and v):
                 raise _bad(f, v, "a non-empty field name")
-        if not _is_int(self.seq_len) or not (2 <= self.seq_len <= 1 << 20):
-            raise _bad("seq_len", self.seq_len, "int in [2, 2**20]")
         if self.cache_dir is not None and not (isinstance(self.cache_dir, str) and self.cache_dir):
             raise _bad("cache_dir", self.cache_dir, "None or a non-empty path string")
-        if self.max_files is not None and (not _is_int(self.max_files) or self.max_files < 2):
-            raise _bad("max_files", self.max_files, "None or int >= 2")
-        if self.max_bytes is not None and (not _is_int(self.max_bytes) or self.max_bytes < 1):
-            raise _bad("max_bytes", self.max_bytes, "None or int >= 1")
-        if not _is_num(self.eval_fraction) or not (0.0 < self.eval_fraction < 0.5):
-            raise _bad("eval_fraction", self.eval_fraction, "float in (0, 0.5)")
-        if not _is_int(self.seed) or not (0 <= self.seed < 2**32):
-            raise _bad("seed", self.seed, "int in [0, 2**32)")
-        if not _is_num(self.retrieval_fraction) or not (0.0 <= self.retrieval_fraction < 1.0):
-            raise _bad("retrieval_fraction", self.retrieval_fraction, "float in [0, 1)")
-        if not _is_int(self.retrieval_pairs) or not (1 <= self.retrieval_pairs <= 4096):
-            raise _bad("retrieval_pairs", self.retrieval_pairs, "int in [1, 4096]")
         if self.retrieval_min_pairs is not None and (
             not _is_int(self.retrieval_min_pairs) or not (1 <= self.retrieval_min_pairs <= self.retrieval_pairs)
         ):
             raise _bad("retrieval_min_pairs", self.retrieval_min_pairs,
                        f"None or int in [1, retrieval_pairs={self.retrieval_pairs}]")
-        if self.retrieval_min_distance is not None and (
-            not _is_int(self.retrieval_min_distance) or self.retrieval_min_distance < 0
-        ):
-            raise _bad("retrieval_min_distance", self.retrieval_min_distance, "None or int >= 0")
-        for f in ("retrieval_key_digits", "retrieval_value_digits"):
-            v = getattr(self, f)
-            if not _is_int(v) or not (1 <= v <= 6):
-                raise _bad(f, v, "int in [1, 6]")
         if self.retrieval_pairs > 10**self.retrieval_key_digits:
             raise _bad(
                 "retrieval_pairs",
                 self.retrieval_pairs,
                 f"<= 10**retrieval_key_digits = {10**self.retrieval_key_digits} (keys are distinct)",
             )
-        if not _is_int(self.tokenizer_train_bytes) or self.tokenizer_train_bytes < 10_000:
-            raise _bad("tokenizer_train_bytes", self.tokenizer_train_bytes, "int >= 10000")
         if self.stdlib_root is not None and not (
             isinstance(self.stdlib_root, str) and os.path.isdir(self.stdlib_root)
         ):

@@ -59,14 +59,13 @@ from glm5_jax.data.retrieval import TRAIN_TAG, RetrievalTask, retrieval_eval_bat
 from glm5_jax.data.sources import DataError
 from glm5_jax.data.token_cache import INDEX, TokenizedSplit, load_or_build_token_cache, load_tokens
 from glm5_jax.data.tokenizer import Tokenizer, load_tokenizer_setting
+from glm5_jax.fields import require
 
 _STATE_VERSION = 1
 
 
 def _check_int(name: str, v, lo: int) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name}={v!r} is invalid; allowed: int >= {lo}")
-    return int(v)
+    return int(require(name, int(v) if isinstance(v, np.integer) else v, integer=True, min=lo))
 
 
 def _tagged(j: int, i) -> tuple:

@@ -21,6 +21,7 @@ from typing import Callable, Mapping
 import jax
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.errors import Glm5Error
 from glm5_jax.sharding import MeshError, check_model_fits_mesh, make_mesh, parse_mesh_spec, resolve_mesh_shape
 
 ENV_COORDINATOR = "GLM5_COORDINATOR_ADDRESS"
@@ -35,7 +36,7 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 START_FAILED_EXIT_CODE = 2
 
 
-class DistributedConfigError(ValueError):
+class DistributedConfigError(Glm5Error):
     """The multi-process settings are incomplete or inconsistent."""
 
 

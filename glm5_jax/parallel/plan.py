@@ -31,7 +31,7 @@ from typing import Mapping
 import jax
 import numpy as np
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.sharding import MESH_AXES, check_model_fits_mesh, parse_mesh_spec
 from glm5_jax.train.config import TrainConfig
 
@@ -200,7 +200,7 @@ def estimate_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, s
         total = (n * c * d * (saved + cfg.mtp_depth) + 2 * (n * max(per_layer) + gathered_keys)
                  + gathered_index_keys + n * logits + fixed)
     else:
-        raise ValueError(f"remat={remat!r}: allowed none, layer, layer_offload")
+        raise ConfigError(f"remat={remat!r}: allowed none, layer, layer_offload")
     host = n * c * d * cfg.num_layers if remat == "layer_offload" else 0
     return {"bytes": int(total), "tokens_per_device": n, "sequences_per_device": seqs, "keys_per_sequence": seq_len,
             "per_token_layer_bytes_max": int(max(per_layer)), "logits_bytes_per_token": int(logits),
@@ -229,7 +229,7 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
 
     sizes = parse_mesh_spec(mesh)
     if any(v == -1 for v in sizes.values()):
-        raise ValueError(f"mesh {sizes}: the planner needs explicit sizes (no -1)")
+        raise ConfigError(f"mesh {sizes}: the planner needs explicit sizes (no -1)")
     n_dev = math.prod(sizes.values())
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     batch_size = shards if batch_size is None else batch_size
@@ -248,7 +248,7 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch_size: int | N
         e["bytes"] += p_bytes
     measure = activations == "measure" or (activations == "auto" and n_params < 5e9 and len(jax.devices()) >= n_dev)
     if activations == "measure" and len(jax.devices()) < n_dev:
-        raise ValueError(f"--activations=measure needs {n_dev} devices, {len(jax.devices())} exist")
+        raise ConfigError(f"--activations=measure needs {n_dev} devices, {len(jax.devices())} exist")
     sources = {"params": "exact: sharded abstract shapes (jax.eval_shape + logical sharding rules)",
                "optimizer": "exact: jax.eval_shape(tx.init) with mirrored parameter shardings"}
     out = {"preset": preset_name, "mesh": sizes, "devices": n_dev, "batch_size": batch_size, "seq_len": seq_len,

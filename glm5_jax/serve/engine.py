@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.errors import Glm5Error
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
 from glm5_jax.infer.sampling import sample_rows
@@ -64,7 +65,7 @@ __all__ = ["Engine", "EngineError", "QueueFull", "RequestHandle", "SamplingParam
 TOP_LOGPROBS = 20           # alternatives computed per position (OpenAI allows at most 20 top_logprobs)
 
 
-class EngineError(ValueError):
+class EngineError(Glm5Error):
     """A request the engine cannot serve (bad parameters, too long, bad token ids); ``param`` names the field."""
 
     def __init__(self, message: str, param: Optional[str] = None):

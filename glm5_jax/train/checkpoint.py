@@ -10,7 +10,7 @@ layout of grain's orbax handler). `restore` reads onto the shardings of its targ
 exactly the slices each new device needs. The directory may be a local path or a URL etils.epath
 knows (gs://...).
 
-Starting weights (`--init_from`, glm5_jax.train.state.init_from) come from `load_params`: a Hugging
+Starting weights (`--init_from`, TrainConfig.init_from) come from `load_params`: a Hugging
 Face folder (config.json + safetensors, streamed by glm5_jax.hf.read_params), a params checkpoint
 (config.json + an orbax `params/` tree, as tools.convert_hf writes with `save_params`) or a training
 run (its workdir, its checkpoints/ folder or one step of it: the params of the state, its model from
@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+from glm5_jax.errors import Glm5Error
 
 
 def _short(err) -> str:
@@ -198,16 +200,10 @@ class Checkpointer:
 
 
 # ----------------------------------------------------------------------------- starting weights
-# fields that change how the model runs, not what its weights mean: they may differ from the checkpoint's
-_RUNTIME_FIELDS = ("param_dtype", "dtype", "attention_impl", "attn_chunk", "remat", "scan_layers", "moe_impl",
-                   "moe_capacity_factor", "moe_round_capacity_factor", "moe_kernel", "moe_token_chunk", "dsa_short_dense",
-                   "initializer_range", "mtp_depth")
-
-
 MODEL_CONFIG = "model_config.json"      # in a run's workdir: its ModelConfig.to_hf(), written by the loop
 
 
-class InitFromError(ValueError):
+class InitFromError(Glm5Error):
     """A starting checkpoint is not one, or holds a different model than the run's."""
 
 
@@ -262,10 +258,10 @@ def checkpoint_config(path):
 
 def check_compatible(model_cfg, ckpt_cfg, path) -> None:
     """Raise InitFromError unless the run's model is the checkpoint's (same parameters, same function;
-    _RUNTIME_FIELDS such as dtypes, remat or scan_layers may differ), naming each differing field."""
-    from glm5_jax.train.state import abstract_param_shapes
+    ModelConfig.same_weights_fields() such as dtypes, remat or scan_layers may differ), naming each differing field."""
+    free = model_cfg.same_weights_fields()
     diff = {f.name: (getattr(model_cfg, f.name), getattr(ckpt_cfg, f.name)) for f in dataclasses.fields(model_cfg)
-            if f.name not in _RUNTIME_FIELDS and getattr(model_cfg, f.name) != getattr(ckpt_cfg, f.name)}
+            if f.name not in free and getattr(model_cfg, f.name) != getattr(ckpt_cfg, f.name)}
     mine = jax.tree_util.tree_map(lambda a: a.shape, abstract_param_shapes(model_cfg))
     theirs = jax.tree_util.tree_map(lambda a: a.shape, abstract_param_shapes(ckpt_cfg))
     if diff or mine != theirs:
@@ -274,6 +270,14 @@ def check_compatible(model_cfg, ckpt_cfg, path) -> None:
                             + (", ".join(f"{k}={v[0]!r} (checkpoint: {v[1]!r})" for k, v in diff.items())
                                or "parameter shapes differ (mtp_depth / mtp_share?)")
                             + (f"; run with {sets}" if sets else ""))
+
+
+def abstract_param_shapes(model_cfg):
+    """The unboxed abstract parameter tree of `model_cfg` (shapes and dtypes, nothing allocated; also
+    glm5_jax.train.state.abstract_param_shapes)."""
+    import flax.linen as nn
+    from glm5_jax.model import abstract_params
+    return nn.unbox(abstract_params(model_cfg))
 
 
 def _cli(v) -> str:
@@ -294,7 +298,6 @@ def load_params(path, model_cfg, mesh=None):
     kind = checkpoint_kind(path)
     if kind == "hf":
         return hf.read_params(path, model_cfg, mesh)
-    from glm5_jax.train.state import abstract_param_shapes
     target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                     abstract_param_shapes(model_cfg), param_shardings(model_cfg, mesh))
     if kind == "run":                      # only the params of the run's state (no optimizer state)

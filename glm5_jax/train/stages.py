@@ -60,7 +60,7 @@ from glm5_jax.sharding import single_device_mesh
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling")
 DSA_FIELDS = ("attention", "index_topk", "index_n_heads", "index_head_dim", "indexer_types")
-RUNTIME_FIELDS = ("attention_impl", "attn_chunk", "remat", "dsa_short_dense")
+RUNTIME_FIELDS = ModelConfig.runtime_fields()   # how the model runs, not what it computes (glm5_jax.fields)
 MODEL_FIELDS = ROPE_FIELDS + DSA_FIELDS + RUNTIME_FIELDS
 SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "min_lr_ratio")
 STAGE_OWNED = ("seq_len", "steps") + SCHEDULE_FIELDS        # set on the Stage itself, not in Stage.train

@@ -6,17 +6,16 @@ mirrors (mu/nu/momentum), anything else (step counts) is replicated. One device 
 The same functions serve the train step, the checkpoints (restore onto these shardings) and the
 memory planner (abstract shapes on an AbstractMesh).
 
-Starting weights: inside `with init_from(PATH):` every init_train_state called without `params` reads
+Starting weights: with `TrainConfig.init_from=PATH` an init_train_state called without `params` reads
 them from the checkpoint at PATH (Hugging Face folder or params checkpoint, glm5_jax.train.checkpoint.
 load_params) straight onto the state's shardings instead of initialising from the seed. This is how
-`experiments.run --init_from` reaches any experiment: each train() call of a fresh run (no checkpoint
-in its workdir, init_params None) starts from those weights.
+`experiments.run --init_from` reaches any experiment: it sets init_from on every TrainConfig of the
+experiment's config, so each train() call of a fresh run (no checkpoint in its workdir, init_params None)
+starts from those weights.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import re
 
@@ -29,9 +28,10 @@ from jax.tree_util import DictKey
 
 from glm5_jax.batch import BATCH_KEYS
 from glm5_jax.config import ModelConfig
-from glm5_jax.model import abstract_params, init_params, layer_slice_paths
+from glm5_jax.model import init_params, layer_slice_paths
 from glm5_jax.optim import make_optimizer
 from glm5_jax.sharding import LOGICAL_RULES, batch_spec, logical_specs, single_device_mesh, use_mesh
+from glm5_jax.train.checkpoint import abstract_param_shapes, load_params
 from glm5_jax.train.config import TrainConfig
 
 
@@ -51,10 +51,6 @@ def build_optimizer(model_cfg: ModelConfig, tcfg: TrainConfig, params):
 
 
 @functools.lru_cache(maxsize=16)
-def abstract_param_shapes(model_cfg: ModelConfig):
-    return nn.unbox(abstract_params(model_cfg))
-
-
 @functools.lru_cache(maxsize=16)
 def _logical_specs(model_cfg: ModelConfig):
     return logical_specs(model_cfg)
@@ -145,31 +141,6 @@ def abstract_batch(batch_size: int, seq_len: int, mesh):
                                     sharding=sh) for k in BATCH_KEYS}
 
 
-@dataclasses.dataclass
-class InitFrom:
-    """An active starting checkpoint: `path`, and `used` counts the states it initialised."""
-    path: str
-    used: int = 0
-
-
-_INIT_FROM: list[InitFrom] = []
-
-
-@contextlib.contextmanager
-def init_from(path):
-    """Within the block, init_train_state(params=None) starts from the checkpoint at `path` (None: no
-    effect). Yields the InitFrom record, whose `used` says whether anything took the weights."""
-    if path is None:
-        yield None
-        return
-    rec = InitFrom(str(path))
-    _INIT_FROM.append(rec)
-    try:
-        yield rec
-    finally:
-        _INIT_FROM.remove(rec)
-
-
 def init_train_state(model_cfg: ModelConfig, tcfg: TrainConfig | None, mesh=None, tx=None, params=None,
                      seed: int | None = None):
     """(state, tx): the train state created directly on `mesh`'s shardings (default: one device).
@@ -177,7 +148,7 @@ def init_train_state(model_cfg: ModelConfig, tcfg: TrainConfig | None, mesh=None
     Without `params` the parameters are initialised from the seed inside one jit whose out_shardings
     are the state's, so no device ever holds a whole unsharded copy. With `params` (host or device
     arrays) each leaf is copied onto its sharding (a copy: the train step donates the state). Without
-    `params` inside `with init_from(PATH)`, the params are read from PATH onto their shardings.
+    `params` and with `tcfg.init_from`, the params are read from that checkpoint onto their shardings.
     """
     mesh = single_device_mesh() if mesh is None else mesh
     seed = (tcfg.seed if tcfg is not None else 0) if seed is None else seed
@@ -193,11 +164,8 @@ def init_train_state(model_cfg: ModelConfig, tcfg: TrainConfig | None, mesh=None
         return out
 
     other_sh = {k: sh[k] for k in ("step", "rng", "spike") if k in sh}
-    if params is None and _INIT_FROM:
-        from glm5_jax.train.checkpoint import load_params
-        source = _INIT_FROM[-1]
-        fresh = jax.device_put(load_params(source.path, model_cfg, mesh), sh["params"])  # no-op: already there
-        source.used += 1
+    if params is None and getattr(tcfg, "init_from", None):
+        fresh = jax.device_put(load_params(tcfg.init_from, model_cfg, mesh), sh["params"])  # no-op: already there
         with use_mesh(mesh):       # freshly read arrays nobody else holds: the step may donate them as they are
             opt = jax.jit(tx.init, out_shardings=sh["opt_state"])(fresh)
             other = jax.jit(rest, out_shardings=other_sh)()
@@ -228,6 +196,6 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-__all__ = ["BATCH_KEYS", "InitFrom", "abstract_batch", "abstract_param_shapes", "abstract_state", "build_optimizer",
-           "init_from", "init_train_state", "opt_state_specs", "param_specs", "per_device_bytes", "state_shardings",
+__all__ = ["BATCH_KEYS", "abstract_batch", "abstract_param_shapes", "abstract_state", "build_optimizer",
+           "init_train_state", "opt_state_specs", "param_specs", "per_device_bytes", "state_shardings",
            "state_specs"]
