@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import time
 from typing import ClassVar
 
-import jax
 import numpy as np
 
 from experiments.registry import register
@@ -39,14 +37,12 @@ from glm5_jax.attention.selection import mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.eval import PositionLoss, evaluate
-from glm5_jax.eval.dsa import as_oracle, time_attention
+from glm5_jax.eval.dsa import as_oracle, attention_flops, time_attention
 from glm5_jax.eval.metrics import attention_mass
 from glm5_jax.eval.probes import passkey_probes, score_passkey
 from glm5_jax.eval.stats import beyond, bucket_means_interval, paired_difference
-from glm5_jax.flops import estimate
 from glm5_jax.train import Stage, TrainConfig, train_stages
-from glm5_jax.train.loop import Hook
-from glm5_jax.train.stages import PhaseProgress, cached_json, stage_params
+from glm5_jax.train.stages import PhaseProgress, StepTimes, cached_json, record_invocation, stage_params
 
 PRIMARY_METRIC = ("held-out LM loss over positions >= 128 (token mean, at T = the last stage length) after the "
                   "extension stages minus before them (the base model), per arm, with a paired bootstrap interval "
@@ -242,20 +238,14 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     tc, T0, TL, reps = cfg.train, cfg.train.seq_len, cfg.last_len, cfg.bootstrap_reps
     buckets = cfg.buckets
     far = [j for j, (lo, _) in enumerate(buckets) if lo >= T0]
-    step_times: dict[str, list] = {}
+    step_times = StepTimes()                    # each stage's step times, through a hook
 
     def make_iter(stage, i):
         return data.train_iter(dict(stage.train).get("batch_size", tc.batch_size), stage.seq_len,
                                seed=cfg.data.seed + 100 * i)
-
-    def timed(arm):          # hooks_for_stage: each step's wall time, by arm / stage
-        def hooks(stage, i, model_cfg):
-            times = step_times.setdefault(f"{arm}/{stage.name}", [])
-            return [Hook(lambda ctx: times.append(ctx.step_seconds), every=1, at_end=False, params=False)]
-        return hooks
     stages = lambda arm, chain, wd, **kw: train_stages(  # noqa: E731
         kw.pop("model", None) or base["model_cfg"], tc, chain, make_iter, os.path.join(workdir, wd), mesh=mesh, log=log,
-        hooks_for_stage=timed(arm), **kw)
+        hooks_for_stage=step_times.hooks(arm), **kw)
 
     w = {"base": _cost(tc.steps, tc.batch_size, T0)}
     ext = sum(_cost(s, B, T) for s, B, T in zip(cfg.ext_steps, cfg.ext_batch_sizes, cfg.ext_seq_lens))
@@ -330,25 +320,10 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     for T in cfg.bench_lengths:
         timing[f"T={T}"] = cached_json(workdir, f"attention_time-{T}", {"T": T, "model": dataclasses.asdict(dsa_cfg)},
                                        lambda T=T: time_attention(mla_cfg, dsa_cfg, T, 1, reps=2 if T <= 1024 else 1))
-        em, ed = estimate(mla_cfg, T), estimate(dsa_cfg, T)
-        flops[f"T={T}"] = {"dense_mla_attention_fwd_per_token": em["attention_flops_per_token_fwd"],
-                           "dsa_attention_fwd_per_token": ed["attention_flops_per_token_fwd"],
-                           "dsa_indexer_fwd_per_token": ed["indexer_flops_per_token_fwd"],
-                           "dense_over_dsa": em["attention_flops_per_token_fwd"] /
-                           (ed["attention_flops_per_token_fwd"] + ed["indexer_flops_per_token_fwd"]),
-                           "train_flops_per_token_mla": em["train_flops_per_token"],
-                           "train_flops_per_token_dsa": ed["train_flops_per_token"]}
+        flops[f"T={T}"] = attention_flops(mla_cfg, dsa_cfg, T)
     prog.finished("evaluation")
 
-    # step time per stage: this run's measured gaps, else (a stage done by an earlier run) that run's record
-    st_path = os.path.join(workdir, "step_times.json")
-    recorded = json.load(open(st_path)) if os.path.exists(st_path) else {}
-    for name, ts in step_times.items():
-        gaps = ts[1:]                                # leave out the first step (compilation)
-        if len(gaps):
-            recorded[name] = {"median_s": float(np.median(gaps)), "steps_timed": int(len(gaps))}
-    if jax.process_index() == 0:
-        json.dump(recorded, open(st_path, "w"), indent=2)
+    recorded = step_times.record(workdir)       # step time per stage (this run's, else an earlier one's)
 
     arms, before = {}, pos["base"]
     bucket_list = [list(b) for b in buckets]
@@ -420,16 +395,10 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
                      xlabel="key depth", ylabel="context length")
     report["wall_time_s"] = time.time() - t_start
     report["load_average_end"] = list(os.getloadavg())
-    # every invocation's wall time and load (a resumed run's own wall time leaves out what earlier ones did)
-    inv_path = os.path.join(workdir, "invocations.json")
-    invocations = json.load(open(inv_path)) if os.path.exists(inv_path) else []
-    invocations.append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-                        "wall_time_s": report["wall_time_s"], "load_average_start": list(load_start),
-                        "load_average_end": report["load_average_end"],
-                        "trained": sorted(k for k, v in step_times.items() if v)})
-    report["invocations"] = invocations
-    if jax.process_index() == 0:
-        json.dump(invocations, open(inv_path, "w"), indent=2)
+    report["invocations"] = record_invocation(workdir, {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), "wall_time_s": report["wall_time_s"],
+        "load_average_start": list(load_start), "load_average_end": report["load_average_end"],
+        "trained": step_times.trained()})
     write_report(workdir, report, _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorded))
     return report
 

@@ -1,23 +1,12 @@
 """mtp_sharing: one shared MTP layer (GLM-5) vs independent MTP layers vs MTP depth 1 (DeepSeek-V3).
 
-Three arms trained from scratch on the same token stream (same data seed, batch shape and steps), with
-the same trunk and the same initial trunk parameters (same init seed; Flax derives each module's key
-from its path, so only the MTP blocks differ):
-  shared3   mtp_depth 3, one MTP layer reused at every depth            (GLM-5)
-  indep3    mtp_depth 3, three independent MTP layers
-  depth1    mtp_depth 1, one MTP layer                                    (DeepSeek-V3)
-The train loss is main CE + mtp_weight * mean over depths of the MTP CE.
-
-Then, on held-out prompts (the first `prompt_len` tokens of `num_prompts` held-out standard-library
-files, spread evenly over the eval split), greedy MTP self-speculative decoding with `num_draft` (4)
-draft steps measures the acceptance length (mean 1 + accepted drafts per verification step). Drafting
-4 tokens with fewer trained depths reuses a layer, as in the papers' 4-step setting:
-  shared3 / depth1   the (single) MTP layer is applied at all 4 depths
-  indep3             depths 1-3 use their own layers, depth 4 reuses layer 3 (the inference model is
-                     given mtp_depth 4 with mtp_3 := mtp_2; the trained weights are unchanged)
-Optional `draft_sweep` (e.g. `--set draft_sweep=1,2,3`) also measures the acceptance length at other draft counts.
-Output: main-head eval-loss curves, final eval loss, acceptance length per arm, and a comparison with
-the GLM-5 report (2.76 for GLM-5 vs 2.55 for DeepSeek-V3.2 with 4 speculative steps).
+Three arms trained from scratch on the same token stream with the same initial trunk (Flax keys each module
+by its path, so only the MTP blocks differ): shared3 (depth 3, one MTP layer reused: GLM-5), indep3 (three
+independent layers), depth1 (one layer: DeepSeek-V3); loss = main CE + mtp_weight x mean MTP CE. Then, on
+held-out text (glm5_jax.eval.mtp): speculative-sampling acceptance at temperature 1 after held-out contexts
+(the primary metric), teacher-forced (oracle) acceptance, greedy self-speculative decoding with `num_draft`
+drafts (fewer trained depths reuse a layer: indep3's 4th draft reuses its 3rd), optionally a `draft_sweep`;
+compared with the GLM-5 report (2.76 GLM-5 vs 2.55 DeepSeek-V3.2 at 4 speculative steps).
 """
 
 from __future__ import annotations
@@ -27,22 +16,18 @@ import os
 import time
 from typing import ClassVar
 
-import matplotlib
+import jax
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments.registry import register  # noqa: E402
-from experiments.report import (eval_series, fmt_interval, md_table, mean_interval, paired_bootstrap_interval,  # noqa: E402
-                                plot_curves, write_report)  # noqa: E402
-from glm5_jax.config import ConfigError, ModelConfig, preset  # noqa: E402
-from glm5_jax.data import DataConfig, build_lm_data  # noqa: E402
-from glm5_jax.eval import evaluate  # noqa: E402
-from glm5_jax.eval.mtp import (greedy_by_prompt, held_out_contexts, held_out_prompts, measure_acceptance,  # noqa: E402
+from experiments.registry import register
+from experiments.report import (eval_series, fmt_interval, md_table, mean_interval, paired_bootstrap_interval,
+                                plot_curves, plt, write_report)
+from glm5_jax.config import ConfigError, ModelConfig, preset
+from glm5_jax.data import DataConfig, build_lm_data
+from glm5_jax.eval import evaluate
+from glm5_jax.eval.mtp import (greedy_by_prompt, held_out_contexts, held_out_prompts, measure_acceptance,
                                sampled_acceptance, sampled_generation, teacher_forced, unigram_cross_entropy)
-from glm5_jax.train import TrainConfig, train  # noqa: E402
+from glm5_jax.train import TrainConfig, train
 
 # arm -> (mtp_depth, mtp_share, label)
 ARMS = {
@@ -51,7 +36,6 @@ ARMS = {
     "depth1": (1, True, "depth 1, one MTP layer (DeepSeek-V3)"),
 }
 PAPER = {"GLM-5": 2.76, "DeepSeek-V3.2": 2.55}     # acceptance length, 4 speculative steps (GLM-5 report)
-
 ARM_NAMES = tuple(ARMS)
 
 
@@ -137,8 +121,7 @@ def arm_configs(model: ModelConfig) -> dict[str, ModelConfig]:
 
 
 def plot_acceptance(path: str, arms: dict, num_draft: int, sweep: list[int]) -> str:
-    """Grouped bars per arm: self-speculative (greedy) and oracle (teacher-forced, held-out text) acceptance
-    length, with the paper's two numbers; plus, with a draft sweep, acceptance vs number of draft steps."""
+    """Bars per arm: greedy self-speculative and oracle acceptance, the paper's two; with a sweep, vs draft steps."""
     ncol = 2 if sweep else 1
     fig, axes = plt.subplots(1, ncol, figsize=(7 * ncol, 4.4), dpi=110, squeeze=False)
     ax = axes[0, 0]
@@ -198,9 +181,8 @@ def evaluate_arm(cfg: "MtpSharingConfig", mcfg: ModelConfig, params, prompts, co
 
 
 def over_items_and_seeds(per_seed: list) -> tuple[float, dict, dict]:
-    """Per-seed arrays of per-item values (the same items in every seed: contexts, prompts, sequences) ->
-    (mean, 95% t interval over items of the seed-averaged values, 95% t interval over seeds of the per-seed
-    means). NaN items (e.g. a sequence with no scored position) are left out."""
+    """Per-seed arrays of per-item values (the same items in every seed) -> (mean, 95% t interval over items of
+    the seed-averaged values, over seeds of the per-seed means); NaN items are left out."""
     a = np.stack([np.asarray(x, np.float64) for x in per_seed])           # [seeds, items]
     items = np.nanmean(a, axis=0)
     items = items[np.isfinite(items)]
@@ -210,9 +192,8 @@ def over_items_and_seeds(per_seed: list) -> tuple[float, dict, dict]:
 
 
 def aggregate_arm(rows: list[dict], min_distinct: float, max_loss: float) -> dict:
-    """Per-seed evaluate_arm rows -> the arm's report entry: means over seeds, intervals over items and
-    over seeds for the three headline figures, and whether the generation is non-degenerate
-    (distinct-token fraction >= min_distinct and test loss <= max_loss, both means over seeds)."""
+    """Per-seed evaluate_arm rows -> the arm's entry: means over seeds, intervals over items and seeds, and
+    non-degeneracy (distinct-token fraction >= min_distinct and test loss <= max_loss, means over seeds)."""
     out = {}
     for key, arr in (("sampled_acceptance_length", "sampled_per_context"),
                      ("oracle_acceptance_length", "oracle_per_sequence"),
@@ -273,16 +254,14 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
                       eval_fn=lambda p, c=mcfg: evaluate(c, p, lm_eval), log=log,
                       name=f"{arm}-s{s}", mesh=mesh)
             train_s[arm].append(time.time() - t0)
-            log(f"[{arm}-s{s}] held-out evaluation: {len(contexts)} contexts x {cfg.sampled_draws} sampled draft "
-                f"chains, {len(prompts)} prompts x {cfg.max_new_tokens} new tokens (greedy speculative, T=1) ...")
+            log(f"[{arm}-s{s}] held-out evaluation ({len(contexts)} contexts, {len(prompts)} prompts) ...")
             row = evaluate_arm(cfg, mcfg, r["params"], prompts, contexts, lm_test, sweep, tc.seed + s)
             mtp_rows = [h for h in r["history"] if "mtp_loss" in h]
             row.update(final_eval_loss=float(r["final"]["eval_loss"]), final_eval_accuracy=float(r["final"]["eval_accuracy"]),
                        final_train_mtp_loss=float(mtp_rows[-1]["mtp_loss"]) if mtp_rows else None)
             per_seed[arm][str(s)] = row
             log(f"[{arm}-s{s}] sampled acceptance {row['sampled_acceptance_length']:.3f}, oracle "
-                f"{row['oracle_acceptance_length']:.3f}, T=1 distinct {np.mean(row['sampled_distinct_per_prompt']):.3f}, "
-                f"greedy distinct {np.mean(row['greedy_distinct_per_prompt']):.3f}, test loss {row['test_eval_loss']:.4f}")
+                f"{row['oracle_acceptance_length']:.3f}, test loss {row['test_eval_loss']:.4f}")
             if s == cfg.seeds[0]:
                 runs[arm] = r
 

@@ -108,4 +108,74 @@ def decomposition_fn(dsa_cfg: ModelConfig, test_lm, mass_lm, ks, arm: str, mass_
     return fn
 
 
-__all__ = ["as_oracle", "decomposition_fn", "mass_buckets", "mass_row", "oracle_config", "time_attention"]
+
+def gap_pct(dsa_loss: float, mla_loss: float) -> float:
+    return 100.0 * (dsa_loss - mla_loss) / mla_loss
+
+
+def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buckets, interval) -> dict:
+    """One gap-decomposition entry from the evaluations (decomposition_fn) each seed's DSA run (top-k k) and
+    dense MLA run recorded at `step` (their metrics rows): the whole gap % (DSA with its indexer), the oracle
+    gap (MLA with oracle top-k: sparsity itself), their paired difference (the indexer's choice), the DSA
+    model's gap with oracle top-k instead of its indexer, and the attention mass figures. interval(values) ->
+    {"mean", "lo", "hi", "n"} over seeds (experiments.report.mean_interval)."""
+    from glm5_jax.eval.stats import metric_at
+    mla = [metric_at(h, step, "test_loss") for h in mla_hists]
+    og = [gap_pct(metric_at(h, step, f"oracle_test_loss_k{k}"), m) for h, m in zip(mla_hists, mla)]
+    ig = [gap_pct(metric_at(h, step, "test_loss"), m) for h, m in zip(dsa_hists, mla)]
+    dg = [gap_pct(metric_at(h, step, "oracle_test_loss"), m) for h, m in zip(dsa_hists, mla)]
+    per = lambda key: [metric_at(h, step, key) for h in dsa_hists]  # noqa: E731
+    im, om, rc = per("indexer_mass"), per("oracle_mass"), per("indexer_recall_of_oracle")
+    rows = [next((r for r in h if r.get("step") == step and "test_loss" in r), {}) for h in mla_hists]
+    mom = [r.get(f"mla_oracle_mass_k{k}") for r in rows]
+    mom = None if any(v is None for v in mom) else float(np.mean(mom))
+    sel = [i - o for i, o in zip(ig, og)]
+    bucket = lambda key: [float(np.mean([metric_at(h, step, f"{key}_b{j}") for h in dsa_hists]))  # noqa: E731
+                          for j in range(len(buckets))]
+    o_iv, s_iv = interval(og), interval(sel)
+    return {"topk": k, "adaptation_steps": step,
+            "oracle_gap_pct": o_iv, "oracle_gap_pct_per_seed": og,
+            "indexer_gap_pct": interval(ig), "indexer_gap_pct_per_seed": ig,
+            "selection_cost_pct": s_iv, "dsa_oracle_gap_pct": interval(dg),
+            "selection_cost_same_params_pct": interval([i - d for i, d in zip(ig, dg)]),
+            "oracle_mass": float(np.mean(om)), "oracle_mass_interval": interval(om),
+            "indexer_mass": float(np.mean(im)), "indexer_mass_interval": interval(im),
+            "indexer_recall_of_oracle": float(np.mean(rc)), "mla_oracle_mass": mom,
+            "mass_by_bucket": {"buckets": [list(b) for b in buckets], "indexer": bucket("indexer_mass"),
+                               "oracle": bucket("oracle_mass")},
+            "dominant": "sparsity" if o_iv["mean"] >= s_iv["mean"] else "indexer"}
+
+
+
+def lossless_verdict(gap: dict, margin: float) -> tuple[str, str]:
+    """(verdict, one sentence) for the primary gap's interval against the +-margin fixed before the run."""
+    m, lo, hi = gap["mean"], gap["lo"], gap["hi"]
+    if lo is None:
+        return "undetermined", (f"With one seed there is no interval, so this run cannot say whether DSA is lossless "
+                                f"(gap {m:+.2f}%).")
+    iv = f"{m:+.2f}% [{lo:+.2f}, {hi:+.2f}] over {gap['n']} seeds"
+    if -margin <= lo and hi <= margin:
+        return "lossless", (f"DSA is lossless here within the +-{margin:g}% margin fixed before the run: its test "
+                            f"LM loss is {iv} from continued MLA's.")
+    if lo > 0:
+        return "worse", (f"DSA is not lossless here: its test LM loss is above continued MLA's by {iv} "
+                         f"(the interval excludes 0{' and exceeds the margin' if lo > margin else ''}).")
+    if hi < 0:
+        return "better", f"DSA's test LM loss is below continued MLA's by {iv} (the interval excludes 0)."
+    return "inconclusive", (f"Inconclusive: the gap {iv} includes 0 but reaches beyond the +-{margin:g}% margin, so "
+                            "this run neither shows DSA lossless nor shows a loss.")
+
+
+
+def attention_flops(mla_cfg: ModelConfig, dsa_cfg: ModelConfig, seq_len: int) -> dict:
+    """Forward attention FLOPs per token of dense MLA vs DSA (+ its indexer) at seq_len (glm5_jax.flops)."""
+    from glm5_jax.flops import estimate
+    em, ed = estimate(mla_cfg, seq_len), estimate(dsa_cfg, seq_len)
+    return {"dense_mla_attention_fwd_per_token": em["attention_flops_per_token_fwd"],
+            "dsa_attention_fwd_per_token": ed["attention_flops_per_token_fwd"],
+            "dsa_indexer_fwd_per_token": ed["indexer_flops_per_token_fwd"],
+            "dense_over_dsa": em["attention_flops_per_token_fwd"] /
+            (ed["attention_flops_per_token_fwd"] + ed["indexer_flops_per_token_fwd"]),
+            "train_flops_per_token_mla": em["train_flops_per_token"], "train_flops_per_token_dsa": ed["train_flops_per_token"]}
+
+__all__ = ["as_oracle", "attention_flops", "decomposition_entry", "decomposition_fn", "gap_pct", "lossless_verdict", "mass_buckets", "mass_row", "oracle_config", "time_attention"]

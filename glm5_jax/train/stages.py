@@ -46,6 +46,7 @@ import time
 from typing import Any, Callable, Dict, Mapping, Sequence
 
 import jax
+import numpy as np
 from etils import epath
 from flax import traverse_util
 
@@ -277,6 +278,46 @@ class PhaseProgress:
                  f"work, ETA ~{eta:.0f} s")
 
 
+
+class StepTimes:
+    """Each stage's step wall times through a hook (`hooks(arm)` is a hooks_for_stage), merged by `record`
+    into workdir/step_times.json (a stage an earlier invocation trained keeps that one's figure)."""
+
+    def __init__(self):
+        self.times: dict[str, list] = {}
+
+    def hooks(self, arm: str):
+        from glm5_jax.train.loop import Hook
+
+        def for_stage(stage, i, model_cfg):
+            times = self.times.setdefault(f"{arm}/{stage.name}", [])
+            return [Hook(lambda ctx: times.append(ctx.step_seconds), every=1, at_end=False, params=False)]
+        return for_stage
+
+    def trained(self) -> list[str]:
+        return sorted(k for k, v in self.times.items() if v)
+
+    def record(self, workdir) -> dict:
+        """{arm/stage: {"median_s", "steps_timed"}} (the first step, which compiles, left out)."""
+        path = epath.Path(workdir) / "step_times.json"
+        recorded = json.loads(path.read_text()) if path.exists() else {}
+        for name, ts in self.times.items():
+            if len(ts) > 1:
+                recorded[name] = {"median_s": float(np.median(ts[1:])), "steps_timed": len(ts) - 1}
+        if jax.process_index() == 0:
+            _write_atomic(path, json.dumps(recorded, indent=2))
+        return recorded
+
+
+def record_invocation(workdir, entry: dict) -> list[dict]:
+    """Append this invocation's entry (start, wall time, load, what it trained) to workdir/invocations.json and
+    return every invocation's (a resumed run's own wall time leaves out what earlier ones did)."""
+    path = epath.Path(workdir) / "invocations.json"
+    out = (json.loads(path.read_text()) if path.exists() else []) + [entry]
+    if jax.process_index() == 0:
+        _write_atomic(path, json.dumps(out, indent=2))
+    return out
+
 def _carry(prev_cfg, cfg, params, key):
     """Stage i's starting params from stage i-1's: the same tree when the parameters are the same (RoPE
     / runtime changes), else the new model's fresh init (seeded by `key`) with every carried one grafted."""
@@ -406,5 +447,5 @@ def run_phases(workdir: str, model_cfg: ModelConfig, phases: Sequence[tuple], lo
         log(f"[{tag}] stage {i}/{len(phases)} {name}: done in {result['wall_s']:.0f} s" + (f"; skills {skills}" if skills else ""))
     return done
 
-__all__ = ["MODEL_FIELDS", "PhaseProgress", "Stage", "TRAIN_FIELDS", "cached_json", "graft", "load_phase", "phase_dir",
-           "plan_stages", "run_phases", "save_phase", "stage_dir", "stage_params", "train_stages"]
+__all__ = ["MODEL_FIELDS", "PhaseProgress", "Stage", "StepTimes", "TRAIN_FIELDS", "cached_json", "graft", "load_phase", "phase_dir",
+           "plan_stages", "record_invocation", "run_phases", "save_phase", "stage_dir", "stage_params", "train_stages"]
