@@ -211,7 +211,7 @@ def test_interval_helpers_against_closed_forms():
 
 
 def test_answer_key_hits_hand_computed():
-    from experiments.dsa_vs_mla import answer_key_hits
+    from glm5_jax.eval.probes import answer_key_hits
     from glm5_jax.data.retrieval import RetrievalInfo
     T, K = 6, 2
     idx = np.full((2, T, K), -1, np.int32)
