@@ -46,47 +46,76 @@ def _diag_mask(blk, g):
     return jnp.arange(blk)[None, :] <= (jnp.arange(blk * g) // g)[:, None]
 
 
-def _block_mask(i, j, tri, segq, segk, km, off=0):
-    """Bool [B, M, blk] (or [M, blk] without segments or key mask) for query block i (global block
-    i + off) and key block j."""
+def _block_mask(i, j, tri, segq, segk, km, off=0, bh=1):
+    """Bool [B*Hk, M, blk] (or [M, blk] without segments or key mask) for query block i (global block
+    i + off) and key block j; bh = B*Hk, the rows of q. km [B, n, blk, nk, blk] holds one row per query
+    (not per head): its tile is repeated to the M = blk*g rows and the Hk key heads here, so only a
+    tile is ever repeated, never the [T, T] mask."""
     mask = jnp.logical_or(j != i + off, tri)
     if segq is not None:
         mask = mask & (segq[:, i][:, :, None] == segk[:, j][:, None, :])
     if km is not None:
-        mask = mask & km[:, i, :, j]
+        kmb = jnp.repeat(km[:, i, :, j], tri.shape[0] // tri.shape[1], axis=1)   # [B, M, blk]
+        hk = bh // kmb.shape[0]
+        mask = mask & (jnp.repeat(kmb, hk, axis=0) if hk > 1 else kmb)
     return mask
+
+
+def _fwd_pair(qb, kb, vb, mask, c, scale):
+    """One block pair of the online softmax: row state c = (max, sum, acc) of query block qb [B, M, D]
+    over key block kb [B, blk, D] / vb [B, blk, Dv] (mask [B, M, blk] or [M, blk]) -> the new state."""
+    mx, l, acc = c
+    s = jnp.where(mask, _mm("bmd,bkd->bmk", qb, kb) * scale, -jnp.inf)
+    m_new = jnp.maximum(mx, s.max(-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(mx - m_safe)
+    pv = _mm("bmk,bkd->bmd", p.astype(vb.dtype), vb)
+    return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+
+def _finish(mx, l, acc, dtype, masked):
+    """Row state -> (o, lse); with a key mask a row may see no key: o = 0, lse = +inf."""
+    if not masked:  # l > 0: a query sees itself
+        return (acc / l[..., None]).astype(dtype), mx + jnp.log(l)
+    seen = l > 0
+    o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    return o.astype(dtype), jnp.where(seen, mx + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+
+def _pairs(n: int, key_major: bool):
+    """The n(n+1)/2 causal block pairs (query block i >= key block j) as two int32 arrays, ordered by
+    query block then key block (forward) or by key block then query block (backward): the order in which
+    the dynamic-bound loops visit them, so both loop forms give bitwise the same sums."""
+    i, j = np.tril_indices(n)
+    order = np.lexsort((i, j)) if key_major else np.arange(len(i))
+    return jnp.asarray(i[order], jnp.int32), jnp.asarray(j[order], jnp.int32)
 
 
 def _fwd(q, k, v, segq, segk, km, off, scale, blk):
     """q [B, n, blk*g, D], k [B, nk, blk, D], v [B, nk, blk, Dv], segq [B, n, M], segk [B, nk, blk],
-    km [B, n, M, nk, blk] (each or None), off: global block index of query block 0 (int, maybe
-    traced) -> o [B, n, M, Dv], lse [B, n, M] (+inf for a row that sees no key: only a key mask or
-    padding can empty a row; its output is 0)."""
+    km [B/Hk, n, blk, nk, blk] (each or None), off: global block index of query block 0 (a traced int;
+    None: 0 and S == T, then one loop of static trip count walks the causal block pairs, which a
+    compiled program's FLOP / byte counter can multiply out) -> o [B, n, M, Dv], lse [B, n, M] (+inf for a
+    row that sees no key: only a key mask or padding can empty a row; its output is 0)."""
     b, n, m, _ = q.shape
     tri = _diag_mask(blk, m // blk)
+    init = (jnp.full((b, m), -jnp.inf, _F32), jnp.zeros((b, m), _F32), jnp.zeros((b, m, v.shape[-1]), _F32))
+    if off is None:
+        def pair(c, ij):
+            i, j = ij
+            row = _fwd_pair(q[:, i], k[:, j], v[:, j], _block_mask(i, j, tri, segq, segk, km, 0, b),
+                            tuple(x[:, i] for x in c), scale)
+            return tuple(x.at[:, i].set(r) for x, r in zip(c, row)), None
+
+        state = tuple(jnp.broadcast_to(x[:, None], (b, n) + x.shape[1:]) for x in init)
+        state, _ = jax.lax.scan(pair, state, _pairs(n, key_major=False))
+        return _finish(*state, q.dtype, km is not None)
 
     def per_q(i):
-        qb = q[:, i]
-
-        def step(j, c):
-            mx, l, acc = c
-            s = _mm("bmd,bkd->bmk", qb, k[:, j]) * scale
-            s = jnp.where(_block_mask(i, j, tri, segq, segk, km, off), s, -jnp.inf)
-            m_new = jnp.maximum(mx, s.max(-1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(mx - m_safe)
-            pv = _mm("bmk,bkd->bmd", p.astype(v.dtype), v[:, j])
-            return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
-
-        init = (jnp.full((b, m), -jnp.inf, _F32), jnp.zeros((b, m), _F32),
-                jnp.zeros((b, m, v.shape[-1]), _F32))
-        mx, l, acc = jax.lax.fori_loop(0, i + off + 1, step, init)
-        if km is None:  # l > 0: a query sees itself
-            return (acc / l[..., None]).astype(q.dtype), mx + jnp.log(l)
-        seen = l > 0
-        o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-        return o.astype(q.dtype), jnp.where(seen, mx + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        step = lambda j, c: _fwd_pair(q[:, i], k[:, j], v[:, j],  # noqa: E731
+                                      _block_mask(i, j, tri, segq, segk, km, off, b), c, scale)
+        return _finish(*jax.lax.fori_loop(0, i + off + 1, step, init), q.dtype, km is not None)
 
     o, lse = jax.lax.map(per_q, jnp.arange(n))
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(lse, 0, 1)
@@ -102,30 +131,45 @@ def _flash_fwd(q, k, v, segq, segk, km, off, scale, blk):
     return o, (q, k, v, segq, segk, km, off, o, lse)
 
 
+def _bwd_pair(qb, dob, kb, vb, mask, lse_i, delta_i, scale):
+    """One block pair of the backward (probabilities built transposed, [B, blk(k), M]) -> the pair's
+    (dK, dV, dQ) contributions in float32."""
+    s_t = jnp.where(jnp.swapaxes(mask, -1, -2), _mm("bkd,bmd->bkm", kb, qb) * scale, -jnp.inf)
+    p_t = jnp.exp(s_t - lse_i[:, None, :])
+    dp_t = _mm("bkd,bmd->bkm", vb, dob)
+    ds_t = p_t * (dp_t - delta_i[:, None, :]) * scale
+    return (_mm("bkm,bmd->bkd", ds_t.astype(qb.dtype), qb), _mm("bkm,bmd->bkd", p_t.astype(dob.dtype), dob),
+            _mm("bkm,bkd->bmd", ds_t.astype(kb.dtype), kb))
+
+
 def _flash_bwd(scale, blk, res, do):
     q, k, v, segq, segk, km, off, o, lse = res
     b, n, m, _ = q.shape
     tri = _diag_mask(blk, m // blk)
     delta = jnp.sum(do.astype(_F32) * o.astype(_F32), -1)  # [B, n, M]
 
-    def per_k(dq, j):
-        kb, vb = k[:, j], v[:, j]
+    def contrib(i, j):
+        return _bwd_pair(q[:, i], do[:, i], k[:, j], v[:, j], _block_mask(i, j, tri, segq, segk, km, 0 if off is None else off, b),
+                         lse[:, i], delta[:, i], scale)
 
+    if off is None:  # the causal pairs key block by key block, one loop of static trip count
+        def pair(c, ij):
+            dk, dv, dq = c
+            i, j = ij
+            ck, cv, cq = contrib(i, j)
+            return (dk.at[:, j].add(ck), dv.at[:, j].add(cv), dq.at[:, i].add(cq)), None
+
+        zeros = lambda x: jnp.zeros(x.shape, _F32)  # noqa: E731
+        (dk, dv, dq), _ = jax.lax.scan(pair, (zeros(k), zeros(v), zeros(q)), _pairs(n, key_major=True))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+    def per_k(dq, j):
         def step(i, c):
             dk, dv, dq = c
-            qb, dob = q[:, i], do[:, i]
-            s_t = _mm("bkd,bmd->bkm", kb, qb) * scale
-            mask_t = jnp.swapaxes(_block_mask(i, j, tri, segq, segk, km, off), -1, -2)
-            s_t = jnp.where(mask_t, s_t, -jnp.inf)
-            p_t = jnp.exp(s_t - lse[:, i][:, None, :])  # [B, k, M]
-            dp_t = _mm("bkd,bmd->bkm", vb, dob)
-            ds_t = p_t * (dp_t - delta[:, i][:, None, :]) * scale
-            dv = dv + _mm("bkm,bmd->bkd", p_t.astype(dob.dtype), dob)
-            dk = dk + _mm("bkm,bmd->bkd", ds_t.astype(qb.dtype), qb)
-            dq_i = _mm("bkm,bkd->bmd", ds_t.astype(kb.dtype), kb)
-            return dk, dv, dq.at[:, i].add(dq_i)
+            ck, cv, cq = contrib(i, j)
+            return dk + ck, dv + cv, dq.at[:, i].add(cq)
 
-        init = (jnp.zeros(kb.shape, _F32), jnp.zeros(vb.shape, _F32), dq)
+        init = (jnp.zeros(k.shape[:1] + k.shape[2:], _F32), jnp.zeros(v.shape[:1] + v.shape[2:], _F32), dq)
         # query blocks whose global index i + off >= j see key block j
         dk, dv, dq = jax.lax.fori_loop(jnp.clip(j - off, 0, n), n, step, init)
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
@@ -172,7 +216,7 @@ def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512
     g = h // hk
     if q_offset is None:
         blk = min(int(block), t)
-        off = jnp.int32(0)
+        off = None                  # static: the causal block pairs in one loop of static trip count
     else:  # the block must tile T exactly so that q_offset (a multiple of T) is a whole number of blocks
         blk = max(c for c in range(1, min(int(block), t) + 1) if t % c == 0)
         off = jnp.asarray(q_offset, jnp.int32) // blk
@@ -194,7 +238,7 @@ def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512
         if key_mask.shape != (b, t, t):
             raise ValueError(f"key_mask {key_mask.shape} must be [B={b}, T={t}, T={t}]")
         km = jnp.pad(key_mask.astype(bool), [(0, 0), (0, tp - t), (0, tp - t)])  # padded keys: never
-        km = jnp.repeat(jnp.repeat(km, hk, axis=0), g, axis=1).reshape(b * hk, n, blk * g, n, blk)
+        km = km.reshape(b, n, blk, n, blk)
     o = _flash(qf, fold(k), fold(v), segq, segk, km, off, float(scale), blk)  # [B*Hk, n, blk*g, Dv]
     o = jnp.swapaxes(o.reshape(b, hk, tp, g, dv), 1, 2).reshape(b, tp, h, dv)
     return o[:, :t]
