@@ -4,7 +4,7 @@ An experiment is a small composition of library calls. Its settings are one froz
 of `model: ModelConfig`, `train: TrainConfig`, `data: DataConfig` (where it reads LM data) and its
 own knobs; each scale ("tiny" = the CPU default, "small" = one accelerator) is one value of that
 dataclass. `resolve_config` applies `--steps` and dotted `--set a.b=value` overrides
-(experiments.overrides) and so validates the whole tree before anything compiles.
+(glm5_jax.overrides) and so validates the whole tree before anything compiles.
 
 A config class may declare two class attributes:
   STEPS_KEY  the dotted key `--steps N` sets (default "train.steps")
@@ -18,7 +18,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Iterable, Mapping
 
-from experiments.overrides import OverrideError, apply_overrides, split_item
+from glm5_jax.overrides import OverrideError, apply_overrides, split_item
 from glm5_jax.errors import Glm5Error
 
 MODULES = ("experiments.dsa_vs_mla", "experiments.muon_split", "experiments.mtp_sharing", "experiments.grpo_icepop",

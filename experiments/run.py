@@ -46,7 +46,7 @@ from absl import app, flags, logging
 from etils import epath
 
 from experiments import registry
-from experiments.overrides import as_dict, flat_items
+from glm5_jax.overrides import as_dict, flat_items
 from glm5_jax import hugepages
 from glm5_jax.cli import main_wrapper
 

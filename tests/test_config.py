@@ -56,9 +56,9 @@ def test_from_hf_rejects_other_model_types_and_rope_types():
 
 
 def test_dotted_overrides_reach_every_model_field():
-    """experiments.overrides on a bare ModelConfig: each field parses from its command-line text by
+    """glm5_jax.overrides on a bare ModelConfig: each field parses from its command-line text by
     its declared type, and a combination is judged by validate() once, after all fields are set."""
-    from experiments.overrides import OverrideError, all_keys, apply_overrides
+    from glm5_jax.overrides import OverrideError, all_keys, apply_overrides
     base = preset("glm5")
     text = {bool: lambda v: str(v).lower(), type(None): lambda v: "none", tuple: lambda v: ",".join(map(str, v))}
     items = [f"{k}={text.get(type(getattr(base, k)), str)(getattr(base, k))}" for k in all_keys(base)]

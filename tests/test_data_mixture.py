@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from experiments.overrides import apply_overrides
+from glm5_jax.overrides import apply_overrides
 from glm5_jax.config import ConfigError
 from glm5_jax.data import DataConfig, DataError, build_lm_data
 from glm5_jax.data.config import MixSource, parse_mix

@@ -13,7 +13,7 @@ from glm5_jax.fields import check_fields, fields_with, require, setting
 
 
 def test_every_user_error_derives_from_the_root():
-    from experiments.overrides import OverrideError
+    from glm5_jax.overrides import OverrideError
     from experiments.registry import ExperimentError
     from glm5_jax.data.chat import ChatFormatError
     from glm5_jax.data.clean import CleanConfigError

@@ -14,7 +14,7 @@ import pytest
 from experiments import registry
 from experiments.mtp_sharing import ARMS, TINY, arm_configs, primary_differences
 from glm5_jax.eval.mtp import inference_model, speculative_accepts
-from experiments.overrides import OverrideError
+from glm5_jax.overrides import OverrideError
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.model import init_params
 from tests.test_experiments import MICRO

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import registry
-from experiments.overrides import OverrideError, all_keys, apply_overrides, as_dict, parse_value
+from glm5_jax.overrides import OverrideError, all_keys, apply_overrides, as_dict, parse_value
 from experiments.sweep import sweep
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.data import DataConfig

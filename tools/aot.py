@@ -152,7 +152,7 @@ def resolve(preset_name: str, topology: str, mesh: str | None = None, batch_size
             grad_accum: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
     """The configuration to compile: flags > DEFAULTS[(preset, topology)] > generic defaults.
     Checks everything that can be checked without the compiler (AotError / ConfigError / MeshError)."""
-    from experiments.overrides import OverrideError, apply_overrides
+    from glm5_jax.overrides import OverrideError, apply_overrides
     from glm5_jax.config import PRESETS, ConfigError, preset
     from glm5_jax.sharding import MeshError, check_model_fits_mesh, parse_mesh_spec, resolve_mesh_shape
     from glm5_jax.train.config import TrainConfig
@@ -283,7 +283,7 @@ def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
 def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, save_hlo: str | None = None,
         **kw) -> dict:
     """resolve() + compile_step() + the plan estimate: the JSON report tools.aot prints."""
-    from experiments.overrides import as_dict
+    from glm5_jax.overrides import as_dict
     r = resolve(preset_name, topology, **kw)
     hbm = r["hbm_bytes"]
     try:

@@ -77,7 +77,7 @@ def _tokenizer(args, train_pairs, rm: RMConfig):
 
 
 def run(args) -> dict:
-    from experiments.overrides import apply_overrides, split_item
+    from glm5_jax.overrides import apply_overrides, split_item
     from glm5_jax.data.chat import ChatTemplate
     from glm5_jax.rl.reward_model import (PairIterator, encode_pairs, evaluate_pairs, load_pairs, make_rm_loss,
                                           rm_init_params)
