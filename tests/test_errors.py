@@ -24,8 +24,10 @@ def test_every_user_error_derives_from_the_root():
     from glm5_jax.serve.engine import EngineError
     from glm5_jax.sharding import MeshError
     from glm5_jax.train.checkpoint import InitFromError
+    from tools.aot import AotError
     for cls in (ConfigError, DataError, OverrideError, ExperimentError, ChatFormatError, CleanConfigError,
-                CheckpointError, DistributedConfigError, PairFormatError, EngineError, MeshError, InitFromError):
+                CheckpointError, DistributedConfigError, PairFormatError, EngineError, MeshError, InitFromError,
+                AotError):
         assert issubclass(cls, Glm5Error) and issubclass(cls, ValueError), cls
 
 

@@ -47,6 +47,7 @@ import sys
 import time
 
 from glm5_jax.config import REMAT_POLICIES
+from glm5_jax.errors import Glm5Error
 
 # chip kind -> (HBM bytes per chip, chips per host bounds of the kind's hosts)
 CHIPS = {
@@ -95,7 +96,7 @@ def defaults_for(preset_name: str, topology: str, seq_len: int | None) -> dict:
     return d
 
 
-class AotError(ValueError):
+class AotError(Glm5Error):
     """A bad topology, mesh, preset or override: raised before anything is compiled."""
 
 
@@ -372,15 +373,13 @@ def main(argv=None) -> int:
     if a.dump_dir:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_dump_to={a.dump_dir} --xla_dump_hlo_as_text").strip()
-    from glm5_jax.config import ConfigError
-    from glm5_jax.sharding import MeshError
     try:
         kw = dict(mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len, remat=a.remat, optimizer=a.optimizer,
                   grad_accum=a.grad_accum, overrides=tuple(a.set))
         resolve(a.preset, a.topology, **kw)     # every flag checked before the compiler
         log(f"config resolved; building the {a.topology} devices")
         report = run(a.preset, a.topology, with_plan=not a.no_plan, log=log, save_hlo=a.save_hlo, **kw)
-    except (AotError, ConfigError, MeshError) as e:
+    except Glm5Error as e:        # AotError, ConfigError, MeshError, OverrideError: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     report["elapsed_seconds"] = round(time.time() - t0, 1)
