@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments.registry import register
 from experiments.report import fmt_interval, md_table, plot_curves, write_report
-from glm5_jax.stats import mean_interval, paired_interval, proportion_interval
+from glm5_jax.intervals import mean_interval, paired_interval, proportion_interval
 from glm5_jax.agentic.agent import make_chain_task, sft_example
 from glm5_jax.agentic.server import ray_init, start_servers, stop_servers
 from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic, run_summary

@@ -25,7 +25,7 @@ import numpy as np
 
 from experiments.registry import register
 from experiments.report import chain_series, eval_series, fmt_interval, md_table, plot_curves, write_report
-from glm5_jax.stats import mean_interval, paired_bootstrap_interval, wilson_interval
+from glm5_jax.intervals import mean_interval, paired_bootstrap_interval, wilson_interval
 from glm5_jax.attention.selection import mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data

@@ -23,7 +23,7 @@ from experiments.registry import register
 import numpy as np
 
 from experiments.report import eval_series, fmt_interval, md_table, plot_curves, write_report
-from glm5_jax.stats import mean_interval, paired_seeds, trajectory_bands
+from glm5_jax.intervals import mean_interval, paired_seeds, trajectory_bands
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.train import TrainConfig, evaluate, train

@@ -51,7 +51,7 @@ def test_test_delta_interval_and_paired_differences_closed_form():
     """test_delta per seed = final - SFT accuracy, mean with a t interval over seeds (t(2) = 4.303); arm
     differences are paired by seed."""
     from experiments.grpo_icepop import paired_arm_differences
-    from glm5_jax.stats import per_seed_interval
+    from glm5_jax.intervals import per_seed_interval
     d = per_seed_interval([v - 0.4 for v in (0.5, 0.6, 0.7)])     # as the report's test_delta_interval
     assert d["per_seed"] == pytest.approx([0.1, 0.2, 0.3]) and d["mean"] == pytest.approx(0.2) and d["n"] == 3
     assert d["hi"] - d["mean"] == pytest.approx(4.303 * 0.1 / 3 ** 0.5)

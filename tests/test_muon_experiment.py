@@ -163,7 +163,7 @@ def test_loss_spike_count_against_hand_count():
 def test_paired_difference_and_verdict_closed_form():
     """Per-seed differences split - plain with a t interval (t(2) = 4.303); the verdict follows its sign."""
     from experiments.muon_split import paired_difference, verdict
-    from glm5_jax.stats import trajectory_bands
+    from glm5_jax.intervals import trajectory_bands
     per = {"mla_muon": {"0": {"max_attn_logit": 10.0}, "1": {"max_attn_logit": 20.0}, "2": {"max_attn_logit": 30.0}},
            "mla_muon_split": {"0": {"max_attn_logit": 9.0}, "1": {"max_attn_logit": 18.0},
                               "2": {"max_attn_logit": 27.0}}}

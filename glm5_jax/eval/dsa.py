@@ -118,7 +118,7 @@ def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buc
     dense MLA run recorded at `step` (their metrics rows): the whole gap % (DSA with its indexer), the oracle
     gap (MLA with oracle top-k: sparsity itself), their paired difference (the indexer's choice), the DSA
     model's gap with oracle top-k instead of its indexer, and the attention mass figures. interval(values) ->
-    {"mean", "lo", "hi", "n"} over seeds (glm5_jax.stats.mean_interval)."""
+    {"mean", "lo", "hi", "n"} over seeds (glm5_jax.intervals.mean_interval)."""
     from glm5_jax.eval.stats import metric_at
     mla = [metric_at(h, step, "test_loss") for h in mla_hists]
     og = [gap_pct(metric_at(h, step, f"oracle_test_loss_k{k}"), m) for h, m in zip(mla_hists, mla)]
