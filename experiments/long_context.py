@@ -1,14 +1,13 @@
-"""long_context: extend a short-context MLA model in stages (RoPE base raised), then add DSA; what is kept at long range?
+"""long_context: extend a short-context MLA model in stages (RoPE base raised), add DSA; what is kept at long range?
 
 Phases (glm5_jax.train.stages; each stage its own resumable folder):
   base            MLA at T = train.seq_len (128), RoPE base model.rope_theta (theta0); passkeys in the mix
   mla             base -> ext_seq_lens[0] (1024) -> ext_seq_lens[1] (4096), the RoPE adjusted per stage
                   (rope_adjust "theta": base raised to ext_rope_thetas; "yarn": theta0 with YaRN scaling)
   mla_no_adjust   the same stages, data and schedule with the RoPE unchanged (the control)
-  dsa             the mla arm's stages continued at the last length: indexer warm-up (base frozen, dense
-                  KL), then sparse adaptation; it branches from the mla arm's extended params (its stages
-                  run in the mla arm's folder after the mla stages), so it has trained dsa_warmup_steps +
-                  dsa_steps more steps than mla
+  dsa             the mla arm's stages continued at the last length: indexer warm-up (base frozen, dense KL), then
+                  sparse adaptation; it branches from the mla arm's extended params (its stages run in the mla arm's
+                  folder after the mla stages), so it has trained dsa_warmup_steps + dsa_steps more steps than mla
   dsa_long        (issue 45) the same warm-up's params adapted sparsely for max(dsa_adaptation_lengths) steps at
                   dsa_learning_rate held constant after its warm-up (so the state at step n is an n-step run), a
                   checkpoint kept at every length: the DSA gap against adaptation length from one run, beside the
@@ -26,23 +25,24 @@ import dataclasses
 import functools
 import math
 import os
-import time
 from typing import ClassVar
-
-import numpy as np
 
 from experiments.registry import register
 from experiments.report import fmt_interval, md_table, plot_curves, plot_heatmap, write_report
 from glm5_jax.attention.selection import mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
-from glm5_jax.eval import PositionLoss, evaluate
-from glm5_jax.eval.dsa import as_oracle, attention_flops, time_attention
+from glm5_jax.eval.dsa import as_oracle
+from glm5_jax.eval.long_context import (adaptation_bucket_rows, adaptation_entry, attention_cost, attention_cost_rows,
+                                        bucket_differences, checkpoint_evaluations, cut_buckets, passkey_rows,
+                                        position_loss, position_loss_figures)
 from glm5_jax.eval.metrics import attention_mass
 from glm5_jax.eval.probes import passkey_probes, score_passkey
-from glm5_jax.eval.stats import beyond, bucket_means_interval, paired_difference
+from glm5_jax.eval.stats import beyond_difference, bucket_means_interval
+from glm5_jax.flops import relative_cost
 from glm5_jax.train import Stage, TrainConfig, train_stages
-from glm5_jax.train.stages import PhaseProgress, StepTimes, cached_json, record_invocation, stage_params
+from glm5_jax.train.stages import (Invocation, PhaseProgress, StepTimes, cached_json, describe_invocations, stage_plan,
+                                   stage_summaries)
 
 PRIMARY_METRIC = ("held-out LM loss over positions >= 128 (token mean, at T = the last stage length) after the "
                   "extension stages minus before them (the base model), per arm, with a paired bootstrap interval "
@@ -53,15 +53,14 @@ ROPE_ADJUST = ("theta", "yarn")
 
 @dataclasses.dataclass(frozen=True)
 class LongContextConfig:
-    """model: the MLA model of the base stage (attention "mla"; rope_theta = theta0; the index_* fields are
-    the indexer the dsa arm adds). train: the base stage (train.seq_len, train.steps, schedule) and what
-    every stage shares. data: the corpus and the passkeys mixed into training from the first step
-    (retrieval_pairs = 1: one planted key and value, asked for at the end). ext_*: the extension stages,
-    one entry per stage (lengths, steps, batch sizes, the raised RoPE bases). dsa_*: the two DSA stages at
-    the last length; dsa_adaptation_lengths: the sparse-adaptation lengths of the dsa_long run (one run, evaluated
-    at each; ~3 s per step at T=4096 on 2 CPU cores); mass_windows: held-out windows for the attention-mass
-    figures. Evaluation: eval_windows held-out windows at the last length (the eval split, never
-    trained on, nothing tuned on it); passkey probes (held-out filler, TEST_TAG) at passkey_lengths x
+    """model: the MLA model of the base stage (attention "mla"; rope_theta = theta0; the index_* fields are the indexer
+    the dsa arm adds). train: the base stage (train.seq_len, train.steps, schedule) and what every stage shares. data:
+    the corpus and the passkeys mixed into training from the first step (retrieval_pairs = 1: one planted key and value,
+    asked for at the end). ext_*: the extension stages, one entry per stage (lengths, steps, batch sizes, the raised
+    RoPE bases). dsa_*: the two DSA stages at the last length; dsa_adaptation_lengths: the sparse-adaptation lengths of
+    the dsa_long run (one run, evaluated at each; ~3 s per step at T=4096 on 2 CPU cores); mass_windows: held-out
+    windows for the attention-mass figures. Evaluation: eval_windows held-out windows at the last length (the eval
+    split, never trained on, nothing tuned on it); passkey probes (held-out filler, TEST_TAG) at passkey_lengths x
     passkey_depths, passkey_per_cell each."""
     model: ModelConfig
     train: TrainConfig
@@ -93,11 +92,13 @@ class LongContextConfig:
     def __post_init__(self):
         object.__setattr__(self, "model", self.model.replace(vocab_size=self.data.vocab_size))
         object.__setattr__(self, "data", dataclasses.replace(self.data, seq_len=self.train.seq_len))
-        bad = lambda f, allowed: ConfigError(f"LongContextConfig.{f}={getattr(self, f)!r} is invalid: {allowed}")  # noqa: E731
+        bad = lambda f, allowed: ConfigError(  # noqa: E731
+            f"LongContextConfig.{f}={getattr(self, f)!r} is invalid: {allowed}")
         if self.model.attention != "mla":
             raise bad("model", "model.attention must be 'mla' (the dsa arm adds the indexer by continued pre-training)")
         if self.model.indexer_types is not None:
-            raise bad("model", "model.indexer_types must be None (every layer 'full'), so the MLA stacks graft onto DSA")
+            raise bad("model",
+                      "model.indexer_types must be None (every layer 'full'), so the MLA stacks graft onto DSA")
         n = len(self.ext_seq_lens)
         if n < 1 or len(self.ext_steps) != n or len(self.ext_batch_sizes) != n or len(self.ext_rope_thetas) != n:
             raise bad("ext_seq_lens", "ext_seq_lens, ext_steps, ext_batch_sizes and ext_rope_thetas need one "
@@ -115,7 +116,8 @@ class LongContextConfig:
         lens_a = self.dsa_adaptation_lengths
         if (len(lens_a) < 1 or any(not isinstance(v, int) or v < 1 for v in lens_a)
                 or any(b <= a for a, b in zip(lens_a, lens_a[1:]))):
-            raise bad("dsa_adaptation_lengths", "increasing integers >= 1 (sparse-adaptation steps evaluated in one run)")
+            raise bad("dsa_adaptation_lengths",
+                      "increasing integers >= 1 (sparse-adaptation steps evaluated in one run)")
         for f in ("dsa_warmup_steps", "dsa_steps", "eval_windows", "eval_batch", "passkey_per_cell",
                   "bootstrap_reps", "ext_warmup_steps", "mass_windows"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < (0 if f == "ext_warmup_steps" else 1):
@@ -143,14 +145,7 @@ class LongContextConfig:
     def buckets(self) -> tuple[tuple[int, int], ...]:
         """BUCKETS cut at the last length (every position of a window is in one bucket), with a boundary at
         the base length train.seq_len (the primary metric's 'beyond the base length')."""
-        T0, TL = self.train.seq_len, self.last_len
-        out = []
-        for lo, hi in BUCKETS:
-            if lo >= TL:
-                break
-            hi = min(hi, TL)
-            out += [(lo, T0), (T0, hi)] if lo < T0 < hi else [(lo, hi)]
-        return tuple(out[:-1]) + ((out[-1][0], TL),)
+        return cut_buckets(BUCKETS, self.train.seq_len, self.last_len)
 
 
 # A tiny MLA model (the tiny preset, dense FFN, no MTP) sized so base + two arms x two extension stages + the
@@ -205,7 +200,8 @@ def dsa_stages(cfg: LongContextConfig) -> list[Stage]:
                   warmup_steps=min(2, cfg.dsa_warmup_steps), model={"attention": "dsa"},
                   train={"indexer_loss": "dense", "trainable_pattern": "indexer", "batch_size": B}),
             Stage("dsa", seq_len=T, steps=cfg.dsa_steps, learning_rate=cfg.dsa_learning_rate,
-                  warmup_steps=min(cfg.ext_warmup_steps, cfg.dsa_steps), train={"indexer_loss": "sparse", "batch_size": B})]
+                  warmup_steps=min(cfg.ext_warmup_steps, cfg.dsa_steps),
+                  train={"indexer_loss": "sparse", "batch_size": B})]
 
 
 def dsa_long_stages(cfg: LongContextConfig) -> list[Stage]:
@@ -221,22 +217,16 @@ def dsa_long_stages(cfg: LongContextConfig) -> list[Stage]:
                   train={"indexer_loss": "sparse", "batch_size": B, "ckpt_every": g, "keep_period": g})]
 
 
-def _cost(steps, B, T):
-    return steps * B * T * (1.0 + T / 1024.0)
-
-
 @register("long_context", "context extension in stages (T=128 -> 1024 -> 4096, RoPE base raised vs unchanged), "
           "then DSA added at the last length: held-out loss by position, passkey by length and depth, indexer recall",
           {"tiny": TINY, "small": SMALL})
 def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
-    t_start = time.time()
-    load_start = os.getloadavg()
+    invocation = Invocation()                   # wall time, load average, every invocation on this workdir
     log(f"primary metric (named before the run): {PRIMARY_METRIC}")
     data = build_lm_data(cfg.data)
     if data.tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"tokenizer vocab {data.tokenizer.vocab_size} != data.vocab_size {cfg.model.vocab_size}")
-    tc, T0, TL, reps = cfg.train, cfg.train.seq_len, cfg.last_len, cfg.bootstrap_reps
-    buckets = cfg.buckets
+    tc, T0, TL, reps, buckets = cfg.train, cfg.train.seq_len, cfg.last_len, cfg.bootstrap_reps, cfg.buckets
     far = [j for j, (lo, _) in enumerate(buckets) if lo >= T0]
     step_times = StepTimes()                    # each stage's step times, through a hook
 
@@ -247,19 +237,17 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
         kw.pop("model", None) or base["model_cfg"], tc, chain, make_iter, os.path.join(workdir, wd), mesh=mesh, log=log,
         hooks_for_stage=step_times.hooks(arm), **kw)
 
-    w = {"base": _cost(tc.steps, tc.batch_size, T0)}
-    ext = sum(_cost(s, B, T) for s, B, T in zip(cfg.ext_steps, cfg.ext_batch_sizes, cfg.ext_seq_lens))
-    w.update({"mla": ext, "mla_no_adjust": ext,
-              "dsa": _cost(6 * cfg.dsa_warmup_steps + 3 * cfg.dsa_steps, cfg.ext_batch_sizes[-1], TL),
-              "dsa_long": _cost(3 * cfg.dsa_adaptation_lengths[-1], cfg.ext_batch_sizes[-1], TL),
-              "evaluation": 2.0 * ext})                    # weights as measured at the tiny defaults
-    prog = PhaseProgress(log, w, "long_context", t_start)
-    runs = {}
+    ext = sum(relative_cost(s, B, T) for s, B, T in zip(cfg.ext_steps, cfg.ext_batch_sizes, cfg.ext_seq_lens))
+    w = {"base": relative_cost(tc.steps, tc.batch_size, T0), "mla": ext, "mla_no_adjust": ext,
+         "dsa": relative_cost(6 * cfg.dsa_warmup_steps + 3 * cfg.dsa_steps, cfg.ext_batch_sizes[-1], TL),
+         "dsa_long": relative_cost(3 * cfg.dsa_adaptation_lengths[-1], cfg.ext_batch_sizes[-1], TL),
+         "evaluation": 2.0 * ext}                     # weights as measured at the tiny defaults
+    prog = PhaseProgress(log, w, "long_context", invocation.t_start)
     base = stages("base", [base_stage(cfg)], "base", model=cfg.model)
     prog.finished("base")
     ext_adj, ext_none = extension_stages(cfg, True), extension_stages(cfg, False)
     # the base stage's params start each arm; its folder is shared, so the arms' stages are numbered from 0
-    runs["mla"] = stages("mla", ext_adj, "mla", init_params=base["params"])
+    runs = {"mla": stages("mla", ext_adj, "mla", init_params=base["params"])}
     prog.finished("mla")
     runs["mla_no_adjust"] = stages("mla_no_adjust", ext_none, "mla_no_adjust", init_params=base["params"])
     prog.finished("mla_no_adjust")
@@ -272,108 +260,64 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
 
     log("[long_context] evaluating: held-out loss by position, passkey probes ...")
     eval_batches = list(data.eval_batches(cfg.eval_batch, TL, max_batches=-(-cfg.eval_windows // cfg.eval_batch)))
-    filler = data.eval_stream.stream
     d = cfg.data
     pk = dict(lengths=cfg.passkey_lengths, depths=cfg.passkey_depths, per_cell=cfg.passkey_per_cell)
-    pk_batches, placements = passkey_probes(data.tokenizer, filler, **pk, window=TL, batch_size=cfg.eval_batch,
-                                            key_digits=d.retrieval_key_digits, value_digits=d.retrieval_value_digits,
-                                            seed=d.seed)
+    pk_batches, placements = passkey_probes(data.tokenizer, data.eval_stream.stream, **pk, window=TL,
+                                            batch_size=cfg.eval_batch, key_digits=d.retrieval_key_digits,
+                                            value_digits=d.retrieval_value_digits, seed=d.seed)
     # an evaluation is reused only by a rerun of the same settings (the whole config) on the same tokens
-    ekey = pkey = {"config": dataclasses.asdict(cfg), "data": data.data_key}
-
-    def pos_eval(name, m, params):
-        def go():
-            r = evaluate(m, params() if callable(params) else params, eval_batches, [PositionLoss(buckets)])
-            return {"sums": r["position_loss_sums"].tolist(), "counts": r["position_loss_counts"].tolist()}
-        r = cached_json(workdir, f"position_loss-{name}", ekey, go)
-        return np.asarray(r["sums"]), np.asarray(r["counts"])
-
-    models = {"base": (base["model_cfg"], base["params"])}
-    models.update({a: (r["model_cfg"], r["params"]) for a, r in runs.items()})
+    ekey = {"config": dataclasses.asdict(cfg), "data": data.data_key}
+    pos_eval = functools.partial(position_loss, workdir, key=ekey, batches=eval_batches, buckets=buckets)
+    models = {"base": (base["model_cfg"], base["params"]),
+              **{a: (r["model_cfg"], r["params"]) for a, r in runs.items()}}
     pos, passkey = {}, {}
     for name, (m, p) in models.items():
         pos[name] = pos_eval(name, m, p)
-        passkey[name] = cached_json(workdir, f"passkey-{name}", pkey, lambda m=m, p=p: score_passkey(
+        passkey[name] = cached_json(workdir, f"passkey-{name}", ekey, lambda m=m, p=p: score_passkey(
             m, p, pk_batches, placements, **pk, value_digits=d.retrieval_value_digits))
 
     # ---- issue 45: the DSA gap against sparse-adaptation length, with oracle top-k and the attention mass
     log("[long_context] dsa_long: gap vs adaptation length, oracle top-k, attention mass ...")
-    long_cfg, st_long = runs_long["model_cfg"], runs_long["stages"][-1]
-    K = long_cfg.index_topk
+    long_cfg = runs_long["model_cfg"]
     mass_batches = eval_batches[:max(1, -(-cfg.mass_windows // cfg.eval_batch))]
-    oracle_cfg, mla_oracle_params = as_oracle(long_cfg, K, runs["mla"]["params"])
+    oracle_cfg, mla_oracle_params = as_oracle(long_cfg, long_cfg.index_topk, runs["mla"]["params"])
     pos["mla_oracle"] = pos_eval("mla_oracle", oracle_cfg, mla_oracle_params)
     mass_mla_oracle = cached_json(workdir, "mass-mla_oracle", ekey,
                                   lambda: attention_mass(oracle_cfg, mla_oracle_params, mass_batches, buckets))
-    long_evals = {}
-    for L in cfg.dsa_adaptation_lengths:
-        p_at = functools.lru_cache(maxsize=1)(lambda L=L: stage_params(long_cfg, st_long["train_cfg"], st_long["workdir"],
-                                                                       mesh, L))
-        pd = pos_eval(f"dsa_long{L}", long_cfg, p_at)                  # params read back only when not cached
-        po = pos_eval(f"dsa_long{L}-oracle", oracle_cfg, lambda p_at=p_at: as_oracle(long_cfg, K, p_at())[1])
-        m = cached_json(workdir, f"mass-dsa_long{L}", ekey, lambda: attention_mass(long_cfg, p_at(), mass_batches, buckets))
-        long_evals[L] = (pd, po, m)
+    long_evals = checkpoint_evaluations(workdir, "dsa_long", long_cfg, runs_long["stages"][-1],
+                                        cfg.dsa_adaptation_lengths, key=ekey, batches=eval_batches,
+                                        mass_batches=mass_batches, buckets=buckets, mesh=mesh)
 
     log("[long_context] timing attention dense vs DSA per stage length ...")
     mla_cfg, dsa_cfg = runs["mla"]["model_cfg"].replace(attention="mla"), runs["dsa"]["model_cfg"]
-    timing, flops = {}, {}
-    for T in cfg.bench_lengths:
-        timing[f"T={T}"] = cached_json(workdir, f"attention_time-{T}", {"T": T, "model": dataclasses.asdict(dsa_cfg)},
-                                       lambda T=T: time_attention(mla_cfg, dsa_cfg, T, 1, reps=2 if T <= 1024 else 1))
-        flops[f"T={T}"] = attention_flops(mla_cfg, dsa_cfg, T)
+    timing, flops = attention_cost(workdir, mla_cfg, dsa_cfg, cfg.bench_lengths)
     prog.finished("evaluation")
 
     recorded = step_times.record(workdir)       # step time per stage (this run's, else an earlier one's)
-
+    gap = lambda a, b: beyond_difference(a, b, far, reps)  # noqa: E731
     arms, before = {}, pos["base"]
-    bucket_list = [list(b) for b in buckets]
     for arm in runs:
-        after = pos[arm]
-        pb, pa = bucket_means_interval(*before, reps), bucket_means_interval(*after, reps)
-        arms[arm] = {
-            "position_loss": {"buckets": bucket_list, "before": pb["mean"], "after": pa["mean"],
-                              "before_interval": [pb["lo"], pb["hi"]], "after_interval": [pa["lo"], pa["hi"]],
-                              "tokens": pa["tokens"]},
-            "beyond_base_after_minus_before": paired_difference(beyond(*after, far), beyond(*before, far), reps),
-            "passkey": passkey[arm],
-            "stages": [{"name": s["name"], "seq_len": s["train_cfg"].seq_len, "steps": s["train_cfg"].steps,
-                        "batch_size": s["train_cfg"].batch_size, "rope_theta": s["model_cfg"].rope_theta,
-                        "rope_scaling": s["model_cfg"].rope_scaling_dict or None,
-                        "attention": s["model_cfg"].attention,
-                        "final_train_loss": s["history"][-1]["loss"] if s["history"] else None,
-                        "step_time_s": recorded.get(f"{'mla' if arm == 'dsa' else arm}/{s['name']}", {}).get("median_s")}
-                       for s in runs[arm]["stages"]]}
+        arms[arm] = {"position_loss": position_loss_figures(before, pos[arm], buckets, reps),
+                     "beyond_base_after_minus_before": gap(pos[arm], before), "passkey": passkey[arm],
+                     "stages": stage_summaries(runs[arm]["stages"], recorded, "mla" if arm == "dsa" else arm)}
     mla_means = bucket_means_interval(*pos["mla"], reps)["mean"]
-    diff_buckets = lambda p: [None if a is None or b is None else a - b  # noqa: E731
-                              for a, b in zip(bucket_means_interval(*p, reps)["mean"], mla_means)]
-    gva = []
-    for L, (pd, po, m) in long_evals.items():
-        fm = mass_beyond(m, T0)
-        gva.append({"sparse_steps": L,
-                    "gap": paired_difference(beyond(*pd, far), beyond(*pos["mla"], far), reps),
-                    "oracle_gap": paired_difference(beyond(*po, far), beyond(*pos["mla"], far), reps),
-                    "indexer_mass": fm["selected_mass"], "oracle_mass": fm["oracle_mass"],
-                    "indexer_recall_of_oracle": fm["recall"],
-                    "gap_by_bucket": diff_buckets(pd), "oracle_gap_by_bucket": diff_buckets(po),
-                    "mass_by_bucket": m["mean"], "mass_by_layer": m["layers"]})
-    arms["dsa"]["gap_vs_adaptation"] = gva
-    arms["dsa"]["mla_oracle_gap"] = paired_difference(beyond(*pos["mla_oracle"], far), beyond(*pos["mla"], far), reps)
-    arms["dsa"]["mla_oracle_gap_by_bucket"] = diff_buckets(pos["mla_oracle"])
-    arms["dsa"]["mla_oracle_mass"] = mass_beyond(mass_mla_oracle, T0)["oracle_mass"]
-    arms["dsa"]["mla_oracle_mass_by_bucket"] = mass_mla_oracle["mean"]["oracle_mass"]
-    arms["dsa"]["adaptation_learning_rate"] = cfg.dsa_learning_rate
-    arms["dsa"]["mass_windows"] = int(sum(len(b["tokens"]) for b in mass_batches))
-    gap = paired_difference(beyond(*pos["dsa"], far), beyond(*pos["mla"], far), reps)
-    ctrl = paired_difference(beyond(*pos["mla"], far), beyond(*pos["mla_no_adjust"], far), reps)
-    report = {"primary_metric": PRIMARY_METRIC, "arms": arms, "buckets": bucket_list,
+    dsa = arms["dsa"]
+    dsa["gap_vs_adaptation"] = [adaptation_entry(L, pd, po, m, pos["mla"], mla_means, far, T0, reps)
+                                for L, (pd, po, m) in long_evals.items()]
+    dsa.update(mla_oracle_gap=gap(pos["mla_oracle"], pos["mla"]), adaptation_learning_rate=cfg.dsa_learning_rate,
+               mla_oracle_gap_by_bucket=bucket_differences(pos["mla_oracle"], mla_means, reps),
+               mla_oracle_mass=mass_beyond(mass_mla_oracle, T0)["oracle_mass"],
+               mla_oracle_mass_by_bucket=mass_mla_oracle["mean"]["oracle_mass"],
+               mass_windows=int(sum(len(b["tokens"]) for b in mass_batches)))
+    report = {"primary_metric": PRIMARY_METRIC, "arms": arms, "buckets": [list(b) for b in buckets],
               "base": {"passkey": passkey["base"], "position_loss": bucket_means_interval(*before, reps)["mean"],
                        "final_train_loss": base["stages"][0]["history"][-1]["loss"],
                        "step_time_s": recorded.get("base/base", {}).get("median_s")},
-              "dsa_minus_mla_beyond_base": gap, "mla_minus_no_adjust_beyond_base": ctrl,
+              "dsa_minus_mla_beyond_base": gap(pos["dsa"], pos["mla"]),
+              "mla_minus_no_adjust_beyond_base": gap(pos["mla"], pos["mla_no_adjust"]),
               "attention_time_s": timing, "attention_flops": flops, "step_time_s": recorded,
               "eval_windows": int(len(before[0])), "eval_tokens_per_bucket": [int(x) for x in before[1].sum(0)],
-              "index_topk": dsa_cfg.index_topk, "rope_adjust": cfg.rope_adjust,
-              "dsa_branches_from_mla": True, "load_average_start": list(load_start)}
+              "index_topk": dsa_cfg.index_topk, "rope_adjust": cfg.rope_adjust, "dsa_branches_from_mla": True}
 
     # plots
     mids = [(lo + hi) / 2 for lo, hi in buckets]
@@ -384,21 +328,14 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
                     title=f"long_context {arm}: held-out loss by position (eval at T={TL})",
                     xlabel="position in the document (bucket centre)", ylabel="loss")
     names = ["base"] + list(runs)
-    plot_heatmap(os.path.join(workdir, "passkey.png"),
-                 {n: passkey[n]["accuracy"] for n in names}, rows=[str(L) for L in cfg.passkey_lengths],
-                 cols=[f"{d:.2f}" for d in cfg.passkey_depths], title="passkey accuracy by context length and key depth",
-                 xlabel="key depth", ylabel="context length")
+    grid = dict(rows=[str(L) for L in cfg.passkey_lengths], cols=[f"{d:.2f}" for d in cfg.passkey_depths],
+                xlabel="key depth", ylabel="context length")
+    plot_heatmap(os.path.join(workdir, "passkey.png"), {n: passkey[n]["accuracy"] for n in names},
+                 title="passkey accuracy by context length and key depth", **grid)
     if "indexer_key_recall" in passkey["dsa"]:
         plot_heatmap(os.path.join(workdir, "passkey_indexer_recall.png"), passkey["dsa"]["indexer_key_recall"],
-                     rows=[str(L) for L in cfg.passkey_lengths], cols=[f"{d:.2f}" for d in cfg.passkey_depths],
-                     title=f"dsa: indexer recall of the key's value tokens (top-{dsa_cfg.index_topk})",
-                     xlabel="key depth", ylabel="context length")
-    report["wall_time_s"] = time.time() - t_start
-    report["load_average_end"] = list(os.getloadavg())
-    report["invocations"] = record_invocation(workdir, {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), "wall_time_s": report["wall_time_s"],
-        "load_average_start": list(load_start), "load_average_end": report["load_average_end"],
-        "trained": step_times.trained()})
+                     title=f"dsa: indexer recall of the key's value tokens (top-{dsa_cfg.index_topk})", **grid)
+    invocation.finish(workdir, report, step_times.trained())
     write_report(workdir, report, _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorded))
     return report
 
@@ -406,35 +343,23 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
 def _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorded) -> str:
     T0, TL = cfg.train.seq_len, cfg.last_len
     ci = lambda m, lo, hi: "n/a" if m is None else fmt_interval(m, lo, hi)  # noqa: E731
-    prow = []
-    for arm, a in arms.items():
-        pl = a["position_loss"]
-        prow.append([f"{arm} before"] + [ci(m, lo, hi) for m, lo, hi in zip(pl["before"], *pl["before_interval"])])
-        prow.append([f"{arm} after"] + [ci(m, lo, hi) for m, lo, hi in zip(pl["after"], *pl["after_interval"])])
-    hdr = ["arm"] + [f"[{lo},{hi})" for lo, hi in buckets]
-    primary = [[arm, fmt_interval(a["beyond_base_after_minus_before"]["diff"], a["beyond_base_after_minus_before"]["lo"],
-                                  a["beyond_base_after_minus_before"]["hi"]),
-                a["beyond_base_after_minus_before"]["b"], a["beyond_base_after_minus_before"]["a"]] for arm, a in arms.items()]
-    pk = [[n] + [f"{x:.2f}" for x in passkey[n]["by_length"]] + [f"{passkey[n]['overall']:.3f}"]
-          + [f"{x:.2f}" for x in passkey[n]["value_digit_loss_by_length"]] for n in names]
+    di = lambda x: fmt_interval(x["diff"], x["lo"], x["hi"])  # noqa: E731
+    prow = [[f"{arm} {when}"] + [ci(m, lo, hi) for m, lo, hi in zip(pl[when], *pl[f"{when}_interval"])]
+            for arm, pl in ((arm, a["position_loss"]) for arm, a in arms.items()) for when in ("before", "after")]
+    primary = [[arm, di(a["beyond_base_after_minus_before"]), a["beyond_base_after_minus_before"]["b"],
+                a["beyond_base_after_minus_before"]["a"]] for arm, a in arms.items()]
     rec = passkey["dsa"].get("indexer_key_recall_by_length", {})
     rrow = [[layer] + [f"{x:.2f}" for x in v] for layer, v in rec.items()]
-    trow = [[k, v["dense_mla"], v["sparse_dsa"], f"{v['dense_over_sparse']:.2f}x",
-             f"{flops[k]['dense_mla_attention_fwd_per_token']:.3g}",
-             f"{flops[k]['dsa_attention_fwd_per_token'] + flops[k]['dsa_indexer_fwd_per_token']:.3g}"]
-            for k, v in timing.items()]
     srow = [[n, v["median_s"], v["steps_timed"]] for n, v in recorded.items()]
-    g, c = report["dsa_minus_mla_beyond_base"], report["mla_minus_no_adjust_beyond_base"]
-    stages = arms["dsa"]["stages"]
-    plan = ", ".join(f"{s['name']} (T={s['seq_len']}, {s['steps']} steps x B={s['batch_size']}, theta "
-                     f"{s['rope_theta']:g}{', yarn' if s['rope_scaling'] else ''}, {s['attention']})" for s in stages)
+    dsa, gva = arms["dsa"], arms["dsa"]["gap_vs_adaptation"]
     return f"""# long_context
 
 **Primary metric (named before the run):** {PRIMARY_METRIC}.
 
 Base: MLA at T={T0} for {cfg.train.steps} steps x B={cfg.train.batch_size} (RoPE theta {cfg.model.rope_theta:g}),
-passkeys ({cfg.data.retrieval_fraction:.0%} of training sequences: one key letter + {cfg.data.retrieval_value_digits}-digit
-value planted in text, asked for at the end) in the mix from the first step. Stages of the mla / dsa arms: {plan}.
+passkeys ({cfg.data.retrieval_fraction:.0%} of training sequences: one key letter +
+{cfg.data.retrieval_value_digits}-digit value planted in text, asked for at the end) in the mix from the first step.
+Stages of the mla / dsa arms: {stage_plan(dsa["stages"])}.
 mla_no_adjust: the same extension stages with the RoPE unchanged. dsa branches from the mla arm's extended params.
 Held-out: {report['eval_windows']} windows of T={TL} from the eval split (files never trained on; nothing tuned on
 them); "before" = the base model (the same for every arm). Intervals: 95% bootstrap over windows.
@@ -443,45 +368,39 @@ them); "before" = the base model (the same for every arm). Intervals: 95% bootst
 
 {md_table(["arm", "after - before [95% CI]", "before", "after"], primary)}
 
-DSA - MLA after the last stage (positions >= {T0}): **{fmt_interval(g['diff'], g['lo'], g['hi'])}**;
-mla - mla_no_adjust (the RoPE adjustment's effect): **{fmt_interval(c['diff'], c['lo'], c['hi'])}**.
+DSA - MLA after the last stage (positions >= {T0}): **{di(report["dsa_minus_mla_beyond_base"])}**;
+mla - mla_no_adjust (the RoPE adjustment's effect): **{di(report["mla_minus_no_adjust_beyond_base"])}**.
 
 ## Where the DSA gap comes from: against sparse-adaptation length, oracle top-k, attention mass
 
 One sparse adaptation (dsa_long: after the dsa arm's warm-up, lr {cfg.dsa_learning_rate:g} constant after
-{min(cfg.ext_warmup_steps, cfg.dsa_adaptation_lengths[0])} warm-up steps) evaluated at {list(cfg.dsa_adaptation_lengths)} steps.
+{min(cfg.ext_warmup_steps, cfg.dsa_adaptation_lengths[0])} warm-up steps) evaluated at
+{list(cfg.dsa_adaptation_lengths)} steps.
 Gap: DSA - MLA over positions >= {T0} (95% paired bootstrap over windows); oracle gap: the same DSA params
 with oracle top-k (each query's {report['index_topk']} keys = the top-k of its own head-averaged dense attention)
 instead of the indexer. Mass: head-averaged dense softmax mass on the selected keys over positions >= {T0}
-(mean over layers, {arms['dsa']['mass_windows']} windows). Continued MLA with oracle top-k (no adaptation):
-gap {fmt_interval(arms['dsa']['mla_oracle_gap']['diff'], arms['dsa']['mla_oracle_gap']['lo'], arms['dsa']['mla_oracle_gap']['hi'])},
-oracle mass {arms['dsa']['mla_oracle_mass']:.3f}.
+(mean over layers, {dsa['mass_windows']} windows). Continued MLA with oracle top-k (no adaptation):
+gap {di(dsa['mla_oracle_gap'])}, oracle mass {dsa['mla_oracle_mass']:.3f}.
 
 {md_table(["sparse steps", "gap (indexer) [95% CI]", "oracle gap [95% CI]", "indexer mass", "oracle mass",
            "indexer recall of oracle keys"],
-          [[e["sparse_steps"], fmt_interval(e["gap"]["diff"], e["gap"]["lo"], e["gap"]["hi"]),
-            fmt_interval(e["oracle_gap"]["diff"], e["oracle_gap"]["lo"], e["oracle_gap"]["hi"]),
-            e["indexer_mass"], e["oracle_mass"], e["indexer_recall_of_oracle"]] for e in arms["dsa"]["gap_vs_adaptation"]])}
+          [[e["sparse_steps"], di(e["gap"]), di(e["oracle_gap"]), e["indexer_mass"], e["oracle_mass"],
+            e["indexer_recall_of_oracle"]] for e in gva])}
 
 Per position bucket (gap = DSA - MLA loss; mass mean over layers):
 
-{md_table(["sparse steps", "figure"] + [f"[{lo},{hi})" for lo, hi in buckets],
-          [[e["sparse_steps"], name] + [("n/a" if v is None else f"{v:+.3f}" if "gap" in name else f"{v:.3f}") for v in vals]
-           for e in arms["dsa"]["gap_vs_adaptation"]
-           for name, vals in (("gap", e["gap_by_bucket"]), ("oracle gap", e["oracle_gap_by_bucket"]),
-                              ("indexer mass", e["mass_by_bucket"]["selected_mass"]),
-                              ("oracle mass", e["mass_by_bucket"]["oracle_mass"]))])}
+{md_table(["sparse steps", "figure"] + [f"[{lo},{hi})" for lo, hi in buckets], adaptation_bucket_rows(gva))}
 
 ## Held-out loss per position bucket (eval at T={TL})
 
-{md_table(hdr, prow)}
+{md_table(["arm"] + [f"[{lo},{hi})" for lo, hi in buckets], prow)}
 
 Tokens per bucket: {report['eval_tokens_per_bucket']}.
 
 ## Passkey accuracy by context length (all depths; heatmap: passkey.png)
 
 {md_table(["model"] + [f"acc. L={L}" for L in cfg.passkey_lengths] + ["acc. overall"]
-         + [f"value-digit loss L={L}" for L in cfg.passkey_lengths], pk)}
+         + [f"value-digit loss L={L}" for L in cfg.passkey_lengths], passkey_rows({n: passkey[n] for n in names}))}
 
 {cfg.passkey_per_cell} probes per (length, depth) cell, depths {list(cfg.passkey_depths)}; chance
 {10.0 ** -cfg.data.retrieval_value_digits:g} (exact match of the value). Value-digit loss: the mean loss on the
@@ -494,17 +413,14 @@ positions that predict them), by length:
 
 ## Attention time (one layer, forward + backward, CPU) and FLOPs per token (forward)
 
-{md_table(["shape", "dense MLA s", "DSA (indexer + sparse) s", "dense / DSA", "dense FLOPs", "DSA FLOPs"], trow)}
+{md_table(["shape", "dense MLA s", "DSA (indexer + sparse) s", "dense / DSA", "dense FLOPs", "DSA FLOPs"],
+          attention_cost_rows(timing, flops))}
 
 ## Step time per stage (median)
 
 {md_table(["stage", "s / step", "steps timed"], srow)}
 
-Wall time of this invocation {report['wall_time_s']:.0f} s; load average at start {report['load_average_start'][0]:.2f},
-at end {report['load_average_end'][0]:.2f}. Every invocation on this workdir (a rerun resumes, skipping
-finished stages and cached evaluations): {", ".join(f"{i['started']} {i['wall_time_s']:.0f} s (load "
-f"{i['load_average_start'][0]:.1f}-{i['load_average_end'][0]:.1f}, trained: {', '.join(i['trained']) or 'nothing'})"
-for i in report['invocations'])}.
+{describe_invocations(report)}
 
 {"".join(f"![{a}](position_loss_{a}.png)" + chr(10) + chr(10) for a in arms)}![passkey](passkey.png)
 """

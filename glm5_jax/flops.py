@@ -54,3 +54,9 @@ def estimate(config: ModelConfig, seq_len: int = 4096) -> dict:
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one training token (6 x active matmul params + attention), as estimate() counts."""
     return estimate(config, seq_len)["train_flops_per_token"]
+
+
+def relative_cost(steps: int, batch: int, seq_len: int) -> float:
+    """A rough relative cost of `steps` training steps of [batch, seq_len] (tokens x (1 + seq_len / 1024): the
+    attention term grows with the length), for weighting a program's phases (train.stages.PhaseProgress)."""
+    return steps * batch * seq_len * (1.0 + seq_len / 1024.0)

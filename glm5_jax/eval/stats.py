@@ -51,6 +51,12 @@ def paired_difference(a: tuple, b: tuple, reps: int, seed: int = 0) -> dict:
             "a": float(_ratio(sa, ca)[0]), "b": float(_ratio(sb, cb)[0])}
 
 
+def beyond_difference(a: tuple, b: tuple, cols, reps: int, seed: int = 0) -> dict:
+    """paired_difference of a and b (each (sums, counts) per row and bucket) over the buckets `cols`
+    (e.g. every position beyond a model's base length)."""
+    return paired_difference(beyond(*a, cols), beyond(*b, cols), reps, seed)
+
+
 def distance_curve(scores: list[dict], key, bins: np.ndarray) -> tuple[list, list]:
     """Mean of a per-probe quantity (pooled over seeds) in each distance bin -> (bin centres, means);
     scores: dicts with a "distance" array, key(score) -> the per-probe values."""
@@ -74,4 +80,5 @@ def metric_at(history: list[dict], step: int, key: str) -> float:
     raise KeyError(f"no {key} recorded at step {step} (steps with it: {[r['step'] for r in history if key in r]})")
 
 
-__all__ = ["beyond", "bucket_means_interval", "bucket_sums", "distance_curve", "metric_at", "paired_difference"]
+__all__ = ["beyond", "beyond_difference", "bucket_means_interval", "bucket_sums", "distance_curve", "metric_at",
+           "paired_difference"]

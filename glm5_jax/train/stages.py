@@ -318,6 +318,56 @@ def record_invocation(workdir, entry: dict) -> list[dict]:
         _write_atomic(path, json.dumps(out, indent=2))
     return out
 
+
+class Invocation:
+    """This invocation's start (time, load average), taken when it is made; finish() adds to a report its wall
+    time, the load average at start and at end, and every invocation on the workdir (record_invocation)."""
+
+    def __init__(self):
+        self.t_start = time.time()
+        self.load_start = os.getloadavg()
+
+    def finish(self, workdir, report: dict, trained: list[str]) -> dict:
+        """report["wall_time_s"], ["load_average_start"], ["load_average_end"] and ["invocations"] (this
+        one's entry: start, wall time, load, the stages it trained, e.g. StepTimes.trained())."""
+        report["wall_time_s"] = time.time() - self.t_start
+        report["load_average_start"] = list(self.load_start)
+        report["load_average_end"] = list(os.getloadavg())
+        report["invocations"] = record_invocation(workdir, {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t_start)),
+            "wall_time_s": report["wall_time_s"], "load_average_start": list(self.load_start),
+            "load_average_end": report["load_average_end"], "trained": trained})
+        return report
+
+
+def stage_summaries(stages: Sequence[dict], step_times: Mapping, prefix: str) -> list[dict]:
+    """One row per stage of a train_stages result ("stages"): name, seq_len, steps, batch size, RoPE theta and
+    scaling, attention, final train loss, and the median step time StepTimes.record gave <prefix>/<name>."""
+    return [{"name": s["name"], "seq_len": s["train_cfg"].seq_len, "steps": s["train_cfg"].steps,
+             "batch_size": s["train_cfg"].batch_size, "rope_theta": s["model_cfg"].rope_theta,
+             "rope_scaling": s["model_cfg"].rope_scaling_dict or None, "attention": s["model_cfg"].attention,
+             "final_train_loss": s["history"][-1]["loss"] if s["history"] else None,
+             "step_time_s": step_times.get(f"{prefix}/{s['name']}", {}).get("median_s")} for s in stages]
+
+
+def stage_plan(summaries: Sequence[dict]) -> str:
+    """stage_summaries in one line: "name (T=.., N steps x B=.., theta .., [yarn, ]attention), ..."."""
+    return ", ".join(f"{s['name']} (T={s['seq_len']}, {s['steps']} steps x B={s['batch_size']}, theta "
+                     f"{s['rope_theta']:g}{', yarn' if s['rope_scaling'] else ''}, {s['attention']})"
+                     for s in summaries)
+
+
+def describe_invocations(report: dict) -> str:
+    """Invocation.finish's figures as a report.md paragraph: this invocation's wall time and load average, and
+    every invocation on the workdir (start, wall time, load, what it trained)."""
+    runs = ", ".join(f"{i['started']} {i['wall_time_s']:.0f} s (load {i['load_average_start'][0]:.1f}-"
+                     f"{i['load_average_end'][0]:.1f}, trained: {', '.join(i['trained']) or 'nothing'})"
+                     for i in report["invocations"])
+    return (f"Wall time of this invocation {report['wall_time_s']:.0f} s; load average at start "
+            f"{report['load_average_start'][0]:.2f},\nat end {report['load_average_end'][0]:.2f}. Every invocation "
+            f"on this workdir (a rerun resumes, skipping\nfinished stages and cached evaluations): {runs}.")
+
+
 def _carry(prev_cfg, cfg, params, key):
     """Stage i's starting params from stage i-1's: the same tree when the parameters are the same (RoPE
     / runtime changes), else the new model's fresh init (seeded by `key`) with every carried one grafted."""
@@ -447,5 +497,6 @@ def run_phases(workdir: str, model_cfg: ModelConfig, phases: Sequence[tuple], lo
         log(f"[{tag}] stage {i}/{len(phases)} {name}: done in {result['wall_s']:.0f} s" + (f"; skills {skills}" if skills else ""))
     return done
 
-__all__ = ["MODEL_FIELDS", "PhaseProgress", "Stage", "StepTimes", "TRAIN_FIELDS", "cached_json", "graft", "load_phase", "phase_dir",
-           "plan_stages", "record_invocation", "run_phases", "save_phase", "stage_dir", "stage_params", "train_stages"]
+__all__ = ["Invocation", "MODEL_FIELDS", "PhaseProgress", "Stage", "StepTimes", "TRAIN_FIELDS", "cached_json",
+           "describe_invocations", "graft", "load_phase", "phase_dir", "plan_stages", "record_invocation", "run_phases",
+           "save_phase", "stage_dir", "stage_params", "stage_plan", "stage_summaries", "train_stages"]
