@@ -40,8 +40,8 @@ from typing import ClassVar
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import fmt_interval, md_table, plot_curves, write_report
-from glm5_jax.intervals import mean_interval, paired_interval, proportion_interval
+from experiments.report import md_table, plot_curves, write_report
+from glm5_jax.intervals import fmt_interval, mean_interval, paired_interval, proportion_interval
 from glm5_jax.agentic.agent import make_chain_task, sft_example
 from glm5_jax.agentic.server import ray_init, start_servers, stop_servers
 from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic, run_summary

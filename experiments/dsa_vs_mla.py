@@ -24,21 +24,20 @@ from typing import ClassVar
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import chain_series, eval_series, fmt_interval, md_table, plot_curves, write_report
-from glm5_jax.intervals import mean_interval, paired_bootstrap_interval, wilson_interval
-from glm5_jax.attention.selection import mass_beyond
+from experiments.report import chain_series, eval_series, md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
+from glm5_jax.data.build import dev_test_batches
 from glm5_jax.data.retrieval import EVAL_TAG, TEST_TAG, retrieval_probe_batches
-from glm5_jax.eval import IndexerRecall, LMLoss, RetrievalAccuracy, evaluate
-from glm5_jax.eval import dsa as dsa_eval
-from glm5_jax.eval.dsa import as_oracle, decomposition_fn, mass_buckets, time_attention
+from glm5_jax.eval import IndexerRecall, evaluate
+from glm5_jax.eval.dsa import (arm_figures, as_oracle, attention_mass_table, continued_vs_base, decomposition_fn,
+                               decomposition_table, distance_series, gap_figures, gap_pct,
+                               lossless_verdict, mass_buckets, mean_attention_mass, phase_eval_fn, retrieval_figures,
+                               time_attention)
 from glm5_jax.eval.metrics import attention_mass
 from glm5_jax.eval.probes import score_probes
-from glm5_jax.eval.stats import distance_curve, metric_at
-from glm5_jax.eval.dsa import gap_pct, lossless_verdict
+from glm5_jax.intervals import fmt_interval, mean_interval
 from glm5_jax.fields import check_fields, invalid, setting
-from glm5_jax.optim.schedules import warmup_cosine
 from glm5_jax.train import Stage, TrainConfig, train_stages
 
 
@@ -147,11 +146,6 @@ def model_configs(model: ModelConfig) -> dict[str, ModelConfig]:
     return {"mla": mla, "dsa": model, "mha": mha}
 
 
-def lr_schedule(tc: TrainConfig):
-    """The learning-rate schedule train() builds for `tc` (glm5_jax.train.state.build_optimizer)."""
-    return warmup_cosine(tc.learning_rate, min(tc.warmup_steps, tc.steps), tc.steps, tc.min_lr_ratio)
-
-
 def phase_plan(cfg: DsaVsMlaConfig) -> dict:
     """{"scale", "base" | "mla" | "dsa_warmup" | "dsa" | "dsa_short" | "mha": TrainConfig} (seed offset 0). Every
     step count is x scale = cfg.steps / train.steps, rounded, >= 1 (a warm-up of 0 stays 0). base: train's
@@ -164,7 +158,7 @@ def phase_plan(cfg: DsaVsMlaConfig) -> dict:
     P, C, W = n(cfg.pretrain_steps), cfg.steps if cfg.steps is not None else tc.steps, n(cfg.indexer_warmup_steps)
     S = min(n(cfg.short_adaptation_steps), C)
     base = tc.replace(steps=P, warmup_steps=w(tc.warmup_steps), eval_every=n(tc.eval_every), log_every=n(tc.log_every))
-    final_lr = float(f"{float(lr_schedule(base)(P)):.6g}")      # where the base's schedule ended (float32: 6 digits)
+    final_lr = float(f"{float(base.schedule()(P)):.6g}")      # where the base's schedule ended (float32: 6 digits)
     cont = tc.replace(steps=C, learning_rate=final_lr, warmup_steps=min(w(cfg.continued_warmup_steps), S),
                       min_lr_ratio=1.0, eval_every=S, log_every=n(tc.log_every))
     dsa = cont.replace(indexer_loss="sparse")
@@ -184,34 +178,18 @@ def lr_choice_plan(cfg: DsaVsMlaConfig) -> TrainConfig | None:
     return phase_plan(cfg)["dsa_short"].replace(learning_rate=float(cfg.lr_choice_learning_rate))
 
 
-def make_eval_fn(cfg: ModelConfig, lm_batches, ret_batches, test_lm=None, extra=None):
-    """Eval during training (glm5_jax.eval): LM loss on the dev LM batches and dev retrieval accuracy (if probes
-    are given); with test_lm, the test LM loss too ("test_loss", "test_accuracy"), recorded for the report and
-    never used to choose anything; extra(params) -> more entries (glm5_jax.eval.dsa.decomposition_fn)."""
-    def eval_fn(params):
-        out = evaluate(cfg, params, lm_batches)
-        if ret_batches:
-            out["retrieval_accuracy"] = evaluate(cfg, params, ret_batches, [RetrievalAccuracy()])["retrieval_accuracy"]
-        if test_lm:
-            out.update(evaluate(cfg, params, test_lm, [LMLoss("test_loss", "test_accuracy")]))
-        if extra is not None:
-            out.update(extra(params))
-        return out
-    return eval_fn
-
-
 def eval_fns(cfg: DsaVsMlaConfig, probes: dict, lm: dict) -> dict:
     """Every phase's eval fn: "mla" / "dsa" / "mha" dev LM + retrieval; "mla_cont" / "dsa_cont" (continued
     phases), k (the top-k sweep), "dsa_lr": also the test LM loss and the gap decomposition's evaluations."""
     cfgs = model_configs(cfg.model)
     ks, K, mass_lm = topk_list(cfg), cfgs["dsa"].index_topk, lm["test"][:cfg.mass_batches]
     dec = lambda arm, kk: decomposition_fn(cfgs["dsa"], lm["test"], mass_lm, kk, arm, mass_ks=(K,))  # noqa: E731
-    out = {k: make_eval_fn(c, lm["dev"], probes["dev"]) for k, c in cfgs.items()}
-    out["mla_cont"] = make_eval_fn(cfgs["mla"], lm["dev"], probes["dev"], lm["test"], extra=dec("mla", tuple(ks)))
-    out["dsa_cont"] = make_eval_fn(cfgs["dsa"], lm["dev"], probes["dev"], lm["test"], extra=dec("dsa", (K,)))
-    out.update({k: make_eval_fn(cfgs["dsa"].replace(index_topk=k), lm["dev"], None, lm["test"], extra=dec("dsa", (k,)))
+    out = {k: phase_eval_fn(c, lm["dev"], probes["dev"]) for k, c in cfgs.items()}
+    out["mla_cont"] = phase_eval_fn(cfgs["mla"], lm["dev"], probes["dev"], lm["test"], extra=dec("mla", tuple(ks)))
+    out["dsa_cont"] = phase_eval_fn(cfgs["dsa"], lm["dev"], probes["dev"], lm["test"], extra=dec("dsa", (K,)))
+    out.update({k: phase_eval_fn(cfgs["dsa"].replace(index_topk=k), lm["dev"], None, lm["test"], extra=dec("dsa", (k,)))
                 for k in ks if k != K})
-    out["dsa_lr"] = make_eval_fn(cfgs["dsa"], lm["dev"], None, lm["test"], extra=dec("dsa", (K,)))
+    out["dsa_lr"] = phase_eval_fn(cfgs["dsa"], lm["dev"], None, lm["test"], extra=dec("dsa", (K,)))
     return out
 
 
@@ -277,42 +255,6 @@ def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes:
             "indexer_recall_after_warmup": recall(warm["params"]), "indexer_recall_final": recall(runs["dsa"]["params"])}
 
 
-def recorded_test_loss(history: list[dict], step: int) -> float:
-    """The test LM loss a continued phase recorded at `step` (its eval rows, make_eval_fn with test_lm)."""
-    return metric_at(history, step, "test_loss")
-
-
-def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buckets) -> dict:
-    """glm5_jax.eval.dsa.decomposition_entry with intervals over seeds (mean_interval)."""
-    return dsa_eval.decomposition_entry(dsa_hists, mla_hists, k, step, buckets, mean_interval)
-
-
-def decomposition_sentence(e: dict, T: int) -> str:
-    """Which source dominates at one entry, with its intervals."""
-    iv = lambda d: fmt_interval(d["mean"], d["lo"], d["hi"], 2)  # noqa: E731
-    what = ("the cost of attending to k keys at all (oracle top-k on the continued MLA model)" if e["dominant"] == "sparsity"
-            else "the indexer's choice of keys")
-    return (f"At top-k {e['topk']} = T/{T // e['topk']} after {e['adaptation_steps']} sparse-adaptation steps the DSA "
-            f"gap {iv(e['indexer_gap_pct'])}% splits into sparsity itself {iv(e['oracle_gap_pct'])}% and the indexer's "
-            f"choice {iv(e['selection_cost_pct'])}% (on the adapted DSA params themselves, indexer vs oracle top-k: "
-            f"{iv(e['selection_cost_same_params_pct'])}%): {what} dominates (attention mass on the selected keys: indexer "
-            f"{e['indexer_mass']:.3f}, oracle {e['oracle_mass']:.3f}; indexer recall of the oracle's keys "
-            f"{e['indexer_recall_of_oracle']:.3f}).")
-
-
-def continued_vs_base(seeds: dict) -> dict:
-    """Dev LM loss at the end of the base and of the continued phases, per seed and averaged; at_or_below: the
-    continued MLA arm ended at or below its base's in every seed (not jolted off its schedule)."""
-    per = {str(s): {"base": float(r["base"]["final"]["eval_loss"]),
-                    "continued_mla": float(r["runs"]["mla"]["final"]["eval_loss"]),
-                    "dsa_after_warmup": float(r["warm"]["final"]["eval_loss"]),
-                    "dsa": float(r["runs"]["dsa"]["final"]["eval_loss"])} for s, r in seeds.items()}
-    base = float(np.mean([v["base"] for v in per.values()]))
-    cont = float(np.mean([v["continued_mla"] for v in per.values()]))
-    return {"base_dev_loss": base, "continued_mla_dev_loss": cont, "diff": cont - base,
-            "at_or_below": all(v["continued_mla"] <= v["base"] for v in per.values()), "per_seed": per}
-
-
 @register("dsa_vs_mla", "DSA added to a dense MLA model by continued pre-training vs continued MLA: test LM-loss "
           "gap on real text over seeds, against top-k / T and adaptation length; retrieval and indexer recall",
           {"tiny": TINY, "small": SMALL})
@@ -328,14 +270,7 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
     B, T, K, vd = tc.batch_size, tc.seq_len, cfgs["dsa"].index_topk, cfg.data.retrieval_value_digits
     log(f"primary metric (named before the run): {PRIMARY_METRIC}; lossless = its 95% interval within "
         f"+-{cfg.lossless_margin_pct:g}%")
-    # held-out LM batches: the first train.eval_batches = dev (watched in training), the next
-    # test_lm_batches = test (the reported figures)
-    n_dev = cfg.train.eval_batches
-    lm_all = list(data.eval_batches(B, T, max_batches=n_dev + cfg.test_lm_batches))
-    if len(lm_all) < n_dev + 1:
-        raise ConfigError(f"the eval split gives {len(lm_all)} batches of {B}x{T}; need > train.eval_batches="
-                          f"{n_dev} for dev + test (more held-out text: data.eval_fraction / data.max_files)")
-    lm = {"dev": lm_all[:n_dev], "test": lm_all[n_dev:]}
+    lm = dev_test_batches(data, B, T, cfg.train.eval_batches, cfg.test_lm_batches)   # held-out LM: dev, then test
     task = data.retrieval_task("eval", T)
     probes = {"dev": list(retrieval_probe_batches(task, B, cfg.dev_probe_batches, cfg.data.seed, EVAL_TAG)),
               "test": list(retrieval_probe_batches(task, B, cfg.test_probe_batches, cfg.data.seed, TEST_TAG))}
@@ -357,92 +292,24 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
                     for s, r in seeds.items()}
     gap = mean_interval(list(per_seed_gap.values()))
     verdict, sentence = lossless_verdict(gap, cfg.lossless_margin_pct)
-    # ---- what it depends on: k / T after the short adaptation, and adaptation length at K
-    gap_vs_topk = []
-    for fr, k in zip(cfg.topk_fractions, topk_list(cfg)):
-        g = [gap_pct(recorded_test_loss(r["sweep"][k], S), recorded_test_loss(r["runs"]["mla"]["history"], S))
-             for r in seeds.values()]
-        iv = mean_interval(g)
-        gap_vs_topk.append({"topk_fraction": fr, "topk": k, "gap_pct": iv["mean"], "interval": iv,
-                            "adaptation_steps": S, "per_seed": g})
-    lengths = sorted({st for st in range(S, C + 1, S)} | {C})
-    gap_vs_adaptation = []
-    for L in lengths:
-        g = [gap_pct(recorded_test_loss(r["runs"]["dsa"]["history"], L), recorded_test_loss(r["runs"]["mla"]["history"], L))
-             for r in seeds.values()]
-        iv = mean_interval(g)
-        gap_vs_adaptation.append({"adaptation_steps": L, "ratio_to_base": L / P, "topk_fraction": K / T,
-                                  "gap_pct": iv["mean"], "interval": iv, "per_seed": g})
-
-    # ---- where the gap comes from (issue 45): oracle top-k vs the indexer, with the attention mass
-    mbk = mass_buckets(T)
-    mla_h = [r["runs"]["mla"]["history"] for r in seeds.values()]
-    gap_decomposition = []
-    for fr, k in zip(cfg.topk_fractions, topk_list(cfg)):
-        e = decomposition_entry([r["sweep"][k] for r in seeds.values()], mla_h, k, S, mbk)
-        gap_decomposition.append({"topk_fraction": fr, "learning_rate": tc.learning_rate, **e})
-    decomposition_vs_adaptation = [{"topk_fraction": K / T, "learning_rate": tc.learning_rate,
-                                    **decomposition_entry([r["runs"]["dsa"]["history"] for r in seeds.values()],
-                                                          mla_h, K, L, mbk)} for L in lengths]
-    lr_plan = lr_choice_plan(cfg)
-    gap_decomposition_lr = []
-    if lr_plan is not None:
-        gap_decomposition_lr.append({"topk_fraction": K / T, "learning_rate": lr_plan.learning_rate,
-                                     **decomposition_entry([r["lr_choice"] for r in seeds.values()], mla_h, K, S, mbk)})
-    primary_dec = next(e for e in gap_decomposition if e["topk"] == K)
-    n_sparsity = sum(e["dominant"] == "sparsity" for e in gap_decomposition)
-    dec_sentence = (decomposition_sentence(primary_dec, T) + f" Over the {len(gap_decomposition)} top-k fractions, "
-                    f"sparsity itself dominates at {n_sparsity} and the indexer's choice at "
-                    f"{len(gap_decomposition) - n_sparsity}.")
-    if gap_decomposition_lr:
-        e, f2 = gap_decomposition_lr[0], lambda k: fmt_interval(gap_decomposition_lr[0][k], digits=2)  # noqa: E731
-        dec_sentence += (f" At adaptation rate {e['learning_rate']:g} (fixed before the run; the default is the base's "
-                         f"final {tc.learning_rate:g}) the DSA gap is {f2('indexer_gap_pct')}% and the indexer's choice "
-                         f"{f2('selection_cost_pct')}% (on those params, indexer vs oracle top-k: "
-                         f"{f2('selection_cost_same_params_pct')}%; with oracle top-k they are {f2('dsa_oracle_gap_pct')}% "
-                         "above continued MLA: the rate moved the model, not only its selection).")
-    attention_mass_final = {name: {"layers_first_seed": {layer: v for layer, v in next(iter(seeds.values()))["mass"][name]["layers"].items()},
-                                   "mean": {key: [float(np.mean([r["mass"][name]["mean"][key][j] for r in seeds.values()]))
-                                                  if all(r["mass"][name]["mean"][key][j] is not None for r in seeds.values())
-                                                  else None for j in range(len(mbk))]
-                                            for key in ("selected_mass", "oracle_mass", "recall")},
-                                   "buckets": [list(b) for b in mbk]}
+    # ---- what it depends on (k / T after the short adaptation, adaptation length at K) and where the gap
+    # comes from (issue 45: oracle top-k vs the indexer, with the attention mass)
+    lr_plan, mbk = lr_choice_plan(cfg), mass_buckets(T)
+    g = gap_figures(seeds, dict(zip(cfg.topk_fractions, topk_list(cfg))), K, T, S, P, C, mbk, tc.learning_rate,
+                    None if lr_plan is None else lr_plan.learning_rate)
+    gap_vs_topk, gap_vs_adaptation, gap_decomposition = g["gap_vs_topk"], g["gap_vs_adaptation"], g["gap_decomposition"]
+    decomposition_vs_adaptation, gap_decomposition_lr = g["gap_decomposition_vs_adaptation"], g["gap_decomposition_lr_choice"]
+    dec_sentence = g["gap_decomposition_verdict"]
+    attention_mass_final = {name: mean_attention_mass([r["mass"][name] for r in seeds.values()], mbk)
                             for name in ("dsa", "mla_oracle")}
 
     names = list(next(iter(seeds.values()))["runs"])
     n_probes = len(probes["test"]) * B
-    arms, per_seed = {}, {}
-    for name in names:
-        accs = [float(r["test"][name]["correct"].mean()) for r in seeds.values()]
-        losses = [float(r["test_lm"][name]["eval_loss"]) for r in seeds.values()]
-        a = {"retrieval_accuracy": float(np.mean(accs)), "retrieval_accuracy_interval": mean_interval(accs),
-             "final_eval_loss": float(np.mean(losses)), "final_eval_loss_interval": mean_interval(losses),
-             "final_eval_accuracy": float(np.mean([r["test_lm"][name]["eval_accuracy"] for r in seeds.values()])),
-             "dev_retrieval_accuracy": float(np.mean([r["runs"][name]["final"]["retrieval_accuracy"]
-                                                      for r in seeds.values()]))}
-        if name == "dsa":
-            layers = next(iter(seeds.values()))["test"]["dsa"]["answer_key_recall"]
-            a["answer_key_recall"] = {k: float(np.mean([r["test"]["dsa"]["answer_key_recall"][k].mean()
-                                                        for r in seeds.values()])) for k in layers}
-            a["answer_key_recall_after_warmup"] = {k: float(np.mean([r["answer_key_recall_after_warmup"][k]
-                                                                     for r in seeds.values()])) for k in layers}
-        arms[name] = a
-        per_seed[name] = {str(s): {"retrieval_accuracy": float(r["test"][name]["correct"].mean()),
-                                   "retrieval_wilson_95": wilson_interval(int(r["test"][name]["correct"].sum()), n_probes),
-                                   "final_eval_loss": float(r["test_lm"][name]["eval_loss"])}
-                          for s, r in seeds.items()}
-    # secondary: retrieval, paired over (seed, probe), with chance and copy levels
-    pa = np.concatenate([r["test"]["dsa"]["correct"] for r in seeds.values()])
-    pb = np.concatenate([r["test"]["mla"]["correct"] for r in seeds.values()])
-    diff, dlo, dhi = paired_bootstrap_interval(pa, pb)
-    dists = np.concatenate([r["test"]["mla"]["distance"] for r in seeds.values()])
-    # copying the value of a random one of the planted records is right when it is the queried one, or by chance
-    P_, chance = cfg.data.retrieval_pairs, 10.0 ** -vd
-    one_of_pairs = 1.0 / P_ + (1.0 - 1.0 / P_) * chance
-    retrieval = {"mla": arms["mla"]["retrieval_accuracy"], "dsa": arms["dsa"]["retrieval_accuracy"],
-                 "dsa_minus_mla": {"diff": diff, "lo": dlo, "hi": dhi}, "chance_accuracy": chance,
-                 "copy_accuracy": one_of_pairs, "test_probes_per_seed": n_probes,
-                 "train_sequence_fraction": cfg.data.retrieval_fraction}
+    arms, per_seed = arm_figures(seeds, names, n_probes)
+    retrieval = retrieval_figures(seeds, arms, cfg.data.retrieval_pairs, vd)   # secondary, with chance and copy levels
+    dists, chance, one_of_pairs = retrieval.pop("distances"), retrieval["chance_accuracy"], retrieval["copy_accuracy"]
+    diff, dlo, dhi = (retrieval["dsa_minus_mla"][k] for k in ("diff", "lo", "hi"))
+    retrieval.update(test_probes_per_seed=n_probes, train_sequence_fraction=cfg.data.retrieval_fraction)
     report = {"primary_metric": PRIMARY_METRIC, "arms": arms, "per_seed": per_seed, "seeds": list(cfg.seeds),
               "dsa_vs_mla_gap_pct": gap["mean"], "dsa_vs_mla_gap_pct_interval": gap,
               "dsa_vs_mla_gap_pct_per_seed": per_seed_gap,
@@ -461,7 +328,7 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
               "train_queries_per_retrieval_sequence": task.n_queries, "key_space": len(task.key_ids),
               "phase_steps": {k: v.steps for k, v in plan.items() if k != "scale"}, "steps_scale": plan["scale"],
               "learning_rates": {k: {"peak": v.learning_rate, "warmup_steps": min(v.warmup_steps, v.steps),
-                                     "final": float(f"{float(lr_schedule(v)(v.steps)):.6g}")}
+                                     "final": float(f"{float(v.schedule()(v.steps)):.6g}")}
                                  for k, v in plan.items() if k != "scale"},
               "continued_mla_vs_base_dev_loss": continued_vs_base(seeds),
               "wall_time_s": None}
@@ -479,7 +346,7 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
     plot_curves(pj("eval_loss.png"), series, title=f"dsa_vs_mla: dev eval loss (seed {cfg.seeds[0]}, T={T}, top-k={K})",
                 xlabel="training step (base, then each arm's phases in order)")
     lr = lambda k, a: (list(range(a + 1, a + plan[k].steps + 1)),  # noqa: E731
-                       np.asarray(lr_schedule(plan[k])(np.arange(plan[k].steps)), np.float64).tolist())
+                       np.asarray(plan[k].schedule()(np.arange(plan[k].steps)), np.float64).tolist())
     plot_curves(pj("lr_schedule.png"), {"base": lr("base", 0), "mla continued": lr("mla", P),
                                         "dsa warm-up (indexer only)": lr("dsa_warmup", P), "dsa sparse": lr("dsa", P + W)},
                 title="learning rate per update", xlabel="training step", ylabel="learning rate", logy=True)
@@ -492,12 +359,7 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
                     bands={label: tuple(band(rows))}, hline=0.0, title=f"test LM-loss gap vs {x} (95% t band over seeds)",
                     xlabel=x, ylabel="gap (% of MLA's test loss)", **kw)
     bins = np.linspace(dists.min(), dists.max() + 1, cfg.distance_bins + 1)
-    dseries = {f"{n} accuracy": distance_curve([r["test"][n] for r in seeds.values()], lambda s: s["correct"], bins)
-               for n in names}
-    for layer in arms["dsa"]["answer_key_recall"]:
-        dseries[f"dsa recall {layer}"] = distance_curve([r["test"]["dsa"] for r in seeds.values()],
-                                                        lambda s, k=layer: s["answer_key_recall"][k], bins)
-    plot_curves(pj("retrieval_vs_distance.png"), dseries, title=f"test probes: accuracy and answer-key recall (top-{K})",
+    plot_curves(pj("retrieval_vs_distance.png"), distance_series(seeds, names, bins), title=f"test probes: accuracy and answer-key recall (top-{K})",
                 xlabel="tokens from the record's end to the query", ylabel="fraction")
     warm_hist = [r for r in first["warm"]["history"] if "indexer_kl" in r]
     plot_curves(pj("indexer_warmup.png"), {"indexer KL": ([r["step"] for r in warm_hist], [r["indexer_kl"] for r in warm_hist])},
@@ -511,11 +373,6 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
         if arms[n]["retrieval_accuracy_interval"]["n"] > 1 else per_seed[n][seed0]["retrieval_wilson_95"]))
     cvb = report["continued_mla_vs_base_dev_loss"]
     iv_kind = "95% t interval over seeds" if len(cfg.seeds) > 1 else "one seed: no interval"
-    dec_rows = [[f"1/{round(1 / e['topk_fraction'])}", e["adaptation_steps"], f"{e['learning_rate']:g}"]
-                + [ivs(e[k]) for k in ("indexer_gap_pct", "oracle_gap_pct", "selection_cost_pct", "dsa_oracle_gap_pct",
-                                       "selection_cost_same_params_pct")]
-                + [e["indexer_mass"], e["oracle_mass"], "-" if e["mla_oracle_mass"] is None else e["mla_oracle_mass"],
-                   e["indexer_recall_of_oracle"]] for e in gap_decomposition + decomposition_vs_adaptation + gap_decomposition_lr]
     md = f"""# dsa_vs_mla
 
 **Primary metric (named before the run):** {PRIMARY_METRIC}; "lossless" = that interval within
@@ -552,12 +409,9 @@ dense attention; no training); indexer: the DSA model; choice = indexer - oracle
 the DSA model with oracle top-k. Mass: head-averaged dense softmax mass on the selected keys ({cfg.mass_batches}
 test batches).
 
-{md_table(["top-k / T", "steps", "lr", "indexer gap %", "oracle gap %", "indexer's choice %", "DSA + oracle gap %",
-           "DSA: indexer - oracle %", "indexer mass", "oracle mass", "MLA oracle mass", "recall of oracle keys"], dec_rows)}
+{md_table(*decomposition_table(gap_decomposition + decomposition_vs_adaptation + gap_decomposition_lr))}
 
-{md_table(["model", "figure"] + [f"[{a},{b})" for a, b in mbk],
-          [[name, key] + [("n/a" if v is None else f"{v:.3f}") for v in attention_mass_final[name]["mean"][key]]
-           for name in ("dsa", "mla_oracle") for key in ("selected_mass", "oracle_mass", "recall")])}
+{md_table(*attention_mass_table(attention_mass_final, mbk))}
 
 ## Dev LM loss through the phases
 

@@ -32,8 +32,8 @@ import jax
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import eval_series, fmt_interval, md_table, plot_curves, write_report
-from glm5_jax.intervals import mean_interval, paired_seeds, per_seed_interval, proportion_interval
+from experiments.report import eval_series, md_table, plot_curves, write_report
+from glm5_jax.intervals import fmt_interval, mean_interval, paired_seeds, per_seed_interval, proportion_interval
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
 from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy

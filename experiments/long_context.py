@@ -28,7 +28,8 @@ import os
 from typing import ClassVar
 
 from experiments.registry import register
-from experiments.report import fmt_interval, md_table, plot_curves, plot_heatmap, write_report
+from experiments.report import md_table, plot_curves, plot_heatmap, write_report
+from glm5_jax.intervals import fmt_interval
 from glm5_jax.attention.selection import mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data

@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from experiments.registry import register
-from experiments.report import eval_series, fmt_interval, md_table, plot_curves, plt, write_report
-from glm5_jax.intervals import mean_interval, paired_bootstrap_interval
+from experiments.report import eval_series, md_table, plot_curves, plt, write_report
+from glm5_jax.intervals import fmt_interval, mean_interval, paired_bootstrap_interval
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.eval import evaluate

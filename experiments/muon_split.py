@@ -22,8 +22,8 @@ from typing import ClassVar
 from experiments.registry import register
 import numpy as np
 
-from experiments.report import eval_series, fmt_interval, md_table, plot_curves, write_report
-from glm5_jax.intervals import mean_interval, paired_seeds, trajectory_bands
+from experiments.report import eval_series, md_table, plot_curves, write_report
+from glm5_jax.intervals import fmt_interval, mean_interval, paired_seeds, trajectory_bands
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.train import TrainConfig, evaluate, train

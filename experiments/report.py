@@ -108,15 +108,3 @@ def chain_series(phases: list[tuple[list[dict], int]], key: str = "eval_loss", s
         ys += y
         offset += steps
     return xs, ys
-
-
-def fmt_interval(x, lo=None, hi=None, digits: int = 3) -> str:
-    """'0.812 [0.760, 0.856]' (or '0.812 (n=1)' when there is no interval); x is an interval dict, or a
-    value with its lo and hi; None (no interval at all) gives '-'."""
-    if x is None:
-        return "-"
-    if isinstance(x, dict):
-        x, lo, hi = x["mean"], x["lo"], x["hi"]
-    if lo is None or hi is None:
-        return f"{x:.{digits}f} (n=1)"
-    return f"{x:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"

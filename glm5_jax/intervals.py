@@ -86,3 +86,15 @@ def trajectory_bands(histories: list[list[dict]], key: str) -> dict:
     return {"steps": steps, "mean": [iv["mean"] for iv in ivs],
             "lo": [iv["mean"] if iv["lo"] is None else iv["lo"] for iv in ivs],
             "hi": [iv["mean"] if iv["hi"] is None else iv["hi"] for iv in ivs]}
+
+
+def fmt_interval(x, lo=None, hi=None, digits: int = 3) -> str:
+    """'0.812 [0.760, 0.856]' (or '0.812 (n=1)' when there is no interval); x is an interval dict, or a
+    value with its lo and hi; None (no interval at all) gives '-'."""
+    if x is None:
+        return "-"
+    if isinstance(x, dict):
+        x, lo, hi = x["mean"], x["lo"], x["hi"]
+    if lo is None or hi is None:
+        return f"{x:.{digits}f} (n=1)"
+    return f"{x:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"

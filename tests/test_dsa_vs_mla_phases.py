@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from experiments import registry
-from experiments.dsa_vs_mla import (TINY, gap_pct, lossless_verdict, lr_schedule, phase_plan, recorded_test_loss,
-                                    topk_list)
+from experiments.dsa_vs_mla import TINY, phase_plan, topk_list
+from glm5_jax.eval.dsa import gap_pct, lossless_verdict, recorded_test_loss
 from experiments.report import chain_series
 from glm5_jax.config import ConfigError
 
@@ -66,12 +66,12 @@ def test_continued_phases_run_at_the_base_final_rate_not_the_peak():
     plan = phase_plan(TINY)
     peak, r = TINY.train.learning_rate, TINY.train.min_lr_ratio
     final = peak * r                                           # cosine end: peak * (r + (1 - r) * (1 + cos pi) / 2)
-    base_lr = np.asarray(lr_schedule(plan["base"])(np.arange(plan["base"].steps + 1)))
+    base_lr = np.asarray(plan["base"].schedule()(np.arange(plan["base"].steps + 1)))
     np.testing.assert_allclose(base_lr[-1], final, rtol=1e-6)
     np.testing.assert_allclose(base_lr.max(), peak, rtol=1e-6)
     for arm in ("mla", "dsa"):
         tc = plan[arm]
-        lr = np.asarray(lr_schedule(tc)(np.arange(tc.steps)))
+        lr = np.asarray(tc.schedule()(np.arange(tc.steps)))
         w = tc.warmup_steps
         # linear warm-up to the base's final rate ((s + 1) / w of it), then constant: no restart at the peak
         np.testing.assert_allclose(lr[:w], final * (np.arange(w) + 1) / w, rtol=1e-5)
@@ -88,8 +88,8 @@ def test_short_adaptation_is_the_prefix_of_the_full_one():
     plan = phase_plan(TINY)
     full, short = plan["dsa"], plan["dsa_short"]
     assert short.replace(steps=full.steps) == full
-    np.testing.assert_array_equal(np.asarray(lr_schedule(short)(np.arange(short.steps))),
-                                  np.asarray(lr_schedule(full)(np.arange(short.steps))))
+    np.testing.assert_array_equal(np.asarray(short.schedule()(np.arange(short.steps))),
+                                  np.asarray(full.schedule()(np.arange(short.steps))))
 
 
 def test_topk_sweep_fractions_of_t():
@@ -143,13 +143,13 @@ def test_lr_choice_is_the_short_adaptation_at_another_rate():
 
 
 def test_mass_buckets_tile_the_sequence():
-    from experiments.dsa_vs_mla import mass_buckets
+    from glm5_jax.eval.dsa import mass_buckets
     assert mass_buckets(128) == ((0, 16), (16, 32), (32, 64), (64, 128))
     assert mass_buckets(4) == ((0, 1), (1, 2), (2, 4))
 
 
 def test_decomposition_entry_splits_the_gap_paired_by_seed():
-    from experiments.dsa_vs_mla import decomposition_entry
+    from glm5_jax.eval.dsa import decomposition_entry
     buckets = ((0, 64), (64, 128))
     mla = [[{"step": 40, "test_loss": 4.0, "oracle_test_loss_k16": 4.02, "mla_oracle_mass_k16": 0.7}],
            [{"step": 40, "test_loss": 5.0, "oracle_test_loss_k16": 5.05, "mla_oracle_mass_k16": 0.6}]]

@@ -191,7 +191,7 @@ def test_experiment_same_losses_on_eight_devices(name, tmp_path):
 
 
 def test_interval_helpers_against_closed_forms():
-    from experiments.report import fmt_interval
+    from glm5_jax.intervals import fmt_interval
     from glm5_jax.intervals import mean_interval, paired_bootstrap_interval, wilson_interval
     # Wilson 95%: 8/10 -> (0.4902, 0.9433) (closed form); 0/20 -> lower bound 0, upper z^2/(n+z^2)
     lo, hi = wilson_interval(8, 10)

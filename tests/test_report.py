@@ -5,9 +5,8 @@ import math
 
 import pytest
 
-from experiments.report import fmt_interval
-from glm5_jax.intervals import (mean_interval, paired_bootstrap_interval, paired_interval, paired_seeds,
-    per_seed_interval, proportion_interval, trajectory_bands, wilson_interval)
+from glm5_jax.intervals import (fmt_interval, mean_interval, paired_bootstrap_interval, paired_interval, paired_seeds,
+                                per_seed_interval, proportion_interval, trajectory_bands, wilson_interval)
 
 SHAPE = {"mean", "lo", "hi", "n"}
 

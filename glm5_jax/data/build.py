@@ -41,4 +41,16 @@ def make_train_iterator(data: LMData | MixtureData | DataConfig, batch_size: int
     return data.train_iter(batch_size, seq_len, seed, num_threads, mix)
 
 
-__all__ = ["build_lm_data", "make_train_iterator"]
+def dev_test_batches(data, batch_size: int, seq_len: int, n_dev: int, n_test: int) -> dict:
+    """{"dev": the first n_dev held-out batches (watched in training), "test": up to n_test after them (the
+    reported figures)}; ConfigError when the held-out split cannot give dev plus at least one test batch."""
+    from glm5_jax.errors import ConfigError
+    lm_all = list(data.eval_batches(batch_size, seq_len, max_batches=n_dev + n_test))
+    if len(lm_all) < n_dev + 1:
+        raise ConfigError(f"the eval split gives {len(lm_all)} batches of {batch_size}x{seq_len}; need > "
+                          f"train.eval_batches={n_dev} for dev + test (more held-out text: data.eval_fraction / "
+                          "data.max_files)")
+    return {"dev": lm_all[:n_dev], "test": lm_all[n_dev:]}
+
+
+__all__ = ["build_lm_data", "dev_test_batches", "make_train_iterator"]

@@ -13,6 +13,7 @@ import numpy as np
 from flax import traverse_util
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.intervals import fmt_interval, mean_interval, paired_bootstrap_interval, wilson_interval
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,13 +114,14 @@ def gap_pct(dsa_loss: float, mla_loss: float) -> float:
     return 100.0 * (dsa_loss - mla_loss) / mla_loss
 
 
-def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buckets, interval) -> dict:
+def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buckets, interval=None) -> dict:
     """One gap-decomposition entry from the evaluations (decomposition_fn) each seed's DSA run (top-k k) and
     dense MLA run recorded at `step` (their metrics rows): the whole gap % (DSA with its indexer), the oracle
     gap (MLA with oracle top-k: sparsity itself), their paired difference (the indexer's choice), the DSA
     model's gap with oracle top-k instead of its indexer, and the attention mass figures. interval(values) ->
-    {"mean", "lo", "hi", "n"} over seeds (glm5_jax.intervals.mean_interval)."""
+    {"mean", "lo", "hi", "n"} over seeds (default glm5_jax.intervals.mean_interval)."""
     from glm5_jax.eval.stats import metric_at
+    interval = interval or mean_interval
     mla = [metric_at(h, step, "test_loss") for h in mla_hists]
     og = [gap_pct(metric_at(h, step, f"oracle_test_loss_k{k}"), m) for h, m in zip(mla_hists, mla)]
     ig = [gap_pct(metric_at(h, step, "test_loss"), m) for h, m in zip(dsa_hists, mla)]
@@ -178,4 +180,195 @@ def attention_flops(mla_cfg: ModelConfig, dsa_cfg: ModelConfig, seq_len: int) ->
             (ed["attention_flops_per_token_fwd"] + ed["indexer_flops_per_token_fwd"]),
             "train_flops_per_token_mla": em["train_flops_per_token"], "train_flops_per_token_dsa": ed["train_flops_per_token"]}
 
-__all__ = ["as_oracle", "attention_flops", "decomposition_entry", "decomposition_fn", "gap_pct", "lossless_verdict", "mass_buckets", "mass_row", "oracle_config", "time_attention"]
+
+# ---- the dsa_vs_mla experiment's evaluations and figures (experiments/dsa_vs_mla.py) ----------------------
+
+def phase_eval_fn(cfg: ModelConfig, lm_batches, ret_batches, test_lm=None, extra=None):
+    """Eval during training (glm5_jax.eval): LM loss on the dev LM batches and dev retrieval accuracy (if probes
+    are given); with test_lm, the test LM loss too ("test_loss", "test_accuracy"), recorded for the report and
+    never used to choose anything; extra(params) -> more entries (decomposition_fn)."""
+    from glm5_jax.eval import LMLoss, RetrievalAccuracy, evaluate
+
+    def eval_fn(params):
+        out = evaluate(cfg, params, lm_batches)
+        if ret_batches:
+            out["retrieval_accuracy"] = evaluate(cfg, params, ret_batches, [RetrievalAccuracy()])["retrieval_accuracy"]
+        if test_lm:
+            out.update(evaluate(cfg, params, test_lm, [LMLoss("test_loss", "test_accuracy")]))
+        if extra is not None:
+            out.update(extra(params))
+        return out
+    return eval_fn
+
+
+def recorded_test_loss(history: list[dict], step: int) -> float:
+    """The test LM loss a continued phase recorded at `step` (its eval rows, phase_eval_fn with test_lm)."""
+    from glm5_jax.eval.stats import metric_at
+    return metric_at(history, step, "test_loss")
+
+
+def gap_at(dsa_hists: list, mla_hists: list, step: int) -> tuple[dict, list]:
+    """(mean_interval over seeds, per-seed list) of the test LM-loss gap % DSA vs MLA that each seed's two
+    runs recorded at `step`."""
+    g = [gap_pct(recorded_test_loss(d, step), recorded_test_loss(m, step)) for d, m in zip(dsa_hists, mla_hists)]
+    return mean_interval(g), g
+
+
+def decomposition_sentence(e: dict, T: int) -> str:
+    """Which source dominates at one decomposition entry, with its intervals."""
+    iv = lambda d: fmt_interval(d["mean"], d["lo"], d["hi"], 2)  # noqa: E731
+    what = ("the cost of attending to k keys at all (oracle top-k on the continued MLA model)" if e["dominant"] == "sparsity"
+            else "the indexer's choice of keys")
+    return (f"At top-k {e['topk']} = T/{T // e['topk']} after {e['adaptation_steps']} sparse-adaptation steps the DSA "
+            f"gap {iv(e['indexer_gap_pct'])}% splits into sparsity itself {iv(e['oracle_gap_pct'])}% and the indexer's "
+            f"choice {iv(e['selection_cost_pct'])}% (on the adapted DSA params themselves, indexer vs oracle top-k: "
+            f"{iv(e['selection_cost_same_params_pct'])}%): {what} dominates (attention mass on the selected keys: indexer "
+            f"{e['indexer_mass']:.3f}, oracle {e['oracle_mass']:.3f}; indexer recall of the oracle's keys "
+            f"{e['indexer_recall_of_oracle']:.3f}).")
+
+
+def decomposition_verdict(entries: list, primary_k: int, T: int, lr_entries: list, base_lr: float) -> str:
+    """The report's decomposition paragraph: the primary top-k's sentence, how many top-k fractions each source
+    dominates, and the fixed-before-the-run learning-rate arm's figures (lr_entries, if any)."""
+    n_sparsity = sum(e["dominant"] == "sparsity" for e in entries)
+    out = (decomposition_sentence(next(e for e in entries if e["topk"] == primary_k), T)
+           + f" Over the {len(entries)} top-k fractions, sparsity itself dominates at {n_sparsity} and the indexer's "
+           f"choice at {len(entries) - n_sparsity}.")
+    if lr_entries:
+        e, f2 = lr_entries[0], lambda k: fmt_interval(lr_entries[0][k], digits=2)  # noqa: E731
+        out += (f" At adaptation rate {e['learning_rate']:g} (fixed before the run; the default is the base's "
+                f"final {base_lr:g}) the DSA gap is {f2('indexer_gap_pct')}% and the indexer's choice "
+                f"{f2('selection_cost_pct')}% (on those params, indexer vs oracle top-k: "
+                f"{f2('selection_cost_same_params_pct')}%; with oracle top-k they are {f2('dsa_oracle_gap_pct')}% "
+                "above continued MLA: the rate moved the model, not only its selection).")
+    return out
+
+
+def gap_figures(seeds: dict, topk: dict, K: int, T: int, S: int, P: int, C: int, buckets, lr: float,
+                lr_choice: float | None) -> dict:
+    """The gap's dependence and sources from each seed's runs (dsa_vs_mla's run_seed results): the test LM-loss
+    gap against top-k / T after S sparse steps (topk: {fraction: k}) and against adaptation length at K (every S
+    steps up to C; P base steps), the gap decomposition at each k, against adaptation length, and at the
+    learning-rate arm's rate lr_choice (None: no such arm), and the decomposition paragraph."""
+    rs = list(seeds.values())
+    mla_h, dsa_h = [r["runs"]["mla"]["history"] for r in rs], [r["runs"]["dsa"]["history"] for r in rs]
+    vs_topk = [{"topk_fraction": fr, "topk": k, "gap_pct": iv["mean"], "interval": iv, "adaptation_steps": S,
+                "per_seed": g} for fr, k in topk.items() for iv, g in [gap_at([r["sweep"][k] for r in rs], mla_h, S)]]
+    lengths = sorted(set(range(S, C + 1, S)) | {C})
+    vs_len = [{"adaptation_steps": L, "ratio_to_base": L / P, "topk_fraction": K / T, "gap_pct": iv["mean"],
+               "interval": iv, "per_seed": g} for L in lengths for iv, g in [gap_at(dsa_h, mla_h, L)]]
+    dec = [{"topk_fraction": fr, "learning_rate": lr, **decomposition_entry([r["sweep"][k] for r in rs], mla_h, k, S,
+                                                                             buckets)} for fr, k in topk.items()]
+    dec_len = [{"topk_fraction": K / T, "learning_rate": lr, **decomposition_entry(dsa_h, mla_h, K, L, buckets)}
+               for L in lengths]
+    dec_lr = [] if lr_choice is None else [{"topk_fraction": K / T, "learning_rate": lr_choice, **decomposition_entry(
+        [r["lr_choice"] for r in rs], mla_h, K, S, buckets)}]
+    return {"gap_vs_topk": vs_topk, "gap_vs_adaptation": vs_len, "gap_decomposition": dec,
+            "gap_decomposition_vs_adaptation": dec_len, "gap_decomposition_lr_choice": dec_lr,
+            "gap_decomposition_verdict": decomposition_verdict(dec, K, T, dec_lr, lr)}
+
+
+def mean_attention_mass(masses: list, buckets) -> dict:
+    """Per-seed attention_mass results of one model -> the first seed's per-layer figures and the mean over
+    seeds per bucket of selected / oracle mass and recall (None where a seed has none)."""
+    return {"layers_first_seed": dict(masses[0]["layers"]),
+            "mean": {key: [float(np.mean([m["mean"][key][j] for m in masses]))
+                           if all(m["mean"][key][j] is not None for m in masses) else None for j in range(len(buckets))]
+                     for key in ("selected_mass", "oracle_mass", "recall")},
+            "buckets": [list(b) for b in buckets]}
+
+
+def decomposition_table(entries: list) -> tuple[list, list]:
+    """(header, rows) of the report's decomposition table, one row per gap_figures entry."""
+    ivs = lambda iv: fmt_interval(iv, digits=2)  # noqa: E731
+    header = ["top-k / T", "steps", "lr", "indexer gap %", "oracle gap %", "indexer's choice %", "DSA + oracle gap %",
+              "DSA: indexer - oracle %", "indexer mass", "oracle mass", "MLA oracle mass", "recall of oracle keys"]
+    rows = [[f"1/{round(1 / e['topk_fraction'])}", e["adaptation_steps"], f"{e['learning_rate']:g}"]
+            + [ivs(e[k]) for k in ("indexer_gap_pct", "oracle_gap_pct", "selection_cost_pct", "dsa_oracle_gap_pct",
+                                   "selection_cost_same_params_pct")]
+            + [e["indexer_mass"], e["oracle_mass"], "-" if e["mla_oracle_mass"] is None else e["mla_oracle_mass"],
+               e["indexer_recall_of_oracle"]] for e in entries]
+    return header, rows
+
+
+def attention_mass_table(masses: dict, buckets) -> tuple[list, list]:
+    """(header, rows) of the attention-mass table: per model (mean_attention_mass results) and figure, one
+    column per position bucket."""
+    return (["model", "figure"] + [f"[{a},{b})" for a, b in buckets],
+            [[name, key] + [("n/a" if v is None else f"{v:.3f}") for v in m["mean"][key]]
+             for name, m in masses.items() for key in ("selected_mass", "oracle_mass", "recall")])
+
+
+def distance_series(seeds: dict, names: list, bins) -> dict:
+    """The test probes' accuracy per arm and DSA's answer-key recall per layer against the record's distance
+    (pooled over seeds, in `bins`): {label: (bin centres, means)}."""
+    from glm5_jax.eval.stats import distance_curve
+    rs = list(seeds.values())
+    out = {f"{n} accuracy": distance_curve([r["test"][n] for r in rs], lambda s: s["correct"], bins) for n in names}
+    for layer in rs[0]["test"]["dsa"]["answer_key_recall"]:
+        out[f"dsa recall {layer}"] = distance_curve([r["test"]["dsa"] for r in rs],
+                                                    lambda s, k=layer: s["answer_key_recall"][k], bins)
+    return out
+
+
+def continued_vs_base(seeds: dict) -> dict:
+    """Dev LM loss at the end of the base and of the continued phases, per seed and averaged; at_or_below: the
+    continued MLA arm ended at or below its base's in every seed (not jolted off its schedule)."""
+    per = {str(s): {"base": float(r["base"]["final"]["eval_loss"]),
+                    "continued_mla": float(r["runs"]["mla"]["final"]["eval_loss"]),
+                    "dsa_after_warmup": float(r["warm"]["final"]["eval_loss"]),
+                    "dsa": float(r["runs"]["dsa"]["final"]["eval_loss"])} for s, r in seeds.items()}
+    base = float(np.mean([v["base"] for v in per.values()]))
+    cont = float(np.mean([v["continued_mla"] for v in per.values()]))
+    return {"base_dev_loss": base, "continued_mla_dev_loss": cont, "diff": cont - base,
+            "at_or_below": all(v["continued_mla"] <= v["base"] for v in per.values()), "per_seed": per}
+
+
+def arm_figures(seeds: dict, names: list, n_probes: int) -> tuple[dict, dict]:
+    """(arms, per_seed): per arm the test retrieval accuracy and LM loss with intervals over seeds, token
+    accuracy, dev retrieval accuracy (DSA: answer-key recall after warm-up and after adaptation); per seed the
+    retrieval accuracy with its Wilson interval over n_probes probes and the LM loss."""
+    arms, per_seed = {}, {}
+    rs = list(seeds.values())
+    for name in names:
+        accs = [float(r["test"][name]["correct"].mean()) for r in rs]
+        losses = [float(r["test_lm"][name]["eval_loss"]) for r in rs]
+        a = {"retrieval_accuracy": float(np.mean(accs)), "retrieval_accuracy_interval": mean_interval(accs),
+             "final_eval_loss": float(np.mean(losses)), "final_eval_loss_interval": mean_interval(losses),
+             "final_eval_accuracy": float(np.mean([r["test_lm"][name]["eval_accuracy"] for r in rs])),
+             "dev_retrieval_accuracy": float(np.mean([r["runs"][name]["final"]["retrieval_accuracy"] for r in rs]))}
+        if name == "dsa":
+            layers = rs[0]["test"]["dsa"]["answer_key_recall"]
+            a["answer_key_recall"] = {k: float(np.mean([r["test"]["dsa"]["answer_key_recall"][k].mean() for r in rs]))
+                                      for k in layers}
+            a["answer_key_recall_after_warmup"] = {k: float(np.mean([r["answer_key_recall_after_warmup"][k] for r in rs]))
+                                                   for k in layers}
+        arms[name] = a
+        per_seed[name] = {str(s): {"retrieval_accuracy": float(r["test"][name]["correct"].mean()),
+                                   "retrieval_wilson_95": wilson_interval(int(r["test"][name]["correct"].sum()), n_probes),
+                                   "final_eval_loss": float(r["test_lm"][name]["eval_loss"])}
+                          for s, r in seeds.items()}
+    return arms, per_seed
+
+
+def retrieval_figures(seeds: dict, arms: dict, pairs: int, value_digits: int) -> dict:
+    """The secondary retrieval figures: DSA - MLA test accuracy paired over (seed, probe) with a bootstrap
+    interval, chance (a random value) and copy (a random one of the `pairs` planted values) levels, and the
+    probes' record distances ("distances": numpy, every seed's)."""
+    rs = list(seeds.values())
+    pa = np.concatenate([r["test"]["dsa"]["correct"] for r in rs])
+    pb = np.concatenate([r["test"]["mla"]["correct"] for r in rs])
+    diff, dlo, dhi = paired_bootstrap_interval(pa, pb)
+    chance = 10.0 ** -value_digits
+    # copying the value of a random one of the planted records is right when it is the queried one, or by chance
+    copy = 1.0 / pairs + (1.0 - 1.0 / pairs) * chance
+    return {"mla": arms["mla"]["retrieval_accuracy"], "dsa": arms["dsa"]["retrieval_accuracy"],
+            "dsa_minus_mla": {"diff": diff, "lo": dlo, "hi": dhi}, "chance_accuracy": chance, "copy_accuracy": copy,
+            "distances": np.concatenate([r["test"]["mla"]["distance"] for r in rs])}
+
+
+__all__ = ["arm_figures", "as_oracle", "attention_flops", "attention_mass_table", "continued_vs_base",
+           "decomposition_entry", "decomposition_fn", "decomposition_sentence", "decomposition_table",
+           "decomposition_verdict", "distance_series", "gap_at", "gap_figures", "gap_pct", "lossless_verdict", "mass_buckets",
+           "mass_row", "mean_attention_mass", "oracle_config", "phase_eval_fn", "recorded_test_loss",
+           "retrieval_figures", "time_attention"]
