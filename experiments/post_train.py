@@ -64,7 +64,7 @@ import numpy as np
 from experiments.registry import register
 from experiments.report import md_table, plot_curves, write_report
 from glm5_jax.intervals import fmt_interval, proportion_interval
-from glm5_jax.agentic.agent import ChainTask, TurnTask, make_chain_task, sft_example
+from glm5_jax.agentic.agent import ChainTask, TurnTask, sft_example
 from glm5_jax.agentic.server import ray_init, start_servers, stop_servers
 from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic, run_summary
 from glm5_jax.config import ConfigError, ModelConfig
@@ -74,11 +74,11 @@ from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
 from glm5_jax.rl.reward_model import RewardModel, train_reward_model
 from glm5_jax.rl.rewards import TOTAL_KEYS, HybridConfig, HybridReward, make_hybrid_advantage_fn
 from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
-from glm5_jax.rl.tasks import d2d1_task, distinct_tasks, draw_excluding, sort_preference_pair, sort_task
+from glm5_jax.post.skills import SKILLS, make_skill_task, skill_recovery, skill_splits
+from glm5_jax.rl.tasks import draw_excluding, sort_preference_pair
 from glm5_jax.train import TrainConfig, train
 from glm5_jax.train.stages import run_phases
 
-SKILLS = ("reasoning", "agentic", "general")
 STAGES = ("sft", "reasoning_rl", "agentic_rl", "general_rl", "distill")
 RL_STAGES = ("reasoning_rl", "agentic_rl", "general_rl")
 TRAINED_AT = {"reasoning": "reasoning_rl", "agentic": "agentic_rl", "general": "general_rl"}
@@ -202,24 +202,6 @@ SMALL = dataclasses.replace(
 # ---------------------------------------------------------------------------------------------- pieces
 
 
-def make_skill_task(rng: random.Random, skill: str, cfg: PostTrainConfig):
-    if skill == "reasoning":
-        return d2d1_task(rng)
-    if skill == "agentic":
-        return make_chain_task(rng, max_hops=cfg.max_hops, alpha=cfg.hop_alpha)
-    if skill == "general":
-        return sort_task(rng, cfg.sort_digits)
-    raise ValueError(f"unknown skill {skill!r}; allowed: {', '.join(SKILLS)}")
-
-
-def _distinct_prompts(cfg: PostTrainConfig, skill: str, n: int, stream: int, exclude=frozenset()) -> list:
-    """The first ``n`` distinct tasks of ``skill`` drawn from ``random.Random(stream)``, none in ``exclude``."""
-    try:
-        return distinct_tasks(lambda rng: make_skill_task(rng, skill, cfg), n, random.Random(stream), exclude=exclude)
-    except ValueError as e:
-        raise ConfigError(f"skill {skill}: {e} (lower test_tasks / test_tasks_agentic / rm_eval_pairs)") from None
-
-
 # the held-out sizes of the development runs the tiny settings were chosen on (test_tasks, test_tasks_agentic,
 # test_tasks + rm_eval_pairs of the tiny default), drawn from stream 50_000: left out of every TEST split
 DEV_SPLIT_SIZES = {"reasoning": 256, "agentic": 128, "general": 512}
@@ -230,34 +212,14 @@ def splits(cfg: PostTrainConfig) -> dict:
 
     The settings were chosen on development runs whose report tables used a split drawn from stream 50_000
     (docs/experiments.md); TEST comes from stream 70_000 with every prompt of that development split left
-    out, so no TEST prompt was ever looked at while choosing settings."""
-    out = {"test": {}}
-    for k, skill in enumerate(SKILLS):
-        n = cfg.test_tasks_agentic if skill == "agentic" else cfg.test_tasks
-        if skill == "general":
-            n += cfg.rm_eval_pairs
-        dev = {t.prompt for t in _distinct_prompts(cfg, skill, DEV_SPLIT_SIZES[skill], 50_000 + 31 * k + cfg.train.seed)}
-        ts = _distinct_prompts(cfg, skill, n, 70_000 + 31 * k + cfg.train.seed, exclude=dev)
-        if skill == "general":
-            out["val_general"], ts = ts[cfg.test_tasks:], ts[:cfg.test_tasks]
-        out["test"][skill] = ts
-    return out
+    out, so no TEST prompt was ever looked at while choosing settings (glm5_jax.post.skills.skill_splits)."""
+    sizes = {s: cfg.test_tasks_agentic if s == "agentic" else cfg.test_tasks for s in SKILLS}
+    return skill_splits(cfg, sizes, DEV_SPLIT_SIZES, cfg.rm_eval_pairs, cfg.train.seed)
 
 
 def recovery(skills: Dict[str, Dict[str, float]]) -> dict:
-    """Per skill: how much of what the later RL stages took away the distill stage gave back (module doc).
-    ``skills[stage][skill]`` for every stage of RL_STAGES and "distill"."""
-    out = {}
-    for skill, trained in TRAINED_AT.items():
-        best = float(skills[trained][skill])
-        later = RL_STAGES[RL_STAGES.index(trained) + 1:]
-        low = min(float(skills[s][skill]) for s in later) if later else best
-        lost = best - low
-        rec = float(skills["distill"][skill]) - low
-        out[skill] = {"trained_at": trained, "later_stages": list(later), "best_before": best, "min_later": low,
-                      "distill": float(skills["distill"][skill]), "lost": lost, "recovered": rec,
-                      "fraction": (rec / lost) if lost > 0 else None}
-    return out
+    """Per skill: how much of what the later RL stages took away the distill stage gave back (module doc)."""
+    return skill_recovery(skills, TRAINED_AT, RL_STAGES)
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -439,9 +401,7 @@ def report_markdown(cfg: PostTrainConfig, report: dict) -> str:
     rec_rows = [[k, r["trained_at"], f"{r['best_before']:.3f}", ", ".join(r["later_stages"]) or "-",
                  f"{r['min_later']:.3f}", f"{r['distill']:.3f}", f(r["lost"]), f(r["recovered"]),
                  "-" if r["fraction"] is None else f"{r['fraction']:.2f}"] for k, r in rec.items()]
-    rh = report["reward_hacking"]
-    rm = report["reward_model"]
-    w = cfg.general_weights
+    rh, rm, w = report["reward_hacking"], report["reward_model"], cfg.general_weights
     walls = ", ".join(f"{s} {v:.0f} s" for s, v in report["stage_wall_s"].items() if v is not None)
     return f"""# post_train
 

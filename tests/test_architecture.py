@@ -122,8 +122,6 @@ def test_no_private_imports_across_packages_or_between_experiments():
     assert not bad, "private names imported across packages / between experiment modules:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=False, reason="experiments/ is being thinned by other issue-43 work (4,954 lines, 4 files "
-                   "over 450 at 21:20 UTC, 2026-12-03); drop this mark once it passes")
 def test_experiments_stay_thin():
     sizes = {m: sum(1 for _ in open(p)) for m, p in MODULES.items() if m.split(".")[0] == "experiments"}
     big = {m: n for m, n in sizes.items() if n > EXPERIMENT_FILE_MAX_LINES}

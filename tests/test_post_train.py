@@ -11,6 +11,7 @@ import pytest
 
 from experiments import registry
 from experiments import post_train as pt
+from glm5_jax.post.skills import distinct_skill_tasks
 from glm5_jax.agentic.agent import TurnTask
 from glm5_jax.rl.tasks import SortTask, sort_preference_pair, sort_task
 from glm5_jax.train.stages import run_phases
@@ -121,7 +122,7 @@ def test_tasks_rules_turn_prefixes_and_reward_model_pairs():
     cfg = registry.resolve_config(registry.get("post_train"), "tiny", {})
     sp = pt.splits(cfg)
     for k, skill in enumerate(pt.SKILLS):
-        dev = {x.prompt for x in pt._distinct_prompts(cfg, skill, pt.DEV_SPLIT_SIZES[skill], 50_000 + 31 * k + cfg.train.seed)}
+        dev = {x.prompt for x in distinct_skill_tasks(cfg, skill, pt.DEV_SPLIT_SIZES[skill], 50_000 + 31 * k + cfg.train.seed)}
         assert dev and not dev & {x.prompt for x in sp["test"][skill]}
 
 
