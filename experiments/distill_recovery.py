@@ -30,6 +30,7 @@ import jax
 from experiments.registry import register
 from experiments.report import md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.fields import check_fields, setting
 from glm5_jax.rl.distill import run_distill
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
 from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
@@ -62,11 +63,11 @@ class DistillRecoveryConfig:
     distill: RLConfig
     sft_b_share: float = 0.2               # fraction of SFT examples that are skill B
     degrade_margin: float = 0.1            # stop rl_b once val A success <= sft_a val A - margin
-    eval_every: int = 10                   # rl_b steps between validation checks of skill A
-    test_tasks: int = 256                  # skill A (d2d1: 1,800 distinct prompts)
-    val_tasks: int = 128                   # skill A
-    test_tasks_b: int = 64                 # skill B (countdown level 0 has only 208 distinct prompts)
-    val_tasks_b: int = 32                  # skill B
+    eval_every: int = setting(10, integer=True, min=1)  # rl_b steps between validation checks of skill A
+    test_tasks: int = setting(256, integer=True, min=1)  # skill A (d2d1: 1,800 distinct prompts)
+    val_tasks: int = setting(128, integer=True, min=1)  # skill A
+    test_tasks_b: int = setting(64, integer=True, min=1)  # skill B (countdown level 0 has only 208 distinct prompts)
+    val_tasks_b: int = setting(32, integer=True, min=1)  # skill B
 
     STEPS_KEY: ClassVar[str] = "rl_b.steps"
     DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary"}
@@ -77,9 +78,7 @@ class DistillRecoveryConfig:
             raise ConfigError(f"DistillRecoveryConfig.sft_b_share={self.sft_b_share!r} is invalid: must be in [0, 1)")
         if not 0.0 < self.degrade_margin < 1.0:
             raise ConfigError(f"DistillRecoveryConfig.degrade_margin={self.degrade_margin!r} is invalid: must be in (0, 1)")
-        for f in ("eval_every", "test_tasks", "val_tasks", "test_tasks_b", "val_tasks_b"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f"DistillRecoveryConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        check_fields(self)
         for f in ("rl_b", "distill"):
             if getattr(self, f).max_prompt_len < 9:
                 raise ConfigError(f"DistillRecoveryConfig.{f}.max_prompt_len={getattr(self, f).max_prompt_len} is "

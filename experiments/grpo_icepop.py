@@ -35,6 +35,7 @@ from experiments.registry import register
 from experiments.report import eval_series, md_table, plot_curves, write_report
 from glm5_jax.intervals import fmt_interval, mean_interval, paired_seeds, per_seed_interval, proportion_interval
 from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.fields import check_fields, setting
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
 from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
 from glm5_jax.rl.tasks import NAMED_TASKS as TASKS, distinct_tasks, draw_excluding, named_task as make_task
@@ -53,11 +54,11 @@ class GrpoIcepopConfig:
     train: TrainConfig
     rl: RLConfig
     task: str = "d2d1"
-    eval_tasks: int = 256                  # held-out DEV prompts (curves; earlier settings were chosen on them)
-    test_tasks: int = 256                  # held-out TEST prompts: scored only before and after RL, never used to choose
+    eval_tasks: int = setting(256, integer=True, min=1)  # held-out DEV prompts (curves; earlier settings were chosen on them)
+    test_tasks: int = setting(256, integer=True, min=1)  # held-out TEST prompts: scored only before and after RL, never used to choose
     seeds: tuple[int, ...] = (0,)          # RL seeds per arm (the SFT model is shared)
-    eval_every: int = 50                   # RL steps between held-out evaluations
-    sampled_eval_samples: int = 8
+    eval_every: int = setting(50, integer=True, min=1)  # RL steps between held-out evaluations
+    sampled_eval_samples: int = setting(8, integer=True, min=1)
     primary: str = "sampled"               # the headline metric, fixed before the final run
 
     STEPS_KEY: ClassVar[str] = "rl.steps"
@@ -71,9 +72,7 @@ class GrpoIcepopConfig:
             raise ConfigError(f"GrpoIcepopConfig.primary={self.primary!r} is invalid: allowed: {', '.join(PRIMARY)}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ConfigError(f"GrpoIcepopConfig.seeds={self.seeds!r} is invalid: a non-empty tuple of distinct ints >= 0")
-        for f in ("eval_tasks", "test_tasks", "eval_every", "sampled_eval_samples"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f"GrpoIcepopConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        check_fields(self)
 
 
 TINY = GrpoIcepopConfig(

@@ -27,6 +27,7 @@ from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.eval import evaluate
 from glm5_jax.eval.mtp import (greedy_by_prompt, held_out_contexts, held_out_prompts, measure_acceptance,
                                sampled_acceptance, sampled_generation, teacher_forced, unigram_cross_entropy)
+from glm5_jax.fields import check_fields, setting
 from glm5_jax.train import TrainConfig, train
 
 # arm -> (mtp_depth, mtp_share, label)
@@ -47,16 +48,16 @@ class MtpSharingConfig:
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
-    num_prompts: int = 8
-    prompt_len: int = 64
-    max_new_tokens: int = 64
-    num_draft: int = 4
+    num_prompts: int = setting(8, integer=True, min=1)
+    prompt_len: int = setting(64, integer=True, min=1)
+    max_new_tokens: int = setting(64, integer=True, min=1)
+    num_draft: int = setting(4, integer=True, min=1)
     draft_sweep: tuple[int, ...] = ()      # extra draft counts to measure (empty: only num_draft)
     arms: tuple[str, ...] = ARM_NAMES
     # sampled (temperature 1) speculative acceptance: `sampled_contexts` held-out windows of prompt_len
     # tokens, `sampled_draws` independent draft chains each
-    sampled_contexts: int = 32
-    sampled_draws: int = 8
+    sampled_contexts: int = setting(32, integer=True, min=1)
+    sampled_draws: int = setting(8, integer=True, min=1)
     repetitive_below: float = 0.5          # greedy continuation with distinct-token fraction below: "repetitive"
     seeds: tuple[int, ...] = (0,)          # every arm trains once per seed (train.seed + s, data stream seed + s)
     # Non-degeneracy, fixed before the run: the temperature-1 continuations of the held-out prompts (the
@@ -79,9 +80,7 @@ class MtpSharingConfig:
         bad = [a for a in self.arms if a not in ARMS]
         if bad or not self.arms:
             raise ConfigError(f"MtpSharingConfig.arms={self.arms!r} is invalid: a non-empty subset of {', '.join(ARMS)}")
-        for f in ("num_prompts", "prompt_len", "max_new_tokens", "num_draft", "sampled_contexts", "sampled_draws"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f"MtpSharingConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        check_fields(self)
         if not 0.0 < self.repetitive_below <= 1.0:
             raise ConfigError(f"MtpSharingConfig.repetitive_below={self.repetitive_below!r} is invalid: in (0, 1]")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:

@@ -68,6 +68,7 @@ from glm5_jax.agentic.agent import ChainTask, TurnTask, sft_example
 from glm5_jax.agentic.server import ray_init, start_servers, stop_servers
 from glm5_jax.agentic.trainer import AgenticConfig, evaluate, run_agentic, run_summary
 from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.fields import check_fields, setting
 from glm5_jax.rl.distill import Taught, run_distill
 from glm5_jax.rl.guards import ANOMALIES, GuardConfig
 from glm5_jax.rl.program import RLConfig, evaluate_accuracy, run_grpo
@@ -105,15 +106,15 @@ class PostTrainConfig:
     general_weights: tuple[float, ...] = (0.5, 0.5, 0.0)  # hybrid reward of the general skill: (rule, rm, judge)
     rm_scale: float = 1.0                     # hybrid: sigmoid((r - 0) / rm_scale)
     rm_center_weight: float = 0.01
-    rm_pairs: int = 2000                      # training pairs (general prompts outside val and test)
-    rm_eval_pairs: int = 256                  # held-out pairs on the validation prompts
+    rm_pairs: int = setting(2000, integer=True, min=1)  # training pairs (general prompts outside val and test)
+    rm_eval_pairs: int = setting(256, integer=True, min=1)  # held-out pairs on the validation prompts
     truncation: str = "zero"                  # guards: zero | penalty | off
     sort_digits: int = 4
-    max_hops: int = 3
+    max_hops: int = setting(3, integer=True, min=1)
     hop_alpha: float = 1.5
-    test_tasks: int = 256                     # reasoning and general TEST prompts
-    test_tasks_agentic: int = 128
-    ray_cpus: int = 2
+    test_tasks: int = setting(256, integer=True, min=1)  # reasoning and general TEST prompts
+    test_tasks_agentic: int = setting(128, integer=True, min=1)
+    ray_cpus: int = setting(2, integer=True, min=1)
 
     DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary"}
 
@@ -136,9 +137,7 @@ class PostTrainConfig:
             raise err("rm_scale", self.rm_scale, "must be > 0")
         if not 2 <= self.sort_digits <= 8:
             raise err("sort_digits", self.sort_digits, "must be in [2, 8]")
-        for f in ("max_hops", "test_tasks", "test_tasks_agentic", "rm_pairs", "rm_eval_pairs", "ray_cpus"):
-            if getattr(self, f) < 1:
-                raise err(f, getattr(self, f), "must be an integer >= 1")
+        check_fields(self)
         if self.agentic.max_turns < self.max_hops + 1:
             raise err("agentic.max_turns", self.agentic.max_turns, f"must be >= max_hops + 1 = {self.max_hops + 1}")
         need = 8 + 11 * self.max_hops              # bos + 'kkk:' + hops x ('(kkk)\n' + '>kkk\n') + 'vv\n'

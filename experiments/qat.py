@@ -26,8 +26,9 @@ import numpy as np
 
 from experiments.registry import register
 from experiments.report import eval_series, md_table, plot_curves, write_report
-from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.config import ModelConfig
 from glm5_jax.eval import LMLoss, evaluate, task_success
+from glm5_jax.fields import check_fields, setting
 from glm5_jax.quant import ALL_LINEAR, QuantConfig, export_int4, load_int4, ptq_params, qat_params, quantized_paths
 from glm5_jax.rl.sft import CharVocab, SFTIterator, pack_examples
 from glm5_jax.rl.tasks import distinct_tasks, draw_excluding, named_task as make_task
@@ -46,18 +47,16 @@ class QatConfig:
     train: TrainConfig
     quant: QuantConfig = QuantConfig()
     task: str = "d2d1"
-    test_tasks: int = 256
-    val_tasks: int = 256
-    max_new_tokens: int = 6
+    test_tasks: int = setting(256, integer=True, min=1)
+    val_tasks: int = setting(256, integer=True, min=1)
+    max_new_tokens: int = setting(6, integer=True, min=1)
     sweep_group_sizes: tuple[int, ...] = (0, 32, 8)
 
     DERIVED: ClassVar[dict] = {"model.vocab_size": "the character vocabulary"}
 
     def __post_init__(self):
         object.__setattr__(self, "model", self.model.replace(vocab_size=CharVocab().padded_size()))
-        for f in ("test_tasks", "val_tasks", "max_new_tokens"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f"QatConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        check_fields(self)
         make_task(random.Random(0), self.task)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import time
 
 import jax
@@ -31,6 +30,7 @@ from experiments.registry import register
 from experiments.report import eval_series, md_table, plot_curves, write_report
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.data.chat import MODES, ChatTemplate, sft_samples
+from glm5_jax.fields import check_fields, setting
 from glm5_jax.post.agent import run_conversations, summarize
 from glm5_jax.post.tooldata import TOOL_ARGS, execute_tool, heldout, make_conversation, tokenizer_texts
 from glm5_jax.rl.sft import SFTIterator, pack_eval_batches
@@ -47,14 +47,14 @@ class ChatSFTConfig:
     train: TrainConfig
     mode: str = "interleaved"              # chat.MODES
     tokenizer_vocab: int = 384
-    tokenizer_conversations: int = 2000    # synthetic conversations the tokenizer is trained on
-    eval_conversations: int = 64           # held-out, never trained on
-    eval_loss_conversations: int = 64      # held-out SFT loss (a disjoint held-out stream)
+    tokenizer_conversations: int = setting(2000, integer=True, min=1)  # synthetic conversations the tokenizer is trained on
+    eval_conversations: int = setting(64, integer=True, min=1)  # held-out, never trained on
+    eval_loss_conversations: int = setting(64, integer=True, min=1)  # held-out SFT loss (a disjoint held-out stream)
     p_followup: float = 0.3
     p_error: float = 0.15
-    max_new_tokens: int = 40               # per assistant message
-    max_steps: int = 8                     # assistant messages per conversation
-    max_len: int = 384                     # cache size of the held-out runs
+    max_new_tokens: int = setting(40, integer=True, min=1)  # per assistant message
+    max_steps: int = setting(8, integer=True, min=1)  # assistant messages per conversation
+    max_len: int = setting(384, integer=True, min=1)  # cache size of the held-out runs
     primary: str = "task_success"
 
     DERIVED = {"model.vocab_size": "tokenizer_vocab"}
@@ -65,10 +65,7 @@ class ChatSFTConfig:
             raise ConfigError(f"ChatSFTConfig.mode={self.mode!r} is invalid: allowed: {', '.join(MODES)}")
         if self.primary not in ("task_success", "tool_call_valid"):
             raise ConfigError(f"ChatSFTConfig.primary={self.primary!r} is invalid: allowed: task_success, tool_call_valid")
-        for f in ("tokenizer_conversations", "eval_conversations", "eval_loss_conversations", "max_new_tokens",
-                  "max_steps", "max_len"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f"ChatSFTConfig.{f}={getattr(self, f)!r} is invalid: must be an integer >= 1")
+        check_fields(self)
         if self.tokenizer_vocab < 300:
             raise ConfigError(f"ChatSFTConfig.tokenizer_vocab={self.tokenizer_vocab!r} is invalid: must be >= 300 "
                               f"(22 GLM specials + 256 bytes + merges)")
