@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, Iterable
 
 from glm5_jax.errors import ConfigError
@@ -86,9 +87,9 @@ def breaks(rule: dict, v: Any) -> bool:
         return False
     if "choices" in rule:
         return v not in rule["choices"]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):      # numpy scalars count as numbers
         return True
-    if rule.get("integer") and not isinstance(v, int):
+    if rule.get("integer") and not isinstance(v, numbers.Integral):
         return True
     if rule.get("finite") and not math.isfinite(v):
         return True

@@ -83,5 +83,5 @@ def test_prefill_chunks_and_errors():
     assert decode.prefill_chunks(7, 3) == (3, 3)
     cfg, params, _ = _setup("mla")
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1"):
+        with pytest.raises(ValueError, match="prefill_chunk=.* is invalid: must be an integer >= 1"):
             generate(cfg, params, [[1, 2]], max_new_tokens=2, prefill_chunk=bad)

@@ -36,6 +36,7 @@ from glm5_jax.agentic.coordinator import Coordinator, filter_group
 from glm5_jax.agentic.gateway import Gateway, TrajectoryRecord, records_to_batch
 from glm5_jax.agentic.loss import agentic_loss, group_centered_advantages
 from glm5_jax.agentic.server import pin_process, start_servers
+from glm5_jax.fields import require
 from glm5_jax.train.observe import fmt_eta
 
 __all__ = ["AgenticConfig", "make_agentic_loss_fn", "run_agentic", "run_summary"]
@@ -152,8 +153,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                              loss_fn=make_agentic_loss_fn(model_cfg, cfg.eps_low, cfg.eps_high, cfg.temperature))
     ckpt, found = None, None
     if ckpt_dir is not None:
-        if not isinstance(ckpt_every, int) or ckpt_every < 1:
-            raise ValueError(f"run_agentic: ckpt_every={ckpt_every!r} must be an integer >= 1")
+        require("run_agentic: ckpt_every", ckpt_every, ValueError, integer=True, min=1)
         ckpt = Checkpointer(ckpt_dir, keep=2, async_save=False, log=log)
         if ckpt.all_steps():
             found = ckpt.restore_latest(abstract_state(model_cfg, None, update.mesh, tx)[0])

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.fields import require
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer import sampling
 from glm5_jax.model import GLM5
@@ -76,9 +77,7 @@ PREFILL_CHUNK = 2048   # default prompt tokens per prefill chunk (generate's pre
 def prefill_chunks(prompt_len: int, prefill_chunk: int) -> tuple[int, int]:
     """(number of chunks n, chunk length c) for a P-token prompt: n = ceil(P / prefill_chunk) equal
     chunks of c = ceil(P / n) <= prefill_chunk tokens (the prompt is padded by fewer than n tokens)."""
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt tokens per prefill chunk), "
-                         f"got {prefill_chunk!r}")
+    require("prefill_chunk", prefill_chunk, ValueError, integer=True, min=1, note="(prompt tokens per prefill chunk)")
     n = -(-int(prompt_len) // int(prefill_chunk))
     return n, -(-int(prompt_len) // n)
 
@@ -181,8 +180,7 @@ def prepare_prompts(config, prompts) -> tuple[np.ndarray, np.ndarray]:
 
 
 def resolve_max_len(prompt_len: int, max_new_tokens: int, max_len) -> int:
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    require("max_new_tokens", max_new_tokens, ValueError, integer=True, min=1)
     need = int(prompt_len) + int(max_new_tokens)
     if max_len is None:
         return need

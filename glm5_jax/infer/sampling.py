@@ -15,14 +15,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.fields import require
+
 
 def validate(temperature: float, top_p: float, top_k: int) -> None:
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    require("top_k", top_k, ValueError, integer=True, min=0, note="(0 = off)")
 
 
 def filter_logits(logits, temperature, *, top_k: int = 0, use_top_p: bool = False, top_p=1.0):

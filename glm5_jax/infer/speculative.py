@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.fields import require
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer import sampling
 from glm5_jax.infer.decode import (PAD_ID, PREFILL_CHUNK, GenerateResult, _reasons, final_norm, head, model_step,
@@ -287,8 +288,7 @@ def _spec_loop(config, n, n_new, greedy, params, samp, cache, hbuf, seq, e, out,
 def _check(config, num_draft):
     if config.mtp_depth < 1:
         raise ValueError("speculative decoding needs MTP weights: config.mtp_depth must be >= 1")
-    if not isinstance(num_draft, int) or num_draft < 1:
-        raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}")
+    require("num_draft", num_draft, ValueError, integer=True, min=1)
     if not config.mtp_share and num_draft > config.mtp_depth:
         raise ValueError(f"num_draft={num_draft} > mtp_depth={config.mtp_depth} with unshared MTP blocks "
                          "(each depth needs its own block); lower num_draft")

@@ -28,6 +28,8 @@ import dataclasses
 import re
 from typing import Dict, List, Sequence
 
+from glm5_jax.fields import check_fields, setting
+
 __all__ = ["GuardConfig", "GuardResult", "ANOMALIES", "layout_anomalies", "max_repeat_span", "guard", "count"]
 
 ANOMALIES = ("blank_lines", "repeated_lines", "repeated_tokens", "markup", "judge_injection")
@@ -41,28 +43,17 @@ _INJECTION = re.compile(r"\b(score|rating|grade|verdict)\b\s*(is\s*)?[:=]?\s*-?\
 
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
-    truncation: str = "zero"              # zero | penalty | off
-    truncation_penalty: float = 1.0       # "penalty": a truncated sample's reward is -truncation_penalty
-    layout_penalty: float = 1.0           # subtracted once per anomaly kind found (0: count only)
-    max_blank_lines: int = 1              # consecutive blank lines allowed ("\n\n" ends code tasks)
-    max_line_repeats: int = 2             # times one non-empty line may occur
-    min_repeat_span: int = 8              # words of back-to-back n-gram repetition that count as an anomaly
-    max_markup_fraction: float = 0.2
+    truncation: str = setting("zero", choices=TRUNCATION_MODES)    # zero | penalty | off
+    truncation_penalty: float = setting(1.0, min=0)   # "penalty": a truncated sample's reward is -truncation_penalty
+    layout_penalty: float = setting(1.0, min=0)       # subtracted once per anomaly kind found (0: count only)
+    max_blank_lines: int = setting(1, integer=True, min=0)   # consecutive blank lines allowed ("\n\n" ends code tasks)
+    max_line_repeats: int = setting(2, integer=True, min=0)  # times one non-empty line may occur
+    min_repeat_span: int = setting(8, integer=True, min=2)   # words of back-to-back n-gram repetition: an anomaly
+    max_markup_fraction: float = setting(0.2, gt=0, max=1)
     checks: tuple = ANOMALIES             # which layout checks run
 
     def __post_init__(self):
-        if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"GuardConfig.truncation={self.truncation!r} is invalid: allowed: {', '.join(TRUNCATION_MODES)}")
-        for f in ("truncation_penalty", "layout_penalty"):
-            if not getattr(self, f) >= 0:
-                raise ValueError(f"GuardConfig.{f}={getattr(self, f)!r} is invalid: must be >= 0")
-        for f in ("max_blank_lines", "max_line_repeats", "min_repeat_span"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < (2 if f == "min_repeat_span" else 0):
-                raise ValueError(f"GuardConfig.{f}={v!r} is invalid: must be an integer >= "
-                                 f"{2 if f == 'min_repeat_span' else 0}")
-        if not 0 < self.max_markup_fraction <= 1:
-            raise ValueError(f"GuardConfig.max_markup_fraction={self.max_markup_fraction!r} is invalid: must be in (0, 1]")
+        check_fields(self)
         unknown = [c for c in self.checks if c not in ANOMALIES]
         if unknown:
             raise ValueError(f"GuardConfig.checks has unknown check(s) {unknown}; allowed: {', '.join(ANOMALIES)}")

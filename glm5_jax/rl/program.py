@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import random
 import time
 from typing import Callable, Optional, Sequence
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from glm5_jax.fields import require
 from glm5_jax.infer import generate
 from glm5_jax.model import forward, layer_slice_paths
 from glm5_jax.optim import make_optimizer, partition_params, scale_slices, slice_masks
@@ -247,8 +247,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     history, evals = [], []
     first, ckpt = 1, None
     if ckpt_dir is not None:
-        if not isinstance(ckpt_every, int) or ckpt_every < 1:
-            raise ValueError(f"run_grpo: ckpt_every={ckpt_every!r} must be an integer >= 1")
+        require("run_grpo: ckpt_every", ckpt_every, ValueError, integer=True, min=1)
         ckpt = Checkpointer(ckpt_dir, keep=keep_checkpoints, async_save=False, log=log)
     found = None
     if ckpt is not None and ckpt.all_steps():

@@ -52,6 +52,7 @@ from flax import traverse_util
 
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.data.config import MIX_SYNTAX, parse_mix
+from glm5_jax.fields import require
 from glm5_jax.model import init_params as fresh_params
 from glm5_jax.train.checkpoint import Checkpointer
 from glm5_jax.train.config import TrainConfig
@@ -98,9 +99,7 @@ class Stage:
             raise ConfigError(f"Stage.name={self.name!r} is invalid: a non-empty string of letters, digits, "
                               "'_', '.', '-' (it names the stage's folder)")
         for f in ("seq_len", "steps"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                bad(f, v, "must be an integer >= 1")
+            require(f"Stage {self.name!r}: {f}", getattr(self, f), integer=True, min=1)
         if self.data is not None:
             if not isinstance(self.data, str):
                 bad("data", self.data, f"None or a mix of data.sources: {MIX_SYNTAX}")
