@@ -261,3 +261,29 @@ def test_a_loop_that_indexes_rows_counts_the_rows_not_the_buffer():
     scatter_fusion = 2 * row + ix + row
     assert h["bytes_by_source"]["? [fusion]"] == 100 * (gather_fusion + scatter_fusion)
     assert h["bytes_accessed"] < 100 * (gather_fusion + scatter_fusion) + 100 * 64   # + the loop counter's ops
+
+
+def test_match_sums_the_flops_of_every_matching_source(tmp_path, capsys):
+    # `python -m tools.budget FILE --match=REGEX` sums the dot FLOPs whose source (the op_name's module
+    # path) matches REGEX: here the two scopes named attn_* (2 m k n each) and not the mlp scope's dot
+    m, k = 32, 64
+
+    def f(x, w):
+        with jax.named_scope("attn_q"):
+            a = x @ w
+        with jax.named_scope("attn_o"):
+            a = a @ w
+        with jax.named_scope("mlp"):
+            return jnp.tanh(a) @ w
+
+    compiled = _compile(f, (m, k), (k, k))
+    path = tmp_path / "step.hlo.txt"
+    path.write_text(compiled.as_text())
+    from tools.budget import main
+    assert main([str(path), "--match=attn", "--json"]) == 0
+    import json
+    b = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert b["compiled_flops"] == 3 * 2 * m * k * k
+    assert b["flops_matching"]["flops"] == 2 * 2 * m * k * k
+    assert all("attn" in s for s in b["flops_matching"]["sources"]) and len(b["flops_matching"]["sources"]) == 2
+    assert main([str(path), "--match=("]) == 2 and "not a regular expression" in capsys.readouterr().err

@@ -260,7 +260,8 @@ def hlo_budget(text: str) -> dict:
             bytes_src[key] = bytes_src.get(key, 0.0) + nb
     top = dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:16])
     top_bytes = dict(sorted(bytes_src.items(), key=lambda kv: -kv[1])[:16])
-    return {"flops": flops, "flops_by_source": top, "bytes_accessed": bytes_, "bytes_by_source": top_bytes, "collective_bytes": sum(coll.values()),
+    return {"flops": flops, "flops_by_source": top, "flops_by_source_all": by_source, "bytes_accessed": bytes_,
+            "bytes_by_source": top_bytes, "collective_bytes": sum(coll.values()),
             "collective_bytes_by_op": coll, "while_trip_counts": trips, "unknown_trip_loops": unknown,
             "unknown_cost_kernels": sorted(set(unknown_cost))}
 
@@ -372,9 +373,12 @@ def step_budget(compiled, chip: str, model_flops: float) -> dict:
     return text_budget(compiled.as_text(), chip, model_flops, xla_cost=cost_analysis(compiled))
 
 
-def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None = None) -> dict:
+def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None = None,
+                match: str | None = None) -> dict:
     """step_budget of a compiled HLO module's text (tools.aot --save_hlo, or another program's
-    `--xla_dump_to` *after_optimizations.txt): the same fields, XLA's cost analysis only if given."""
+    `--xla_dump_to` *after_optimizations.txt): the same fields, XLA's cost analysis only if given.
+    match: a regex over flops_source names; the FLOPs of every matching source are summed in
+    `flops_matching` (e.g. 'attn' for the attention of every layer, not only the top 16 sources)."""
     h = hlo_budget(text)
     peaks = CHIP_PEAKS[chip]
     t_flops = h["flops"] / peaks["peak_flops"]
@@ -394,6 +398,10 @@ def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None 
         "unknown_trip_loops": h["unknown_trip_loops"], "unknown_cost_kernels": h["unknown_cost_kernels"],
         "xla_cost_analysis": xla_cost or {},
         "budget_note": BUDGET_NOTE,
+        **({"flops_matching": {"regex": match, "flops": sum(f for src, f in h["flops_by_source_all"].items()
+                                                             if re.search(match, src)),
+                               "sources": sorted(src for src in h["flops_by_source_all"] if re.search(match, src))}}
+           if match else {}),
     }
 
 
@@ -409,8 +417,16 @@ def main(argv=None) -> int:
     ap.add_argument("hlo", help="compiled HLO module text (.txt or .txt.gz)")
     ap.add_argument("--chip", default="v5p", help="chip peaks: " + ", ".join(CHIP_PEAKS))
     ap.add_argument("--model_flops", type=float, default=0.0, help="model FLOPs per device (for useful fraction / MFU)")
+    ap.add_argument("--match", default=None, metavar="REGEX",
+                    help="also sum the FLOPs of every source matching REGEX (flops_matching), e.g. 'attn'")
     ap.add_argument("--json", action="store_true", help="print the budget as one JSON line")
     a = ap.parse_args(argv)
+    if a.match is not None:
+        try:
+            re.compile(a.match)
+        except re.error as e:
+            print(f"error: --match={a.match!r} is not a regular expression: {e}", file=sys.stderr)
+            return 2
     if a.chip not in CHIP_PEAKS:
         print(f"error: --chip={a.chip!r}; allowed: {', '.join(CHIP_PEAKS)}", file=sys.stderr)
         return 2
@@ -424,7 +440,7 @@ def main(argv=None) -> int:
     if "ENTRY" not in text:
         print(f"error: {a.hlo}: not an HLO module's text (no ENTRY computation)", file=sys.stderr)
         return 2
-    b = text_budget(text, a.chip, a.model_flops)
+    b = text_budget(text, a.chip, a.model_flops, match=a.match)
     if a.json:
         print(json.dumps(b))
     else:
@@ -440,6 +456,9 @@ def main(argv=None) -> int:
         print("bytes accessed by source [op] (top 16):")
         for src, f in b["bytes_by_source"].items():
             print(f"  {f:12.4g}  {src}")
+        if a.match is not None:
+            fm = b["flops_matching"]
+            print(f"FLOPs of the {len(fm['sources'])} sources matching {a.match!r}: {fm['flops']:.4g}")
     return 0
 
 
