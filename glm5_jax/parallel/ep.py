@@ -53,11 +53,17 @@ def capacity(n_slots: int, ep: int, capacity_factor: float) -> int:
 EXPERT_IN, EXPERT_GATE, EXPERT_UP = "expert_in", "expert_gate", "expert_up"
 
 
-def _swiglu(xs, gate, up, down, sizes, kernel: str = "auto"):
+def _swiglu(xs, gate, up, down, sizes, scale, kernel: str = "auto"):
+    """The local experts' SwiGLU of rows xs [rows, D], each row's router weight `scale` [rows] applied
+    before the down projection (w (h W_down) = (w h) W_down: the same sum). Applied there, the router
+    weights' gradient needs h = silu(g) * u, an elementwise function of the saved gate / up outputs, not
+    the [rows, D] expert output: with expert_gate / expert_up saved (remat custom) the backward runs no
+    grouped matmul twice (docs/scaleout.md, "Spend the pod")."""
     dot = lambda a, w: grouped_matmul(a, w, sizes, impl=kernel)
     xs = checkpoint_name(xs, EXPERT_IN)
     g, u = checkpoint_name(dot(xs, gate), EXPERT_GATE), checkpoint_name(dot(xs, up), EXPERT_UP)
-    return dot(jax.nn.silu(g) * u, down)
+    h = jax.nn.silu(g) * u
+    return dot((h.astype(jnp.float32) * scale[:, None]).astype(h.dtype), down)
 
 
 def _plan(ids, el: int, ep: int):
@@ -77,7 +83,8 @@ def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, exp
            kernel: str = "auto"):
     """One all-to-all round: the slots of rank [r*c, (r+1)*c) in every destination row are gathered into
     a send buffer [ep, c, D], exchanged over `expert_axis`, run through the local experts (ragged_dot,
-    F over `tensor_axis`), sent back and added to their tokens with their router weights.
+    F over `tensor_axis`; each row's router weight applied before the down projection), sent back and
+    added to their tokens.
     Returns the round's contribution [n, D] (float32)."""
     order, local, start, per_dest = plan
     (n, d), k = x.shape, weights.shape[-1]
@@ -89,23 +96,24 @@ def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, exp
     tok = slot // k                                                      # n: empty (dropped by the scatter)
     send = jnp.where(valid[..., None], x[jnp.minimum(tok, n - 1)], 0)
     send_ids = jnp.where(valid, local[pos], el)
+    send_w = jnp.where(valid, weights.reshape(-1)[jnp.minimum(slot, s - 1)], 0).astype(jnp.float32)
     if expert_axis is not None and ep > 1:
         recv = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)
         recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0, tiled=True)
+        recv_w = jax.lax.all_to_all(send_w, expert_axis, 0, 0, tiled=True)
     else:
-        recv, recv_ids = send, send_ids
-    recv, recv_ids = recv.reshape(ep * c, d), recv_ids.reshape(ep * c)
+        recv, recv_ids, recv_w = send, send_ids, send_w
+    recv, recv_ids, recv_w = recv.reshape(ep * c, d), recv_ids.reshape(ep * c), recv_w.reshape(ep * c)
     r_order = jnp.argsort(recv_ids, stable=True)                         # empty slots (id el) go last
     sizes = jnp.bincount(recv_ids, length=el + 1)[:el].astype(jnp.int32)
-    ys = _swiglu(recv[r_order], gate, up, down, sizes, kernel)
+    ys = _swiglu(recv[r_order], gate, up, down, sizes, recv_w[r_order], kernel)   # weighted by the router
     ys = jnp.where((recv_ids[r_order] < el)[:, None], ys, 0)
     if tensor_axis is not None:
         ys = jax.lax.psum(ys, tensor_axis)                               # F was sharded: sum the partial products
     ys = jnp.zeros_like(ys).at[r_order].set(ys).reshape(ep, c, d)
     if expert_axis is not None and ep > 1:
         ys = jax.lax.all_to_all(ys, expert_axis, 0, 0, tiled=True)
-    w = jnp.where(valid, weights.reshape(-1)[jnp.minimum(slot, s - 1)], 0).astype(jnp.float32)
-    return jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32) * w[..., None], mode="drop")
+    return jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32), mode="drop")
 
 
 def _rounds(plan, *, c: int, sync_axes):
