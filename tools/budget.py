@@ -373,6 +373,12 @@ def step_budget(compiled, chip: str, model_flops: float) -> dict:
     return text_budget(compiled.as_text(), chip, model_flops, xla_cost=cost_analysis(compiled))
 
 
+def _matching(by_source: dict[str, float], regex: str) -> dict:
+    """The sources whose name matches regex and the sum of their FLOPs."""
+    hits = sorted(src for src in by_source if re.search(regex, src))
+    return {"regex": regex, "flops": sum(by_source[src] for src in hits), "sources": hits}
+
+
 def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None = None,
                 match: str | None = None) -> dict:
     """step_budget of a compiled HLO module's text (tools.aot --save_hlo, or another program's
@@ -398,10 +404,7 @@ def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None 
         "unknown_trip_loops": h["unknown_trip_loops"], "unknown_cost_kernels": h["unknown_cost_kernels"],
         "xla_cost_analysis": xla_cost or {},
         "budget_note": BUDGET_NOTE,
-        **({"flops_matching": {"regex": match, "flops": sum(f for src, f in h["flops_by_source_all"].items()
-                                                             if re.search(match, src)),
-                               "sources": sorted(src for src in h["flops_by_source_all"] if re.search(match, src))}}
-           if match else {}),
+        **({"flops_matching": _matching(h["flops_by_source_all"], match)} if match else {}),
     }
 
 
