@@ -125,9 +125,13 @@ class ModelConfig:
     moe_capacity_factor: float = setting(1.25, finite=True, when=_moe, note="(<= 0 means dropless)", same_weights=True)
                                           # a2a only: slots per device pair = cf * n*k/ep; <= 0 = dropless
     moe_round_capacity_factor: float = setting(1.25, finite=True, when=_moe, runtime=True, note=(
-        "(> 0: dropless a2a in rounds of this x the mean pair load; <= 0: one round sized for the worst case)"))
-                                          # a2a dropless: slots per device pair per all-to-all round = this * n*k/ep,
-                                          # rounds until every slot is sent; <= 0: one round of n*k (worst-case buffers)
+        "(> 0: dropless a2a: the first round carries this x the mean pair load; <= 0: one round sized for the worst case)"))
+                                          # a2a dropless: slots per device pair in the first all-to-all round = this * n*k/ep,
+                                          # overflow rounds after it; <= 0: one round of n*k (worst-case buffers)
+    moe_overflow_capacity_factor: float = setting(0.125, finite=True, when=_moe, runtime=True, gt=0, note=(
+        "(dropless a2a: slots per device pair in each round after the first, x the mean pair load)"))
+                                          # a2a dropless: rounds after the first send the slots past the first round's
+                                          # capacity, this * n*k/ep a round (docs/scaleout.md, "Spend the pod")
     moe_kernel: str = setting("auto", choices=MOE_KERNELS, runtime=True)
                                           # a2a only: local experts' grouped matmul: auto (megablox on TPU, ragged_dot
                                           # elsewhere) | megablox (interpret mode on CPU) | ragged_dot (pallas_kernels.gmm)

@@ -7,7 +7,13 @@
 Counts come from `jax.eval_shape` of the model's init (nothing is allocated), so they follow the
 code, not a formula. Active parameters count every non-routed parameter in full (embedding table and
 output head included) plus experts_per_tok of the routed experts in each MoE layer. The MTP layers
-are counted apart (mtp_params) and are not in the FLOPs. `python -m tools.estimate` prints these.
+are counted apart (mtp_params, not in active_params). Their FLOPs are in train_flops_per_token: every
+training token runs the MTP block (eh_proj, its decoder layer with experts_per_tok routed experts, and
+the shared output head) once per depth (mtp_depth; GLM-5 shares one layer over 3 depths), and the MTP
+loss is part of the training objective, so those FLOPs are model FLOPs (MaxText 0.2.5's
+calculate_tflops_training_per_device counts its MTP layers likewise; it leaves out their output head,
+which we count: the head runs once per depth). main_train_flops_per_token is the figure without MTP
+(what this module reported before issue 42). `python -m tools.estimate` prints these.
 """
 
 from __future__ import annotations
@@ -45,10 +51,32 @@ def estimate(config: ModelConfig, seq_len: int = 4096) -> dict:
     index_fwd = (2 * config.index_n_heads * config.index_head_dim * avg_keys * sum(
         t == "full" for t in config.layer_indexer_types)) if config.attention == "dsa" else 0
     flops = 6 * matmul_active + 3 * attn_fwd + index_fwd
+    mtp_flops = _mtp_flops(config, flat, attn_fwd, avg_keys)
     return {"total_params": total, "active_params": active,
             "mtp_params": mtp, "routed_expert_params": routed, "moe_layers": n_moe,
-            "train_flops_per_token": float(flops), "seq_len": seq_len,
+            "train_flops_per_token": float(flops + mtp_flops), "main_train_flops_per_token": float(flops),
+            "mtp_train_flops_per_token": float(mtp_flops), "seq_len": seq_len,
             "attention_flops_per_token_fwd": float(attn_fwd), "indexer_flops_per_token_fwd": float(index_fwd)}
+
+
+def _mtp_flops(config: ModelConfig, flat: dict, attn_fwd: float, avg_keys: float) -> float:
+    """Training FLOPs a token spends in the MTP blocks: per depth 6 x (the block's active matmul params +
+    the shared output head) + its attention (one layer's share of attn_fwd, x3) + its indexer scores."""
+    if not config.mtp_depth:
+        return 0.0
+    blocks = {p[0] for p in flat if p[0].startswith("mtp_")}
+    if not blocks:
+        return 0.0
+    mats = {p: v for p, v in flat.items() if p[0].startswith("mtp_") and len((v.unbox() if hasattr(v, "unbox") else v).shape) >= 2}
+    routed = sum(_size(v) for p, v in mats.items() if "experts" in p and "shared_experts" not in p)
+    active = sum(_size(v) for v in mats.values()) - (
+        routed * (config.num_experts - config.experts_per_tok) // config.num_experts if config.num_experts else 0)
+    active_per_depth = active / len(blocks)        # mtp_share: one block run mtp_depth times; else one per depth
+    head = config.vocab_size * config.d_model
+    index = (2 * config.index_n_heads * config.index_head_dim * avg_keys
+             if config.attention == "dsa" and any("indexer" in p for p in mats) else 0.0)
+    per_depth = 6 * (active_per_depth + head) + 3 * attn_fwd / config.num_layers + index
+    return float(config.mtp_depth * per_depth)
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -1,5 +1,6 @@
 """Dropless expert parallelism in bounded buffers (moe_impl="a2a", moe_capacity_factor=0, issue 34): the
-all-to-all runs in rounds of C = moe_round_capacity_factor x the mean pair load until every slot is sent.
+all-to-all runs a first round of C0 = moe_round_capacity_factor x the mean pair load, then overflow rounds of
+C1 = moe_overflow_capacity_factor x the mean until every slot is sent.
 On 8 forced CPU devices (data:2,expert:4 and expert:8) the layer's output and its gradients (tokens, router
 weights, expert weights) equal the single-device dropless reference moe_impl="ragged" for balanced and
 adversarial routing, nothing is dropped, and the rounds are reported (1 when balanced, more when not)."""
@@ -50,22 +51,24 @@ SCRIPT = """
                 return jax.jit(f)(*a)
         return params, run
 
-    def expected_rounds(ids, ep, shards, chunk, rf):
-        # numpy: per chunk, ceil(max over devices and destinations of the pair load / C), mean over chunks
+    def expected_rounds(ids, ep, shards, chunk, rf, of):
+        # numpy: per chunk, 1 + ceil(max(L - C0, 0) / C1) with L the max over devices and destinations of
+        # the pair load, mean over chunks
         dest = np.asarray(ids).reshape(shards, -1, chunk * K) // (E // ep)        # [device, chunk, slots]
         load = (dest[..., None] == np.arange(ep)).sum(axis=2)                   # [device, chunk, ep]
-        c = int(np.ceil(rf * chunk * K / ep))
-        return float(np.mean(np.ceil(load.max(axis=(0, 2)) / c)))
+        c0, c1 = int(np.ceil(rf * chunk * K / ep)), int(np.ceil(of * chunk * K / ep))
+        return float(np.mean(1 + np.ceil(np.maximum(load.max(axis=(0, 2)) - c0, 0) / c1)))
 
-    cfgs = {"rounds": (8, 1.25), "rounds_chunked": (4, 1.0)}
+    cfgs = {"rounds": (8, 1.25, 0.5), "rounds_chunked": (4, 1.0, 1.0)}
     res = {}
     for spec in ("data:2,expert:4", "expert:8"):
         mesh = sharding.make_mesh(spec)
         ep = dict(mesh.shape)["expert"]
         params, ref = program("ragged", None)
-        progs = {"rounds": program("a2a", mesh, capacity_factor=0.0, round_factor=1.25)[1]}
+        progs = {"rounds": program("a2a", mesh, capacity_factor=0.0, round_factor=1.25, overflow_factor=0.5)[1]}
         if ep == 4:    # (compile time: the chunked and worst-case forms on one mesh)
-            progs["rounds_chunked"] = program("a2a", mesh, capacity_factor=0.0, round_factor=1.0, token_chunk=4)[1]
+            progs["rounds_chunked"] = program("a2a", mesh, capacity_factor=0.0, round_factor=1.0, overflow_factor=1.0,
+                                              token_chunk=4)[1]
             progs["worst_case"] = program("a2a", mesh, capacity_factor=0.0, round_factor=0.0)[1]
         for name, ids in routings(ep, 8).items():
             ids = jnp.asarray(ids, jnp.int32)
@@ -107,10 +110,10 @@ def test_dropless_a2a_equals_ragged(results, routing):
 
 def test_rounds_follow_the_max_pair_load(results):
     """Balanced routing: one round at 1.25 x the mean pair load. Every slot on one device (16 slots a
-    device to one peer): ceil(16 / C) rounds, C = ceil(1.25 * 16 / ep) -> 4 at ep 4 (C 5), 6 at ep 8
-    (C 3); with token_chunk=4 (8 slots a chunk, round factor 1.0) C = 2 at ep 4 and every chunk takes 4
-    rounds. The worst-case form always takes one round."""
-    want = {("data:2,expert:4", "rounds"): 4, ("expert:8", "rounds"): 6, ("data:2,expert:4", "rounds_chunked"): 4}
+    device to one peer): 1 + ceil((16 - C0) / C1) rounds, C0 = ceil(1.25 * 16 / ep), C1 = ceil(0.5 * 16 / ep)
+    -> 7 at ep 4 (C0 5, C1 2), 14 at ep 8 (C0 3, C1 1); with token_chunk=4 (8 slots a chunk, both factors
+    1.0) C0 = C1 = 2 at ep 4 and every chunk takes 4 rounds. The worst-case form always takes one round."""
+    want = {("data:2,expert:4", "rounds"): 7, ("expert:8", "rounds"): 14, ("data:2,expert:4", "rounds_chunked"): 4}
     for routing in ("balanced", "one_expert", "one_device", "skewed"):
         for key, r in _cases(results, routing).items():
             spec, prog, _ = key.split("|")
@@ -123,9 +126,16 @@ def test_rounds_follow_the_max_pair_load(results):
                 assert 1.0 < r["rounds"] <= want[spec, prog], (key, r)
 
 
-def test_round_capacity_factor_is_validated():
+def test_round_capacity_factors_are_validated():
+    """Non-finite or non-numeric round factors are config errors naming the field; the overflow factor
+    must also be > 0 (a round of no slots would never finish)."""
     from glm5_jax.config import ConfigError, ModelConfig
     for bad in (float("nan"), float("inf"), "1", True):
         with pytest.raises(ConfigError, match="moe_round_capacity_factor"):
             ModelConfig(moe_round_capacity_factor=bad)
+        with pytest.raises(ConfigError, match="moe_overflow_capacity_factor"):
+            ModelConfig(moe_overflow_capacity_factor=bad)
+    for bad in (0, -0.5):
+        with pytest.raises(ConfigError, match="moe_overflow_capacity_factor"):
+            ModelConfig(moe_impl="a2a", moe_overflow_capacity_factor=bad)
     assert ModelConfig(moe_impl="a2a", moe_capacity_factor=0, moe_round_capacity_factor=0).moe_round_capacity_factor == 0

@@ -363,7 +363,7 @@ def cost_analysis(compiled) -> dict:
 
 def model_flops_per_device(model_cfg, batch_size: int, seq_len: int, devices: int) -> float:
     """glm5_jax.flops.train_flops_per_token (6 x active matmul params + attention for the configured
-    attention / top-k; MTP layers not counted) x tokens per optimizer step / devices."""
+    attention / top-k, + the MTP blocks at every depth) x tokens per optimizer step / devices."""
     from glm5_jax.flops import train_flops_per_token
     return train_flops_per_token(model_cfg, seq_len) * batch_size * seq_len / devices
 

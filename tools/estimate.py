@@ -38,7 +38,8 @@ def main(argv):
           f"active {r['active_params']:,} ({r['active_params'] / 1e9:.2f}B) per token")
     print(f"  MTP layer(s): {r['mtp_params']:,} ({r['mtp_params'] / 1e9:.2f}B), reported apart")
     print(f"  training FLOPs per token at seq_len {r['seq_len']}: {r['train_flops_per_token']:.3e} "
-          f"(attention fwd {r['attention_flops_per_token_fwd']:.3e}, indexer fwd {r['indexer_flops_per_token_fwd']:.3e})")
+          f"(of which MTP blocks {r['mtp_train_flops_per_token']:.3e}; attention fwd "
+          f"{r['attention_flops_per_token_fwd']:.3e}, indexer fwd {r['indexer_flops_per_token_fwd']:.3e})")
 
 
 if __name__ == "__main__":

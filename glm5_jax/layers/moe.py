@@ -117,8 +117,9 @@ class Experts(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     capacity_factor: float = 1.25          # a2a only (<= 0: dropless)
     token_chunk: int = 0                   # a2a only (> 0: dispatch per chunk of this many local tokens)
-    round_factor: float = 1.25             # a2a dropless only: round capacity (<= 0: one worst-case round)
+    round_factor: float = 1.25             # a2a dropless only: first-round capacity (<= 0: one worst-case round)
     kernel: str = "auto"                   # a2a only: the local experts' grouped matmul (pallas_kernels.gmm)
+    overflow_factor: float = 0.125         # a2a dropless only: capacity of the rounds after the first
 
     @nn.compact
     def __call__(self, x, weights, ids):
@@ -137,7 +138,8 @@ class Experts(nn.Module):
             from glm5_jax.parallel.ep import a2a_moe
             out, dropped, rounds = a2a_moe(x, weights, ids, gate, up, down, num_experts=e,
                                            capacity_factor=self.capacity_factor, token_chunk=self.token_chunk,
-                                           round_factor=self.round_factor, kernel=self.kernel)
+                                           round_factor=self.round_factor, overflow_factor=self.overflow_factor,
+                                           kernel=self.kernel)
             self.sow("intermediates", "dropped_fraction", dropped)
             self.sow("intermediates", "a2a_rounds", rounds)
             return out
@@ -166,6 +168,7 @@ class MoE(nn.Module):
     token_chunk: int = 0
     round_factor: float = 1.25
     kernel: str = "auto"
+    overflow_factor: float = 0.125
 
     @nn.compact
     def __call__(self, x):
@@ -178,7 +181,7 @@ class MoE(nn.Module):
         self.sow("intermediates", "expert_load", jnp.bincount(ids.reshape(-1), length=self.num_experts))
         out = Experts(self.num_experts, self.moe_ffn_dim, self.impl, self.stddev, self.dtype, self.param_dtype,
                       self.capacity_factor, self.token_chunk, self.round_factor, self.kernel,
-                      name="experts")(xf, weights, ids)
+                      self.overflow_factor, name="experts")(xf, weights, ids)
         out = constrain(out.reshape(b, t, d).astype(x.dtype), ("activation_batch", "activation_seq", "activation_embed"))
         if self.num_shared_experts:
             out = out + SwiGLU(self.moe_ffn_dim * self.num_shared_experts, self.stddev, self.dtype,

@@ -15,14 +15,18 @@ Capacity C per (source device, destination device) is ceil(capacity_factor * n *
 local tokens with k choices; slots beyond C are dropped (their output is 0, the residual carries the
 token) and the dropped fraction is returned.
 
-capacity_factor <= 0 means dropless, in rounds (issue 34): C = ceil(round_factor * n * k / ep), and the
-all-to-all pair of steps 2-4 repeats, round r sending the slots ranked [r*C, (r+1)*C) in their
-destination row, until every slot is sent: ceil(max pair load / C) rounds, the max taken over the whole
-mesh (pmax) so every device runs the same loop. Balanced routing costs one round; the buffers are those
-of one round. Inside a custom_vjp, the first round keeps its residuals (as the capacity path does) and
-the others run in a lax.while_loop whose backward runs the same rounds again (each recomputing its
-forward), so no later round's activations outlive it. round_factor <= 0 gives the
-old worst-case form: one round of C = n * k (ep x the buffer memory).
+capacity_factor <= 0 means dropless, in rounds (issue 34): the first round sends the slots ranked
+[0, C0) in their destination row, C0 = ceil(round_factor * n * k / ep); overflow rounds then send the
+slots ranked past C0 in rounds of C1 = ceil(overflow_factor * n * k / ep), until every slot is sent:
+ceil(max(max pair load - C0, 0) / C1) overflow rounds, the max taken over the whole mesh (pmax) so every
+device runs the same loop. Balanced routing costs the first round only. The first round is plain autodiff,
+as the capacity path (its named activations follow the remat policy: with expert_gate / expert_up saved
+the backward recomputes no grouped matmul); the overflow rounds run in a lax.while_loop inside a
+custom_vjp whose backward runs the same rounds again (each recomputing its forward), so no overflow
+round's activations outlive it. Why a small C1 (moe_overflow_capacity_factor 0.125): an overflow round
+costs its buffer whatever it holds, and what overflows a 1.25 x mean first round is the tail of the
+load, not another mean (docs/scaleout.md, "Spend the pod"). round_factor <= 0 gives the old worst-case
+form: one round of C = n * k (ep x the buffer memory).
 """
 
 from __future__ import annotations
@@ -79,9 +83,9 @@ def _plan(ids, el: int, ep: int):
     return order.astype(jnp.int32), (sorted_ids % el).astype(jnp.int32), start, per_dest
 
 
-def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, expert_axis, tensor_axis,
+def _round(x, weights, gate, up, down, plan, lo, *, c: int, el: int, ep: int, expert_axis, tensor_axis,
            kernel: str = "auto"):
-    """One all-to-all round: the slots of rank [r*c, (r+1)*c) in every destination row are gathered into
+    """One all-to-all round: the slots of rank [lo, lo + c) in every destination row are gathered into
     a send buffer [ep, c, D], exchanged over `expert_axis`, run through the local experts (ragged_dot,
     F over `tensor_axis`; each row's router weight applied before the down projection), sent back and
     added to their tokens.
@@ -89,7 +93,7 @@ def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, exp
     order, local, start, per_dest = plan
     (n, d), k = x.shape, weights.shape[-1]
     s = n * k
-    q = r * c + jnp.arange(c, dtype=jnp.int32)                            # rank inside the row
+    q = lo + jnp.arange(c, dtype=jnp.int32)                               # rank inside the row
     valid = q[None, :] < per_dest[:, None]                               # [ep, c]
     pos = jnp.minimum(start[:, None] + q[None, :], s - 1)                # sorted position
     slot = jnp.where(valid, order[pos], s)                               # s: empty
@@ -116,59 +120,66 @@ def _round(x, weights, gate, up, down, plan, r, *, c: int, el: int, ep: int, exp
     return jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32), mode="drop")
 
 
-def _rounds(plan, *, c: int, sync_axes):
-    """Rounds a dropless dispatch needs: ceil(max pair load / c), the max taken over every device whose
-    collectives meet this one's (`sync_axes`), so that all of them run the same number of all-to-alls."""
+def _overflow_rounds(plan, *, c0: int, c1: int, sync_axes):
+    """Overflow rounds a dropless dispatch needs after its first round of c0 slots a pair:
+    ceil(max(max pair load - c0, 0) / c1), the max taken over every device whose collectives meet this
+    one's (`sync_axes`), so that all of them run the same number of all-to-alls."""
     m = jnp.max(plan[3])
     if sync_axes:
         m = jax.lax.pmax(m, sync_axes)
-    return jnp.maximum((m + c - 1) // c, 1).astype(jnp.int32)
+    return ((jnp.maximum(m - c0, 0) + c1 - 1) // c1).astype(jnp.int32)
+
+
+def _overflow_lo(r, kw):
+    return kw["c0"] + r * kw["c"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _dropless(x, weights, gate, up, down, plan, n_rounds, kw):
-    """sum over rounds r < n_rounds of _round(...): every slot is sent in exactly one round. Rounds
-    after the first run in a while_loop (one round's buffers live at a time). The first round keeps its
-    residuals as plain autodiff would (balanced routing: one round, the cost of the capacity path); the
-    backward applies them, then runs rounds 1.. again, each round's vjp recomputing its forward."""
-    return _dropless_fwd(x, weights, gate, up, down, plan, n_rounds, kw)[0]
+def _overflow(x, weights, gate, up, down, plan, n_rounds, kw):
+    """sum over overflow rounds r < n_rounds of _round(...) at ranks [c0 + r c, c0 + (r+1) c): every slot
+    past the first round is sent in exactly one of them. They run in a while_loop (one round's buffers
+    live at a time); the backward runs the rounds again, each round's vjp recomputing its forward."""
+    return _overflow_fwd(x, weights, gate, up, down, plan, n_rounds, kw)[0]
 
 
-def _dropless_fwd(x, weights, gate, up, down, plan, n_rounds, kw):
-    kw = dict(kw)
-    primals = (x, weights, gate, up, down)
-    out, vjp0 = jax.vjp(lambda *a: _round(*a, plan, jnp.int32(0), **kw), *primals)
-    body = lambda r, acc: acc + _round(*primals, plan, r, **kw)
-    out = jax.lax.fori_loop(1, n_rounds, body, out)               # traced bound: a while_loop
-    return out, (vjp0, primals, plan, n_rounds)
+def _round_kw(kw):
+    return {k: v for k, v in kw if k != "c0"}
 
 
-def _dropless_bwd(kw, res, ct):
-    vjp0, primals, plan, n_rounds = res
-    kw = dict(kw)
+def _overflow_fwd(x, weights, gate, up, down, plan, n_rounds, kw):
+    primals, rkw = (x, weights, gate, up, down), _round_kw(kw)
+    body = lambda r, acc: acc + _round(*primals, plan, _overflow_lo(r, dict(kw)), **rkw)
+    out = jax.lax.fori_loop(0, n_rounds, body, jnp.zeros(x.shape, jnp.float32))   # traced bound: a while_loop
+    return out, (primals, plan, n_rounds)
+
+
+def _overflow_bwd(kw, res, ct):
+    primals, plan, n_rounds = res
+    rkw = _round_kw(kw)
 
     def body(r, acc):
-        _, vjp = jax.vjp(lambda *a: _round(*a, plan, r, **kw), *primals)
+        _, vjp = jax.vjp(lambda *a: _round(*a, plan, _overflow_lo(r, dict(kw)), **rkw), *primals)
         return jax.tree_util.tree_map(lambda s, g: s + g.astype(s.dtype), acc, vjp(ct))
 
-    f32 = lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))     # sums over rounds in float32
-    grads = jax.lax.fori_loop(1, n_rounds, body, jax.tree_util.tree_map(f32, vjp0(ct)))
+    f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))    # sums over rounds in float32
+    grads = jax.lax.fori_loop(0, n_rounds, body, jax.tree_util.tree_map(f32, primals))
     return (*jax.tree_util.tree_map(lambda g, a: g.astype(a.dtype), grads, primals), None, None)
 
 
-_dropless.defvjp(_dropless_fwd, _dropless_bwd)
+_overflow.defvjp(_overflow_fwd, _overflow_bwd)
 
 
 def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float,
-                   round_factor: float = 0.0, expert_axis: str | None = None, ep: int = 1,
+                   round_factor: float = 0.0, overflow_factor: float = 0.125, expert_axis: str | None = None, ep: int = 1,
                    tensor_axis: str | None = None, sync_axes: tuple[str, ...] = (), kernel: str = "auto"):
     """Per-device body. x [n, D], weights/ids [n, k]; gate/up [E/ep, D, F_l], down [E/ep, F_l, D].
 
     capacity_factor > 0: one all-to-all round of C = capacity(n*k, ep, capacity_factor) slots per
     device pair; slots ranked beyond C in their destination row are dropped.
-    capacity_factor <= 0 (dropless): rounds of C = capacity(n*k, ep, round_factor) slots per pair until
-    every slot is sent (ceil(max pair load / C) rounds, the max over `sync_axes`); round_factor <= 0
-    gives C = n*k, one round sized for the worst case.
+    capacity_factor <= 0 (dropless): a first round of C0 = capacity(n*k, ep, round_factor) slots per pair,
+    then overflow rounds of C1 = capacity(n*k, ep, overflow_factor) until every slot is sent
+    (ceil(max(max pair load - C0, 0) / C1) of them, the max over `sync_axes`); round_factor <= 0 gives
+    C = n*k, one round sized for the worst case.
 
     Returns (out [n, D], dropped slots, total slots, rounds) for this device (int32 scalars).
     """
@@ -184,10 +195,11 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
         out = _round(x, weights, gate, up, down, plan, jnp.int32(0), c=c, **kw)
         dropped = jnp.sum(jnp.maximum(plan[3] - c, 0)).astype(jnp.int32)
         return out.astype(x.dtype), dropped, total, jnp.int32(1)
-    c = capacity(s, ep, round_factor)
-    n_rounds = _rounds(plan, c=c, sync_axes=sync_axes)
-    out = _dropless(x, weights, gate, up, down, plan, n_rounds, tuple(sorted(dict(c=c, **kw).items())))
-    return out.astype(x.dtype), jnp.int32(0), total, n_rounds
+    c0, c1 = capacity(s, ep, round_factor), capacity(s, ep, overflow_factor)
+    out = _round(x, weights, gate, up, down, plan, jnp.int32(0), c=c0, **kw)
+    n_over = _overflow_rounds(plan, c0=c0, c1=c1, sync_axes=sync_axes)
+    out = out + _overflow(x, weights, gate, up, down, plan, n_over, tuple(sorted(dict(c=c1, c0=c0, **kw).items())))
+    return out.astype(x.dtype), jnp.int32(0), total, n_over + 1
 
 
 def dispatch_chunked(x, weights, ids, gate, up, down, *, token_chunk: int = 0, **kw):
@@ -222,7 +234,7 @@ def _context_mesh():
 
 
 def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float, token_chunk: int = 0,
-            round_factor: float = 0.0, kernel: str = "auto"):
+            round_factor: float = 0.0, overflow_factor: float = 0.125, kernel: str = "auto"):
     """x [N, D] (N = batch * seq), weights/ids [N, k] -> (out [N, D], dropped fraction float32,
     all-to-all rounds per dispatch float32).
 
@@ -232,12 +244,13 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
     activation whose batch is on the batch axes and sequence on `context`), so each device routes the
     tokens of its own sequence shard. token_chunk > 0: each device dispatches its tokens in chunks
     (dispatch_chunked), bounding the dispatch buffers at long context (glm5 at 128K: 16K tokens a chip).
-    capacity_factor <= 0: dropless, in rounds of round_factor x the mean pair load (dispatch_local);
-    every device runs the rounds the most loaded pair of the whole mesh needs. kernel: the local experts'
+    capacity_factor <= 0: dropless, a first round of round_factor x the mean pair load, then overflow
+    rounds of overflow_factor x the mean (dispatch_local); every device runs the rounds the most loaded
+    pair of the whole mesh needs. kernel: the local experts'
     grouped matmul (pallas_kernels.gmm.grouped_matmul's impl; ModelConfig.moe_kernel).
     """
     kw = dict(num_experts=num_experts, capacity_factor=capacity_factor, round_factor=round_factor,
-              token_chunk=token_chunk, kernel=kernel)
+              overflow_factor=overflow_factor, token_chunk=token_chunk, kernel=kernel)
     mesh = _context_mesh()
     if mesh is None:
         out, dropped, total, rounds, m = dispatch_chunked(x, weights, ids, gate, up, down, **kw)
