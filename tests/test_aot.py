@@ -52,6 +52,11 @@ def test_tiny_train_step_compiles_for_v5p_2x2x1():
     assert b["model_flops"] == pytest.approx(train_flops_per_token(preset("tiny"), 64) * 4 * 64 / 4)
     assert b["compiled_flops"] > 0 and b["bytes_accessed"] > 0 and b["collective_bytes"] > 0
     assert b["useful_flops_fraction"] == pytest.approx(b["model_flops"] / b["compiled_flops"], rel=1e-3)
+    # the MTP blocks are model FLOPs (glm5_jax.flops); the figure without them is reported beside
+    from glm5_jax.flops import estimate
+    main = estimate(preset("tiny"), 64)["main_train_flops_per_token"] * 4 * 64 / 4
+    assert b["model_flops_without_mtp"] == pytest.approx(main) and main < b["model_flops"]
+    assert b["useful_flops_fraction_without_mtp"] == pytest.approx(main / b["compiled_flops"], rel=1e-3)
     assert 0 < b["useful_flops_fraction"] <= 1.5 and 0 < b["estimated_mfu"] <= 1
     assert b["estimated_step_seconds"] == max(b["seconds_by_bound"].values()) > 0
     assert 2 in b["while_trip_counts"].values()      # the scanned stack of 2 MoE layers, counted twice
