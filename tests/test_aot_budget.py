@@ -152,6 +152,21 @@ def test_pallas_kernels_count_their_cost_estimate_and_unknown_ones_are_listed():
     assert hlo_budget(HLO)["unknown_cost_kernels"] == []
 
 
+def test_a_kernel_written_over_two_lines_with_sorted_cost_keys_is_counted():
+    """The --xla_dump_to form of the same module (MaxText's HLO dumps, jax 0.12): the custom call's
+    attributes continue on a line of their own and the cost estimate's keys come sorted; the budget
+    equals the one-line form's."""
+    two_lines = MOSAIC.replace(
+        'custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body":"TUxJ","cost_estimate":'
+        '{"flops":"268435456","transcendentals":"0","bytes_accessed":"7077888","remote_bytes_transferred":"0"}',
+        'custom_call_target="tpu_custom_call",\n}}, backend_config={"custom_call_config": {"body":"TUxJ","cost_estimate":'
+        '{"bytes_accessed":"7077888","flops":"268435456","remote_bytes_transferred":"0","transcendentals":"0"}')
+    assert two_lines != MOSAIC and "\n}}, backend_config" in two_lines
+    a, b = hlo_budget(MOSAIC), hlo_budget(two_lines)
+    assert b["flops"] == a["flops"] == 2 * 1024 * 512 * 256
+    assert b["bytes_accessed"] == a["bytes_accessed"] and b["unknown_cost_kernels"] == ["mystery.2"]
+
+
 def _tpu_devices():
     pytest.importorskip("libtpu", reason="the TPU compiler (jax[tpu] / libtpu) is not installed")
     from jax.experimental import topologies

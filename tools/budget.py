@@ -101,9 +101,13 @@ def parse_hlo(text: str) -> dict:
             if m:
                 cur = comps.setdefault(m.group(1), [])
                 entry = m.group(1) if line.startswith("ENTRY") else entry
+            elif cur and line.strip() != "}":
+                cur[-1]["rest"] += line      # an instruction continued on the next line (--xla_dump_to files)
             continue
         m = _INSTR.match(line)
         if m is None or cur is None:
+            if cur and m is None and line.strip():
+                cur[-1]["rest"] += line
             continue
         name, shape, op, rest = m.groups()
         depth, i = 1, 0              # the operand list ends at the ')' matching the opcode's '('
@@ -266,7 +270,7 @@ def hlo_budget(text: str) -> dict:
             "unknown_cost_kernels": sorted(set(unknown_cost))}
 
 
-_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"')
+_COST = re.compile(r'"cost_estimate":\{([^}]*)\}')     # its keys in any order (jax 0.10: flops first; 0.12: sorted)
 
 
 def _is_mosaic(ins: dict) -> bool:
@@ -277,7 +281,10 @@ def mosaic_cost(ins: dict) -> dict | None:
     """{'flops', 'bytes_accessed'} of a Pallas TPU kernel (a `tpu_custom_call`) from the cost estimate
     its pallas_call carries in the backend config (megablox gmm / tgmm: 2 M K N), None without one."""
     m = _COST.search(ins["rest"])
-    return {"flops": float(m.group(1)), "bytes_accessed": float(m.group(3))} if m else None
+    fields = dict(re.findall(r'"(\w+)":"(\d+)"', m.group(1))) if m else {}
+    if "flops" not in fields:
+        return None
+    return {"flops": float(fields["flops"]), "bytes_accessed": float(fields.get("bytes_accessed", 0))}
 
 
 def _read_bytes(comp: list[dict], param: str, comps: dict, depth: int = 0) -> float | None:
