@@ -28,6 +28,16 @@ def _size(leaf) -> int:
     return math.prod(leaf.shape)
 
 
+def _routed(params: dict) -> int:
+    return sum(_size(v) for p, v in params.items() if "experts" in p and "shared_experts" not in p)
+
+
+def _active(config: ModelConfig, params: dict) -> int:
+    """Parameters a token uses: all of `params` but the routed experts it is not sent to."""
+    inactive = _routed(params) * (config.num_experts - config.experts_per_tok) // config.num_experts if config.num_experts else 0
+    return sum(_size(v) for v in params.values()) - inactive
+
+
 def estimate(config: ModelConfig, seq_len: int = 4096) -> dict:
     """Parameter counts and training FLOPs per token at `seq_len` (forward + backward)."""
     from flax import traverse_util
@@ -38,9 +48,9 @@ def estimate(config: ModelConfig, seq_len: int = 4096) -> dict:
     mtp = sum(_size(v) for p, v in flat.items() if p[0].startswith("mtp_"))
     main = {p: v for p, v in flat.items() if not p[0].startswith("mtp_")}
     total = sum(_size(v) for v in main.values())
-    routed = sum(_size(v) for p, v in main.items() if "experts" in p and "shared_experts" not in p)
+    routed = _routed(main)
     n_moe = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    active = total - (routed * (config.num_experts - config.experts_per_tok) // config.num_experts if config.num_experts else 0)
+    active = _active(config, main)
     embed = config.vocab_size * config.d_model
     matmul_active = active - embed            # the embedding lookup is not a matmul
     # Attention score + value FLOPs per token (forward): 2 * heads * (qk + v) * keys attended.
@@ -68,10 +78,7 @@ def _mtp_flops(config: ModelConfig, flat: dict, attn_fwd: float, avg_keys: float
     if not blocks:
         return 0.0
     mats = {p: v for p, v in flat.items() if p[0].startswith("mtp_") and len((v.unbox() if hasattr(v, "unbox") else v).shape) >= 2}
-    routed = sum(_size(v) for p, v in mats.items() if "experts" in p and "shared_experts" not in p)
-    active = sum(_size(v) for v in mats.values()) - (
-        routed * (config.num_experts - config.experts_per_tok) // config.num_experts if config.num_experts else 0)
-    active_per_depth = active / len(blocks)        # mtp_share: one block run mtp_depth times; else one per depth
+    active_per_depth = _active(config, mats) / len(blocks)        # mtp_share: one block run mtp_depth times; else one per depth
     head = config.vocab_size * config.d_model
     index = (2 * config.index_n_heads * config.index_head_dim * avg_keys
              if config.attention == "dsa" and any("indexer" in p for p in mats) else 0.0)

@@ -268,7 +268,7 @@ def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     t = time.time()
     budget = step_budget(compiled, r["chip"], model_flops_per_device(cfg, tcfg.batch_size, tcfg.seq_len,
                                                                      r["devices"]))
-    # the same budget against the model without its MTP blocks (the figure before issue 42 counted them in)
+    # the same budget against the model without its MTP blocks (the count before issue 42 left them out)
     from glm5_jax.flops import estimate
     main = estimate(cfg, tcfg.seq_len)
     main = budget["model_flops"] * main["main_train_flops_per_token"] / main["train_flops_per_token"]

@@ -130,10 +130,6 @@ def _overflow_rounds(plan, *, c0: int, c1: int, sync_axes):
     return ((jnp.maximum(m - c0, 0) + c1 - 1) // c1).astype(jnp.int32)
 
 
-def _overflow_lo(r, kw):
-    return kw["c0"] + r * kw["c"]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _overflow(x, weights, gate, up, down, plan, n_rounds, kw):
     """sum over overflow rounds r < n_rounds of _round(...) at ranks [c0 + r c, c0 + (r+1) c): every slot
@@ -142,23 +138,25 @@ def _overflow(x, weights, gate, up, down, plan, n_rounds, kw):
     return _overflow_fwd(x, weights, gate, up, down, plan, n_rounds, kw)[0]
 
 
-def _round_kw(kw):
-    return {k: v for k, v in kw if k != "c0"}
+def _split_kw(kw):
+    """The nondiff kw items -> (the first round's capacity c0, _round's keywords: c = the overflow rounds')."""
+    kw = dict(kw)
+    return kw.pop("c0"), kw
 
 
 def _overflow_fwd(x, weights, gate, up, down, plan, n_rounds, kw):
-    primals, rkw = (x, weights, gate, up, down), _round_kw(kw)
-    body = lambda r, acc: acc + _round(*primals, plan, _overflow_lo(r, dict(kw)), **rkw)
+    primals, (c0, rkw) = (x, weights, gate, up, down), _split_kw(kw)
+    body = lambda r, acc: acc + _round(*primals, plan, c0 + r * rkw["c"], **rkw)
     out = jax.lax.fori_loop(0, n_rounds, body, jnp.zeros(x.shape, jnp.float32))   # traced bound: a while_loop
     return out, (primals, plan, n_rounds)
 
 
 def _overflow_bwd(kw, res, ct):
     primals, plan, n_rounds = res
-    rkw = _round_kw(kw)
+    c0, rkw = _split_kw(kw)
 
     def body(r, acc):
-        _, vjp = jax.vjp(lambda *a: _round(*a, plan, _overflow_lo(r, dict(kw)), **rkw), *primals)
+        _, vjp = jax.vjp(lambda *a: _round(*a, plan, c0 + r * rkw["c"], **rkw), *primals)
         return jax.tree_util.tree_map(lambda s, g: s + g.astype(s.dtype), acc, vjp(ct))
 
     f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))    # sums over rounds in float32
