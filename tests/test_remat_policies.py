@@ -59,3 +59,27 @@ def test_remat_custom_is_validated():
     assert ModelConfig(remat="custom", remat_custom="attn_q:device,expert_in:offload").remat_custom == \
         ("attn_q:device", "expert_in:offload")
     assert set(REMAT_NAMES) >= {"decoder_layer_input", "attn_q", "attn_kv", "attn_context", "expert_in"}
+
+
+def test_saved_topk_indices_remove_the_indexer_from_the_backward():
+    """attn_topk (DSA's top-k indices) kept by remat custom: the loss and gradients equal remat full's, and the
+    compiled step scores the indexer (its `bthd,bsd->bths` dot) once, where remat full scores it twice
+    (forward and the backward's recompute); no indexer loss, as in pre-training (the indexer has no gradient)."""
+    cfg = CFG
+    params = model.init_params(cfg, jax.random.PRNGKey(3))
+    tok = jax.random.randint(jax.random.PRNGKey(4), (2, 16), 0, cfg.vocab_size)
+
+    def grad_fn(c):
+        def loss(p):
+            return jnp.mean(model.GLM5(c).apply({"params": p}, tok)["logits"] ** 2)
+        return jax.jit(jax.value_and_grad(loss))
+
+    full, saved = grad_fn(cfg.replace(remat="full")), grad_fn(cfg.replace(remat="custom", remat_custom=("attn_topk:device",)))
+    (l0, g0), (l1, g1) = full(params), saved(params)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    index = lambda f: sum(v for k, v in hlo_budget(f.lower(params).compile().as_text())["flops_by_source_all"].items()
+                          if k.endswith("bthd,bsd->bths"))
+    i_full, i_saved = index(full), index(saved)
+    assert i_saved > 0 and i_full == pytest.approx(2 * i_saved), (i_full, i_saved)

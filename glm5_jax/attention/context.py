@@ -86,7 +86,7 @@ def _natural_keys(x, n: int):
     return chunks[:, np.argsort(chunk_order(n))].reshape(g.shape)
 
 
-def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None = None):
+def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None = None, key_prefix: bool = False):
     """Run `fn(local, keys, q_offset)` over the sequence shards of the `context` axis.
 
     local: pytree of per-query arrays [B, T, ...] (this device's shard under context parallelism);
@@ -96,6 +96,10 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
     queries: averaged, then over the context axis), "max" (max, then over the axis).
     Without a context axis (size 1, or n=1: a module's init trace) this is fn(local, keys, None): the
     unsharded kernels, unchanged.
+    key_prefix: fn is causal and sees only keys at positions <= its queries' (keys indexed by global
+    position from 0), so each chunk gets the static key prefix it can see: the first chunk (global chunk
+    i < n) the first T/2 keys, the second (chunk 2n-1-i) all T. The pair then scores 3n key chunks
+    instead of 4n (2n+1 are visible); a kernel with a traced q_offset cannot bound its rows itself.
     """
     n = context_size() if n is None else n
     if n == 1:
@@ -117,7 +121,8 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
         outs = []
         for j, chunk in enumerate((i, 2 * n - 1 - i)):
             part = jax.tree_util.tree_map(lambda x: x[:, j * c:(j + 1) * c], local)
-            outs.append(fn(part, full, (chunk * c).astype(jnp.int32)))
+            seen = full if not key_prefix or j else jax.tree_util.tree_map(lambda x: x[:, :n * c], full)
+            outs.append(fn(part, seen, (chunk * c).astype(jnp.int32)))
         res = []
         for r, a, b in zip(reduce, *outs):
             if r == "token":

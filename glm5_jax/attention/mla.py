@@ -31,8 +31,10 @@ from glm5_jax.layers.rope import apply_rope, softmax_scale
 from pallas_kernels.dense import topk_key_mask
 
 # checkpoint names (ModelConfig.remat policies, glm5_jax.model.REMAT): the query heads after RoPE, the
-# kv_a projection (latent + rope key), the attention output before o_proj
-ATTN_Q, ATTN_KV, ATTN_CONTEXT = "attn_q", "attn_kv", "attn_context"
+# kv_a projection (latent + rope key), the attention output before o_proj, and DSA's top-k indices (int32
+# [B, T, K]: saved, the backward's recompute skips the indexer, whose scores have no gradient without an
+# indexer loss)
+ATTN_Q, ATTN_KV, ATTN_CONTEXT, ATTN_TOPK = "attn_q", "attn_kv", "attn_context", "attn_topk"
 
 
 class MLAttention(nn.Module):
@@ -90,16 +92,19 @@ class MLAttention(nn.Module):
             raise ValueError(f"indexer_loss={indexer_loss!r}; allowed: None, 'dense', 'sparse'")
 
         local, keys = {"q": q_att, "seg": segment_ids}, {"k": k_att, "v": v_att, "seg": segment_ids}
+        full_kl = self.indexer_type == "full" and indexer_loss is not None
         if self.indexer_type == "full":
             # The indexer never trains through the LM loss: its input is detached; it learns from
             # its KL to the main attention (a fixed target: q/k detached).
             idx_in = (jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent))
             q_idx, k_idx, w = Indexer(c, name="indexer")(*idx_in, cos, sin)
-            local.update(q_idx=q_idx, w=w)
-            keys["k_idx"] = k_idx
+            if full_kl:
+                local.update(q_idx=q_idx, w=w)
+                keys["k_idx"] = k_idx
+            if c.dsa_topk_source == "indexer":
+                local["indices"] = self._select(q_idx, k_idx, w, segment_ids, n_ctx)
         elif self.indexer_type == "shared":
             local["indices"] = self._shared(prev_indices)
-        full_kl = self.indexer_type == "full" and indexer_loss is not None
         stats = bool(self.indexer_type) and c.dsa_selection_stats
         reduce = (("token",) + (("token",) if self.indexer_type else ()) + (("mean",) if full_kl else ())
                   + (("mean",) if full_kl and indexer_loss == "dense" else ()) + (("max",) if monitor_logits else ())
@@ -114,10 +119,6 @@ class MLAttention(nn.Module):
             indices = loc.get("indices")
             if self.indexer_type == "full" and c.dsa_topk_source == "oracle":   # the main attention's own top-k
                 indices = oracle_topk(qa, ka, scale, c.index_topk, segment_ids=seg_q, chunk=c.attn_chunk, **at)
-            elif self.indexer_type == "full":
-                indices = indexer_topk(jax.lax.stop_gradient(loc["q_idx"]), jax.lax.stop_gradient(kv["k_idx"]),
-                                       jax.lax.stop_gradient(loc["w"]), c.index_topk, segment_ids=seg_q,
-                                       impl=c.attention_impl, chunk=c.attn_chunk, **at)
             if not sparse or short:   # short: the same top-k set, as a dense mask over the T x T pairs
                 key_mask = topk_key_mask(indices, tq) if short else None
                 out = causal_attention(qa, ka, kv["v"], scale=scale, segment_ids=seg_q, chunk=c.attn_chunk,
@@ -159,6 +160,23 @@ class MLAttention(nn.Module):
         if sparse and not short:
             out = jnp.einsum("bthr,rhd->bthd", out, w_uv.astype(out.dtype))
         return o_proj(checkpoint_name(out.reshape(b, t, h * dv), ATTN_CONTEXT)), indices, None
+
+    def _select(self, q_idx, k_idx, w, segment_ids, n_ctx):
+        """DSA's top-k: the indexer's exact top-k keys of every query, int32 [B, T, K], named ATTN_TOPK so
+        a remat policy can keep it (its own `over_context` call, apart from the attention: the backward's
+        recompute of the attention then does not run the indexer again). Under context parallelism each
+        local chunk scores only the static key prefix its queries can see (`key_prefix`)."""
+        c = self.cfg
+
+        def select(loc, kv, q_offset):
+            at = dict(q_offset=q_offset, kv_segment_ids=None if q_offset is None else kv["seg"])
+            return (indexer_topk(loc["q_idx"], kv["k_idx"], loc["w"], c.index_topk, segment_ids=loc["seg"],
+                                 impl=c.attention_impl, chunk=c.attn_chunk, **at),)
+
+        sg = jax.lax.stop_gradient
+        (indices,) = over_context(select, {"q_idx": sg(q_idx), "w": sg(w), "seg": segment_ids},
+                                  {"k_idx": sg(k_idx), "seg": segment_ids}, ("token",), n=n_ctx, key_prefix=True)
+        return checkpoint_name(indices, ATTN_TOPK)
 
     def _kv_b_weights(self, kv_b):
         """kv_b's kernel split per head: (W_UK [kv_lora, H, dn], W_UV [kv_lora, H, dv])."""
