@@ -319,11 +319,16 @@ def _sparse_mqa_vjp_bwd(scale, tc, dvp, res, do):
         dp = jnp.einsum("btkd,bthd->btkh", vc, doc, preferred_element_type=jnp.float32)
         ds = p * (dp - dc[:, :, None, :]) * scale
         dqc = jnp.einsum("btkh,btkd->bthd", ds, kc.astype(jnp.float32))
+        sc = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))
+        if dvp:  # v = k[..., :dv]: each slot's row gradient dS^T q + [P^T dO | 0] as ONE matmul over the
+            # stacked heads [dS | P] x [q ; dO padded to Dq] (no second [K, D] float32 product and sum
+            # written out), and one scatter of it (the scatter is serial on CPU)
+            do_pad = jnp.pad(doc.astype(jnp.float32), ((0, 0),) * 3 + ((0, qc.shape[-1] - dvp),))
+            drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
+                              jnp.concatenate([qc.astype(jnp.float32), do_pad], axis=2))
+            return (sc(dkv[0], safe, drow),), dqc.astype(q.dtype)
         dkc = jnp.einsum("btkh,bthd->btkd", ds, qc.astype(jnp.float32))
         dvc = jnp.einsum("btkh,bthd->btkd", p, doc.astype(jnp.float32))
-        sc = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))
-        if dvp:  # v = k[..., :dv]: one scatter of the summed rows (the scatter is serial on CPU)
-            return (sc(dkv[0], safe, dkc.at[..., :dvp].add(dvc)),), dqc.astype(q.dtype)
         dkv = (sc(dkv[0], safe, dkc), sc(dkv[1], safe, dvc))  # invalid slots: zero rows
         return dkv, dqc.astype(q.dtype)
 
