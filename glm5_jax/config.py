@@ -31,7 +31,7 @@ ROPE_SCALING_KEYS = {
 }
 REMAT_POLICIES = ("none", "full", "offload", "dots", "dots_no_batch", "save_qkv", "save_attention", "custom")
 # checkpoint names the model tags (glm5_jax.model.remat_policy): what remat_custom may place
-REMAT_NAMES = ("decoder_layer_input", "decoder_layer_mid", "attn_q", "attn_kv", "attn_context", "attn_topk", "expert_in", "expert_gate", "expert_up")
+REMAT_NAMES = ("decoder_layer_input", "decoder_layer_mid", "attn_q", "attn_kv", "attn_context", "attn_topk", "attn_lse", "expert_in", "expert_gate", "expert_up")
 REMAT_PLACES = ("device", "offload")
 
 

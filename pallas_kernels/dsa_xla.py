@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 NEG_INF = float("-inf")   # the one masked-score value (a Python float: usable inside Pallas kernels)
@@ -344,6 +345,91 @@ _sparse_mqa.defvjp(_sparse_mqa_vjp_fwd, _sparse_mqa_vjp_bwd)
 
 _TILE_BYTES = 4 * 2 ** 20  # gathered [tc, K, Dq] f32 tile kept under this (cache-sized; see below)
 
+LSE_NAME = "attn_lse"   # checkpoint name of sparse_mqa_uv's log-sum-exp (the one residual its backward needs)
+
+
+def _tile_chunk(t: int, n_sel: int, dq: int, chunk: int) -> int:
+    """Queries per chunk: <= chunk, the gathered [tc, K, Dq] float32 tile under _TILE_BYTES, dividing t."""
+    return pick_chunk(t, min(chunk, max(1, _TILE_BYTES // max(1, n_sel * dq * 4))))
+
+
+def sparse_mqa_uv(q, k, w_uv, indices, *, scale: float, chunk: int = 16):
+    """MLA's MQA sparse attention with W_UV applied: q [B, T, H, Dq], k [B, S, 1, Dq] (the value is each key
+    row's first r columns, the latent), w_uv [r, H, dv], indices [B, T, K] -> [B, T, H, dv] in q's dtype.
+
+    The same values as `sparse_attention(q, k, None, indices, dv=r)` (cast to q's dtype) followed by the
+    W_UV einsum, but in one custom VJP whose backward needs of the forward only the log-sum-exp [B, T, H]
+    (named LSE_NAME for remat policies): per query chunk it re-gathers the rows, as the backward of
+    `sparse_attention` does, and recomputes that chunk's latent output P V from them for W_UV's gradient and
+    for delta = rowsum(dO . O). So a remat'd layer that keeps its attention output (attn_context) and
+    the LSE never runs the forward's gathers and matmuls again (docs/scaleout.md, 128K row).
+    """
+    b, t, h, dq = q.shape
+    r = w_uv.shape[0]
+    if k.ndim != 4 or k.shape[2] != 1 or k.shape[-1] != dq or not 0 < r <= dq:
+        raise ValueError(f"sparse_mqa_uv: k {k.shape} must be [B, S, 1, Dq={dq}] and w_uv {w_uv.shape} [r <= Dq, H, dv]")
+    if indices.shape[:2] != (b, t):
+        raise ValueError(f"indices {indices.shape} must be [B={b}, T={t}, K]")
+    tc = _tile_chunk(t, indices.shape[-1], dq, chunk)
+    # The forward runs outside the custom VJP on gradient-free operands, and its log-sum-exp enters the VJP as
+    # an input: a remat policy can then keep the (named) LSE, which it cannot see among a custom VJP's residuals.
+    sg, kr, idx = jax.lax.stop_gradient, k[:, :, 0], indices.astype(jnp.int32)
+    out, lse = _sparse_uv_fwd(sg(q), sg(kr), sg(w_uv), idx, float(scale), tc)
+    return _sparse_uv(q, kr, w_uv, idx, checkpoint_name(lse, LSE_NAME), out, float(scale), tc)
+
+
+def _sparse_uv_fwd(q, k, w_uv, indices, scale, tc):
+    o, lse = _sparse_mqa_fwd(q, (k,), indices, scale, tc, w_uv.shape[0])      # o: q's dtype, as sparse_attention
+    return jnp.einsum("bthr,rhd->bthd", o, w_uv.astype(o.dtype)), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _sparse_uv(q, k, w_uv, indices, lse, out, scale, tc):
+    """`out` (computed by _sparse_uv_fwd from the same operands) with the gradient of attention + W_UV."""
+    return out
+
+
+def _sparse_uv_vjp_fwd(q, k, w_uv, indices, lse, out, scale, tc):
+    return out, (q, k, w_uv, indices, lse)
+
+
+def _sparse_uv_vjp_bwd(scale, tc, res, dout):
+    """Per chunk: re-gather the rows; P = exp(S - lse); O = P V (in q's dtype, as the forward's) for
+    dW_UV += O^T dOut and delta = rowsum(dO . O) with dO = dOut W_UV^T; dP = dO V^T, dS = P (dP - delta);
+    dq = dS K; each slot's row gradient dS^T q + [P^T dO | 0] in one matmul, scatter-added."""
+    q, k, w_uv, indices, lse = res
+    r, dt, f32 = w_uv.shape[0], q.dtype, jnp.float32
+    w = w_uv.astype(dt)
+
+    def one(carry, args):
+        dk, dw = carry
+        qc, idx, dc, lsec = args
+        valid = idx >= 0
+        safe = jnp.where(valid, idx, 0)
+        kc = _gather_rows(k, safe)
+        vc = kc[..., :r]
+        s = jnp.einsum("btkd,bthd->btkh", kc, qc, preferred_element_type=f32) * scale
+        p = jnp.where(valid[..., None], jnp.exp(s - lsec[:, :, None, :]), 0.0)
+        o = jnp.einsum("btkh,btkd->bthd", p.astype(vc.dtype), vc, preferred_element_type=f32).astype(dt)
+        do = jnp.einsum("bthd,rhd->bthr", dc.astype(dt), w)                     # dOut W_UV^T, as the einsum's transpose
+        dw = dw + jnp.einsum("bthr,bthd->rhd", o, dc.astype(dt), preferred_element_type=f32)
+        delta = jnp.sum(do.astype(f32) * o.astype(f32), -1)                     # [B, tc, H]
+        dp = jnp.einsum("btkd,bthd->btkh", vc, do, preferred_element_type=f32)
+        ds = p * (dp - delta[:, :, None, :]) * scale
+        dqc = jnp.einsum("btkh,btkd->bthd", ds, kc.astype(f32))
+        do_pad = jnp.pad(do.astype(f32), ((0, 0),) * 3 + ((0, qc.shape[-1] - r),))
+        drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
+                          jnp.concatenate([qc.astype(f32), do_pad], axis=2))
+        dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
+        return (dk, dw), dqc.astype(dt)
+
+    xs = (_chunks(q, tc), _chunks(indices, tc), _chunks(dout, tc), _chunks(lse, tc))
+    (dk, dw), dq = jax.lax.scan(one, (jnp.zeros(k.shape, f32), jnp.zeros(w_uv.shape, f32)), xs)
+    return _unchunks(dq), dk.astype(k.dtype), dw.astype(w_uv.dtype), None, None, None
+
+
+_sparse_uv.defvjp(_sparse_uv_vjp_fwd, _sparse_uv_vjp_bwd)
+
 
 def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 16, dv: int | None = None):
     """Attention of each query over its selected keys only.
@@ -386,9 +472,7 @@ def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 16, dv: int
         o = sparse_attention(fold(q), fold(k), fold(v), idx, scale=scale, chunk=chunk,
                              dv=None if v is not None else dv)
         return jnp.swapaxes(o.reshape(b, h, t, dv), 1, 2)
-    n_sel = indices.shape[-1]
-    tile_rows = max(1, _TILE_BYTES // max(1, n_sel * k.shape[-1] * 4))
-    tc = pick_chunk(t, min(chunk, tile_rows))
+    tc = _tile_chunk(t, indices.shape[-1], k.shape[-1], chunk)
     if v is None:
         kv, dvp = (k[:, :, 0],), int(dv)
     else:

@@ -83,3 +83,33 @@ def test_saved_topk_indices_remove_the_indexer_from_the_backward():
                           if k.endswith("bthd,bsd->bths"))
     i_full, i_saved = index(full), index(saved)
     assert i_saved > 0 and i_full == pytest.approx(2 * i_saved), (i_full, i_saved)
+
+
+def test_saved_attention_output_and_lse_remove_the_sparse_forward_from_the_backward():
+    """DSA's sparse stage (the MQA row gather, dsa_short_dense=0; 64 tokens, so its query-chunk loops run
+    several steps) with attn_context and attn_lse kept (and the top-k): loss and gradients equal remat full's,
+    and the compiled step runs the sparse attention's score and value matmuls (`btkd,bthd->btkh`,
+    `btkh,btkd->bthd`) exactly as often as without remat, where remat full runs them more (the backward's
+    recompute of the attention's forward)."""
+    cfg = CFG.replace(dsa_short_dense=0)
+    params = model.init_params(cfg, jax.random.PRNGKey(3))
+    tok = jax.random.randint(jax.random.PRNGKey(4), (2, 64), 0, cfg.vocab_size)
+
+    def grad_fn(c):
+        def loss(p):
+            return jnp.mean(model.GLM5(c).apply({"params": p}, tok)["logits"] ** 2)
+        return jax.jit(jax.value_and_grad(loss))
+
+    none, full = grad_fn(cfg), grad_fn(cfg.replace(remat="full"))
+    saved = grad_fn(cfg.replace(remat="custom", remat_custom=("attn_topk:device", "attn_context:device",
+                                                                "attn_lse:device")))
+    (l0, g0), (l1, g1) = full(params), saved(params)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    def attention(f):
+        by = hlo_budget(f.lower(params).compile().as_text())["flops_by_source_all"]
+        return [sum(v for k, v in by.items() if k.endswith(spec)) for spec in ("btkd,bthd->btkh", "btkh,btkd->bthd")]
+    a_none, a_full, a_saved = attention(none), attention(full), attention(saved)
+    assert a_saved == a_none and all(n < f for n, f in zip(a_none, a_full)), (a_none, a_saved, a_full)

@@ -70,12 +70,13 @@ DEFAULTS: dict[tuple, dict] = {
     # 128K: 16 x 131072 tokens, each sequence over context 8, the batch over expert 16 (16K tokens a chip);
     # the scanned layers' saved inputs in host memory (remat offload): 69.4 GiB by the strict formula
     # (remat full: 112.6 GiB): docs/scaleout.md, long-context table
-    # remat custom = offload + DSA's top-k indices kept in host memory (the backward runs no indexer)
+    # remat custom = offload + DSA's top-k indices and the attention output in host memory, its log-sum-exp on the
+    # device (the backward runs neither the indexer nor the sparse attention's forward)
     ("glm5", "v5p:4x4x8", 131072): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 131072,
                                     "remat": "custom", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
                                                              "train.logits_chunk=1024",
                                                              "model.remat_custom=decoder_layer_input:offload,"
-                                                             "attn_topk:offload")},
+                                                             "attn_topk:offload,attn_context:offload,attn_lse:device")},
     # GLM-5's full context: 16 x 202752 tokens on 128 chips (25,344 tokens a chip), the layer inputs on the
     # host: 82.9 GiB strict (docs/scaleout.md); and on 256 chips (12,672 a chip) with remat full, 85.7 GiB
     ("glm5", "v5p:4x4x8", 202752): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 202752,

@@ -86,7 +86,8 @@ def _natural_keys(x, n: int):
     return chunks[:, np.argsort(chunk_order(n))].reshape(g.shape)
 
 
-def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None = None, key_prefix: bool = False):
+def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None = None, key_prefix: bool = False,
+                 consts=None):
     """Run `fn(local, keys, q_offset)` over the sequence shards of the `context` axis.
 
     local: pytree of per-query arrays [B, T, ...] (this device's shard under context parallelism);
@@ -96,14 +97,18 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
     queries: averaged, then over the context axis), "max" (max, then over the axis).
     Without a context axis (size 1, or n=1: a module's init trace) this is fn(local, keys, None): the
     unsharded kernels, unchanged.
+    consts: a pytree of arrays that are not per token (e.g. a weight), passed whole to every chunk as
+    fn's fourth argument (replicated into the shard_map; their gradients summed over its devices); without
+    consts fn takes three.
     key_prefix: fn is causal and sees only keys at positions <= its queries' (keys indexed by global
     position from 0), so each chunk gets the static key prefix it can see: the first chunk (global chunk
     i < n) the first T/2 keys, the second (chunk 2n-1-i) all T. The pair then scores 3n key chunks
     instead of 4n (2n+1 are visible); a kernel with a traced q_offset cannot bound its rows itself.
     """
     n = context_size() if n is None else n
+    extra = () if consts is None else (consts,)
     if n == 1:
-        return fn(local, keys, None)
+        return fn(local, keys, None, *extra)
     for r in reduce:
         if r not in REDUCE:
             raise ValueError(f"reduce {r!r}; allowed: {', '.join(REDUCE)}")
@@ -114,7 +119,7 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
     manual = batch + (AXIS,)
     spec = P(batch or None, AXIS)
 
-    def body(local, keys):
+    def body(local, keys, *extra):
         i = jax.lax.axis_index(AXIS)
         full = jax.tree_util.tree_map(lambda x: _natural_keys(x, n), keys)
         c = jax.tree_util.tree_leaves(local)[0].shape[1] // 2
@@ -122,7 +127,7 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
         for j, chunk in enumerate((i, 2 * n - 1 - i)):
             part = jax.tree_util.tree_map(lambda x: x[:, j * c:(j + 1) * c], local)
             seen = full if not key_prefix or j else jax.tree_util.tree_map(lambda x: x[:, :n * c], full)
-            outs.append(fn(part, seen, (chunk * c).astype(jnp.int32)))
+            outs.append(fn(part, seen, (chunk * c).astype(jnp.int32), *extra))
         res = []
         for r, a, b in zip(reduce, *outs):
             if r == "token":
@@ -135,5 +140,6 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
 
     specs = lambda tree: jax.tree_util.tree_map(lambda _: spec, tree)  # noqa: E731
     out_specs = tuple(spec if r == "token" else P() for r in reduce)
-    return jax.shard_map(body, in_specs=(specs(local), specs(keys)), out_specs=out_specs,
-                         axis_names=frozenset(manual), check_vma=False)(local, keys)
+    const_specs = tuple(jax.tree_util.tree_map(lambda _: P(), e) for e in extra)
+    return jax.shard_map(body, in_specs=(specs(local), specs(keys)) + const_specs, out_specs=out_specs,
+                         axis_names=frozenset(manual), check_vma=False)(local, keys, *extra)

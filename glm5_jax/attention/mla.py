@@ -24,17 +24,21 @@ from glm5_jax.attention.context import context_size, over_context
 from glm5_jax.attention.core import causal_attention, masked_softmax, visible_slots, write_cache
 from glm5_jax.attention.indexer import (Indexer, indexer_kl_dense, indexer_kl_sparse, oracle_topk, select_topk_cached,
                                         selection_stats)
-from glm5_jax.attention.kernels import indexer_topk, sparse_attention
+from glm5_jax.attention.kernels import indexer_topk, mqa_sparse_attention_uv
 from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope, softmax_scale
 from pallas_kernels.dense import topk_key_mask
+from pallas_kernels.dsa_xla import LSE_NAME
 
 # checkpoint names (ModelConfig.remat policies, glm5_jax.model.REMAT): the query heads after RoPE, the
 # kv_a projection (latent + rope key), the attention output before o_proj, and DSA's top-k indices (int32
 # [B, T, K]: saved, the backward's recompute skips the indexer, whose scores have no gradient without an
 # indexer loss)
 ATTN_Q, ATTN_KV, ATTN_CONTEXT, ATTN_TOPK = "attn_q", "attn_kv", "attn_context", "attn_topk"
+# and the sparse attention's log-sum-exp [B, T, H] float32 (pallas_kernels.dsa_xla.sparse_mqa_uv): kept with
+# attn_context, the backward does not run the sparse attention's forward again
+ATTN_LSE = LSE_NAME
 
 
 class MLAttention(nn.Module):
@@ -110,8 +114,9 @@ class MLAttention(nn.Module):
                   + (("mean",) if full_kl and indexer_loss == "dense" else ()) + (("max",) if monitor_logits else ())
                   + (("token",) * 3 if stats else ()))
 
-        def attend(loc, kv, q_offset):
+        def attend(loc, kv, q_offset, consts):
             """One shard of queries (at global positions q_offset.., None: all T) over all keys."""
+            w_uv = consts.get("w_uv")
             qa, ka, seg_q, seg_k = loc["q"], kv["k"], loc["seg"], kv["seg"]
             tq, s = qa.shape[1], ka.shape[1]
             at = dict(q_offset=q_offset, kv_segment_ids=None if q_offset is None else seg_k)
@@ -123,9 +128,9 @@ class MLAttention(nn.Module):
                 key_mask = topk_key_mask(indices, tq) if short else None
                 out = causal_attention(qa, ka, kv["v"], scale=scale, segment_ids=seg_q, chunk=c.attn_chunk,
                                        key_mask=key_mask, **at)
-            else:   # value = the latent, the first kv_lora columns of each key row; W_UV applied outside
-                out = sparse_attention(qa, ka, None, indices, scale=scale, impl=c.attention_impl,
-                                       chunk=min(c.attn_chunk, 16), dv=c.kv_lora_rank)
+            else:   # value = the latent, the first kv_lora columns of each key row; then W_UV
+                out = mqa_sparse_attention(qa, ka, w_uv, indices, scale=scale, impl=c.attention_impl,
+                                           chunk=min(c.attn_chunk, 16))
             outs.append(out)
             if self.indexer_type:
                 outs.append(indices)
@@ -145,7 +150,8 @@ class MLAttention(nn.Module):
                 outs += selection_stats(qa, ka, scale, indices, segment_ids=seg_q, chunk=c.attn_chunk, **at)
             return tuple(outs)
 
-        res = list(over_context(attend, local, keys, reduce, n=n_ctx))
+        consts = {"w_uv": w_uv} if sparse and not short else {}
+        res = list(over_context(attend, local, keys, reduce, n=n_ctx, consts=consts))
         out = res.pop(0)
         indices = res.pop(0) if self.indexer_type else None
         if full_kl:
@@ -157,8 +163,6 @@ class MLAttention(nn.Module):
         if stats:
             for name in ("selected_mass", "oracle_mass", "oracle_recall"):
                 self.sow("intermediates", name, res.pop(0))
-        if sparse and not short:
-            out = jnp.einsum("bthr,rhd->bthd", out, w_uv.astype(out.dtype))
         return o_proj(checkpoint_name(out.reshape(b, t, h * dv), ATTN_CONTEXT)), indices, None
 
     def _select(self, q_idx, k_idx, w, segment_ids, n_ctx):
@@ -255,12 +259,12 @@ def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale,
 
 
 def mqa_sparse_attention(q, k, w_uv, indices, *, scale, impl: str = "xla", chunk: int = 16):
-    """The sparse attention of `dsa_attention` over built MQA operands (`mqa_operands`): q [B,T,H,r+dr],
-    k [B,S,1,r+dr], w_uv [r,H,dv] -> [B,T,H,dv]. The value is the latent = the first r columns of
-    each key row, so each selected row is gathered once and the backward scatters one summed
-    gradient row per slot (v=None, dv=r); W_UV is applied after attention."""
-    o_lat = sparse_attention(q, k, None, indices, scale=scale, impl=impl, chunk=chunk, dv=w_uv.shape[0])
-    return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(o_lat.dtype))
+    """The sparse attention of `dsa_attention` and of training's sparse stage over built MQA operands
+    (`mqa_operands`): q [B,T,H,r+dr], k [B,S,1,r+dr], w_uv [r,H,dv] -> [B,T,H,dv]. The value is the latent =
+    the first r columns of each key row, so each selected row is gathered once and the backward scatters one
+    summed gradient row per slot; W_UV is applied after attention, inside the kernel's custom VJP on the xla
+    path (its backward then needs only the log-sum-exp: kernels.mqa_sparse_attention_uv)."""
+    return mqa_sparse_attention_uv(q, k, w_uv, indices, scale=scale, impl=impl, chunk=chunk)
 
 
 def absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, positions=None, indices=None,

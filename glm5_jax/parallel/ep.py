@@ -130,12 +130,14 @@ def _overflow_rounds(plan, *, c0: int, c1: int, sync_axes):
     return ((jnp.maximum(m - c0, 0) + c1 - 1) // c1).astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _overflow(x, weights, gate, up, down, plan, n_rounds, kw):
-    """sum over overflow rounds r < n_rounds of _round(...) at ranks [c0 + r c, c0 + (r+1) c): every slot
-    past the first round is sent in exactly one of them. They run in a while_loop (one round's buffers
-    live at a time); the backward runs the rounds again, each round's vjp recomputing its forward."""
-    return _overflow_fwd(x, weights, gate, up, down, plan, n_rounds, kw)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _overflow(first, x, weights, gate, up, down, plan, n_rounds, kw):
+    """first (the first round's [n, D] float32 output) + the sum over overflow rounds r < n_rounds of
+    _round(...) at ranks [c0 + r c, c0 + (r+1) c): every slot past the first round is sent in exactly one
+    of them. They run in a while_loop (one round's buffers live at a time); the backward runs the rounds
+    again, each round's vjp recomputing its forward. `first` only passes through, so that its cotangent
+    can leave after the overflow gradients (_overflow_bwd)."""
+    return _overflow_fwd(first, x, weights, gate, up, down, plan, n_rounds, kw)[0]
 
 
 def _split_kw(kw):
@@ -144,11 +146,11 @@ def _split_kw(kw):
     return kw.pop("c0"), kw
 
 
-def _overflow_fwd(x, weights, gate, up, down, plan, n_rounds, kw):
+def _overflow_fwd(first, x, weights, gate, up, down, plan, n_rounds, kw):
     primals, (c0, rkw) = (x, weights, gate, up, down), _split_kw(kw)
     body = lambda r, acc: acc + _round(*primals, plan, c0 + r * rkw["c"], **rkw)
     out = jax.lax.fori_loop(0, n_rounds, body, jnp.zeros(x.shape, jnp.float32))   # traced bound: a while_loop
-    return out, (primals, plan, n_rounds)
+    return first + out, (primals, plan, n_rounds)
 
 
 def _overflow_bwd(kw, res, ct):
@@ -161,7 +163,13 @@ def _overflow_bwd(kw, res, ct):
 
     f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))    # sums over rounds in float32
     grads = jax.lax.fori_loop(0, n_rounds, body, jax.tree_util.tree_map(f32, primals))
-    return (*jax.tree_util.tree_map(lambda g, a: g.astype(a.dtype), grads, primals), None, None)
+    grads = jax.tree_util.tree_map(lambda g, a: g.astype(a.dtype), grads, primals)
+    # The first round's cotangent is released only with the overflow gradients: the first round's
+    # backward (plain autodiff, fed by this cotangent) then runs after this loop, not beside it. Left to
+    # the scheduler, the two overlapped and the loop's float32 accumulators and round buffers shared the
+    # step's peak with the first round's [ep * C0, D] buffers (docs/scaleout.md, "Spend the pod").
+    ct_first, grads = jax.lax.optimization_barrier((ct, grads))
+    return (ct_first, *grads, None, None)
 
 
 _overflow.defvjp(_overflow_fwd, _overflow_bwd)
@@ -194,9 +202,9 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
         dropped = jnp.sum(jnp.maximum(plan[3] - c, 0)).astype(jnp.int32)
         return out.astype(x.dtype), dropped, total, jnp.int32(1)
     c0, c1 = capacity(s, ep, round_factor), capacity(s, ep, overflow_factor)
-    out = _round(x, weights, gate, up, down, plan, jnp.int32(0), c=c0, **kw)
+    first = _round(x, weights, gate, up, down, plan, jnp.int32(0), c=c0, **kw)
     n_over = _overflow_rounds(plan, c0=c0, c1=c1, sync_axes=sync_axes)
-    out = out + _overflow(x, weights, gate, up, down, plan, n_over, tuple(sorted(dict(c=c1, c0=c0, **kw).items())))
+    out = _overflow(first, x, weights, gate, up, down, plan, n_over, tuple(sorted(dict(c=c1, c0=c0, **kw).items())))
     return out.astype(x.dtype), jnp.int32(0), total, n_over + 1
 
 
