@@ -394,11 +394,14 @@ def _sparse_uv_vjp_fwd(q, k, w_uv, indices, lse, out, scale, tc):
 
 
 def _sparse_uv_vjp_bwd(scale, tc, res, dout):
-    """Per chunk: re-gather the rows; P = exp(S - lse); O = P V (in q's dtype, as the forward's) for
-    dW_UV += O^T dOut and delta = rowsum(dO . O) with dO = dOut W_UV^T; dP = dO V^T, dS = P (dP - delta);
-    dq = dS K; each slot's row gradient dS^T q + [P^T dO | 0] in one matmul, scatter-added."""
+    """Per chunk, reading the re-gathered rows K (V = K[..., :r]) in two matmuls over stacked heads:
+    [S | dP] = K [q ; dO] (S = K q, dP = V dO with dO = dOut W_UV^T zero-padded to Dq), P = exp(S - lse),
+    delta = rowsum(P . dP) (= rowsum(dO . O)), dS = P (dP - delta); [O | dq] = [P | dS]^T K, whose O = P V
+    (in q's dtype, as the forward's) gives dW_UV += O^T dOut; each slot's row gradient dS^T q + [P^T dO | 0]
+    in one matmul over [dS | P], scatter-added."""
     q, k, w_uv, indices, lse = res
     r, dt, f32 = w_uv.shape[0], q.dtype, jnp.float32
+    h, dq_dim = q.shape[2], q.shape[3]
     w = w_uv.astype(dt)
 
     def one(carry, args):
@@ -406,22 +409,23 @@ def _sparse_uv_vjp_bwd(scale, tc, res, dout):
         qc, idx, dc, lsec = args
         valid = idx >= 0
         safe = jnp.where(valid, idx, 0)
-        kc = _gather_rows(k, safe)
-        vc = kc[..., :r]
-        s = jnp.einsum("btkd,bthd->btkh", kc, qc, preferred_element_type=f32) * scale
-        p = jnp.where(valid[..., None], jnp.exp(s - lsec[:, :, None, :]), 0.0)
-        o = jnp.einsum("btkh,btkd->bthd", p.astype(vc.dtype), vc, preferred_element_type=f32).astype(dt)
+        kc = _gather_rows(k, safe)                                               # [B, tc, K, Dq]
         do = jnp.einsum("bthd,rhd->bthr", dc.astype(dt), w)                     # dOut W_UV^T, as the einsum's transpose
-        dw = dw + jnp.einsum("bthr,bthd->rhd", o, dc.astype(dt), preferred_element_type=f32)
-        delta = jnp.sum(do.astype(f32) * o.astype(f32), -1)                     # [B, tc, H]
-        dp = jnp.einsum("btkd,bthd->btkh", vc, do, preferred_element_type=f32)
+        do_pad = jnp.pad(do, ((0, 0),) * 3 + ((0, dq_dim - r),))
+        sdp = jnp.einsum("btkd,bthd->btkh", kc, jnp.concatenate([qc, do_pad.astype(qc.dtype)], axis=2),
+                         preferred_element_type=f32)                             # [B, tc, K, 2H]
+        p = jnp.where(valid[..., None], jnp.exp(sdp[..., :h] * scale - lsec[:, :, None, :]), 0.0)
+        dp = sdp[..., h:]
+        delta = jnp.sum(p * dp, axis=2)                                          # [B, tc, H]
         ds = p * (dp - delta[:, :, None, :]) * scale
-        dqc = jnp.einsum("btkh,btkd->bthd", ds, kc.astype(f32))
-        do_pad = jnp.pad(do.astype(f32), ((0, 0),) * 3 + ((0, qc.shape[-1] - r),))
+        pds = jnp.concatenate([p, ds], axis=-1)                                  # [B, tc, K, 2H]
+        odq = jnp.einsum("btkh,btkd->bthd", pds, kc.astype(f32))                 # [B, tc, 2H, Dq]
+        o = odq[:, :, :h, :r].astype(dt)
+        dw = dw + jnp.einsum("bthr,bthd->rhd", o, dc.astype(dt), preferred_element_type=f32)
         drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
-                          jnp.concatenate([qc.astype(f32), do_pad], axis=2))
+                          jnp.concatenate([qc.astype(f32), do_pad.astype(f32)], axis=2))
         dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
-        return (dk, dw), dqc.astype(dt)
+        return (dk, dw), odq[:, :, h:].astype(dt)
 
     xs = (_chunks(q, tc), _chunks(indices, tc), _chunks(dout, tc), _chunks(lse, tc))
     (dk, dw), dq = jax.lax.scan(one, (jnp.zeros(k.shape, f32), jnp.zeros(w_uv.shape, f32)), xs)
