@@ -394,41 +394,38 @@ def _sparse_uv_vjp_fwd(q, k, w_uv, indices, lse, out, scale, tc):
 
 
 def _sparse_uv_vjp_bwd(scale, tc, res, dout):
-    """Per chunk, reading the re-gathered rows K (V = K[..., :r]) in two matmuls over stacked heads:
-    [S | dP] = K [q ; dO] (S = K q, dP = V dO with dO = dOut W_UV^T zero-padded to Dq), P = exp(S - lse),
-    delta = rowsum(P . dP) (= rowsum(dO . O)), dS = P (dP - delta); [O | dq] = [P | dS]^T K, whose O = P V
-    (in q's dtype, as the forward's) gives dW_UV += O^T dOut; each slot's row gradient dS^T q + [P^T dO | 0]
-    in one matmul over [dS | P], scatter-added."""
+    """dO = dOut W_UV^T over all queries at once; then per chunk, reading the re-gathered rows K (V = K[..., :r])
+    in two matmuls over stacked heads: [S | dP] = K [q ; dO] (S = K q, dP = V dO, dO zero-padded to Dq),
+    P = exp(S - lse), delta = rowsum(P . dP) (= rowsum(dO . O)), dS = P (dP - delta); [O | dq] = [P | dS]^T K;
+    each slot's row gradient dS^T q + [P^T dO | 0] in one matmul over [dS | P], scatter-added. The chunks'
+    O = P V (in q's dtype, as the forward's) give dW_UV = O^T dOut after the loop (W_UV and its gradient are
+    never read or written per chunk: at one query a chunk that was 48 MiB a query at GLM-5 widths)."""
     q, k, w_uv, indices, lse = res
     r, dt, f32 = w_uv.shape[0], q.dtype, jnp.float32
     h, dq_dim = q.shape[2], q.shape[3]
-    w = w_uv.astype(dt)
+    do = jnp.einsum("bthd,rhd->bthr", dout.astype(dt), w_uv.astype(dt))        # as the W_UV einsum's transpose
+    do_pad = jnp.pad(do, ((0, 0),) * 3 + ((0, dq_dim - r),)).astype(q.dtype)
 
-    def one(carry, args):
-        dk, dw = carry
-        qc, idx, dc, lsec = args
+    def one(dk, args):
+        qc, idx, doc, lsec = args
         valid = idx >= 0
         safe = jnp.where(valid, idx, 0)
         kc = _gather_rows(k, safe)                                               # [B, tc, K, Dq]
-        do = jnp.einsum("bthd,rhd->bthr", dc.astype(dt), w)                     # dOut W_UV^T, as the einsum's transpose
-        do_pad = jnp.pad(do, ((0, 0),) * 3 + ((0, dq_dim - r),))
-        sdp = jnp.einsum("btkd,bthd->btkh", kc, jnp.concatenate([qc, do_pad.astype(qc.dtype)], axis=2),
+        sdp = jnp.einsum("btkd,bthd->btkh", kc, jnp.concatenate([qc, doc], axis=2),
                          preferred_element_type=f32)                             # [B, tc, K, 2H]
         p = jnp.where(valid[..., None], jnp.exp(sdp[..., :h] * scale - lsec[:, :, None, :]), 0.0)
         dp = sdp[..., h:]
         delta = jnp.sum(p * dp, axis=2)                                          # [B, tc, H]
         ds = p * (dp - delta[:, :, None, :]) * scale
-        pds = jnp.concatenate([p, ds], axis=-1)                                  # [B, tc, K, 2H]
-        odq = jnp.einsum("btkh,btkd->bthd", pds, kc.astype(f32))                 # [B, tc, 2H, Dq]
-        o = odq[:, :, :h, :r].astype(dt)
-        dw = dw + jnp.einsum("bthr,bthd->rhd", o, dc.astype(dt), preferred_element_type=f32)
+        odq = jnp.einsum("btkh,btkd->bthd", jnp.concatenate([p, ds], axis=-1), kc.astype(f32))  # [B, tc, 2H, Dq]
         drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
-                          jnp.concatenate([qc.astype(f32), do_pad.astype(f32)], axis=2))
+                          jnp.concatenate([qc, doc], axis=2).astype(f32))
         dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
-        return (dk, dw), odq[:, :, h:].astype(dt)
+        return dk, (odq[:, :, :h, :r].astype(dt), odq[:, :, h:].astype(dt))
 
-    xs = (_chunks(q, tc), _chunks(indices, tc), _chunks(dout, tc), _chunks(lse, tc))
-    (dk, dw), dq = jax.lax.scan(one, (jnp.zeros(k.shape, f32), jnp.zeros(w_uv.shape, f32)), xs)
+    xs = (_chunks(q, tc), _chunks(indices, tc), _chunks(do_pad, tc), _chunks(lse, tc))
+    dk, (o, dq) = jax.lax.scan(one, jnp.zeros(k.shape, f32), xs)
+    dw = jnp.einsum("bthr,bthd->rhd", _unchunks(o), dout.astype(dt), preferred_element_type=f32)
     return _unchunks(dq), dk.astype(k.dtype), dw.astype(w_uv.dtype), None, None, None
 
 
