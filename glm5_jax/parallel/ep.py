@@ -23,7 +23,9 @@ device runs the same loop. Balanced routing costs the first round only. The firs
 as the capacity path (its named activations follow the remat policy: with expert_gate / expert_up saved
 the backward recomputes no grouped matmul); the overflow rounds run in a lax.while_loop inside a
 custom_vjp whose backward runs the same rounds again (each recomputing its forward), so no overflow
-round's activations outlive it. Why a small C1 (moe_overflow_capacity_factor 0.125): an overflow round
+round's activations outlive it; the first round's output passes through that custom_vjp, whose backward
+hands its cotangent on only with the overflow gradients, so the first round's backward runs after the
+overflow rounds', not beside them. Why a small C1 (moe_overflow_capacity_factor 0.125): an overflow round
 costs its buffer whatever it holds, and what overflows a 1.25 x mean first round is the tail of the
 load, not another mean (docs/scaleout.md, "Spend the pod"). round_factor <= 0 gives the old worst-case
 form: one round of C = n * k (ep x the buffer memory).
@@ -164,10 +166,11 @@ def _overflow_bwd(kw, res, ct):
     f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))    # sums over rounds in float32
     grads = jax.lax.fori_loop(0, n_rounds, body, jax.tree_util.tree_map(f32, primals))
     grads = jax.tree_util.tree_map(lambda g, a: g.astype(a.dtype), grads, primals)
-    # The first round's cotangent is released only with the overflow gradients: the first round's
-    # backward (plain autodiff, fed by this cotangent) then runs after this loop, not beside it. Left to
-    # the scheduler, the two overlapped and the loop's float32 accumulators and round buffers shared the
-    # step's peak with the first round's [ep * C0, D] buffers (docs/scaleout.md, "Spend the pod").
+    # The first round's cotangent is released only with the overflow gradients (cast to the primals'
+    # dtypes first): the first round's backward (plain autodiff, fed by this cotangent) then runs after
+    # this loop, not beside it. Left to the scheduler, the two overlapped: the loop's float32
+    # accumulators shared the step's peak with the first round's [ep * C0, D] buffers, and the glm5 4K
+    # dropless step needed 102.36 GiB a chip; ordered, 88.30 (docs/scaleout.md, "Spend the pod").
     ct_first, grads = jax.lax.optimization_barrier((ct, grads))
     return (ct_first, *grads, None, None)
 
