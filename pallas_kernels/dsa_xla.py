@@ -397,7 +397,7 @@ def _sparse_uv_vjp_bwd(scale, tc, res, dout):
     """dO = dOut W_UV^T over all queries at once; then per chunk, reading the re-gathered rows K (V = K[..., :r])
     in two matmuls over stacked heads: [S | dP] = K [q ; dO] (S = K q, dP = V dO, dO zero-padded to Dq),
     P = exp(S - lse), delta = rowsum(P . dP) (= rowsum(dO . O)), dS = P (dP - delta); [O | dq] = [P | dS]^T K;
-    each slot's row gradient dS^T q + [P^T dO | 0] in one matmul over [dS | P], scatter-added. The chunks'
+    each slot's row gradient dS^T q + [P^T dO | 0] in one matmul over [dS | P], scatter-added into float32 dK. The chunks'
     O = P V (in q's dtype, as the forward's) give dW_UV = O^T dOut after the loop (W_UV and its gradient are
     never read or written per chunk: at one query a chunk that was 48 MiB a query at GLM-5 widths)."""
     q, k, w_uv, indices, lse = res
@@ -417,10 +417,14 @@ def _sparse_uv_vjp_bwd(scale, tc, res, dout):
         dp = sdp[..., h:]
         delta = jnp.sum(p * dp, axis=2)                                          # [B, tc, H]
         ds = p * (dp - delta[:, :, None, :]) * scale
-        odq = jnp.einsum("btkh,btkd->bthd", jnp.concatenate([p, ds], axis=-1), kc.astype(f32))  # [B, tc, 2H, Dq]
-        drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
-                          jnp.concatenate([qc, doc], axis=2).astype(f32))
-        dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
+        # P and dS enter the last two matmuls in q's dtype with float32 accumulation (FlashAttention-2's
+        # backward does the same); each slot's row gradient is written in q's dtype and summed into the
+        # float32 dK by the scatter (float32 models: every step float32, as before)
+        pds = jnp.concatenate([p, ds], axis=-1).astype(dt)
+        odq = jnp.einsum("btkh,btkd->bthd", pds, kc, preferred_element_type=f32)          # [B, tc, 2H, Dq]
+        drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([pds[..., h:], pds[..., :h]], axis=-1),
+                          jnp.concatenate([qc, doc], axis=2), preferred_element_type=dt)
+        dk = jax.vmap(lambda a, i, u: a.at[i].add(u.astype(f32), mode="promise_in_bounds"))(dk, safe, drow)
         return dk, (odq[:, :, :h, :r].astype(dt), odq[:, :, h:].astype(dt))
 
     xs = (_chunks(q, tc), _chunks(indices, tc), _chunks(do_pad, tc), _chunks(lse, tc))
