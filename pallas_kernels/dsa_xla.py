@@ -417,14 +417,14 @@ def _sparse_uv_vjp_bwd(scale, tc, res, dout):
         dp = sdp[..., h:]
         delta = jnp.sum(p * dp, axis=2)                                          # [B, tc, H]
         ds = p * (dp - delta[:, :, None, :]) * scale
-        # P and dS enter the last two matmuls in q's dtype with float32 accumulation (FlashAttention-2's
-        # backward does the same); each slot's row gradient is written in q's dtype and summed into the
-        # float32 dK by the scatter (float32 models: every step float32, as before)
+        # P and dS enter the last two matmuls in q's dtype with float32 accumulation (FlashAttention-2's backward
+        # does the same; float32 models: every step float32, as before). The row gradient stays float32: written
+        # in q's dtype, the TPU compile converted it back in a separate copy before the float32 scatter (v5 row)
         pds = jnp.concatenate([p, ds], axis=-1).astype(dt)
         odq = jnp.einsum("btkh,btkd->bthd", pds, kc, preferred_element_type=f32)          # [B, tc, 2H, Dq]
         drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([pds[..., h:], pds[..., :h]], axis=-1),
-                          jnp.concatenate([qc, doc], axis=2), preferred_element_type=dt)
-        dk = jax.vmap(lambda a, i, u: a.at[i].add(u.astype(f32), mode="promise_in_bounds"))(dk, safe, drow)
+                          jnp.concatenate([qc, doc], axis=2), preferred_element_type=f32)
+        dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
         return dk, (odq[:, :, :h, :r].astype(dt), odq[:, :, h:].astype(dt))
 
     xs = (_chunks(q, tc), _chunks(indices, tc), _chunks(do_pad, tc), _chunks(lse, tc))
