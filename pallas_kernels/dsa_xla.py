@@ -397,7 +397,7 @@ def _sparse_uv_vjp_bwd(scale, tc, res, dout):
     """dO = dOut W_UV^T over all queries at once; then per chunk, reading the re-gathered rows K (V = K[..., :r])
     in two matmuls over stacked heads: [S | dP] = K [q ; dO] (S = K q, dP = V dO, dO zero-padded to Dq),
     P = exp(S - lse), delta = rowsum(P . dP) (= rowsum(dO . O)), dS = P (dP - delta); [O | dq] = [P | dS]^T K;
-    each slot's row gradient dS^T q + [P^T dO | 0] in one matmul over [dS | P], scatter-added into float32 dK. The chunks'
+    each slot's row gradient dS^T q + [P^T dO | 0] in one matmul over [dS | P], scatter-added. The chunks'
     O = P V (in q's dtype, as the forward's) give dW_UV = O^T dOut after the loop (W_UV and its gradient are
     never read or written per chunk: at one query a chunk that was 48 MiB a query at GLM-5 widths)."""
     q, k, w_uv, indices, lse = res
@@ -417,13 +417,9 @@ def _sparse_uv_vjp_bwd(scale, tc, res, dout):
         dp = sdp[..., h:]
         delta = jnp.sum(p * dp, axis=2)                                          # [B, tc, H]
         ds = p * (dp - delta[:, :, None, :]) * scale
-        # P and dS enter the last two matmuls in q's dtype with float32 accumulation (FlashAttention-2's backward
-        # does the same; float32 models: every step float32, as before). The row gradient stays float32: written
-        # in q's dtype, the TPU compile converted it back in a separate copy before the float32 scatter (v5 row)
-        pds = jnp.concatenate([p, ds], axis=-1).astype(dt)
-        odq = jnp.einsum("btkh,btkd->bthd", pds, kc, preferred_element_type=f32)          # [B, tc, 2H, Dq]
-        drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([pds[..., h:], pds[..., :h]], axis=-1),
-                          jnp.concatenate([qc, doc], axis=2), preferred_element_type=f32)
+        odq = jnp.einsum("btkh,btkd->bthd", jnp.concatenate([p, ds], axis=-1), kc.astype(f32))  # [B, tc, 2H, Dq]
+        drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
+                          jnp.concatenate([qc, doc], axis=2).astype(f32))
         dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
         return dk, (odq[:, :, :h, :r].astype(dt), odq[:, :, h:].astype(dt))
 
