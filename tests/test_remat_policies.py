@@ -61,55 +61,50 @@ def test_remat_custom_is_validated():
     assert set(REMAT_NAMES) >= {"decoder_layer_input", "attn_q", "attn_kv", "attn_context", "expert_in"}
 
 
-def test_saved_topk_indices_remove_the_indexer_from_the_backward():
-    """attn_topk (DSA's top-k indices) kept by remat custom: the loss and gradients equal remat full's, and the
-    compiled step scores the indexer (its `bthd,bsd->bths` dot) once, where remat full scores it twice
-    (forward and the backward's recompute); no indexer loss, as in pre-training (the indexer has no gradient)."""
-    cfg = CFG
+def _pretrain_grads(cfg, t: int, variants: dict):
+    """{name: jitted value_and_grad of a no-indexer-loss (pre-training) loss} for cfg.replace(**kw) of each
+    variant over one [2, t] batch, the params, and a check that every variant's loss and gradients equal the
+    first one's."""
     params = model.init_params(cfg, jax.random.PRNGKey(3))
-    tok = jax.random.randint(jax.random.PRNGKey(4), (2, 16), 0, cfg.vocab_size)
+    tok = jax.random.randint(jax.random.PRNGKey(4), (2, t), 0, cfg.vocab_size)
 
     def grad_fn(c):
         def loss(p):
             return jnp.mean(model.GLM5(c).apply({"params": p}, tok)["logits"] ** 2)
         return jax.jit(jax.value_and_grad(loss))
 
-    full, saved = grad_fn(cfg.replace(remat="full")), grad_fn(cfg.replace(remat="custom", remat_custom=("attn_topk:device",)))
-    (l0, g0), (l1, g1) = full(params), saved(params)
-    np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    index = lambda f: sum(v for k, v in hlo_budget(f.lower(params).compile().as_text())["flops_by_source_all"].items()
-                          if k.endswith("bthd,bsd->bths"))
-    i_full, i_saved = index(full), index(saved)
+    fns = {k: grad_fn(cfg.replace(**kw)) for k, kw in variants.items()}
+    (l0, g0), *rest = [f(params) for f in fns.values()]
+    for l1, g1 in rest:
+        np.testing.assert_allclose(l0, l1, rtol=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    def flops(name, spec):   # compiled dot FLOPs of the einsum `spec` (tools.budget's source names end with it)
+        by = hlo_budget(fns[name].lower(params).compile().as_text())["flops_by_source_all"]
+        return sum(v for k, v in by.items() if k.endswith(spec))
+    return flops
+
+
+def test_saved_topk_indices_remove_the_indexer_from_the_backward():
+    """attn_topk (DSA's top-k indices) kept by remat custom: the loss and gradients equal remat full's, and the
+    compiled step scores the indexer (its `bthd,bsd->bths` dot) once, where remat full scores it twice
+    (forward and the backward's recompute); no indexer loss, as in pre-training (the indexer has no gradient)."""
+    flops = _pretrain_grads(CFG, 16, {"full": dict(remat="full"),
+                                      "saved": dict(remat="custom", remat_custom=("attn_topk:device",))})
+    i_full, i_saved = flops("full", "bthd,bsd->bths"), flops("saved", "bthd,bsd->bths")
     assert i_saved > 0 and i_full == pytest.approx(2 * i_saved), (i_full, i_saved)
 
 
 def test_saved_attention_output_and_lse_remove_the_sparse_forward_from_the_backward():
     """DSA's sparse stage (the MQA row gather, dsa_short_dense=0; 64 tokens, so its query-chunk loops run
-    several steps) with attn_context and attn_lse kept (and the top-k): loss and gradients equal remat full's,
-    and the compiled step runs the sparse attention's score and value matmuls (`btkd,bthd->btkh`,
+    several steps) with attn_context and attn_lse kept (and the top-k): loss and gradients equal remat full's
+    and no remat's, and the compiled step runs the sparse attention's score and value matmuls (`btkd,bthd->btkh`,
     `btkh,btkd->bthd`) exactly as often as without remat, where remat full runs them more (the backward's
     recompute of the attention's forward)."""
-    cfg = CFG.replace(dsa_short_dense=0)
-    params = model.init_params(cfg, jax.random.PRNGKey(3))
-    tok = jax.random.randint(jax.random.PRNGKey(4), (2, 64), 0, cfg.vocab_size)
-
-    def grad_fn(c):
-        def loss(p):
-            return jnp.mean(model.GLM5(c).apply({"params": p}, tok)["logits"] ** 2)
-        return jax.jit(jax.value_and_grad(loss))
-
-    none, full = grad_fn(cfg), grad_fn(cfg.replace(remat="full"))
-    saved = grad_fn(cfg.replace(remat="custom", remat_custom=("attn_topk:device", "attn_context:device",
-                                                                "attn_lse:device")))
-    (l0, g0), (l1, g1) = full(params), saved(params)
-    np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-
-    def attention(f):
-        by = hlo_budget(f.lower(params).compile().as_text())["flops_by_source_all"]
-        return [sum(v for k, v in by.items() if k.endswith(spec)) for spec in ("btkd,bthd->btkh", "btkh,btkd->bthd")]
-    a_none, a_full, a_saved = attention(none), attention(full), attention(saved)
+    flops = _pretrain_grads(CFG.replace(dsa_short_dense=0), 64, {
+        "full": dict(remat="full"), "none": dict(remat="none"),
+        "saved": dict(remat="custom", remat_custom=("attn_topk:device", "attn_context:device", "attn_lse:device"))})
+    specs = ("btkd,bthd->btkh", "btkh,btkd->bthd")
+    a_none, a_full, a_saved = ([flops(k, sp) for sp in specs] for k in ("none", "full", "saved"))
     assert a_saved == a_none and all(n < f for n, f in zip(a_none, a_full)), (a_none, a_saved, a_full)
