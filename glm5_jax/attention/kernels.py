@@ -114,10 +114,12 @@ def sparse_attention(q, k, v, indices, *, scale, impl: str = "xla", chunk: int =
     return ref.sparse_attention(q, k, v, indices, scale=scale, chunk=chunk, dv=dv)
 
 
-def mqa_sparse_attention_uv(q, k, w_uv, indices, *, scale, impl: str = "xla", chunk: int = 16):
-    """MLA's MQA sparse attention with W_UV applied (q [B, T, H, Dq], k [B, S, 1, Dq] whose first r columns are the
-    value, w_uv [r, H, dv], indices [B, T, K] -> [B, T, H, dv]): the xla path is one custom VJP whose backward
-    keeps only the log-sum-exp (`dsa_xla.sparse_mqa_uv`); the pallas path is `sparse_attention` then W_UV."""
+def mqa_sparse_attention(q, k, w_uv, indices, *, scale, impl: str = "xla", chunk: int = 16):
+    """MLA's MQA sparse attention with W_UV applied -- the one sparse call of training's sparse stage, prefill and
+    decode (glm5_jax.attention.mla): q [B, T, H, Dq], k [B, S, 1, Dq] whose first r columns are the value (the
+    latent: each selected row is gathered once), w_uv [r, H, dv], indices [B, T, K] -> [B, T, H, dv]. The xla path
+    is one custom VJP whose backward keeps only the log-sum-exp (`dsa_xla.sparse_mqa_uv`); the pallas path is
+    `sparse_attention` then W_UV."""
     if impl == "xla":
         return ref.sparse_mqa_uv(q, k, w_uv, indices, scale=scale, chunk=chunk)
     o_lat = sparse_attention(q, k, None, indices, scale=scale, impl=impl, chunk=chunk, dv=w_uv.shape[0])

@@ -24,7 +24,7 @@ from glm5_jax.attention.context import context_size, over_context
 from glm5_jax.attention.core import causal_attention, masked_softmax, visible_slots, write_cache
 from glm5_jax.attention.indexer import (Indexer, indexer_kl_dense, indexer_kl_sparse, oracle_topk, select_topk_cached,
                                         selection_stats)
-from glm5_jax.attention.kernels import indexer_topk, mqa_sparse_attention_uv
+from glm5_jax.attention.kernels import indexer_topk, mqa_sparse_attention
 from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope, softmax_scale
@@ -256,15 +256,6 @@ def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale,
     [latent | k_rope] rows (scale: softmax_scale(dn + dr, ...), layers.rope), W_UV is applied after attention."""
     q, k, _ = mqa_operands(q_nope, q_rope, latent, k_rope, w_uk)
     return mqa_sparse_attention(q, k, w_uv, indices, scale=scale, impl=impl, chunk=chunk)
-
-
-def mqa_sparse_attention(q, k, w_uv, indices, *, scale, impl: str = "xla", chunk: int = 16):
-    """The sparse attention of `dsa_attention` and of training's sparse stage over built MQA operands
-    (`mqa_operands`): q [B,T,H,r+dr], k [B,S,1,r+dr], w_uv [r,H,dv] -> [B,T,H,dv]. The value is the latent =
-    the first r columns of each key row, so each selected row is gathered once and the backward scatters one
-    summed gradient row per slot; W_UV is applied after attention, inside the kernel's custom VJP on the xla
-    path (its backward then needs only the log-sum-exp: kernels.mqa_sparse_attention_uv)."""
-    return mqa_sparse_attention_uv(q, k, w_uv, indices, scale=scale, impl=impl, chunk=chunk)
 
 
 def absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, positions=None, indices=None,
