@@ -151,6 +151,9 @@ class ModelConfig:
     param_dtype: str = setting("float32", choices=DTYPES, same_weights=True)
     dtype: str = setting("float32", choices=DTYPES, same_weights=True)   # compute dtype; softmax, router and norms stay float32
     attention_impl: str = setting("xla", choices=ATTENTION_IMPLS, runtime=True)   # xla | pallas (DSA kernels)
+    indexer_impl: str = setting("", choices=("",) + ATTENTION_IMPLS, note="('': as attention_impl)", runtime=True)
+                                          # the DSA indexer top-k's kernels alone ('' = attention_impl): the 128K default runs
+                                          # the sparse attention in Pallas and the indexer in jnp (docs/scaleout.md)
     attn_chunk: int = setting(256, integer=True, min=1, runtime=True)   # query chunk for attention paths (bounds [chunk, S] memory)
     dsa_short_dense: int = setting(8, integer=True, min=0, note="(0: always the sparse gather)", runtime=True)
                                           # CPU, xla: DSA's sparse stage as top-k-masked dense attention at T <= this * index_topk (0: never)

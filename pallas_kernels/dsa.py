@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import indexer_triton as _idx_gpu
 from pallas_kernels._bounds import block_visible, bound_cost, dot_t, head_bound, score_cost
+from pallas_kernels import dsa_xla as _xla
 from pallas_kernels import sparse_attn_tpu as _tpu
+from pallas_kernels import sparse_mqa_tpu as _mqa_tpu
 from pallas_kernels import sparse_attn_triton as _triton
 
 from pallas_kernels.dsa_xla import NEG_INF
@@ -700,3 +703,44 @@ def sparse_attention_with_lse(q, k, v, indices, *, scale: float, interpret=None,
     """Forward only: (out [B, T, H, Dv], lse [B, T, H] float32, -inf on empty rows)."""
     return _attn_fwd(q, k, v, indices.astype(jnp.int32), float(scale), int(block_q),
                      int(block_k), _interpret(interpret))
+
+
+class PallasRows(typing.NamedTuple):
+    """`dsa_xla.sparse_mqa_uv`'s per-query work with the Pallas kernels: the forward is `sparse_attention`'s
+    (value = the key rows' first r columns), the backward on TPU is `sparse_mqa_tpu.mqa_bwd` (the key gradient's
+    scatter-add fused: per query the K rows are read once and the dK rows read and written once, nothing per
+    slot reaches HBM). On GPU the backward is the jnp path's (`dsa_xla.JnpRows`): there is no fused Triton
+    backward yet (docs/kernels.md)."""
+    interpret: bool | None
+    block_q: int
+    block_k: int
+    chunk: int
+
+    def fwd(self, q, k, indices, scale, r):
+        o, lse = _attn_fwd(q, k[:, :, None], k[:, :, None, :r], indices, scale, self.block_q, self.block_k,
+                           self.interpret)
+        return o, lse
+
+    def bwd(self, q, k, do, indices, lse, scale, r):
+        h = q.shape[2]
+        jnp_rows = _xla.JnpRows(_xla._tile_chunk(q.shape[1], indices.shape[-1], q.shape[-1], self.chunk))
+
+        def tpu(interp):
+            def run(q, k, do, indices, lse):
+                odq, dk = _mqa_tpu.mqa_bwd(q, k, do, indices, lse, scale=scale, interpret=interp)
+                return odq[:, :, h:], odq[:, :, :h, :r], dk
+            return run
+
+        def gpu(interp):
+            return lambda *a: jnp_rows.bwd(*a, scale, r)
+
+        return _dispatch((q, k, do, indices, lse), tpu, gpu, self.interpret)
+
+
+def sparse_mqa_uv(q, k, w_uv, indices, *, scale: float, interpret=None, block_q: int = 64, block_k: int = 128,
+                  chunk: int = 16):
+    """`dsa_xla.sparse_mqa_uv` (MLA's MQA sparse attention with W_UV, one custom VJP that keeps only the LSE)
+    with the Pallas kernels (`PallasRows`): q [B, T, H, Dq], k [B, S, 1, Dq], w_uv [r, H, dv], indices [B, T, K]
+    -> [B, T, H, dv]."""
+    return _xla.sparse_mqa_uv(q, k, w_uv, indices, scale=scale,
+                              rows=PallasRows(_interpret(interpret), int(block_q), int(block_k), int(chunk)))

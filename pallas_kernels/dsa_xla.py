@@ -16,6 +16,7 @@ Conventions shared with the Pallas kernels in `pallas_kernels.dsa`:
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -353,16 +354,21 @@ def _tile_chunk(t: int, n_sel: int, dq: int, chunk: int) -> int:
     return pick_chunk(t, min(chunk, max(1, _TILE_BYTES // max(1, n_sel * dq * 4))))
 
 
-def sparse_mqa_uv(q, k, w_uv, indices, *, scale: float, chunk: int = 16):
+def sparse_mqa_uv(q, k, w_uv, indices, *, scale: float, chunk: int = 16, rows=None):
     """MLA's MQA sparse attention with W_UV applied: q [B, T, H, Dq], k [B, S, 1, Dq] (the value is each key
     row's first r columns, the latent), w_uv [r, H, dv], indices [B, T, K] -> [B, T, H, dv] in q's dtype.
 
     The same values as `sparse_attention(q, k, None, indices, dv=r)` (cast to q's dtype) followed by the
     W_UV einsum, but in one custom VJP whose backward needs of the forward only the log-sum-exp [B, T, H]
-    (named LSE_NAME for remat policies): per query chunk it re-gathers the rows, as the backward of
-    `sparse_attention` does, and recomputes that chunk's latent output P V from them for W_UV's gradient and
+    (named LSE_NAME for remat policies): per query it re-gathers the rows, as the backward of
+    `sparse_attention` does, and recomputes that query's latent output P V from them for W_UV's gradient and
     for delta = rowsum(dO . O). So a remat'd layer that keeps its attention output (attn_context) and
     the LSE never runs the forward's gathers and matmuls again (docs/scaleout.md, 128K row).
+
+    `rows`: the per-query work, an object with `fwd(q, k, indices, scale, r) -> (o [B, T, H, r] in q's dtype,
+    lse)` and `bwd(q, k, do, indices, lse, scale, r) -> (dq, o [B, T, H, r] in q's dtype, dk float32)` (k [B, S, Dq],
+    do [B, T, H, Dq] zero past r); None: `JnpRows`, these jnp chunk loops. `pallas_kernels.dsa.sparse_mqa_uv`
+    passes the Pallas kernels (the TPU backward fuses the key gradient's scatter-add).
     """
     b, t, h, dq = q.shape
     r = w_uv.shape[0]
@@ -370,63 +376,74 @@ def sparse_mqa_uv(q, k, w_uv, indices, *, scale: float, chunk: int = 16):
         raise ValueError(f"sparse_mqa_uv: k {k.shape} must be [B, S, 1, Dq={dq}] and w_uv {w_uv.shape} [r <= Dq, H, dv]")
     if indices.shape[:2] != (b, t):
         raise ValueError(f"indices {indices.shape} must be [B={b}, T={t}, K]")
-    tc = _tile_chunk(t, indices.shape[-1], dq, chunk)
+    if rows is None:
+        rows = JnpRows(_tile_chunk(t, indices.shape[-1], dq, chunk))
     # The forward runs outside the custom VJP on gradient-free operands, and its log-sum-exp enters the VJP as
     # an input: a remat policy can then keep the (named) LSE, which it cannot see among a custom VJP's residuals.
     sg, kr, idx = jax.lax.stop_gradient, k[:, :, 0], indices.astype(jnp.int32)
-    out, lse = _sparse_uv_fwd(sg(q), sg(kr), sg(w_uv), idx, float(scale), tc)
-    return _sparse_uv(q, kr, w_uv, idx, checkpoint_name(lse, LSE_NAME), out, float(scale), tc)
+    o, lse = rows.fwd(sg(q), sg(kr), idx, float(scale), r)
+    out = jnp.einsum("bthr,rhd->bthd", o, sg(w_uv).astype(o.dtype))
+    return _sparse_uv(q, kr, w_uv, idx, checkpoint_name(lse, LSE_NAME), out, float(scale), rows)
 
 
-def _sparse_uv_fwd(q, k, w_uv, indices, scale, tc):
-    o, lse = _sparse_mqa_fwd(q, (k,), indices, scale, tc, w_uv.shape[0])      # o: q's dtype, as sparse_attention
-    return jnp.einsum("bthr,rhd->bthd", o, w_uv.astype(o.dtype)), lse
+class JnpRows(typing.NamedTuple):
+    """`sparse_mqa_uv`'s per-query work in jnp: `tc` queries per chunk of a scan (the gathered tile bounded)."""
+    tc: int
+
+    def fwd(self, q, k, indices, scale, r):
+        return _sparse_mqa_fwd(q, (k,), indices, scale, self.tc, r)   # o: q's dtype, as sparse_attention
+
+    def bwd(self, q, k, do, indices, lse, scale, r):
+        """Per chunk, reading the re-gathered rows K (V = K[..., :r]) in two matmuls over stacked heads:
+        [S | dP] = K [q ; dO] (S = K q, dP = V dO), P = exp(S - lse), delta = rowsum(P . dP) (= rowsum(dO . O)),
+        dS = P (dP - delta); [O | dq] = [P | dS]^T K; each slot's row gradient dS^T q + [P^T dO | 0] in one
+        matmul over [dS | P], scatter-added into float32 dK."""
+        h, dt, f32 = q.shape[2], q.dtype, jnp.float32
+
+        def one(dk, args):
+            qc, idx, doc, lsec = args
+            valid = idx >= 0
+            safe = jnp.where(valid, idx, 0)
+            kc = _gather_rows(k, safe)                                               # [B, tc, K, Dq]
+            sdp = jnp.einsum("btkd,bthd->btkh", kc, jnp.concatenate([qc, doc], axis=2),
+                             preferred_element_type=f32)                             # [B, tc, K, 2H]
+            p = jnp.where(valid[..., None], jnp.exp(sdp[..., :h] * scale - lsec[:, :, None, :]), 0.0)
+            dp = sdp[..., h:]
+            delta = jnp.sum(p * dp, axis=2)                                          # [B, tc, H]
+            ds = p * (dp - delta[:, :, None, :]) * scale
+            odq = jnp.einsum("btkh,btkd->bthd", jnp.concatenate([p, ds], axis=-1), kc.astype(f32))  # [B, tc, 2H, Dq]
+            drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
+                              jnp.concatenate([qc, doc], axis=2).astype(f32))
+            dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
+            return dk, (odq[:, :, :h, :r].astype(dt), odq[:, :, h:].astype(dt))
+
+        xs = (_chunks(q, self.tc), _chunks(indices, self.tc), _chunks(do, self.tc), _chunks(lse, self.tc))
+        dk, (o, dq) = jax.lax.scan(one, jnp.zeros(k.shape, f32), xs)
+        return _unchunks(dq), _unchunks(o), dk
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _sparse_uv(q, k, w_uv, indices, lse, out, scale, tc):
-    """`out` (computed by _sparse_uv_fwd from the same operands) with the gradient of attention + W_UV."""
+def _sparse_uv(q, k, w_uv, indices, lse, out, scale, rows):
+    """`out` (computed by `rows.fwd` and W_UV from the same operands) with the gradient of attention + W_UV."""
     return out
 
 
-def _sparse_uv_vjp_fwd(q, k, w_uv, indices, lse, out, scale, tc):
+def _sparse_uv_vjp_fwd(q, k, w_uv, indices, lse, out, scale, rows):
     return out, (q, k, w_uv, indices, lse)
 
 
-def _sparse_uv_vjp_bwd(scale, tc, res, dout):
-    """dO = dOut W_UV^T over all queries at once; then per chunk, reading the re-gathered rows K (V = K[..., :r])
-    in two matmuls over stacked heads: [S | dP] = K [q ; dO] (S = K q, dP = V dO, dO zero-padded to Dq),
-    P = exp(S - lse), delta = rowsum(P . dP) (= rowsum(dO . O)), dS = P (dP - delta); [O | dq] = [P | dS]^T K;
-    each slot's row gradient dS^T q + [P^T dO | 0] in one matmul over [dS | P], scatter-added. The chunks'
-    O = P V (in q's dtype, as the forward's) give dW_UV = O^T dOut after the loop (W_UV and its gradient are
-    never read or written per chunk: at one query a chunk that was 48 MiB a query at GLM-5 widths)."""
+def _sparse_uv_vjp_bwd(scale, rows, res, dout):
+    """dO = dOut W_UV^T over all queries at once; the per-query work (`rows.bwd`) gives dq, dK and the latent
+    output O = P V (in q's dtype, as the forward's); dW_UV = O^T dOut after it (W_UV and its gradient are never
+    read or written per query chunk: at one query a chunk that was 48 MiB a query at GLM-5 widths)."""
     q, k, w_uv, indices, lse = res
     r, dt, f32 = w_uv.shape[0], q.dtype, jnp.float32
-    h, dq_dim = q.shape[2], q.shape[3]
+    dq_dim = q.shape[3]
     do = jnp.einsum("bthd,rhd->bthr", dout.astype(dt), w_uv.astype(dt))        # as the W_UV einsum's transpose
     do_pad = jnp.pad(do, ((0, 0),) * 3 + ((0, dq_dim - r),)).astype(q.dtype)
-
-    def one(dk, args):
-        qc, idx, doc, lsec = args
-        valid = idx >= 0
-        safe = jnp.where(valid, idx, 0)
-        kc = _gather_rows(k, safe)                                               # [B, tc, K, Dq]
-        sdp = jnp.einsum("btkd,bthd->btkh", kc, jnp.concatenate([qc, doc], axis=2),
-                         preferred_element_type=f32)                             # [B, tc, K, 2H]
-        p = jnp.where(valid[..., None], jnp.exp(sdp[..., :h] * scale - lsec[:, :, None, :]), 0.0)
-        dp = sdp[..., h:]
-        delta = jnp.sum(p * dp, axis=2)                                          # [B, tc, H]
-        ds = p * (dp - delta[:, :, None, :]) * scale
-        odq = jnp.einsum("btkh,btkd->bthd", jnp.concatenate([p, ds], axis=-1), kc.astype(f32))  # [B, tc, 2H, Dq]
-        drow = jnp.einsum("btkh,bthd->btkd", jnp.concatenate([ds, p], axis=-1),
-                          jnp.concatenate([qc, doc], axis=2).astype(f32))
-        dk = jax.vmap(lambda a, i, u: a.at[i].add(u, mode="promise_in_bounds"))(dk, safe, drow)
-        return dk, (odq[:, :, :h, :r].astype(dt), odq[:, :, h:].astype(dt))
-
-    xs = (_chunks(q, tc), _chunks(indices, tc), _chunks(do_pad, tc), _chunks(lse, tc))
-    dk, (o, dq) = jax.lax.scan(one, jnp.zeros(k.shape, f32), xs)
-    dw = jnp.einsum("bthr,bthd->rhd", _unchunks(o), dout.astype(dt), preferred_element_type=f32)
-    return _unchunks(dq), dk.astype(k.dtype), dw.astype(w_uv.dtype), None, None, None
+    dq, o, dk = rows.bwd(q, k, do_pad, indices, lse, scale, r)
+    dw = jnp.einsum("bthr,bthd->rhd", o, dout.astype(dt), preferred_element_type=f32)
+    return dq, dk.astype(k.dtype), dw.astype(w_uv.dtype), None, None, None
 
 
 _sparse_uv.defvjp(_sparse_uv_vjp_fwd, _sparse_uv_vjp_bwd)

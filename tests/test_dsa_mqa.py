@@ -1,6 +1,8 @@
 """DSA's sparse attention in MLA's MQA form (W_UK absorbed into the queries, one shared
 [latent | k_rope] row per key, W_UV after attention) against the expanded per-head form."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +91,63 @@ def test_sparse_indexer_kl_same_in_mqa_and_expanded_form():
     kl_exp = indexer_kl_sparse(*f(q_exp, k_exp), 0.7, *f(qi, ki, w), jnp.asarray(idx), chunk=2)
     kl_mqa = indexer_kl_sparse(*f(q_mqa, k_mqa), 0.7, *f(qi, ki, w), jnp.asarray(idx), chunk=2)
     np.testing.assert_allclose(float(kl_mqa), float(kl_exp), rtol=1e-5)
+
+
+def _mqa_case(seed, b=2, t=6, s=9, h=4, dq=8, kk=4):
+    """MQA operands with empty slots, a query with none, and key 0 selected by every other query (its float32
+    gradient row is read-modified-written by several queries in turn)."""
+    rng = np.random.default_rng(seed)
+    idx = np.stack([np.stack([rng.permutation(s)[:kk] for _ in range(t)]) for _ in range(b)]).astype(np.int32)
+    idx[:, ::2, 0] = np.where((idx[:, ::2] == 0).any(-1), idx[:, ::2, 0], 0)
+    idx[0, 1, 2:] = -1
+    idx[1, 3, :] = -1
+    idx[0, 4, 1] = -1                                   # an empty slot between valid ones
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    return f(b, t, h, dq), f(b, s, 1, dq), jnp.asarray(idx)
+
+
+def test_fused_mqa_backward_kernel_equals_its_closed_form():
+    """sparse_mqa_tpu.mqa_bwd (interpret mode) against the formulas written out in jnp over the gathered rows:
+    O = P V, dq = dS K, and dK[s] summed over every (query, slot) that selected s, with P = exp(S - lse)."""
+    from pallas_kernels import sparse_mqa_tpu
+    q, k, idx = _mqa_case(0)
+    k = k[:, :, 0]
+    b, t, h, dq = q.shape
+    r, scale = 6, 0.3
+    do = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32).at[..., r:].set(0.0)
+    valid = idx >= 0
+    kg = jax.vmap(lambda kb, ib: kb[ib])(k, jnp.where(valid, idx, 0))                   # [B, T, K, Dq]
+    z = jnp.where(valid[:, :, None], jnp.einsum("btkd,bthd->bthk", kg, q) * scale, -jnp.inf)
+    lse = jax.nn.logsumexp(z, axis=-1)                                                 # -inf: no valid slot
+    p = jnp.where(valid[:, :, None], jnp.exp(z - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    dp = jnp.einsum("btkd,bthd->bthk", kg, do)
+    ds = p * (dp - jnp.sum(p * dp, -1, keepdims=True)) * scale
+    rows = jnp.einsum("bthk,bthd->btkd", ds, q) + jnp.einsum("bthk,bthd->btkd", p, do)
+    dk = np.zeros(k.shape)
+    for bi, ti, j in zip(*np.nonzero(np.asarray(valid))):
+        dk[bi, idx[bi, ti, j]] += np.asarray(rows[bi, ti, j])
+    odq, dk_got = sparse_mqa_tpu.mqa_bwd(q, k, do, idx, lse, scale=scale, interpret=True)
+    np.testing.assert_allclose(np.asarray(odq[:, :, :h]), np.asarray(jnp.einsum("bthk,btkd->bthd", p, kg)),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(odq[:, :, h:]), np.asarray(jnp.einsum("bthk,btkd->bthd", ds, kg)),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dk_got), dk, rtol=1e-5, atol=1e-5)
+    assert np.abs(dk[:, 0]).max() > 0 and np.all(np.asarray(odq[1, 3]) == 0)
+
+
+def test_pallas_mqa_uv_equals_jnp_in_values_and_gradients():
+    """dsa.sparse_mqa_uv (the Pallas forward and the fused backward, interpret mode) equals
+    dsa_xla.sparse_mqa_uv (the jnp rows) in the output and the gradients of q, k and W_UV."""
+    from pallas_kernels import dsa, dsa_xla
+    q, k, idx = _mqa_case(2)
+    rng = np.random.default_rng(3)
+    w_uv = jnp.asarray(rng.normal(size=(6, q.shape[2], 5)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=q.shape[:3] + (5,)), jnp.float32)
+
+    def run(fn):
+        return jax.value_and_grad(lambda *a: jnp.sum(fn(*a, idx, scale=0.3) * ct), argnums=(0, 1, 2))(q, k, w_uv)
+
+    (v_x, g_x), (v_p, g_p) = run(dsa_xla.sparse_mqa_uv), run(functools.partial(dsa.sparse_mqa_uv, interpret=True))
+    np.testing.assert_allclose(float(v_p), float(v_x), rtol=1e-6)
+    for name, a, w in zip(("q", "k", "w_uv"), g_p, g_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=name)

@@ -29,9 +29,11 @@ def _compile(*flags):
 
 @needs_libtpu
 def test_sparse_attention_compiles_for_tpu_small_bf16():
-    """The bfloat16 row gather (Mosaic rejected single-row copies into a tiled bf16 dimension)."""
-    r = _compile("--seq=256", "--heads=8", "--topk=128", "--which=sparse")
-    assert r["sparse"]["dtype"] == "bfloat16" and r["sparse"]["argument_bytes"] > 0
+    """The bfloat16 row gather (Mosaic rejected single-row copies into a tiled bf16 dimension), and MLA's MQA
+    form with the fused backward (its per-row float32 dK read-modify-write DMAs and aliased dK)."""
+    r = _compile("--seq=256", "--heads=8", "--topk=128", "--which=sparse,mqa_grad")
+    for name in ("sparse", "mqa_grad"):
+        assert r[name]["dtype"] == "bfloat16" and r[name]["argument_bytes"] > 0
 
 
 @pytest.mark.slow  # ~1 min of compiling
@@ -47,7 +49,7 @@ def test_kernels_compile_for_tpu_small_bf16():
 @needs_libtpu
 def test_kernels_compile_for_tpu_at_glm5_shapes():
     r = _compile()  # defaults: GLM-5 shapes, bfloat16, forward and gradient
-    assert set(r) == {"sparse", "sparse_grad", "indexer", "dense_grad"}
+    assert set(r) == {"sparse", "sparse_grad", "mqa_grad", "indexer", "dense_grad"}
     # the sparse backward holds no [T, H, K] float32 array (that alone would be 16 GiB): its temp
     # memory is a small multiple of its inputs
     g = r["sparse_grad"]

@@ -60,6 +60,34 @@ def test_sparse_attention_fwd_bwd_compiled_flops_are_the_closed_form():
 
 
 @needs_libtpu
+def test_fused_mqa_backward_compiled_flops_and_bytes_are_the_closed_form():
+    """dsa.sparse_mqa_uv's gradient (q, k, W_UV) compiled for TPU: the forward kernel 2 B T H K (Dq + r), the
+    fused backward kernel 12 B T H K Dq (three matmuls over the K rows) and the backward's W_UV einsums (dO and
+    dW_UV, 2 B T H r dv each; the forward's is dead in a gradient alone) are all the FLOPs the budget counts; the backward kernel's bytes are its K rows
+    once in bfloat16 plus its dK rows read and written in float32, besides the per-query operands."""
+    from pallas_kernels import dsa
+    rep = _one_tpu()
+    b, t, h, dq, r, dv, kk = 1, 256, 8, 192, 128, 64, 128
+
+    def loss(q, k, w_uv, idx):
+        return jnp.sum(dsa.sparse_mqa_uv(q, k, w_uv, idx, scale=dq ** -0.5, interpret=False).astype(jnp.float32))
+
+    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)  # noqa: E731
+    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(sds((b, t, h, dq)), sds((b, t, 1, dq)), sds((r, h, dv)),
+                                                         sds((b, t, kk), jnp.int32)).compile()
+    text = c.as_text()
+    bud = hlo_budget(text)
+    kernels = _kernels(text)
+    assert len(kernels) == 2 and bud["unknown_cost_kernels"] == [], kernels
+    fwd, bwd = 2 * b * t * h * kk * (dq + r), 12 * b * t * h * kk * dq
+    assert sorted(k["flops"] for _, k in kernels) == sorted([fwd, bwd])
+    assert bud["flops"] == fwd + bwd + 2 * 2 * b * t * h * r * dv, (bud["flops"], bud["flops_by_source"])
+    rows = b * t * kk * dq * (2 + 4 + 4)
+    io = 2 * b * t * kk * 4 + b * t * h * (2 * dq * 2 + 4) + b * t * 2 * h * dq * 2
+    assert max(k["bytes_accessed"] for _, k in kernels if k["flops"] == bwd) == rows + io
+
+
+@needs_libtpu
 def test_indexer_topk_kernels_carry_their_cost_estimates():
     """The block bound (8 B T nk Hi Di: four [T, Di] x [Di, nk] products per index head) and every token
     scoring round (2 B T n bk Hi Di for n table entries) compiled for TPU: each Mosaic kernel's counted

@@ -71,10 +71,12 @@ DEFAULTS: dict[tuple, dict] = {
     # the scanned layers' saved inputs in host memory (remat offload): 69.4 GiB by the strict formula
     # (remat full: 112.6 GiB): docs/scaleout.md, long-context table
     # remat custom = offload + DSA's top-k indices and the attention output in host memory, its log-sum-exp on the
-    # device (the backward runs neither the indexer nor the sparse attention's forward)
+    # device (the backward runs neither the indexer nor the sparse attention's forward); the sparse attention in
+    # Pallas (its TPU backward fuses the dK scatter-add), the indexer's top-k in jnp
     ("glm5", "v5p:4x4x8", 131072): {"mesh": "expert:16,context:8", "batch_size": 16, "seq_len": 131072,
                                     "remat": "custom", "set": ("model.moe_impl=a2a", "model.moe_token_chunk=2048",
-                                                             "train.logits_chunk=1024",
+                                                             "train.logits_chunk=1024", "model.attention_impl=pallas",
+                                                             "model.indexer_impl=xla",
                                                              "model.remat_custom=decoder_layer_input:offload,"
                                                              "attn_topk:offload,attn_context:offload,attn_lse:device")},
     # GLM-5's full context: 16 x 202752 tokens on 128 chips (25,344 tokens a chip), the layer inputs on the

@@ -1,13 +1,15 @@
 """Compile the DSA kernels with the real TPU compiler (libtpu, no TPU needed) and report memory.
 
     python -m tools.compile_kernels [--seq=32768] [--heads=64] [--topk=2048] [--dtype=bfloat16]
-                                    [--which=sparse,sparse_grad,indexer,dense_grad] [--topology=v5p:1x1x1] [--json]
+                                    [--which=sparse,sparse_grad,mqa_grad,indexer,dense_grad] [--topology=v5p:1x1x1] [--json]
 
 Defaults are GLM-5's shapes: sparse attention in MLA's MQA form, q [1, T, 64, 576] (512 latent +
 64 rope), one shared key row k [1, T, 1, 576], values v [1, T, 1, 512], indices [1, T, 2048];
 the lightning indexer q [1, T, 32, 128], k [1, T, 128], weights [1, T, 32], top-2048; the dense
 attention of the warm-up stage (`core.causal_attention(..., platform="tpu")`: splash attention,
-packed segment ids) with per-head q/k 256 (192 + 64 rope) and v 256, forward + gradient.
+packed segment ids) with per-head q/k 256 (192 + 64 rope) and v 256, forward + gradient; mqa_grad: the
+model's sparse call (`dsa.sparse_mqa_uv`: the same attention with W_UV [512, 64, 256] and the fused TPU
+backward), its gradient in q, k and W_UV.
 Each function is called as the model calls it (`dsa.sparse_attention(..., interpret=False)`,
 `dsa.indexer_topk(..., interpret=False)`), lowered for one chip of `--topology` and compiled;
 `compiled.memory_analysis()` gives argument / output / temp bytes. Progress goes to stderr; with
@@ -54,6 +56,10 @@ def cases(seq: int, heads: int, topk: int, dtype: str, idx_heads: int = 32, idx_
         out, vjp = jax.vjp(lambda a, b, c: sparse(a, b, c, idx), q, k, v)
         return vjp(do)
 
+    def mqa_grad(q, k, w_uv, idx, dout):
+        f = lambda a, b, c: dsa.sparse_mqa_uv(a, b, c, idx, scale=scale, interpret=False)  # noqa: E731
+        return jax.vjp(f, q, k, w_uv)[1](dout)
+
     def indexer(qi, ki, wi):
         return dsa.indexer_topk(qi, ki, wi, topk, interpret=False)
 
@@ -70,6 +76,7 @@ def cases(seq: int, heads: int, topk: int, dtype: str, idx_heads: int = 32, idx_
                                     sd((1, seq, heads, v_head), dt))),
         "sparse": (sparse, (q, k, v, idx)),
         "sparse_grad": (sparse_grad, (q, k, v, idx, sd((1, seq, heads, latent), dt))),
+        "mqa_grad": (mqa_grad, (q, k, sd((latent, heads, v_head), dt), idx, sd((1, seq, heads, v_head), dt))),
         "indexer": (indexer, (iq, ik, iw)),
     }
 
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--which", default="sparse,sparse_grad,indexer,dense_grad")
+    ap.add_argument("--which", default="sparse,sparse_grad,mqa_grad,indexer,dense_grad")
     ap.add_argument("--topology", default="v5p:1x1x1")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

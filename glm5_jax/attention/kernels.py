@@ -118,9 +118,14 @@ def mqa_sparse_attention(q, k, w_uv, indices, *, scale, impl: str = "xla", chunk
     """MLA's MQA sparse attention with W_UV applied -- the one sparse call of training's sparse stage, prefill and
     decode (glm5_jax.attention.mla): q [B, T, H, Dq], k [B, S, 1, Dq] whose first r columns are the value (the
     latent: each selected row is gathered once), w_uv [r, H, dv], indices [B, T, K] -> [B, T, H, dv]. The xla path
-    is one custom VJP whose backward keeps only the log-sum-exp (`dsa_xla.sparse_mqa_uv`); the pallas path is
-    `sparse_attention` then W_UV."""
+    is one custom VJP whose backward keeps only the log-sum-exp (`dsa_xla.sparse_mqa_uv`); the pallas path is the
+    same VJP with the Pallas kernels (`dsa.sparse_mqa_uv`: on TPU the backward fuses the dK scatter-add)."""
     if impl == "xla":
         return ref.sparse_mqa_uv(q, k, w_uv, indices, scale=scale, chunk=chunk)
-    o_lat = sparse_attention(q, k, None, indices, scale=scale, impl=impl, chunk=chunk, dv=w_uv.shape[0])
-    return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(o_lat.dtype))
+    if impl != "pallas":
+        raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {impl!r}")
+    from pallas_kernels import dsa
+
+    def run(q, k, indices, w_uv):
+        return dsa.sparse_mqa_uv(q, k, w_uv, indices, scale=scale, chunk=chunk)
+    return per_device(run, dict(q=q, k=k, indices=indices), dict(w_uv=w_uv))

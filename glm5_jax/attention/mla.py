@@ -175,7 +175,7 @@ class MLAttention(nn.Module):
         def select(loc, kv, q_offset):
             at = dict(q_offset=q_offset, kv_segment_ids=None if q_offset is None else kv["seg"])
             return (indexer_topk(loc["q_idx"], kv["k_idx"], loc["w"], c.index_topk, segment_ids=loc["seg"],
-                                 impl=c.attention_impl, chunk=c.attn_chunk, **at),)
+                                 impl=c.indexer_impl or c.attention_impl, chunk=c.attn_chunk, **at),)
 
         sg = jax.lax.stop_gradient
         (indices,) = over_context(select, {"q_idx": sg(q_idx), "w": sg(w), "seg": segment_ids},
