@@ -11,10 +11,10 @@ per selected slot written to HBM:
 
 Grid (B, T): one query per step, all of its K selected rows at once (delta needs the whole row of P . dP).
 K stays in HBM (memory_space=ANY) viewed as [B, S, 1, Dq]; the step gathers its rows with one
-`make_async_copy` per valid slot into VMEM [K, 1, Dq] (the layout `sparse_attn_tpu` uses: the slot
-addresses an untiled leading dimension). The float32 dK accumulator is an aliased HBM input/output: the
+`make_async_copy` per slot into VMEM [K, 1, Dq] (the layout `sparse_attn_tpu` uses: the slot addresses an
+untiled leading dimension; an empty slot reads row 0 and is masked). The float32 dK accumulator is an aliased HBM input/output: the
 step reads the selected rows of dK into VMEM, adds the row gradients and writes them back, each with one
-DMA per valid slot. Empty (-1) slots start no DMA at all: they would alias row 0, which the same query may
+DMA per valid slot. Empty (-1) slots start no dK DMA at all: they would alias row 0, which the same query may
 also have selected. Both grid axes are "arbitrary" (sequential on one core): two queries that selected the
 same key must not update its row at the same time, and a step waits for its writes before the next
 step's reads. Top-k slots of one query are distinct keys, so one step never writes a row twice.
@@ -37,13 +37,20 @@ from pallas_kernels._bounds import cost, nbytes
 from pallas_kernels.dsa_xla import NEG_INF
 
 _F32 = jnp.float32
+# The scoped VMEM limit: at GLM-5's shapes (64 heads, Dq 576, top-2048) one step needs ~42 MiB (the TPU compiler's
+# CompileTimeScopedVmemOom at 32 and 40 MiB), under v5p's 64 MiB a core (pltpu.get_tpu_info_for_chip).
+_VMEM_LIMIT = 48 * 2**20
 
 
-def _rows(idx_smem, nk, copy):
-    """Start copy(slot, key) for every valid slot of this step's query; -> the number started."""
+def _rows(idx_smem, nk, copy, every=False):
+    """Start copy(slot, key) for every valid slot of this step's query (every=True: for every slot, an empty one
+    with key 0, as the jnp path gathers); -> the number started."""
 
     def body(j, n):
         s = idx_smem[0, 0, 0, j]
+        if every:
+            copy(j, jnp.maximum(s, 0)).start()
+            return n + 1
 
         @pl.when(s >= 0)
         def _():
@@ -67,7 +74,9 @@ def _wait(desc, n):
 def _bwd_kernel(idx_smem, idx_ref, q_ref, do_ref, lse_ref, k_hbm, _dk_in, odq_ref, dk_hbm, kbuf, dkbuf,
                 sems, *, scale, nk, h):
     b = pl.program_id(0)
-    n_k = _rows(idx_smem, nk, lambda j, s: pltpu.make_async_copy(k_hbm.at[b, s], kbuf.at[j], sems.at[0]))
+    # every K slot is filled (an empty one with row 0, masked below): a VMEM row left from an earlier step could
+    # hold a NaN, and 0 * NaN in the matmuls would reach dq and O
+    n_k = _rows(idx_smem, nk, lambda j, s: pltpu.make_async_copy(k_hbm.at[b, s], kbuf.at[j], sems.at[0]), every=True)
     n_r = _rows(idx_smem, nk, lambda j, s: pltpu.make_async_copy(dk_hbm.at[b, s], dkbuf.at[j], sems.at[1]))
 
     qd = jnp.concatenate([q_ref[0, 0], do_ref[0, 0]], axis=0)                  # [2H, Dq]
@@ -133,7 +142,7 @@ def mqa_bwd(q, k, do, idx, lse, *, scale, interpret=False):
                         pltpu.SemaphoreType.DMA((3,))],
         input_output_aliases={6: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
-                                             vmem_limit_bytes=96 * 2**20),
+                                             vmem_limit_bytes=_VMEM_LIMIT),
         cost_estimate=mqa_bwd_cost(q, k, idx),
         interpret=interpret,
     )(idx4, idx4, q, do.astype(q.dtype), lse.astype(_F32)[..., None], k[:, :, None],

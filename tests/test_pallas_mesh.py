@@ -97,32 +97,43 @@ KERNELS = textwrap.dedent("""
     qi, ki, w = jax.random.normal(ks[2], (B, T, HI, DI)), jax.random.normal(ks[3], (B, T, DI)), jax.random.normal(ks[4], (B, T, HI))
     seg = jnp.asarray(np.repeat(np.r_[np.zeros(12), np.ones(T - 12)][None], B, 0).astype(np.int32))
 
-    def model(impl, ctx):
-        def attend(loc, kv, off):
+    w_uv = jax.random.normal(ks[5], (DV, H, 4)) * 0.5
+
+    def model(impl, ctx, idx_impl=None, mqa=False):
+        def attend(loc, kv, off, consts):
             at = dict(q_offset=off, kv_segment_ids=None if off is None else kv["seg"])
-            idx = kernels.indexer_topk(loc["qi"], kv["ki"], loc["w"], K, segment_ids=loc["seg"], impl=impl, **at)
-            o = kernels.sparse_attention(loc["q"], kv["k"], None, idx, scale=0.3, impl=impl, dv=DV)
+            idx = kernels.indexer_topk(loc["qi"], kv["ki"], loc["w"], K, segment_ids=loc["seg"], impl=idx_impl or impl,
+                                       **at)
+            if mqa:   # the model's call: W_UV applied, the fused backward on the pallas path
+                o = kernels.mqa_sparse_attention(loc["q"], kv["k"], consts["w_uv"], idx, scale=0.3, impl=impl)
+            else:
+                o = kernels.sparse_attention(loc["q"], kv["k"], None, idx, scale=0.3, impl=impl, dv=DV)
             return o, idx
         lay = (lambda x: to_layout(x, ctx)) if ctx > 1 else (lambda x: x)     # the train step's context layout
         nat = (lambda x: from_layout(x, ctx)) if ctx > 1 else (lambda x: x)
-        def f(q, k):
+        def f(q, k, w_uv):
             loc = {"q": lay(q), "qi": lay(qi), "w": lay(w), "seg": lay(seg)}
-            o, idx = over_context(attend, loc, {"k": lay(k), "ki": lay(ki), "seg": lay(seg)}, ("token", "token"), n=ctx)
+            o, idx = over_context(attend, loc, {"k": lay(k), "ki": lay(ki), "seg": lay(seg)}, ("token", "token"), n=ctx,
+                                  consts={"w_uv": w_uv})
             return jnp.sum(jnp.sin(nat(o)) * jnp.arange(T)[:, None, None] / T), nat(idx)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
 
-    (v0, i0), g0 = model("xla", 1)(q, k)
-    for spec, ctx in (("data:2,fsdp:2,expert:2", 1), ("data:2,context:4", 4)):
-        with sharding.use_mesh(sharding.make_mesh(spec)):
-            fn = model("pallas", ctx)
-            text = fn.lower(q, k).as_text()
-            (v1, i1), g1 = fn(q, k)
-        assert "shard_map" in text or "sdy.manual_computation" in text, spec
-        np.testing.assert_array_equal(i1, i0)
-        np.testing.assert_allclose(v1, v0, rtol=1e-5)
-        for a, b in zip(g1, g0):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        print("equal", spec)
+    for mqa in (False, True):
+        (v0, i0), g0 = model("xla", 1, mqa=mqa)(q, k, w_uv)
+        # the 128K default's pairing (tools.aot DEFAULTS): Pallas attention, jnp indexer, on the context mesh
+        runs = [("data:2,fsdp:2,expert:2", 1, None), ("data:2,context:4", 4, None)] + (
+            [("data:2,context:4", 4, "xla")] if mqa else [])
+        for spec, ctx, idx_impl in runs:
+            with sharding.use_mesh(sharding.make_mesh(spec)):
+                fn = model("pallas", ctx, idx_impl, mqa)
+                text = fn.lower(q, k, w_uv).as_text()
+                (v1, i1), g1 = fn(q, k, w_uv)
+            assert "shard_map" in text or "sdy.manual_computation" in text, spec
+            np.testing.assert_array_equal(i1, i0)
+            np.testing.assert_allclose(v1, v0, rtol=1e-5)
+            for a, b in zip(g1, g0):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            print("equal", spec, "mqa" if mqa else "", idx_impl or "")
     print("OK")
 """)
 
@@ -130,7 +141,9 @@ KERNELS = textwrap.dedent("""
 def test_pallas_kernels_under_mesh_equal_xla_unsharded():
     """The two DSA kernels alone (indexer top-k -> sparse attention in MQA form, packed documents), value
     and gradients in q and k: attention_impl="pallas" under data:2,fsdp:2,expert:2 (per-device shard_map)
-    and under data:2,context:4 (over_context, global query offsets) equal "xla" unsharded; same indices."""
+    and under data:2,context:4 (over_context, global query offsets) equal "xla" unsharded; same indices. The
+    same for the model's call with W_UV (`mqa_sparse_attention`: the fused backward, W_UV's gradient summed
+    over the shard_map), and on the context mesh with the indexer in jnp (the 128K default's pairing)."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
