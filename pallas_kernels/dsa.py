@@ -717,9 +717,8 @@ class PallasRows(typing.NamedTuple):
     chunk: int
 
     def fwd(self, q, k, indices, scale, r):
-        o, lse = _attn_fwd(q, k[:, :, None], k[:, :, None, :r], indices, scale, self.block_q, self.block_k,
-                           self.interpret)
-        return o, lse
+        return _attn_fwd(q, k[:, :, None], k[:, :, None, :r], indices, scale, self.block_q, self.block_k,
+                         self.interpret)
 
     def bwd(self, q, k, do, indices, lse, scale, r):
         h = q.shape[2]

@@ -12,9 +12,9 @@ per selected slot written to HBM:
 Grid (B, T): one query per step, all of its K selected rows at once (delta needs the whole row of P . dP).
 K stays in HBM (memory_space=ANY) viewed as [B, S, 1, Dq]; the step gathers its rows with one
 `make_async_copy` per slot into VMEM [K, 1, Dq] (the layout `sparse_attn_tpu` uses: the slot addresses an
-untiled leading dimension; an empty slot reads row 0 and is masked). The float32 dK accumulator is an aliased HBM input/output: the
-step reads the selected rows of dK into VMEM, adds the row gradients and writes them back, each with one
-DMA per valid slot. Empty (-1) slots start no dK DMA at all: they would alias row 0, which the same query may
+untiled leading dimension; an empty slot reads row 0 and is masked). The float32 dK accumulator is an aliased
+HBM input/output: the step reads the selected rows of dK into VMEM, adds the row gradients and writes them back,
+each with one DMA per valid slot. Empty (-1) slots start no dK DMA at all: they would alias row 0, which the same query may
 also have selected. Both grid axes are "arbitrary" (sequential on one core): two queries that selected the
 same key must not update its row at the same time, and a step waits for its writes before the next
 step's reads. Top-k slots of one query are distinct keys, so one step never writes a row twice.
