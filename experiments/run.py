@@ -48,7 +48,7 @@ from etils import epath
 from experiments import registry
 from glm5_jax.overrides import as_dict, flat_items
 from glm5_jax import hugepages
-from glm5_jax.cli import main_wrapper
+from glm5_jax.cli import main_wrapper, run as run_cli
 
 FLAGS = flags.FLAGS
 
@@ -234,5 +234,4 @@ def main(argv):
 
 if __name__ == "__main__":
     hugepages.ensure()   # glibc large allocations as transparent huge pages (glm5_jax.hugepages)
-    define_flags()
-    app.run(main)
+    run_cli(main, define_flags)

@@ -24,7 +24,7 @@ from experiments.report import md_table
 from experiments.run import define_flags as run_flags
 from experiments.run import check_init_from, check_mesh, is_primary, make_mesh, run_experiment, start_from_flags
 from glm5_jax import hugepages
-from glm5_jax.cli import main_wrapper
+from glm5_jax.cli import main_wrapper, run as run_cli
 
 FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh, --init_from come from experiments.run
 
@@ -96,5 +96,4 @@ def main(argv):
 if __name__ == "__main__":
     hugepages.ensure()
     run_flags()
-    define_flags()
-    app.run(main)
+    run_cli(main, define_flags)

@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from glm5_jax.cli import main_wrapper
+from absl import flags
+
+from glm5_jax.cli import call, main_wrapper
 from glm5_jax.config import ModelConfig
 from glm5_jax.errors import ConfigError, Glm5Error
 from glm5_jax.fields import check_fields, fields_with, require, setting
@@ -102,3 +104,41 @@ def test_cli_wrapper_maps_the_root_to_one_line_and_status_2(capsys):
 
     with pytest.raises(KeyError):
         bug()
+
+
+def _define_demo_flags():
+    flags.DEFINE_integer("demo_cli_steps", 3, "an integer flag", lower_bound=1)
+    flags.DEFINE_enum("demo_cli_mode", "a", ["a", "b"], "an enum flag")
+    flags.DEFINE_string("demo_cli_path", None, "a required flag", required=True)
+
+
+@main_wrapper
+def _demo_main(argv):
+    if flags.FLAGS.demo_cli_path == "bad":
+        raise ConfigError("demo_cli_path='bad' is invalid: any other path")
+    print(flags.FLAGS.demo_cli_steps, flags.FLAGS.demo_cli_mode, argv[1:])
+    return 0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--demo_cli_path=p", "--demo_cli_steps=x"], "error: flag --demo_cli_steps=x: invalid literal for int()"),
+    (["--demo_cli_path=p", "--demo_cli_steps=0"], "error: flag --demo_cli_steps=0: 0 is not a positive integer"),
+    (["--demo_cli_path=p", "--demo_cli_mode=c"], "error: flag --demo_cli_mode=c: value should be one of <a|b>"),
+    (["--demo_cli_steps=2"], "error: flag --demo_cli_path=None: Flag --demo_cli_path must have a value"),
+    (["--demo_cli_path=p", "--no_such_flag=1"], "error: Unknown command line flag 'no_such_flag'"),
+    (["--demo_cli_path=bad"], "error: demo_cli_path='bad' is invalid: any other path"),
+])
+def test_absl_cli_bad_flag_is_one_line_and_status_2(capsys, argv, msg):
+    """glm5_jax.cli's absl entry (run / call): a flag that does not parse, breaks its bound or enum, a
+    required flag left out, an unknown flag, and a Glm5Error from main all give one stderr line
+    "error: ..." and exit status 2 (what argparse's CLIs gave), never a traceback."""
+    assert call(_demo_main, _define_demo_flags, argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith(msg), err
+
+
+def test_absl_cli_good_flags_reach_main_reset_between_calls(capsys):
+    """Flags parse into main (positional arguments passed on); a second call starts from the defaults."""
+    assert call(_demo_main, _define_demo_flags, ["--demo_cli_path=p", "--demo_cli_steps=7", "--demo_cli_mode=b", "x"]) == 0
+    assert call(_demo_main, _define_demo_flags, ["--demo_cli_path=p"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["7 b ['x']", "3 a []"]

@@ -36,8 +36,10 @@ def _write(path, rows):
 
 
 def _cli(argv, capsys):
-    from tools.train_reward_model import main
-    rc = main(argv)
+    """tools.train_reward_model run in this process on argv (its absl flags parsed as on the command line)."""
+    from glm5_jax.cli import call
+    from tools.train_reward_model import define_flags, main
+    rc = call(main, define_flags, argv)
     out, err = capsys.readouterr()
     return rc, out, err
 

@@ -18,15 +18,16 @@ unrolled model measured 72.8 s against 18.9 s, 3.9x, before layers were scanned)
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from glm5_jax import model
+from glm5_jax.cli import run as run_cli
 from glm5_jax.config import preset
 
 MODES = {"scanned": True, "unrolled": False}
@@ -74,21 +75,25 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", default="4,32", help="comma-separated layer counts")
-    ap.add_argument("--modes", default="scanned,unrolled", help=f"comma-separated subset of {','.join(MODES)}")
-    ap.add_argument("--seq", type=int, default=64, help="sequence length of the abstract input (batch 1)")
-    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = ap.parse_args(argv)
-    layers = [int(x) for x in args.layers.split(",")]
-    modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        ap.error(f"--modes {','.join(bad)}: allowed {', '.join(MODES)}")
-    r = run(layers, modes, args.seq)
-    print(json.dumps(r) if args.json else format_table(r))
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_list("layers", "4,32", "comma-separated layer counts")
+    flags.DEFINE_list("modes", "scanned,unrolled", f"comma-separated subset of {','.join(MODES)}")
+    flags.DEFINE_integer("seq", 64, "sequence length of the abstract input (batch 1)", lower_bound=1)
+    flags.DEFINE_bool("json", False, "print JSON instead of a table")
+    flags.register_validator("layers", lambda v: all(x.isdigit() and int(x) >= 1 for x in v),
+                             "must be a comma list of positive integers")
+    flags.register_validator("modes", lambda v: set(v) <= set(MODES), f"allowed: a comma list of {', '.join(MODES)}")
+
+
+def main(argv):
+    del argv
+    r = run([int(x) for x in FLAGS.layers], FLAGS.modes, FLAGS.seq)
+    print(json.dumps(r) if FLAGS.json else format_table(r))
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, define_flags)

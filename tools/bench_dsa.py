@@ -36,7 +36,6 @@ excluded). `--json`: the last line is {"config": {...}, "results": [{"seq_len", 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -44,12 +43,14 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from glm5_jax.attention import kernels
 from glm5_jax.attention.core import causal_attention
 from glm5_jax.attention.mla import dsa_attention
 from pallas_kernels.dense import flash_attention
 from glm5_jax import hugepages
+from glm5_jax.cli import run as run_cli
 
 # GLM-5's attention layer (config glm5): heads, indexer heads, latent, rope, nope, v, indexer dim
 GLM5 = dict(h=64, hi=32, r=512, dr=64, dn=192, dv=256, di=128)
@@ -135,7 +136,7 @@ def dsa_parts(w: dict, topk: int, impl: str):
 
 
 def dense_block(w: dict, which: str):
-    h, dn, dr, dv = w["h"], w["dn"], w["dr"], w["dv"]
+    h, dn, dr = w["h"], w["dn"], w["dr"]
     scale = (dn + dr) ** -0.5
 
     def fwd(q_nope, q_rope, latent, k_rope, kv_b, q_idx, k_idx, wts):
@@ -211,46 +212,62 @@ def run(args, w, seqs, impl, dense_impls):
     return results
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq", default="4096,8192,16384,32768", help="comma list of sequence lengths T")
-    ap.add_argument("--scale", type=int, default=2, help="divide every GLM-5 width by this factor "
-                    "(2: the smallest whose T=32K programs fit a 24 GiB machine)")
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=1, help="timed runs (the best is kept)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (programs are compiled ahead)")
-    ap.add_argument("--passes", default="fwd_bwd", help="comma list of fwd, fwd_bwd (default: the "
-                    "training pass only; fwd adds ~1/3 to the run)")
-    ap.add_argument("--dense", default="core", help="dense implementations to try, comma list of flash, "
-                    "core (default core: the model's dense attention; on CPU it IS dense.flash_attention, "
-                    "at the model's block, so 'flash' only re-times it at block 512)")
-    ap.add_argument("--mem_cap", type=float, default=12.0, help="GiB; skip a program whose temp exceeds it")
-    ap.add_argument("--device", action="store_true",
-                    help="run on the default accelerator backend (DSA kernels: attention_impl='pallas')")
-    ap.add_argument("--impl", default=None, help="DSA kernels: xla or pallas (default: xla on CPU, "
-                    "pallas with --device)")
-    ap.add_argument("--parts", action="store_true", help="also time the indexer top-k and the sparse "
-                    "attention alone (dsa_topk fwd, dsa_attn fwd / fwd_bwd)")
-    ap.add_argument("--only", default=None, help="comma list of programs to run (dsa, dense_flash, "
-                    "dense_core, dsa_topk, dsa_attn; default: all)")
-    ap.add_argument("--json", action="store_true", help="last line: one JSON object with every result")
-    args = ap.parse_args(argv)
-    backend = jax.default_backend() if args.device else "cpu"
-    if args.device and backend == "cpu":
-        ap.error("--device: no accelerator backend here (jax.default_backend() == 'cpu')")
-    impl = args.impl or ("pallas" if args.device else "xla")
-    if impl not in ("xla", "pallas"):
-        ap.error(f"--impl={impl!r}; allowed: xla, pallas")
-    dense_impls = [d for d in args.dense.split(",") if d]
-    if not dense_impls or set(dense_impls) - {"flash", "core"}:
-        ap.error(f"--dense={args.dense!r}; allowed: a comma list of flash, core")
+FLAGS = flags.FLAGS
+PASSES = ("fwd", "fwd_bwd")
+DENSE = ("flash", "core")
+PROGRAMS = ("dsa", "dense_flash", "dense_core", "dsa_topk", "dsa_attn")
+
+
+def _comma_list_of(allowed):
+    return lambda v: v is None or bool(v) and set(v.split(",")) <= set(allowed)
+
+
+def _scale_ok(scale: int) -> bool:
     try:
-        w = widths(args.scale)
-    except ValueError as e:
-        ap.error(str(e))
+        return bool(widths(scale))
+    except ValueError:
+        return False
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect);
+    every bad value is refused by a validator when the flags are parsed (exit 2, glm5_jax.cli)."""
+    flags.DEFINE_string("seq", "4096,8192,16384,32768", "comma list of sequence lengths T")
+    flags.DEFINE_integer("scale", 2, "divide every GLM-5 width by this factor "
+                         "(2: the smallest whose T=32K programs fit a 24 GiB machine)")
+    flags.DEFINE_integer("topk", 2048, "keys each query attends to", lower_bound=1)
+    flags.DEFINE_integer("reps", 1, "timed runs (the best is kept)", lower_bound=1)
+    flags.DEFINE_integer("warmup", 1, "untimed runs first (programs are compiled ahead)", lower_bound=0)
+    flags.DEFINE_string("passes", "fwd_bwd", "comma list of fwd, fwd_bwd (default: the "
+                        "training pass only; fwd adds ~1/3 to the run)")
+    flags.DEFINE_string("dense", "core", "dense implementations to try, comma list of flash, "
+                        "core (default core: the model's dense attention; on CPU it IS dense.flash_attention, "
+                        "at the model's block, so 'flash' only re-times it at block 512)")
+    flags.DEFINE_float("mem_cap", 12.0, "GiB; skip a program whose temp exceeds it")
+    flags.DEFINE_bool("device", False, "run on the default accelerator backend (DSA kernels: attention_impl='pallas')")
+    flags.DEFINE_enum("impl", None, ["xla", "pallas"], "DSA kernels (default: xla on CPU, pallas with --device)")
+    flags.DEFINE_bool("parts", False, "also time the indexer top-k and the sparse "
+                      "attention alone (dsa_topk fwd, dsa_attn fwd / fwd_bwd)")
+    flags.DEFINE_string("only", None, f"comma list of programs to run ({', '.join(PROGRAMS)}; default: all)")
+    flags.DEFINE_bool("json", False, "last line: one JSON object with every result")
+    flags.register_validator("seq", lambda v: all(x.isdigit() and int(x) >= 1 for x in v.split(",")),
+                             "must be a comma list of positive integers")
+    flags.register_validator("scale", _scale_ok, f"must divide every GLM-5 width {GLM5}; allowed: 1, 2, 4, 8, 16, 32")
+    flags.register_validator("passes", _comma_list_of(PASSES), f"allowed: a comma list of {', '.join(PASSES)}")
+    flags.register_validator("dense", _comma_list_of(DENSE), f"allowed: a comma list of {', '.join(DENSE)}")
+    flags.register_validator("only", _comma_list_of(PROGRAMS), f"allowed: a comma list of {', '.join(PROGRAMS)}")
+    flags.register_validator("device", lambda v: not v or jax.default_backend() != "cpu",
+                             "no accelerator backend here (jax.default_backend() == 'cpu')")
+
+
+def main(argv):
+    del argv
+    args = FLAGS
+    backend = jax.default_backend() if args.device else "cpu"
+    impl = args.impl or ("pallas" if args.device else "xla")
+    dense_impls = args.dense.split(",")
+    w = widths(args.scale)
     seqs = [int(s) for s in args.seq.split(",")]
-    if not set(args.passes.split(",")) <= {"fwd", "fwd_bwd"}:
-        ap.error(f"--passes={args.passes!r}; allowed: a comma list of fwd, fwd_bwd")
     cfg = dict(backend=backend, devices=jax.device_count(), scale=args.scale, topk=args.topk, impl=impl,
                dtype="float32", batch=1, **w)
     print(f"# DSA block vs dense, GLM-5 widths / {args.scale}: {cfg}", flush=True)
@@ -275,4 +292,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     hugepages.ensure()   # as experiments.run does (glm5_jax.hugepages)
-    main()
+    run_cli(main, define_flags)

@@ -30,7 +30,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -39,8 +38,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from absl import flags  # noqa: E402
 
 from glm5_jax import hugepages, sharding  # noqa: E402
+from glm5_jax.cli import main_wrapper, run as run_cli  # noqa: E402
 from glm5_jax.parallel.ep import TOKEN_AXES, a2a_moe  # noqa: E402
 from tools.bench_dsa import _time  # noqa: E402  (best wall seconds, CPU seconds of that run)
 
@@ -67,7 +68,7 @@ def run(args) -> tuple[dict, list]:
     sizes = dict(mesh.shape)
     ep, n_dev = sizes["expert"], mesh.size
     if args.experts % ep:
-        raise SystemExit(f"--experts={args.experts} must be divisible by expert={ep}")
+        raise sharding.MeshError(f"--experts={args.experts} must be divisible by the mesh's expert={ep}")
     tok_axes = tuple(a for a in TOKEN_AXES if a in sizes)
     n, d, f, e, k = n_dev * args.tokens, args.d_model, args.ffn, args.experts, args.k
     r = np.random.default_rng(1)
@@ -122,25 +123,31 @@ def format_table(results: list) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mesh", default="expert:8", help="AXIS:N,... over the 8 devices (expert >= 2)")
-    ap.add_argument("--tokens", type=int, default=256, help="tokens per device")
-    ap.add_argument("--d_model", type=int, default=256)
-    ap.add_argument("--ffn", type=int, default=128, help="expert hidden width (moe_ffn_dim)")
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--k", type=int, default=8, help="experts per token")
-    ap.add_argument("--skew", type=float, default=0.5, help="skewed routing: share of slots sent to device 0")
-    ap.add_argument("--capacity", type=float, default=1.25, help="moe_capacity_factor of the dropping program")
-    ap.add_argument("--round_factor", type=float, default=1.25, help="moe_round_capacity_factor of the dropless one")
-    ap.add_argument("--reps", type=int, default=5, help="timed runs (the best is kept)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--json", action="store_true", help="last line: one JSON object with every result")
-    args = ap.parse_args(argv)
-    if not 0.0 <= args.skew <= 1.0:
-        ap.error(f"--skew={args.skew} must be in [0, 1]")
-    if args.capacity <= 0 or args.round_factor <= 0:
-        ap.error("--capacity and --round_factor must be > 0")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_string("mesh", "expert:8", "AXIS:N,... over the 8 devices (expert >= 2)")
+    flags.DEFINE_integer("tokens", 256, "tokens per device", lower_bound=1)
+    flags.DEFINE_integer("d_model", 256, "model width", lower_bound=1)
+    flags.DEFINE_integer("ffn", 128, "expert hidden width (moe_ffn_dim)", lower_bound=1)
+    flags.DEFINE_integer("experts", 16, "routed experts", lower_bound=1)
+    flags.DEFINE_integer("k", 8, "experts per token", lower_bound=1)
+    flags.DEFINE_float("skew", 0.5, "skewed routing: share of slots sent to device 0", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_float("capacity", 1.25, "moe_capacity_factor of the dropping program (> 0)")
+    flags.DEFINE_float("round_factor", 1.25, "moe_round_capacity_factor of the dropless one (> 0)")
+    flags.DEFINE_integer("reps", 5, "timed runs (the best is kept)", lower_bound=1)
+    flags.DEFINE_integer("warmup", 1, "untimed runs first", lower_bound=0)
+    flags.DEFINE_bool("json", False, "last line: one JSON object with every result")
+    for name in ("capacity", "round_factor"):
+        flags.register_validator(name, lambda v: v > 0, "must be > 0")
+
+
+@main_wrapper    # a bad --mesh or --experts for it (MeshError): one line, exit 2
+def main(argv):
+    del argv
+    args = FLAGS
     cfg, results = run(args)
     print()
     print(format_table(results))
@@ -150,4 +157,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     hugepages.ensure()   # as experiments.run does (glm5_jax.hugepages)
-    main()
+    run_cli(main, define_flags)

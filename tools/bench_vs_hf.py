@@ -34,13 +34,16 @@ FLOP at matmul peak would show). --json makes the last line
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+from absl import flags
+
+from glm5_jax.cli import run as run_cli
 
 MODEL = dict(vocab_size=8192, d_model=256, num_layers=4, ffn_dim=512, attention="dsa", num_heads=4,
              q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
@@ -271,14 +274,34 @@ def _shapes_arg(shapes):
     return ",".join(f"{b}x{t}" for b, t in shapes)
 
 
-def _parse_shapes(arg, ap):
+def _parse_shapes(arg):
+    """'4x1024,1x4096' -> ((4, 1024), (1, 4096)); ValueError naming the bad item."""
     shapes = []
     for item in arg.split(","):
         parts = item.lower().split("x") if item else []
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            ap.error(f"--train={arg}: each shape must be BATCHxSEQ_LEN with positive integers, got {item!r}")
+            raise ValueError(f"each shape must be BATCHxSEQ_LEN with positive integers, got {item!r}")
         shapes.append((int(parts[0]), int(parts[1])))
     return tuple(shapes)
+
+
+def _valid(parse):
+    """A flag validator from a parser that raises ValueError: the parser's message is the flag's error."""
+    def check(value):
+        try:
+            parse(value)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+        return True
+    return check
+
+
+def _parse_threads(arg):
+    avail = len(os.sched_getaffinity(0))
+    threads = [int(x) if x.isdigit() else 0 for x in arg.split(",") if x]
+    if not threads or any(n < 1 or n > avail for n in threads):
+        raise ValueError(f"each count must be in 1..{avail} (cores available)")
+    return threads
 
 
 def _best(results):
@@ -350,43 +373,54 @@ def run(threads_list, seqs, reps, log, train_shapes=TRAIN_SHAPES, hugepages_on: 
     return results, check
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (each pinned to that many cores)")
-    ap.add_argument("--seq", default="1024,2048,4096", help="forward sequence lengths")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side (best kept)")
-    ap.add_argument("--train", default=_shapes_arg(TRAIN_SHAPES),
-                    help="comma-separated train step shapes BATCHxSEQ_LEN (e.g. 4x1024,1x4096)")
-    ap.add_argument("--hugepages", choices=("off", "on"), default="off",
-                    help="host allocator of BOTH workers: off = the machine's default environment; on = glibc's "
-                         "large allocations as transparent huge pages (glm5_jax.hugepages; what experiments.run "
-                         "sets for itself). HF eager gains more from it than glm5_jax (docs/training.md)")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--worker", choices=("hf", "jax"), help=argparse.SUPPRESS)
-    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    train_shapes = _parse_shapes(args.train, ap)
-    hugepages_on = args.hugepages == "on"
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_string("threads", "1,2", "comma-separated thread counts (each pinned to that many cores)")
+    flags.DEFINE_string("seq", "1024,2048,4096", "forward sequence lengths")
+    flags.DEFINE_integer("reps", 3, "timed repetitions per side (best kept)", lower_bound=1)
+    flags.DEFINE_string("train", _shapes_arg(TRAIN_SHAPES),
+                        "comma-separated train step shapes BATCHxSEQ_LEN (e.g. 4x1024,1x4096)")
+    flags.DEFINE_enum("hugepages", "off", ["off", "on"],
+                      "host allocator of BOTH workers: off = the machine's default environment; on = glibc's "
+                      "large allocations as transparent huge pages (glm5_jax.hugepages; what experiments.run "
+                      "sets for itself). HF eager gains more from it than glm5_jax (docs/training.md)")
+    flags.DEFINE_bool("json", False, "last line: one JSON object with the results")
+    flags.DEFINE_enum("worker", None, ["hf", "jax"], "(internal) run as the timing worker of one side")
+    flags.DEFINE_string("ckpt", None, "(internal) the worker's checkpoint")
+    flags.register_validator("threads", _valid(_parse_threads))
+    flags.register_validator("seq", lambda v: all(x.isdigit() and int(x) > 0 for x in v.split(",")),
+                             "must be a comma list of positive integers")
+    flags.register_validator("train", _valid(_parse_shapes))
+    flags.register_validator("hugepages", lambda v: v == "off" or _hugepages_supported(),
+                             "on needs Linux, glibc >= 2.35 and transparent huge pages not 'never'")
+
+
+def _hugepages_supported() -> bool:
     from glm5_jax.hugepages import supported
-    if hugepages_on and not supported():
-        ap.error("--hugepages=on needs Linux, glibc >= 2.35 and transparent huge pages not 'never'")
-    if args.worker:
-        worker(args.worker, args.ckpt, int(args.threads), train_shapes)
+    return supported()
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    train_shapes = _parse_shapes(FLAGS.train)
+    hugepages_on = FLAGS.hugepages == "on"
+    if FLAGS.worker:
+        worker(FLAGS.worker, FLAGS.ckpt, int(FLAGS.threads), train_shapes)
         return 0
-    threads = [int(x) for x in args.threads.split(",") if x]
-    avail = len(os.sched_getaffinity(0))
-    if any(n < 1 or n > avail for n in threads):
-        ap.error(f"--threads={args.threads}: each count must be in 1..{avail} (cores available)")
-    seqs = [int(x) for x in args.seq.split(",") if x]
-    results, check = run(threads, seqs, args.reps, lambda s: print(s, flush=True), train_shapes, hugepages_on)
+    threads = _parse_threads(FLAGS.threads)
+    seqs = [int(x) for x in FLAGS.seq.split(",") if x]
+    results, check = run(threads, seqs, FLAGS.reps, lambda s: print(s, flush=True), train_shapes, hugepages_on)
     if check.get("positions_within_1e-4", 1.0) < 0.9 or check.get("loss_abs_diff", 0.0) > 1e-3:
         print("WARNING: the two sides disagree beyond float32 round-off at most positions: not the same "
               "computation", flush=True)
-    if args.json:
+    if FLAGS.json:
         print(json.dumps({"results": results, "check": check, "model": MODEL}))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main, define_flags)

@@ -20,12 +20,16 @@ libtpu needs ALLOW_MULTIPLE_LIBTPU_LOAD=1.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import numpy as np
+from absl import flags
+
+from glm5_jax.cli import run
+
+KERNELS = ("sparse", "sparse_grad", "mqa_grad", "indexer", "dense_grad")   # cases()'s names
 
 
 def _one_chip(topology: str):
@@ -97,21 +101,28 @@ def compile_one(fn, args, mesh):
             "temp_bytes": int(ma.temp_size_in_bytes)}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--which", default="sparse,sparse_grad,mqa_grad,indexer,dense_grad")
-    ap.add_argument("--topology", default="v5p:1x1x1")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_integer("seq", 32768, "sequence length T", lower_bound=1)
+    flags.DEFINE_integer("heads", 64, "attention heads", lower_bound=1)
+    flags.DEFINE_integer("topk", 2048, "keys each query attends to", lower_bound=1)
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "activation dtype")
+    flags.DEFINE_list("which", list(KERNELS), f"comma list of kernels to compile: {', '.join(KERNELS)}")
+    flags.DEFINE_string("topology", "v5p:1x1x1", "TPU topology whose one chip is compiled for")
+    flags.DEFINE_bool("json", False, "last stdout line: one JSON object with the results")
+    flags.register_validator("which", lambda v: bool(v) and set(v) <= set(KERNELS),
+                             f"allowed: a comma list of {', '.join(KERNELS)}")
+
+
+def main(argv) -> int:
+    del argv
+    a = FLAGS
     table = cases(a.seq, a.heads, a.topk, a.dtype)
-    names = [n for n in a.which.split(",") if n]
-    bad = [n for n in names if n not in table]
-    if bad:
-        ap.error(f"--which: unknown {bad}; allowed: {', '.join(table)}")
+    assert set(table) == set(KERNELS), (sorted(table), KERNELS)
+    names = a.which
     print(f"compiling with the TPU compiler for one chip of {a.topology}", file=sys.stderr)
     mesh = _one_chip(a.topology)
     results = []
@@ -129,4 +140,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, define_flags)

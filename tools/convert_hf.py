@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-from glm5_jax.cli import main_wrapper
+from glm5_jax.cli import main_wrapper, run as run_cli
 
 FLAGS = flags.FLAGS
 
@@ -55,5 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    run_cli(main, define_flags)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
-from glm5_jax.cli import main_wrapper
+from glm5_jax.cli import main_wrapper, run as run_cli
 from glm5_jax.config import preset
 from glm5_jax.flops import estimate
 
@@ -43,5 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    run_cli(main, define_flags)

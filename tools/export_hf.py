@@ -16,7 +16,7 @@ import os
 
 from absl import app, flags, logging
 
-from glm5_jax.cli import main_wrapper
+from glm5_jax.cli import main_wrapper, run as run_cli
 
 FLAGS = flags.FLAGS
 
@@ -54,5 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    run_cli(main, define_flags)

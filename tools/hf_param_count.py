@@ -21,10 +21,12 @@ torch / transformers are only needed here (reference tooling), never by the ``gl
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
+
+from absl import flags
+
+from glm5_jax.cli import run
 
 
 def count(config=None):
@@ -94,12 +96,18 @@ def count(config=None):
     )
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="GLM-5 reference parameter count (HF, meta device)")
-    ap.add_argument("--json", action="store_true", help="print JSON only")
-    args = ap.parse_args(argv)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_bool("json", False, "print JSON only")
+
+
+def main(argv):
+    del argv
     r = count()
-    if args.json:
+    if FLAGS.json:
         print(json.dumps(r, indent=2))
         return 0
     print(f"total parameters (no MTP):        {r['total']:>16,d}  ({r['total'] / 1e9:.2f}B)")
@@ -114,4 +122,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, define_flags)

@@ -25,13 +25,14 @@ torch / transformers are only needed here (fixture generation), never by the ``g
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
+from absl import flags
+
+from glm5_jax.cli import run
 
 # Keep the shared CPU machine usable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -422,16 +423,21 @@ def build_one(name, spec, out_dir, verbose=False):
     return d, keys
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join("tests", "fixtures"))
-    ap.add_argument("--only", default="", help="comma-separated fixture names (default: all)")
-    ap.add_argument("--print_keys", default="hf_shared", help="print the key list of this fixture")
-    args = ap.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(FIXTURES)
-    unknown = [n for n in names if n not in FIXTURES]
-    if unknown:
-        ap.error(f"unknown fixture(s) {unknown}; allowed: {sorted(FIXTURES)}")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_string("out", os.path.join("tests", "fixtures"), "output folder")
+    flags.DEFINE_list("only", [], "comma-separated fixture names (default: all)")
+    flags.DEFINE_string("print_keys", "hf_shared", "print the key list of this fixture")
+    flags.register_validator("only", lambda v: set(v) <= set(FIXTURES), f"allowed: a comma list of {', '.join(sorted(FIXTURES))}")
+
+
+def main(argv):
+    del argv
+    args = FLAGS
+    names = args.only or list(FIXTURES)
     os.makedirs(args.out, exist_ok=True)
     for n in names:
         build_one(n, FIXTURES[n], args.out, verbose=(n == args.print_keys))
@@ -439,4 +445,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, define_flags)

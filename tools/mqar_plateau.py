@@ -19,9 +19,10 @@ import json
 import tempfile
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments.dsa_vs_mla import TINY, model_configs
+from glm5_jax.cli import run as run_cli
 from glm5_jax.data.retrieval import EVAL_TAG, KEY_LETTERS, TRAIN_TAG, RetrievalTask, retrieval_probe_batches
 from glm5_jax.eval import RetrievalAccuracy, evaluate
 from glm5_jax.train import TrainConfig, train
@@ -106,4 +107,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_cli(main)

@@ -24,9 +24,9 @@ import math
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from glm5_jax.cli import main_wrapper
+from glm5_jax.cli import main_wrapper, run as run_cli
 from glm5_jax.config import REMAT_POLICIES
 
 FLAGS = flags.FLAGS
@@ -102,5 +102,4 @@ def _remat_alias(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     sys.argv = _remat_alias(sys.argv)
     _force_cpu_devices(sys.argv[1:])
-    define_flags()
-    app.run(main)
+    run_cli(main, define_flags)

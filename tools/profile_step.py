@@ -15,15 +15,17 @@ gather, scatter, copies), then the single most expensive ops.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import dataclasses
 import glob
 import os
 import re
 import tempfile
 import time
+
+from absl import flags
+
 from glm5_jax import hugepages
+from glm5_jax.cli import main_wrapper, run as run_cli
 
 _WRAPPERS = ("while", "body", "closed_call")
 
@@ -122,20 +124,32 @@ def kind_table(per_op, runs, kinds) -> dict:
     return dict(by_kind)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="4x1024", help="BxT of the train batch")
-    ap.add_argument("--threads", type=int, default=1, help="pin to this many cores")
-    ap.add_argument("--depth", type=int, default=4, help="op_name levels per scope")
-    ap.add_argument("--top", type=int, default=30, help="scopes printed")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="model config override")
-    args = ap.parse_args(argv)
-    try:
-        b, t = (int(x) for x in args.shape.lower().split("x"))
-    except ValueError:
-        ap.error(f"--shape={args.shape!r}; expected BxT, e.g. 4x1024")
-    if not 1 <= args.threads <= os.cpu_count():
-        ap.error(f"--threads={args.threads}; allowed: 1..{os.cpu_count()}")
+FLAGS = flags.FLAGS
+
+
+def _shape(arg: str) -> tuple[int, int] | None:
+    """'4x1024' -> (4, 1024); None when it is not BxT with positive integers."""
+    parts = arg.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_string("shape", "4x1024", "BxT of the train batch")
+    flags.DEFINE_integer("threads", 1, "pin to this many cores", lower_bound=1, upper_bound=os.cpu_count())
+    flags.DEFINE_integer("depth", 4, "op_name levels per scope", lower_bound=1)
+    flags.DEFINE_integer("top", 30, "scopes printed", lower_bound=1)
+    flags.DEFINE_multi_string("set", [], "model config override FIELD=VALUE (repeatable; glm5_jax.overrides)")
+    flags.register_validator("shape", lambda v: _shape(v) is not None, "expected BxT, e.g. 4x1024")
+
+
+@main_wrapper      # a bad --set (OverrideError, ConfigError): one line on stderr, exit 2
+def main(argv):
+    del argv
+    args = FLAGS
+    b, t = _shape(args.shape)
     os.sched_setaffinity(0, set(range(args.threads)))
 
     import jax
@@ -149,15 +163,9 @@ def main(argv=None):
     from glm5_jax.train.step import make_train_step
     from tools import bench_vs_hf as bv
 
-    over = {}
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    for item in args.set:
-        k, _, v = item.partition("=")
-        if k not in fields:
-            ap.error(f"--set {item!r}: ModelConfig has no field {k!r}")
-        over[k] = type(getattr(ModelConfig(), k))(v) if not isinstance(getattr(ModelConfig(), k), bool) \
-            else v.lower() in ("1", "true", "yes")
-    cfg = ModelConfig(**{**bv.MODEL, **over})
+    from glm5_jax.overrides import apply_overrides
+    cfg = apply_overrides(ModelConfig(**bv.MODEL), args.set)
+    over = " ".join(args.set)
     tcfg = TrainConfig(batch_size=b, seq_len=t, optimizer="adamw", learning_rate=bv.LR, weight_decay=bv.WD,
                        grad_clip=0.0, mtp_weight=0.0, indexer_loss=None)
     params = init_params(cfg, jax.random.PRNGKey(0))
@@ -213,4 +221,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     hugepages.ensure()   # as experiments.run does (glm5_jax.hugepages)
-    main()
+    run_cli(main, define_flags)

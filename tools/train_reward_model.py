@@ -22,7 +22,6 @@ printed; with --json the last stdout line is one JSON object holding it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -30,7 +29,9 @@ import os
 import sys
 import time
 
-from glm5_jax.cli import main_wrapper
+from absl import flags
+
+from glm5_jax.cli import main_wrapper, run as run_cli
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.fields import check_fields, setting
 from glm5_jax.train.config import TrainConfig
@@ -139,18 +140,25 @@ def run(args) -> dict:
     return summary
 
 
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_string("data", None, "training pairs (jsonl)", required=True)
+    flags.DEFINE_string("eval", None, "held-out pairs (jsonl), never trained on", required=True)
+    flags.DEFINE_string("workdir", None, "output folder (checkpoints, metrics.jsonl; resumed when run again)",
+                        required=True)
+    flags.DEFINE_string("tokenizer", None, "tokenizer.json / sentencepiece model (default: one trained here)")
+    flags.DEFINE_string("init_from", None, "start from this checkpoint (HF folder, params checkpoint, run)")
+    flags.DEFINE_multi_string("set", [], "model.* / train.* / rm.* overrides KEY=VALUE, e.g. --set train.steps=400")
+    flags.DEFINE_bool("json", False, "last stdout line: one JSON object with the results")
+
+
 @main_wrapper(also=(OSError,))    # bad pairs, settings or checkpoint (Glm5Error), a missing file: one line, exit 2
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True, help="training pairs (jsonl)")
-    ap.add_argument("--eval", required=True, help="held-out pairs (jsonl), never trained on")
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--init_from", default=None)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="model.* / train.* / rm.* overrides, e.g. --set train.steps=400")
-    ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the results")
-    args = ap.parse_args(argv)
+def main(argv) -> int:
+    del argv
+    args = FLAGS
     summary = run(args)
     if args.json:
         print(json.dumps(summary))
@@ -161,4 +169,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main, define_flags)
