@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from glm5_jax.errors import Glm5Error
 
@@ -327,6 +327,24 @@ class ChatTemplate:
             emit([("s", "<|assistant|>")] + ([("t", "\n"), ("s", "<think>"), ("s", "</think>")] if forced else []),
                  "assistant", 0, len(msgs))
         return out
+
+    def generation_tail(self, prompt_ids: Sequence[int], *, empty_think: bool,
+                        call: Optional[str] = None) -> Tuple[List[int], str]:
+        """What a server appends to a generation prompt (``prompt_ids``: this template's rendering or the
+        checkpoint's own Jinja template's, ending with ``<|assistant|>``): ``\\n<think></think>`` when
+        ``empty_think`` (thinking off, or a forced call) unless the prompt already ends with ``</think>``
+        (a thinking-off turn the template closed); then, when ``call`` is not None, the start of a forced
+        tool call, ``\\n<tool_call>`` + ``call`` (a function's name; "" for any function).
+        -> (ids to append, the forced text: what the reply's parser is fed before the generated text)."""
+        ids: List[int] = []
+        if empty_think and (not prompt_ids or int(prompt_ids[-1]) != self.special["</think>"]):
+            ids += self._enc("\n") + [self.special["<think>"], self.special["</think>"]]
+        forced = ""
+        if call is not None:
+            _check_text(call, "the forced tool call's name")
+            ids += self._enc("\n") + [self.special["<tool_call>"]] + self._enc(call)
+            forced = "\n<tool_call>" + call
+        return ids, forced
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text with the template tokens as their names (the tokenizer's decode)."""

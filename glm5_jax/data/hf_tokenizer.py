@@ -9,6 +9,9 @@ Contract (shared with the sentencepiece back end in tokenizer.py):
   is switched on, so added special tokens are matched only when a template inserts their ids
   explicitly. `add_special_tokens=False`: no post-processor (BOS / [gMASK]<sop> prefixes) is applied.
 * `decode(ids)` renders special ids as their names.
+* `encode_rendered(text)` is the one exception: the text of a checkpoint's own Jinja chat template
+  (glm5_jax.data.hf_chat_template), whose control tokens the template wrote as text, encoded the way
+  transformers encodes `apply_chat_template`'s output (every added token in the text becomes its id).
 * `eos_id` = id of "<|endoftext|>" (required); `pad_id` = "<|pad|>" or "<pad>" if the file has one,
   else `eos_id` (padding is always masked out of the loss, so sharing the id is harmless).
 """
@@ -40,6 +43,9 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"tokenizer file {path!r} is not a readable Hugging Face tokenizer.json ({e})") from e
         # specials are inserted by templates as ids, never parsed out of user text
         self._tk.encode_special_tokens = True
+        # a second instance (the flag is per object and not thread-safe to toggle) for rendered templates
+        self._tk_rendered = tokenizers.Tokenizer.from_file(path)
+        self._tk_rendered.encode_special_tokens = False
         vocab = self._tk.get_vocab(with_added_tokens=True)
         # max id + 1, not len(vocab): a released vocabulary may have holes in its id range
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
@@ -58,6 +64,16 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> List[int]:
         return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_rendered(self, text: str) -> List[int]:
+        """A rendered Jinja chat template -> ids, added tokens in the text matched (transformers'
+        `tokenizer(rendered, add_special_tokens=False)`); never use it on user text."""
+        return self._tk_rendered.encode(text, add_special_tokens=False).ids
+
+    def added_tokens(self) -> List[str]:
+        """The added tokens' texts (GLM's control tokens among them): what user text may not contain
+        when it goes through `encode_rendered`."""
+        return [t.content for t in self._tk.get_added_tokens_decoder().values()]
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [e.ids for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]

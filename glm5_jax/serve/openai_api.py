@@ -39,6 +39,7 @@ from typing import Any, List, Optional
 from aiohttp import web
 
 from glm5_jax.data.chat import ChatFormatError, ChatTemplate
+from glm5_jax.data.hf_chat_template import load_chat_template
 from glm5_jax.serve.engine import EngineError, QueueFull, SamplingParams
 from glm5_jax.serve.metrics import CONTENT_TYPE_LATEST
 
@@ -115,7 +116,9 @@ class OpenAIServer:
             self.templates[chat_mode] = ChatTemplate(tokenizer, chat_mode)
             self.templates.setdefault("preserved", ChatTemplate(tokenizer, "preserved"))
         except ChatFormatError:
-            self.templates = {}       # a tokenizer without GLM chat tokens: completions only
+            self.templates = {}       # a tokenizer without GLM chat tokens: no tool-call / thinking tail
+        # the checkpoint's own Jinja template renders chat prompts when its tokenizer files carry one
+        self.hf_template = load_chat_template(tokenizer)
         self.created = int(time.time())
         self._piece_cache = {}
 
@@ -493,12 +496,17 @@ class OpenAIServer:
 
     async def chat(self, request):
         body = await self._body(request)
-        if not self.templates:
-            raise _bad("this model's tokenizer has no GLM chat template tokens; use /v1/completions", "messages")
+        if not self.templates and self.hf_template is None:
+            raise _bad("this model's tokenizer has neither a chat_template nor the GLM chat template tokens; use "
+                       "/v1/completions", "messages")
         msgs = self._messages(body.get("messages"))
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        reserved = sorted(set(kwargs) & {"messages", "tools", "documents", "add_generation_prompt"})
+        if reserved:
+            raise _bad(f"chat_template_kwargs may not set {reserved}: they are the request's own fields",
+                       "chat_template_kwargs")
         thinking = kwargs.get("enable_thinking", True)
         clear = kwargs.get("clear_thinking", True)
         if not isinstance(thinking, bool) or not isinstance(clear, bool):
@@ -529,28 +537,28 @@ class OpenAIServer:
         if not isinstance(lp, bool) or (top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int)
                                                                or not 0 <= top_n <= MAX_LOGPROBS)):
             raise _bad(f"logprobs must be a boolean and top_logprobs an integer in [0, {MAX_LOGPROBS}]", "logprobs")
-        mode = "preserved" if not clear else self.chat_mode
-        template = self.templates[mode]
+        force_call = use_tools and (forced_name is not None or choice == "required")
+        template = self.templates.get("preserved" if not clear else self.chat_mode)
         try:
-            rendered = template.render(msgs, add_generation_prompt=True, tools=tools if use_tools else None)
+            if self.hf_template is not None:
+                ids = self.hf_template.encode(msgs, tools=tools if use_tools else None, add_generation_prompt=True,
+                                              **kwargs)
+            else:
+                ids = list(template.render(msgs, add_generation_prompt=True, tools=tools if use_tools else None).ids)
         except ChatFormatError as e:
             raise _bad(f"bad messages: {e}", "messages") from None
-        ids = list(rendered.ids)
         forced = ""
-        sp_ = template.special
-        if not thinking or forced_name is not None or choice == "required":
-            ids += template._enc("\n") + [sp_["<think>"], sp_["</think>"]]
-        if use_tools and (forced_name is not None or choice == "required"):
-            ids += template._enc("\n") + [sp_["<tool_call>"]]
-            forced = "\n<tool_call>"
-            if forced_name is not None:
-                ids += template._enc(forced_name)
-                forced += forced_name
+        if template is not None:
+            tail, forced = template.generation_tail(ids, empty_think=not thinking or force_call,
+                                                    call=(forced_name or "") if force_call else None)
+            ids += tail
+        elif force_call:
+            raise _bad("a forced tool call needs the GLM chat template tokens in the tokenizer", "tool_choice")
         self._check_prompt_ids(ids, "messages")
         mt, _ = self._max_tokens(body, len(ids), names=("max_completion_tokens", "max_tokens"))
         sp = self._sampling(body, mt)
         n = _int(body, "n", 1, 1, MAX_N)
-        stop_ids = list(template.stop_ids)
+        stop_ids = list(template.stop_ids) if template is not None else []
         sp.stop_token_ids = list(sp.stop_token_ids) + stop_ids
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         rid = body.get("rollout_id") if isinstance(body.get("rollout_id"), str) else cid
@@ -564,7 +572,7 @@ class OpenAIServer:
             for h in handles:
                 h.cancel()
             raise
-        think_gen = thinking and not forced and (ids[-1] != sp_["</think>"])
+        think_gen = thinking and not forced and (template is None or ids[-1] != template.special["</think>"])
         ctx = dict(thinking=think_gen, tools=use_tools, forced=forced, lp=lp, top_n=top_n or 0, rid=rid,
                    stop_ids=set(stop_ids))
         if stream:
