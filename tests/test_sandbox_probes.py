@@ -1,7 +1,9 @@
 """Probes against the code sandbox (issue 44 item 1): each way to forge a verdict or leave the sandbox
 that worked against the old single-process runner, plus controls (correct code passes, wrong code
 fails, timeouts are reported). Every probe is also a control: it is paired with the behaviour the
-same code gets when it is honest, so a sandbox that failed everything would not pass these tests."""
+same code gets when it is honest, so a sandbox that failed everything would not pass these tests.
+The escapes that need namespaces run on each backend (``backend``: bubblewrap and util-linux, each
+forced; skipped where its probe fails)."""
 
 import os
 import time
@@ -11,11 +13,10 @@ import pytest
 from glm5_jax.rl import sandbox
 from glm5_jax.rl.sandbox import LAYERS, isolation_available, run_sandboxed
 from glm5_jax.rl.tasks import score_function
+from tests.test_sandbox import backend  # noqa: F401  (the fixture)
 
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert add(10, 25) == 35\n"
 WRONG_ADD = "def add(a, b):\n    return a - b\n"
-ISOLATED = isolation_available() == "on"
-needs_ns = pytest.mark.skipif(not ISOLATED, reason=f"namespaces: {isolation_available()}")
 
 
 def _wrong_add_plus(hack: str) -> str:
@@ -85,8 +86,7 @@ def test_objects_equal_to_everything_do_not_pass(ret):
     assert score_function("    return a + b\n\n", "def add(a, b):\n", tests) == (1.0, "correct")
 
 
-@needs_ns
-def test_solution_cannot_read_the_tests():
+def test_solution_cannot_read_the_tests(backend):
     """A lookup table needs the tests: they are not in the solution's file system (nor its memory)."""
     code = ("import os, sys\nfound = []\nfor d, ds, fs in os.walk('/'):\n"
             "    if d.startswith(('/usr', '/dev', sys.base_prefix)):\n        ds[:] = []\n        continue\n"
@@ -94,7 +94,7 @@ def test_solution_cannot_read_the_tests():
             "print(sorted(found))\n"
             "def add(a, b):\n    return a + b\n")
     r = run_sandboxed(code, ADD_TESTS + "# secret-marker\n")
-    assert r.passed, r
+    assert r.passed and r.backend == backend, r
     assert "tests.py" not in r.stdout and "/box/solution.py" in r.stdout, r.stdout
 
 
@@ -182,8 +182,7 @@ FORK_EXEC = (
 )
 
 
-@needs_ns
-def test_fork_exec_children_are_confined_and_die_with_the_run(tmp_path):
+def test_fork_exec_children_are_confined_and_die_with_the_run(tmp_path, backend):
     secret = tmp_path / "host_secret.txt"
     secret.write_text("host-secret-value")
     outside = tmp_path / "written_from_sandbox"
@@ -198,7 +197,7 @@ def test_fork_exec_children_are_confined_and_die_with_the_run(tmp_path):
         f"spawn(['/bin/sleep', '{marker}'], setsid=True)\n"      # a setsid child that would outlive the run
         "def add(a, b):\n    return a + b\n")
     r = run_sandboxed(code, ADD_TESTS, _python_guard=False)
-    assert r.passed, r          # the escapes are harmless, so the (correct) solution still passes
+    assert r.passed and r.backend == backend, r     # the escapes are harmless: the correct solution passes
     out = r.stdout + r.stderr
     assert "spawn True" in out and "done" in out and "\nok\n" in out, out
     assert "host-secret-value" not in out
@@ -219,8 +218,7 @@ def test_fork_exec_children_are_confined_and_die_with_the_run(tmp_path):
     assert not alive, f"sandbox children outlived the run: {alive}"
 
 
-@needs_ns
-def test_seccomp_layer_refuses_inet_sockets():
+def test_seccomp_layer_refuses_inet_sockets(backend):
     code = "import _socket\ns = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\nprint('socket-made')\n"
     r = run_sandboxed(code, "", _python_guard=False)
     if r.isolation["seccomp"] != "on":
@@ -230,8 +228,7 @@ def test_seccomp_layer_refuses_inet_sockets():
     assert r.passed and "socket-made" in r.stdout and r.isolation["seccomp"] == "off", r
 
 
-@needs_ns
-def test_scratch_is_bounded_and_is_the_only_writable_place():
+def test_scratch_is_bounded_and_is_the_only_writable_place(backend):
     code = ("import os\nassert os.getcwd() == '/work'\nopen('/tmp/a', 'w').write('x')\n"
             "with open('/work/big', 'wb') as f:\n    f.write(b'x' * (3 << 20))\n")
     r = run_sandboxed(code, "", scratch_mb=2, max_output_bytes=4 << 20)
