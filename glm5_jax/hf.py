@@ -312,10 +312,11 @@ def _read_leaf(reader: _Reader, entries, shape, dtype, index=None) -> np.ndarray
     return out
 
 
-def read_params(path: str | os.PathLike, config: ModelConfig, mesh=None):
+def read_params(path: str | os.PathLike, config: ModelConfig, mesh=None, rules=None):
     """The params of `config` from the safetensors at `path`: host numpy arrays (mesh None) or jax
-    arrays laid out on `mesh` by the model's logical sharding rules (glm5_jax.sharding.param_shardings),
-    each device's shard read straight from the files. Leaves take the dtypes of abstract_params(config)
+    arrays laid out on `mesh` by logical sharding rules (glm5_jax.sharding.param_shardings; `rules`
+    default LOGICAL_RULES, the training layout; SERVE_RULES for serving), each device's shard read
+    straight from the files. Leaves take the dtypes of abstract_params(config)
     (config.param_dtype); FP8 tensors are dequantised on the way."""
     path = os.fspath(path)
     reader = _Reader(path, _block_size(read_hf_config(path)))
@@ -325,8 +326,8 @@ def read_params(path: str | os.PathLike, config: ModelConfig, mesh=None):
             params = {p: _read_leaf(reader, entries, tuple(leaf.shape), leaf.dtype)
                       for p, (leaf, entries) in plan.items()}
         else:
-            from glm5_jax.sharding import param_shardings
-            shardings = traverse_util.flatten_dict(param_shardings(config, mesh))
+            from glm5_jax.sharding import LOGICAL_RULES, param_shardings
+            shardings = traverse_util.flatten_dict(param_shardings(config, mesh, rules or LOGICAL_RULES))
             params = {}
             for p, (leaf, entries) in plan.items():
                 shape, dtype = tuple(leaf.shape), leaf.dtype
@@ -353,19 +354,19 @@ def checkpoint_config(path: str | os.PathLike, dtype: str | None = None, **confi
     return config
 
 
-def load_checkpoint(path: str | os.PathLike, mesh=None, dtype: str | None = None,
+def load_checkpoint(path: str | os.PathLike, mesh=None, dtype: str | None = None, rules=None,
                     **config_overrides) -> tuple[ModelConfig, dict]:
     """Read `config.json` + safetensors at `path` -> (ModelConfig, params).
 
-    mesh: None -> host numpy arrays; a jax Mesh -> arrays sharded by the logical rules, streamed
-    shard by shard (read_params). dtype: the parameters' dtype (float32 | bfloat16 | float16); default
+    mesh: None -> host numpy arrays; a jax Mesh -> arrays sharded by the logical rules (`rules`: default
+    the training layout, glm5_jax.sharding.SERVE_RULES for serving), streamed shard by shard (read_params). dtype: the parameters' dtype (float32 | bfloat16 | float16); default
     the checkpoint's `torch_dtype` (float32 if it names none), so a bfloat16 checkpoint stays bfloat16.
     It becomes the returned config's param_dtype unless `param_dtype` is among the overrides.
     Missing MTP tensors turn MTP off (mtp_depth=0) rather than failing, since HF models do not
     carry the MTP layer; every other missing, unexpected or misshapen tensor raises CheckpointError.
     """
     config = checkpoint_config(path, dtype, **config_overrides)
-    return config, read_params(path, config, mesh)
+    return config, read_params(path, config, mesh, rules)
 
 
 def _host_slicer(value):

@@ -57,6 +57,37 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+# Serving (glm5_jax.serve): attention data-parallel, experts expert-parallel (docs/inference.md, "Sharding
+# for serving"). MLA keeps one latent KV row per token for all heads, so each sequence's cache rows live on
+# one batch shard and the attention weights are replicated (or split over `tensor`); a decode step never
+# gathers a weight, unlike LOGICAL_RULES' ZeRO-3 layout whose every step all-gathers the parameters.
+# The cache's batch axis spreads over the batch axes (the engine's slots are pinned to their shard).
+SERVE_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("activation_batch", BATCH_AXES),
+    ("activation_seq", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("cache_batch", BATCH_AXES),
+    ("cache_seq", None),
+    ("vocab", "tensor"),
+    ("experts", "expert"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert_mlp", "tensor"),
+    ("embed", None),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("experts_router", None),
+    ("index_heads", None),
+    ("index_heads_w", None),
+    ("index_dim", None),
+    ("norm", None),
+    ("mtp_in", None),
+)
+SERVE_AXES = BATCH_AXES + ("tensor",)     # the mesh axes a serving mesh may use (no context parallelism yet)
+
+
 class MeshError(Glm5Error):
     """The requested mesh does not fit the devices or the model."""
 
@@ -146,8 +177,33 @@ def logical_specs(config: ModelConfig):
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh, rules=LOGICAL_RULES):
-    """NamedSharding pytree for the params of `config` on `mesh`."""
+    """NamedSharding pytree for the params of `config` on `mesh` (rules: LOGICAL_RULES for training,
+    SERVE_RULES for serving)."""
     return nn.logical_to_mesh_sharding(logical_specs(config), mesh, rules)
+
+
+def check_serving_mesh(config: ModelConfig, mesh: Mesh, max_batch: int) -> int:
+    """Raise MeshError unless `mesh` can serve `config` with `max_batch` cache slots; -> the number of batch
+    shards (slots per shard = max_batch / shards)."""
+    sizes = dict(mesh.shape)
+    bad = [a for a in MESH_AXES if a not in SERVE_AXES and sizes.get(a, 1) > 1]
+    if bad:
+        raise MeshError(f"serving mesh {sizes}: axis {bad[0]!r} is not supported for serving; allowed: "
+                        f"{', '.join(SERVE_AXES)} (attention data-parallel over {'/'.join(BATCH_AXES)}, "
+                        "experts over expert, heads / MLP / vocab over tensor)")
+    shards = math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+    if max_batch % shards:
+        raise MeshError(f"max_batch={max_batch} is not divisible by the mesh's batch shards "
+                        f"{'*'.join(BATCH_AXES)}={shards} (mesh {sizes}): every shard holds max_batch / shards slots")
+    checks = [("num_heads", config.num_heads, "tensor"), ("vocab_size", config.vocab_size, "tensor"),
+              ("ffn_dim", config.ffn_dim, "tensor")]
+    if config.num_experts:
+        checks += [("num_experts", config.num_experts, "expert"), ("moe_ffn_dim", config.moe_ffn_dim, "tensor")]
+    for field, value, axis in checks:
+        if value % sizes.get(axis, 1):
+            raise MeshError(f"ModelConfig.{field}={value} is not divisible by mesh axis {axis}={sizes[axis]} "
+                            f"(serving mesh {sizes})")
+    return shards
 
 
 def shard_params(params, shardings):

@@ -286,20 +286,22 @@ def _cli(v) -> str:
     return "none" if v is None else str(v)
 
 
-def load_params(path, model_cfg, mesh=None):
+def load_params(path, model_cfg, mesh=None, rules=None):
     """The params of `model_cfg` (its dtypes) read from the checkpoint at `path`, laid out on `mesh`'s
-    parameter shardings (default one device); each device reads only its shard. Raises InitFromError
+    parameter shardings by `rules` (default the training layout, LOGICAL_RULES; SERVE_RULES for serving;
+    default mesh one device); each device reads only its shard. Raises InitFromError
     when the checkpoint holds another model (check_compatible)."""
     from glm5_jax import hf
-    from glm5_jax.sharding import param_shardings, single_device_mesh
+    from glm5_jax.sharding import LOGICAL_RULES, param_shardings, single_device_mesh
     path = os.fspath(path)
+    rules = LOGICAL_RULES if rules is None else rules
     check_compatible(model_cfg, checkpoint_config(path), path)
     mesh = single_device_mesh() if mesh is None else mesh
     kind = checkpoint_kind(path)
     if kind == "hf":
-        return hf.read_params(path, model_cfg, mesh)
+        return hf.read_params(path, model_cfg, mesh, rules)
     target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                    abstract_param_shapes(model_cfg), param_shardings(model_cfg, mesh))
+                                    abstract_param_shapes(model_cfg), param_shardings(model_cfg, mesh, rules))
     if kind == "run":                      # only the params of the run's state (no optimizer state)
         item = {"params": target}
         with ocp.PyTreeCheckpointer() as ckptr:

@@ -1,0 +1,309 @@
+"""The serving engine's compiled programs, on a mesh (one device is the trivial mesh).
+
+Layout (docs/inference.md, "Sharding for serving"): parameters by `glm5_jax.sharding.SERVE_RULES`
+(attention weights replicated or split over `tensor`, routed experts over `expert`); the cache, the MTP
+buffers and every per-slot array sharded over the batch axes (data, fsdp, expert), so each batch shard
+owns `max_batch / shards` consecutive slots and their cache rows, and attention runs data-parallel. Each
+program is jitted with explicit in / out shardings, donates the cache it updates, and is traced under
+the mesh (`use_mesh`): activation constraints apply, the MoE runs its expert-parallel all-to-all
+(`moe_impl="a2a"`, dropless in one worst-case round: a decode step routes a few tokens per chip).
+
+Prefill runs one row per batch shard per call (`prefill`): row i reads local slot `lsrc[i]` of shard i,
+prefills `length[i]` tokens at positions `start[i]..` and writes the row into local slot `lslot[i]`, so a
+prompt's cache never leaves its shard (a shard with no request runs a dummy row that writes nothing).
+Rows move between the cache and the program's batch inside `jax.shard_map` over the batch axes: a
+device reads and writes only its own slots.
+
+`tools.aot --program=decode|prefill` compiles these same programs for a TPU topology (`abstract_args`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from glm5_jax.batch import BATCH_AXES
+from glm5_jax.infer import cache as kv
+from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
+from glm5_jax.infer.sampling import sample_rows
+from glm5_jax.infer.speculative import mtp_pass, speculative_step
+from glm5_jax.layers.common import dtype_of
+from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, param_shardings, single_device_mesh, use_mesh
+
+__all__ = ["Programs", "TOP_LOGPROBS", "serving_config"]
+
+TOP_LOGPROBS = 20           # alternatives computed per position (OpenAI allows at most 20 top_logprobs)
+
+
+def serving_config(config, mesh):
+    """The config the engine's programs run: with experts over a multi-device `expert` axis the MoE is the
+    explicit all-to-all, dropless in one round sized for the worst case (a decode step sends a few
+    tokens per chip: the buffers are tiny, and no token of any row is ever dropped)."""
+    if config.num_experts and dict(mesh.shape).get("expert", 1) > 1:
+        return config.replace(moe_impl="a2a", moe_capacity_factor=0.0, moe_round_capacity_factor=0.0)
+    return config
+
+
+def _row_keys(seeds, counts):
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, counts)
+
+
+def _top(model_lp, n):
+    v, i = jax.lax.top_k(model_lp, min(n, model_lp.shape[-1]))
+    return i.astype(jnp.int32), v
+
+
+class Programs:
+    """The jitted programs of one engine: ``max_batch`` slots of ``size`` cache positions on ``mesh``.
+
+    Slot g lives on batch shard g // per_shard as local slot g % per_shard. ``num_draft`` > 0 adds the MTP
+    speculative state (``hbuf`` [B, size, D] trunk hidden states, ``seq`` [B, size + 1] committed tokens)."""
+
+    def __init__(self, config, mesh=None, *, max_batch: int, size: int, num_draft: int = 0, rules=SERVE_RULES):
+        self.mesh = single_device_mesh() if mesh is None else mesh
+        self.rules = rules
+        self.shards = check_serving_mesh(config, self.mesh, max_batch)
+        self.config = serving_config(config, self.mesh)
+        self.max_batch, self.size, self.num_draft = int(max_batch), int(size), int(num_draft)
+        self.per_shard = self.max_batch // self.shards
+        self.params = param_shardings(self.config, self.mesh, rules)
+        self.rep = NamedSharding(self.mesh, P())
+        self.rows = NamedSharding(self.mesh, P(BATCH_AXES))      # any per-slot / per-row array: axis 0 over the batch
+        # stacked layer buffers [repeats, B, S, ...]: B over the batch axes; mtp caches, hbuf, seq [B, ...]
+        stacked, flat = NamedSharding(self.mesh, P(None, BATCH_AXES)), self.rows
+        spec = self.abstract_state()
+        self.state = {k: jax.tree.map(lambda a: flat, v) for k, v in spec.items()}
+        self.state["cache"] = {"layers": jax.tree.map(lambda a: stacked, spec["cache"]["layers"]),
+                               "mtp": jax.tree.map(lambda a: flat, spec["cache"]["mtp"])}
+        self._jits: dict = {}
+
+    # ------------------------------------------------------------------ layout
+
+    def abstract_state(self) -> dict:
+        """ShapeDtypeStructs of the engine's device state: {"cache": {"layers", "mtp"}[, "hbuf", "seq"]}."""
+        b, n, c = self.max_batch, self.num_draft, self.config
+        out = {"cache": jax.eval_shape(lambda: kv.init_cache(c, b, self.size, mtp_depths=n))}
+        if n:
+            out["hbuf"] = jax.ShapeDtypeStruct((b, self.size, c.d_model), dtype_of(c.dtype))
+            out["seq"] = jax.ShapeDtypeStruct((b, self.size + 1), jnp.int32)
+        return out
+
+    def alloc(self) -> dict:
+        """The zeroed device state, allocated in place on its shards (no host copy, no full array anywhere)."""
+        return self._jit("alloc", lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract_state()),
+                         (), self.state)()
+
+    def place_params(self, params):
+        """`params` laid out by the serving rules (device to device; a no-op where they already are)."""
+        return jax.device_put(params, self.params)
+
+    def per_device_bytes(self, state) -> dict:
+        """Bytes of each state array on one device (its addressable shard) and in total."""
+        out = {}
+        for path, a in jax.tree_util.tree_leaves_with_path(state):
+            shard = a.addressable_shards[0].data
+            out[jax.tree_util.keystr(path)] = (int(shard.size * shard.dtype.itemsize), int(a.size * a.dtype.itemsize))
+        return out
+
+    # ------------------------------------------------------------------ jit plumbing
+    def _jit(self, key, fn, in_sh, out_sh, donate=()):
+        if key not in self._jits:
+            self._jits[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
+        return self._jits[key]
+
+    def call(self, fn, *args):
+        with use_mesh(self.mesh, self.rules):
+            return fn(*args)
+
+    def compiled_count(self) -> int:
+        return sum(f._cache_size() for f in self._jits.values())
+
+    def _specs(self, tree, axis: int):
+        return jax.tree.map(lambda a: P(*([None] * axis), BATCH_AXES), tree)
+
+    def take_rows(self, tree, lslot, axis: int):
+        """Row lslot[i] of shard i of every leaf (batch at `axis`) -> leaves with one row per shard."""
+        def f(t, s):
+            return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, s[0], 1, axis=axis), t)
+        specs = self._specs(tree, axis)
+        return jax.shard_map(f, mesh=self.mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=specs,
+                             check_vma=False)(tree, lslot)
+
+    def put_rows(self, tree, rows, lslot, axis: int):
+        """Write one row per shard (`rows`, as take_rows returns) into local slot lslot[i] of shard i."""
+        def f(t, r, s):
+            return jax.tree.map(lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, s[0], axis=axis), t, r)
+        specs = self._specs(tree, axis)
+        return jax.shard_map(f, mesh=self.mesh, in_specs=(specs, specs, P(BATCH_AXES)), out_specs=specs,
+                             check_vma=False)(tree, rows, lslot)
+
+    # ------------------------------------------------------------------ programs
+    def decode(self):
+        """(params, layers, tok, pos, active, temp, top_k, top_p, seeds, counts) [B] each -> (next tokens,
+        sampling lps, model lps, top ids, top lps, layers): one token per slot at its position; idle slots
+        write nothing."""
+        cfg = self.config
+
+        def fn(params, layers, tok, pos, active, temp, top_k, top_p, seeds, counts):
+            x, layers = model_step(cfg, params, layers, tok[:, None], pos[:, None], jnp.where(active, pos, -1)[:, None])
+            logits = head(cfg, params, final_norm(cfg, params, x[:, 0]))
+            nxt, lp_s, model_lp = sample_rows(_row_keys(seeds, counts), logits, temp, top_k, top_p)
+            ti, tv = _top(model_lp, TOP_LOGPROBS)
+            return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, layers
+
+        lay = self.state["cache"]["layers"]
+        return self._jit("decode", fn, (self.params, lay) + (self.rows,) * 8, (self.rows,) * 5 + (lay,), (1,))
+
+    def _trunk_rows(self, cfg, width, chunk, params, rows, tokens, start, length):
+        """The trunk over tokens [n, width] (the first length[i] real) at positions start[i].. of each row,
+        in chunks (each writes its keys, then attends slots 0..p) -> (rows, pre-final-norm hidden [n, width, D])."""
+        nc, c = prefill_chunks(width, chunk)
+        toks = jnp.pad(tokens, ((0, 0), (0, nc * c - width)))
+
+        def one_chunk(r, i):
+            j = i * c + jnp.arange(c, dtype=jnp.int32)[None]
+            pos = start[:, None] + j
+            x, r = model_step(cfg, params, r, jax.lax.dynamic_slice_in_dim(toks, i * c, c, axis=1), pos,
+                              jnp.where(j < length[:, None], pos, -1))
+            return r, x
+
+        rows, xs = jax.lax.scan(one_chunk, rows, jnp.arange(nc, dtype=jnp.int32))
+        return rows, jnp.swapaxes(xs, 0, 1).reshape(tokens.shape[0], nc * c, -1)[:, :width]
+
+    def _first_tokens(self, cfg, params, xs, length, temp, top_k, top_p, seed):
+        x_last = jnp.take_along_axis(xs, jnp.maximum(length - 1, 0)[:, None, None], axis=1)[:, 0]
+        logits = head(cfg, params, final_norm(cfg, params, x_last))
+        tok, lp_s, model_lp = sample_rows(_row_keys(seed, jnp.zeros_like(length)), logits, temp, top_k, top_p)
+        ti, tv = _top(model_lp, TOP_LOGPROBS)
+        return tok, lp_s, jnp.take_along_axis(model_lp, tok[:, None], axis=-1)[:, 0], ti, tv
+
+    def prefill(self, width: int, chunk: int, echo: bool):
+        """(params, layers, lslot, lsrc, tokens [n, width], targets [n, width], start, length, temp, top_k,
+        top_p, seed) with n = batch shards -> (first token, its sampling lp, its model lp, top ids, top lps,
+        echo (lp of targets [n, width], top ids, top lps) or None, layers). Row i: shard i's local slot lsrc[i]
+        is read, tokens[i, :length[i]] prefilled at positions start[i].., the row written to local slot lslot[i]."""
+        cfg = self.config
+
+        def fn(params, layers, lslot, lsrc, tokens, targets, start, length, temp, top_k, top_p, seed):
+            rows = self.take_rows(layers, lsrc, axis=1)
+            rows, xs = self._trunk_rows(cfg, width, chunk, params, rows, tokens, start, length)
+            first = self._first_tokens(cfg, params, xs, length, temp, top_k, top_p, seed)
+            ech = None
+            if echo:
+                all_lp = jax.nn.log_softmax(head(cfg, params, final_norm(cfg, params, xs)), axis=-1)   # [n, W, V]
+                ech = (jnp.take_along_axis(all_lp, targets[..., None], axis=-1)[..., 0],) + _top(all_lp, TOP_LOGPROBS)
+            return (*first, ech, self.put_rows(layers, rows, lslot, axis=1))
+
+        lay = self.state["cache"]["layers"]
+        ech = (self.rows,) * 3 if echo else None
+        return self._jit(("prefill", width, chunk, echo), fn, (self.params, lay) + (self.rows,) * 10,
+                         (self.rows,) * 5 + (ech, lay), (1,))
+
+    def spec_prefill(self, width: int, chunk: int):
+        """`prefill` for MTP speculation: also the rows' trunk hidden states (hbuf), committed tokens (seq)
+        and every MTP depth's cache, recomputed from position start - 2n (entries there depend on tokens of
+        the new suffix) through the prompt's end, in chunks, as `speculative._spec_prefill` does.
+        (params, state, lslot, lsrc, tokens, start, length, temp, top_k, top_p, seed) -> (tok, lp_s, lp_m,
+        top ids, top lps, state)."""
+        cfg, n = self.config, self.num_draft
+
+        def fn(params, state, lslot, lsrc, tokens, start, length, temp, top_k, top_p, seed):
+            cache, hbuf, seq = state["cache"], state["hbuf"], state["seq"]
+            lay = self.take_rows(cache["layers"], lsrc, axis=1)
+            lay, xs = self._trunk_rows(cfg, width, chunk, params, lay, tokens, start, length)
+            tok, lp_s, lp_m, ti, tv = self._first_tokens(cfg, params, xs, length, temp, top_k, top_p, seed)
+            j = jnp.arange(width, dtype=jnp.int32)[None]
+            wp = jnp.where(j < length[:, None], start[:, None] + j, -1)
+            hrow = kv.write(self.take_rows(hbuf, lsrc, axis=0), wp, xs)
+            srow = kv.write(self.take_rows(seq, lsrc, axis=0), wp, tokens)
+            e = start + length - 1
+            srow = kv.write(srow, (e + 1)[:, None], tok[:, None])
+            mtp = self.take_rows(cache["mtp"], lsrc, axis=0)
+            lo = jnp.maximum(start - 2 * n, 0)
+            nc, c = prefill_chunks(width + 2 * n, chunk)
+
+            def one_chunk(m, i):
+                pos = lo[:, None] + i * c + jnp.arange(c, dtype=jnp.int32)[None]
+                _, m, _ = mtp_pass(cfg, n, params, m, hrow, srow, jnp.minimum(pos, e[:, None]),
+                                   jnp.where(pos <= e[:, None], pos, -1), e)
+                return m, None
+
+            mtp, _ = jax.lax.scan(one_chunk, mtp, jnp.arange(nc, dtype=jnp.int32))
+            new = {"cache": {"layers": self.put_rows(cache["layers"], lay, lslot, axis=1),
+                             "mtp": self.put_rows(cache["mtp"], mtp, lslot, axis=0)},
+                   "hbuf": self.put_rows(hbuf, hrow, lslot, axis=0), "seq": self.put_rows(seq, srow, lslot, axis=0)}
+            return tok, lp_s, lp_m, ti, tv, new
+
+        return self._jit(("spec_prefill", width, chunk), fn, (self.params, self.state) + (self.rows,) * 9,
+                         (self.rows,) * 5 + (self.state,), (1,))
+
+    def spec_decode(self, greedy: bool):
+        """One speculative round over all slots (`speculative.speculative_step`): (params, state, e, active,
+        temp, top_k, top_p, seeds, counts) -> (state, tokens [B, n+1], sampling lps [B, n+1], accepted [B])."""
+        cfg, n = self.config, self.num_draft
+
+        def fn(params, state, e, active, temp, top_k, top_p, seeds, counts):
+            cache, hbuf, seq, _, g, lp, a = speculative_step(cfg, n, params, state["cache"], state["hbuf"],
+                                                             state["seq"], e, active, _row_keys(seeds, counts),
+                                                             temp, top_k, top_p, greedy=greedy)
+            return {"cache": cache, "hbuf": hbuf, "seq": seq}, g, lp, a
+
+        return self._jit(("spec_decode", greedy), fn, (self.params, self.state) + (self.rows,) * 7,
+                         (self.state,) + (self.rows,) * 3, (1,))
+
+    def move_row(self):
+        """(layers, dst, src) -> layers with global slot src's row copied into slot dst (one shard only:
+        decode buckets, `Engine` allows them on a single batch shard)."""
+        if self.shards != 1:
+            raise ValueError("move_row copies rows inside one batch shard; this mesh has "
+                             f"{self.shards} batch shards")
+
+        def fn(layers, dst, src):
+            row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, src, 1, axis=1), layers)
+            return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, dst, axis=1), layers, row)
+
+        lay = self.state["cache"]["layers"]
+        return self._jit("move_row", fn, (lay, self.rep, self.rep), lay, (0,))
+
+    def decode_rows(self, rows: int):
+        """`decode` over the first `rows` slots only (a decode bucket, single batch shard): those rows are
+        sliced out and written back in place; the other slots are untouched."""
+        if rows == self.max_batch:
+            return self.decode()
+        cfg = self.config
+
+        def fn(params, layers, tok, pos, active, temp, top_k, top_p, seeds, counts):
+            sub = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=1), layers)
+            x, sub = model_step(cfg, params, sub, tok[:, None], pos[:, None], jnp.where(active, pos, -1)[:, None])
+            layers = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, 0, axis=1), layers, sub)
+            logits = head(cfg, params, final_norm(cfg, params, x[:, 0]))
+            nxt, lp_s, model_lp = sample_rows(_row_keys(seeds, counts), logits, temp, top_k, top_p)
+            ti, tv = _top(model_lp, TOP_LOGPROBS)
+            return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, layers
+
+        lay = self.state["cache"]["layers"]
+        return self._jit(("decode", rows), fn, (self.params, lay) + (self.rep,) * 8, (self.rep,) * 5 + (lay,), (1,))
+
+    # ------------------------------------------------------------------ AOT
+    def abstract_args(self, program: str, *, width: int = 0, chunk: int = 0, echo: bool = False, greedy: bool = True):
+        """ShapeDtypeStructs (with shardings) of a program's arguments, for `.lower(*args)` (tools.aot)."""
+        sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        from glm5_jax.model import abstract_params
+        import flax.linen as nn
+        params = jax.tree.map(sds, nn.unbox(abstract_params(self.config)), self.params)
+        state = jax.tree.map(sds, self.abstract_state(), self.state)
+        b, n = self.max_batch, self.shards
+        vec = lambda m, dt: jax.ShapeDtypeStruct((m,), dt, sharding=self.rows)
+        if program == "decode":
+            i, f = vec(b, jnp.int32), vec(b, jnp.float32)
+            return (params, state["cache"]["layers"], i, i, vec(b, jnp.bool_), f, i, f, vec(b, jnp.uint32), i)
+        if program == "prefill":
+            i, f = vec(n, jnp.int32), vec(n, jnp.float32)
+            t = jax.ShapeDtypeStruct((n, width), jnp.int32, sharding=self.rows)
+            return (params, state["cache"]["layers"], i, i, t, t, i, i, f, i, f, vec(n, jnp.uint32))
+        if program == "spec_decode":
+            i, f = vec(b, jnp.int32), vec(b, jnp.float32)
+            return (params, state, i, vec(b, jnp.bool_), f, i, f, vec(b, jnp.uint32), i)
+        raise ValueError(f"program={program!r}: decode | prefill | spec_decode")
+
