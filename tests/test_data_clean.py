@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from glm5_jax.data.clean import CleanConfig, CleanConfigError, DocumentCleaner, filter_reason
+from glm5_jax.data.clean import CleanConfig, CleanConfigError, digest, filter_reason
 from tests.test_data_common import small_cache_dir
 from tools import prepare_data
 
@@ -47,7 +47,8 @@ def test_prepare_data_dedup_counts_planted_copies(tmp_path, capsys):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "prepared"
     rc = prepare_data.main([f"--input={path}", "--tokenizer=spm", "--vocab_size=400", f"--out={out}",
-                            f"--cache_dir={small_cache_dir()}", "--dedup=exact,near", "--json"])
+                            f"--cache_dir={small_cache_dir()}", "--dedup=exact,near", "--json", "--workers=1",
+                            "--shard_docs=100"])
     assert rc == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert s["documents_in"] == len(texts)
@@ -81,11 +82,9 @@ def test_each_filter_rejects_what_it_targets_and_keeps_prose(name, text):
     assert filter_reason(PROSE, cfg) is None
 
 
-def test_exact_dedup_normalises_whitespace_and_keeps_the_first():
-    c = DocumentCleaner(CleanConfig(dedup=("exact",)))
-    assert c.reason("a", "x  y\n z") is None and c.reason("b", " x y z ") == "exact_duplicate"
-    assert c.reason("c", "x y Z") is None
-    assert c.dropped == [("b", "exact_duplicate", "a")] and c.summary(0)["documents_out"] == 2
+def test_exact_digest_normalises_whitespace_and_compatibility_forms_only():
+    assert digest("x  y\n z") == digest(" x y z ") == digest("\uff58 y z")      # full-width x (NFKC)
+    assert digest("x y Z") != digest("x y z")
 
 
 def test_bad_settings_name_the_flag():

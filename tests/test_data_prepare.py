@@ -22,7 +22,7 @@ def docs_parquet(tmp_path_factory):
 def test_prepare_then_train_from_the_directory(tmp_path, docs_parquet, capsys):
     out = str(tmp_path / "prepared")
     rc = prepare_data.main([f"--input={docs_parquet}", "--tokenizer=spm", "--vocab_size=500", f"--out={out}",
-                            f"--cache_dir={small_cache_dir()}", "--eval_fraction=0.1", "--json"])
+                            f"--cache_dir={small_cache_dir()}", "--eval_fraction=0.1", "--json", "--workers=1"])
     assert rc == 0
     index = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert index["dtype"] == "uint16" and os.path.isfile(os.path.join(out, index["tokenizer_file"]))
@@ -57,7 +57,7 @@ def test_prepare_then_train_from_the_directory(tmp_path, docs_parquet, capsys):
 def test_bad_input_is_one_error_line(tmp_path, docs_parquet, capsys, args, msg):
     (tmp_path / "x.model").write_bytes(b"not a model")
     argv = [a.format(tmp=tmp_path, docs=docs_parquet) for a in args] + [f"--out={tmp_path}/out",
-                                                                        f"--cache_dir={small_cache_dir()}"]
+                                                                        f"--cache_dir={small_cache_dir()}", "--workers=1"]
     assert prepare_data.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0]

@@ -1,27 +1,28 @@
-"""Document cleaning for `tools.prepare_data`: exact and near-duplicate removal and quality filters,
-streamed over a corpus in order (the first document of each duplicate cluster is kept).
+"""Document cleaning rules for `tools.prepare_data` (run per shard by glm5_jax.data.prep): quality
+filters, the normalised digest of exact dedup, the MinHash signature and LSH banding of near dedup, and
+the settings of all three dedup stages (near, exact, semantic).
 
 * exact: a 16-byte BLAKE2b digest of the normalised text (NFKC, whitespace runs collapsed, ends
-  stripped); a document whose digest was seen before is an exact duplicate.
+  stripped); documents with one digest are exact duplicates of the first of them.
 * near: MinHash signatures (datasketch, `num_perm` permutations) of the set of lower-cased word
-  `shingle_words`-grams, looked up in a MinHashLSH index banded for `near_threshold`; an LSH candidate
-  counts only if the signatures' estimated Jaccard similarity is >= near_threshold (LSH banding, tuned
-  for recall, finds the candidates; the estimate confirms them). datasketch is a maintained
-  implementation of both, so neither is written here. Shingles of 2 words by default: replacing a
-  fraction p of the words changes about f = 1 - (1 - p)^n of the n-word shingles and leaves Jaccard
-  (1 - f) / (1 + f), so at p = 3% a 5-word shingle gives 0.74 (below 0.8: missed) and a 2-word one
-  0.89 (measured on tests/test_data_clean.py's planted corpus: 4 / 35 / 40 of 40 near-duplicates
-  found with 5 / 3 / 2-word shingles, no distinct document removed).
+  `shingle_words`-grams, banded as datasketch's MinHashLSH bands them for `near_threshold` (weighted
+  for recall); documents sharing a band are candidates, a candidate pair counts only if the
+  signatures' estimated Jaccard similarity is >= near_threshold. Shingles of 2 words by default:
+  replacing a fraction p of the words changes about f = 1 - (1 - p)^n of the n-word shingles and
+  leaves Jaccard (1 - f) / (1 + f), so at p = 3% a 5-word shingle gives 0.74 (below 0.8: missed) and a
+  2-word one 0.89 (measured on tests/test_data_clean.py's planted corpus: 4 / 35 / 40 of 40
+  near-duplicates found with 5 / 3 / 2-word shingles, no distinct document removed).
+* semantic (SemDeDup): mean-pooled embeddings of the documents by a checkpoint's trunk, k-means, and
+  within a cluster a document whose cosine similarity to an earlier kept one exceeds
+  `semantic_threshold` is dropped (glm5_jax.data.prep.semantic).
 * filters (in the manner of Gopher's quality rules, Rae et al. 2021, each threshold settable):
   length (min_words..max_words words), alpha (share of words with an alphabetic character >=
   min_alpha_fraction), dup_lines (share of non-empty lines repeating an earlier line <=
   max_dup_line_fraction), top_ngram (characters covered by the most frequent word 2-gram <=
   max_top_ngram_fraction), dup_ngram (characters in word 10-grams that occur more than once <=
   max_dup_ngram_fraction). "gopher" selects all five.
-Order per document: exact digest, then filters, then near-duplicates (so filtered documents never
-enter the LSH index). Only digests and signatures are kept (~1 KiB a kept document at 128
-permutations), never documents. Semantic (embedding) deduplication is not built: it needs an
-embedding model run over every document and an approximate nearest-neighbour index (docs/data.md).
+Filters run first (a filtered document enters no dedup stage), then the dedup stages in the order
+`dedup` names them (GLM-5's order: near,exact,semantic); each stage sees only what the earlier ones kept.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import collections
 import dataclasses
 import hashlib
 import re
-import time
 import unicodedata
 from typing import Optional
 
@@ -39,7 +39,8 @@ import numpy as np
 from glm5_jax.errors import Glm5Error
 from glm5_jax.fields import check_fields, setting
 
-DEDUP_KINDS = ("exact", "near")
+DEDUP_KINDS = ("near", "exact", "semantic")
+DROP_REASONS = {"near": "near_duplicate", "exact": "exact_duplicate", "semantic": "semantic_duplicate"}
 FILTERS = ("length", "alpha", "dup_lines", "top_ngram", "dup_ngram")
 _WS = re.compile(r"\s+")
 
@@ -62,11 +63,25 @@ class CleanConfig:
     max_top_ngram_fraction: float = setting(0.2, min=0, max=1)
     max_dup_ngram_fraction: float = setting(0.1, min=0, max=1)
     seed: int = 1
+    # semantic (SemDeDup): the embedding checkpoint and its tokenizer (default: the one stored with it)
+    embed_model: Optional[str] = None
+    embed_tokenizer: Optional[str] = None
+    semantic_threshold: float = setting(0.9, gt=-1, max=1)
+    semantic_clusters: int = setting(0, integer=True, min=0)       # 0: ceil(sqrt(documents))
+    kmeans_iters: int = setting(10, integer=True, min=1)
+    embed_max_tokens: int = setting(256, integer=True, min=8)
+    embed_batch: int = setting(16, integer=True, min=1)
 
     def __post_init__(self):
         for kind in self.dedup:
             if kind not in DEDUP_KINDS:
                 raise CleanConfigError(f"--dedup has {kind!r}; allowed: a comma list of {', '.join(DEDUP_KINDS)}")
+        if len(set(self.dedup)) != len(self.dedup):
+            raise CleanConfigError(f"--dedup={','.join(self.dedup)} names a stage twice; allowed: each of "
+                                   f"{', '.join(DEDUP_KINDS)} at most once")
+        if "semantic" in self.dedup and not self.embed_model:
+            raise CleanConfigError("--dedup=semantic needs --embed_model=PATH (a Hugging Face folder, an orbax params "
+                                   "checkpoint or a training run's workdir whose trunk embeds the documents)")
         filters = FILTERS if "gopher" in self.filters else self.filters
         for f in filters:
             if f not in FILTERS:
@@ -120,64 +135,25 @@ def filter_reason(text: str, cfg: CleanConfig) -> Optional[str]:
     return None
 
 
-class DocumentCleaner:
-    """Streamed decisions over documents in corpus order: `reason(key, text)` -> None (keep) or why it
-    is dropped ("exact_duplicate", "near_duplicate", or a filter name); `dropped` lists
-    (key, reason, key of the kept document it duplicates or None); `summary()` the counts."""
+def digest(text: str) -> bytes:
+    """The 16-byte BLAKE2b digest of the normalised text (exact dedup's key)."""
+    return hashlib.blake2b(normalize(text).encode("utf-8"), digest_size=16).digest()
 
-    def __init__(self, cfg: CleanConfig):
-        self.cfg = cfg
-        self._digests: dict[bytes, str] = {}
-        self._lsh = self._sigs = None
-        if "near" in cfg.dedup:
-            from datasketch import MinHashLSH
-            # banded for recall (false-negative weight 0.9): candidates are confirmed by the estimate below
-            self._lsh = MinHashLSH(threshold=cfg.near_threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9))
-            self._sigs: dict[str, np.ndarray] = {}
-        self.documents_in = 0
-        self.counts = collections.Counter()
-        self.dropped: list[tuple[str, str, Optional[str]]] = []
-        self._t0 = time.perf_counter()
 
-    def _signature(self, text: str):
-        from datasketch import MinHash
-        words = text.lower().split()
-        n = self.cfg.shingle_words
-        shingles = {" ".join(words[i:i + n]).encode() for i in range(max(1, len(words) - n + 1))}
-        m = MinHash(num_perm=self.cfg.num_perm, seed=self.cfg.seed)
-        m.update_batch(list(shingles))
-        return m
+def minhash_signature(text: str, cfg: CleanConfig) -> np.ndarray:
+    """[num_perm] uint32: the MinHash of the lower-cased word shingle set (datasketch's hashes are < 2**32)."""
+    from datasketch import MinHash
+    words = text.lower().split()
+    n = cfg.shingle_words
+    shingles = {" ".join(words[i:i + n]).encode() for i in range(max(1, len(words) - n + 1))}
+    m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
+    m.update_batch(list(shingles))
+    return m.hashvalues.astype(np.uint32)
 
-    def reason(self, key: str, text: str) -> Optional[str]:
-        self.documents_in += 1
-        why, other = None, None
-        if "exact" in self.cfg.dedup:
-            d = hashlib.blake2b(normalize(text).encode("utf-8"), digest_size=16).digest()
-            if d in self._digests:
-                why, other = "exact_duplicate", self._digests[d]
-            else:
-                self._digests[d] = key
-        if why is None and self.cfg.filters:
-            why = filter_reason(text, self.cfg)
-        if why is None and self._lsh is not None:
-            m = self._signature(text)
-            for cand in self._lsh.query(m):
-                if np.mean(self._sigs[cand] == m.hashvalues) >= self.cfg.near_threshold:
-                    why, other = "near_duplicate", cand
-                    break
-            if why is None:
-                self._lsh.insert(key, m)
-                self._sigs[key] = m.hashvalues
-        if why is not None:
-            self.counts[why] += 1
-            self.dropped.append((key, why, other))
-        return why
 
-    def summary(self, tokens_out: int) -> dict:
-        seconds = time.perf_counter() - self._t0
-        filtered = {f: self.counts[f] for f in self.cfg.filters}
-        return {"documents_in": self.documents_in, "exact_duplicates": self.counts["exact_duplicate"],
-                "near_duplicates": self.counts["near_duplicate"], "filtered": filtered,
-                "documents_out": self.documents_in - sum(self.counts.values()), "tokens_out": tokens_out,
-                "documents_per_second": round(self.documents_in / seconds, 1) if seconds > 0 else None,
-                "settings": dataclasses.asdict(self.cfg)}
+def lsh_bands(cfg: CleanConfig) -> tuple[int, int]:
+    """(bands, rows per band) that datasketch's MinHashLSH picks for near_threshold and num_perm, weighted
+    for recall (false-negative weight 0.9): candidates are confirmed by the signatures' estimate."""
+    from datasketch import MinHashLSH
+    lsh = MinHashLSH(threshold=cfg.near_threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9))
+    return int(lsh.b), int(lsh.r)

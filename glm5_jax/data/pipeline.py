@@ -17,7 +17,10 @@ Data: `DataConfig.path` is raw files (corpus -> tokenizer -> token cache, each c
 written by `python -m tools.prepare_data` (memory-mapped as is; its tokenizer is the copy stored there
 unless `data.tokenizer` names the same file). A tokenizer whose vocab_size exceeds `data.vocab_size` (the
 model's vocabulary) is refused before anything is tokenized.
-Multi-process (the stream is sharded by process): `select_rows(rows)` makes the iterator read only
+A sharded prepared directory in a multi-process run: each process loads the train documents of its own
+shards only (shard i on process i % count, token_cache.host_shards) and serves its rows of every batch
+from its own stream; its state (fingerprinted with its shards) resumes on the same process count.
+Otherwise (the stream is sharded by process): `select_rows(rows)` makes the iterator read only
 those rows of every global batch (the training loop passes the rows its process's devices hold, from
 the batch sharding), so each process builds only its part
 and the global stream is the same for any number of processes. The state counts global batches, so
@@ -57,7 +60,8 @@ from glm5_jax.data.corpus import Corpus
 from glm5_jax.data.packing import PackedStream, padding_example
 from glm5_jax.data.retrieval import TRAIN_TAG, RetrievalTask, retrieval_eval_batches
 from glm5_jax.data.sources import DataError
-from glm5_jax.data.token_cache import INDEX, TokenizedSplit, load_or_build_token_cache, load_tokens
+from glm5_jax.data.token_cache import (INDEX, TokenizedSplit, host_shards, load_or_build_token_cache, load_tokens,
+                                       read_index)
 from glm5_jax.data.tokenizer import Tokenizer, load_tokenizer_setting
 from glm5_jax.fields import require
 
@@ -88,6 +92,7 @@ class TrainIterator:
         self.rows: tuple[int, ...] = tuple(range(self.batch_size))
         self._served = 0
         self._ids = None                        # a mixture: MapDataset of (source index, window index)
+        self._host_local = False                # a host's own shards (LMData.host_shards): no row selection
         self.sources: tuple[str, ...] = ()      # a mixture: the names of the sources drawn
         if hasattr(data, "mixture_parts"):
             self._init_mixture(data, mix)
@@ -101,6 +106,7 @@ class TrainIterator:
     def _init_single(self, data: "LMData") -> None:
         cfg = data.cfg
         stream = data.train_stream
+        self._host_local = data.host_shards is not None
         T = self.seq_len
         self.num_corpus_windows = stream.num_windows(T)
         if self.num_corpus_windows == 0:
@@ -161,7 +167,7 @@ class TrainIterator:
         batch, so grain's position counts global batches whatever the rows)."""
         B, rows, L = self.batch_size, self.rows, len(self.rows)
         elements = self._elements
-        if L == B:                            # every row: element j of the global stream
+        if L == B or self._host_local:        # every row, or this host's own shards' stream
             local = elements
         else:                                 # row j % L of global batch j // L
             local = grain.MapDataset.range(len(elements) // B * L).map(lambda j: elements[j // L * B + rows[j % L]])
@@ -246,6 +252,7 @@ class LMData:
     token_cache_dir: str
     timings: Dict[str, float]
     data_key: str = ""                # hash of (tokenizer file, corpus): the iterator state checks it
+    host_shards: Optional[tuple] = None   # a sharded prepared directory in a multi-process run: this host's
     _streams: Dict[str, PackedStream] = dataclasses.field(default_factory=dict, repr=False)
 
     def stream(self, split: str) -> PackedStream:
@@ -324,9 +331,11 @@ def check_vocab(tok: Tokenizer, cfg: DataConfig) -> None:
 
 
 def prepared_data(cfg: DataConfig) -> LMData:
+    import jax
     d = os.path.expanduser(cfg.path)
     t0 = time.perf_counter()
-    splits, index = load_tokens(d)
+    shards = host_shards(read_index(d), jax.process_index(), jax.process_count())   # a sharded one: per host
+    splits, index = load_tokens(d, train_shards=shards)
     stored = os.path.join(d, index["tokenizer_file"])
     if cfg.tokenizer_kind != "path" and cfg.tokenizer is not None:
         raise DataError(f"data.tokenizer={cfg.tokenizer!r} (train one here) does not apply to the prepared "
@@ -336,8 +345,9 @@ def prepared_data(cfg: DataConfig) -> LMData:
         raise DataError(f"data.tokenizer={cfg.tokenizer!r} is not the tokenizer {d!r} was prepared with "
                         f"({index['tokenizer']!r}); leave data.tokenizer unset to use the copy in {stored!r}")
     check_vocab(tok, cfg)
-    key = settings_key({"tokenizer": index["tokenizer_fingerprint"], "corpus": index["corpus"]})
-    return LMData(cfg, None, tok, splits, d, {"tokens_s": round(time.perf_counter() - t0, 3)}, key)
+    key = settings_key({"tokenizer": index["tokenizer_fingerprint"], "corpus": index["corpus"],
+                        **({"train_shards": list(shards)} if shards is not None else {})})
+    return LMData(cfg, None, tok, splits, d, {"tokens_s": round(time.perf_counter() - t0, 3)}, key, shards)
 
 
 def tokenized(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, log=None, timings=None) -> LMData:

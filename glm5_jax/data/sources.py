@@ -291,6 +291,49 @@ def iter_documents(f: SourceFile, text_field: str = "text", messages_field: str 
         raise DataError(f"data file {f.path!r}: unknown format {f.format!r}")
 
 
+def iter_document_range(f: SourceFile, start: int, stop: int, text_field: str = "text",
+                        messages_field: str = "messages") -> Iterator[Tuple[int, Document]]:
+    """(i, document i) for start <= i < stop, as iter_documents gives them; the documents before `start`
+    are skipped without being parsed (jsonl lines unread as JSON, parquet batches and ArrayRecord
+    records not converted), so a file cut into ranges is read about once in all."""
+    if f.format == "jsonl":
+        for i, (n, line) in enumerate(_jsonl_lines(f)):
+            if i >= stop:
+                return
+            if i >= start:
+                where = f"data file {f.path!r} line {n}"
+                try:
+                    obj = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise DataError(f"{where} is not valid JSON ({e})") from None
+                yield i, record_document(obj, f"{f.relpath}#{i}", where, text_field, messages_field)
+    elif f.format == "parquet":
+        pf, col = _parquet_column(f, text_field, messages_field)
+        first = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[col]):
+            end = first + batch.num_rows
+            if end > start and first < stop:
+                for j, v in enumerate(batch.column(0).to_pylist()):
+                    i = first + j
+                    if start <= i < stop:
+                        yield i, record_document({col: v}, f"{f.relpath}#{i}", f"data file {f.path!r} row {i}",
+                                                 text_field, messages_field)
+            if end >= stop:
+                return
+            first = end
+    elif f.format == "array_record":
+        src = _array_record(f)
+        for i in range(start, min(stop, len(src))):
+            yield i, _record_bytes_document(src[i], f"{f.relpath}#{i}", f"data file {f.path!r} record {i}",
+                                            text_field, messages_field)
+    else:
+        for i, doc in enumerate(iter_documents(f, text_field, messages_field)):
+            if i >= stop:
+                return
+            if i >= start:
+                yield i, doc
+
+
 def is_utf8_text(f: SourceFile) -> bool:
     try:
         _read_text(f)
@@ -300,5 +343,5 @@ def is_utf8_text(f: SourceFile) -> bool:
 
 
 __all__ = ["DOC_CHUNK_BYTES", "DataError", "Document", "EXTENSIONS", "SourceFile", "count_documents", "document_key",
-           "format_of", "is_utf8_text", "iter_documents", "make_sources", "record_document", "resolve_files",
+           "format_of", "is_utf8_text", "iter_document_range", "iter_documents", "make_sources", "record_document", "resolve_files",
            "walk_files"]

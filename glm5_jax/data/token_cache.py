@@ -1,5 +1,6 @@
 """Tokenized corpora on disk: the cache under `<cache_dir>/tokens/<key>/`, and the directories
-`python -m tools.prepare_data` writes (same layout, plus a copy of the tokenizer).
+`python -m tools.prepare_data` writes (one such cache per shard under `shards/NNNNN/`, an `index.json`
+listing them, plus a copy of the tokenizer).
 
 Layout, for each split in (train, eval):
   `<split>.tokens.bin`   raw little-endian token ids, documents back to back, NO eos; uint16 when
@@ -10,6 +11,10 @@ tokens / text bytes / bytes per token, timing). The key hashes the tokenizer fil
 corpus fingerprint, so a second build with the same data and tokenizer memory-maps these arrays and
 never calls the tokenizer. Tokens are written as they are produced (one pass, host memory bounded
 by one batch of documents and the offsets).
+
+A sharded directory's index.json adds `shards` (per shard: `dir` and its per-split documents / tokens);
+`load_tokens` puts the shards' documents back to back in shard order (corpus order), or only the train
+documents of the shards a host reads.
 
 Chat documents (`messages`) are rendered to ids by the GLM chat template (glm5_jax.data.chat,
 interleaved thinking); every token of them is an LM target in pre-training.
@@ -22,7 +27,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -118,20 +123,19 @@ class _Encoder:
         return out
 
 
-def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[Callable[[str], None]] = None,
-                 quiet: bool = False, extra: Optional[dict] = None,
-                 drop: Optional[Callable[[Document], Optional[str]]] = None) -> dict:
-    """Tokenize every document of `corpus` once into `out_dir` (layout above); returns the index.
-    drop(document) -> None (keep) or a reason: documents with a reason are not written (in corpus
-    order, so a cleaner that keeps the first of each duplicate cluster sees them in that order)."""
+def write_token_items(tok: Tokenizer, items: Iterable[Tuple[str, Document]], out_dir: str, total: int, *,
+                      quiet: bool = False) -> dict:
+    """Tokenize (split, document) items once into `out_dir`'s `<split>.tokens.bin` / `<split>.offsets.npy`
+    (layout above), in the order given; returns {split: {documents, tokens, text_bytes, bytes_per_token}}
+    and tokenize_seconds. `total`: the documents expected (for the progress line)."""
     dtype = token_dtype(tok.vocab_size)
     bins = {s: open(os.path.join(out_dir, f"{s}.tokens.bin"), "wb") for s in SPLITS}
     lengths: Dict[str, List[int]] = {s: [] for s in SPLITS}
     nbytes = {s: 0 for s in SPLITS}
     encode = _Encoder(tok)
-    progress = Progress(corpus.num_documents(), "tokenizing", quiet=quiet)
+    progress = Progress(total, "tokenizing", quiet=quiet)
     t0 = time.perf_counter()
-    done = tokens = skipped = 0
+    done = tokens = 0
     pending: List[Tuple[str, Document]] = []
 
     def flush():
@@ -147,13 +151,10 @@ def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[
             tokens += arr.size
         done += len(pending)
         pending.clear()
-        progress.update(done + skipped, tokens)
+        progress.update(done, tokens)
 
     try:
-        for item in corpus.documents():
-            if drop is not None and drop(item[1]) is not None:
-                skipped += 1
-                continue
+        for item in items:
             pending.append(item)
             if len(pending) >= _ENCODE_CHUNK:
                 flush()
@@ -161,19 +162,31 @@ def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[
     finally:
         for fh in bins.values():
             fh.close()
-    progress.update(done + skipped, tokens, final=True)
-    index = {"format": _FORMAT_VERSION, "dtype": dtype.name, "tokenizer": tok.model_path,
-             "tokenizer_kind": tok.kind, "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-             "root": corpus.root, "corpus": corpus.fingerprint(), "num_files": len(corpus.files),
-             **(extra or {})}
+    progress.update(done, tokens, final=True)
+    out: dict = {}
     for s in SPLITS:
         offsets = np.zeros([len(lengths[s]) + 1], np.int64)
         np.cumsum(lengths[s], out=offsets[1:])
         np.save(os.path.join(out_dir, f"{s}.offsets.npy"), offsets)
         n = int(offsets[-1])
-        index[s] = {"documents": len(lengths[s]), "tokens": n, "text_bytes": nbytes[s],
-                    "bytes_per_token": round(nbytes[s] / n, 4) if n else None}
-    index["tokenize_seconds"] = round(time.perf_counter() - t0, 3)
+        out[s] = {"documents": len(lengths[s]), "tokens": n, "text_bytes": nbytes[s],
+                  "bytes_per_token": round(nbytes[s] / n, 4) if n else None}
+    out["tokenize_seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def tokens_index(tok: Tokenizer, corpus: Corpus, extra: Optional[dict] = None) -> dict:
+    """The index fields that name the tokenizer and the corpus (index.json, before the per-split counts)."""
+    return {"format": _FORMAT_VERSION, "dtype": token_dtype(tok.vocab_size).name, "tokenizer": tok.model_path,
+            "tokenizer_kind": tok.kind, "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+            "root": corpus.root, "corpus": corpus.fingerprint(), "num_files": len(corpus.files), **(extra or {})}
+
+
+def write_tokens(tok: Tokenizer, corpus: Corpus, out_dir: str, *, log: Optional[Callable[[str], None]] = None,
+                 quiet: bool = False, extra: Optional[dict] = None) -> dict:
+    """Tokenize every document of `corpus` once into `out_dir` (layout above, corpus order); returns the index."""
+    index = tokens_index(tok, corpus, extra)
+    index.update(write_token_items(tok, corpus.documents(), out_dir, corpus.num_documents(), quiet=quiet))
     with open(os.path.join(out_dir, INDEX), "w") as fh:
         json.dump(index, fh, indent=1)
     if log is not None:
@@ -203,18 +216,53 @@ def read_index(d: str) -> dict:
     return index
 
 
-def load_tokens(d: str) -> Tuple[Dict[str, TokenizedSplit], dict]:
-    """({split: TokenizedSplit} with memory-mapped tokens, index) of a tokenized directory."""
+def _load_split(d: str, split: str, dtype: np.dtype) -> TokenizedSplit:
+    offsets = np.load(os.path.join(d, f"{split}.offsets.npy"))
+    n = int(offsets[-1])
+    path = os.path.join(d, f"{split}.tokens.bin")
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros([0], dtype)
+    return TokenizedSplit(tokens=tokens, offsets=offsets)
+
+
+def concat_splits(parts: List[TokenizedSplit], dtype: np.dtype) -> TokenizedSplit:
+    """One split of the documents of `parts` back to back (in memory unless there is one part)."""
+    if len(parts) == 1:
+        return parts[0]
+    sizes = [p.num_tokens for p in parts]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    offsets = np.concatenate([[0]] + [p.offsets[1:] + a for p, a in zip(parts, starts[:-1])]).astype(np.int64)
+    tokens = np.concatenate([np.asarray(p.tokens) for p in parts]) if parts else np.zeros([0], dtype)
+    return TokenizedSplit(tokens=tokens.astype(dtype, copy=False), offsets=offsets)
+
+
+def load_tokens(d: str, train_shards: Optional[Sequence[int]] = None) -> Tuple[Dict[str, TokenizedSplit], dict]:
+    """({split: TokenizedSplit} with memory-mapped tokens, index) of a tokenized directory. A sharded
+    directory (tools.prepare_data: index["shards"], one token cache per shard) gives its shards' documents
+    back to back in shard order; `train_shards` limits the train split to those shards (a host's share in
+    a multi-host run), the eval split is always whole."""
     index = read_index(d)
-    out = {}
-    for s in SPLITS:
-        path = os.path.join(d, f"{s}.tokens.bin")
-        offsets = np.load(os.path.join(d, f"{s}.offsets.npy"))
-        n = int(offsets[-1])
-        dtype = np.dtype(index["dtype"]).newbyteorder("<")
-        tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros([0], dtype)
-        out[s] = TokenizedSplit(tokens=tokens, offsets=offsets)
-    return out, index
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    if "shards" not in index:
+        if train_shards is not None:
+            raise DataError(f"tokenized data {d!r} is one token cache, not sharded; it has no shards to select")
+        return {s: _load_split(d, s, dtype) for s in SPLITS}, index
+    dirs = [os.path.join(d, x["dir"]) for x in index["shards"]]
+    pick = range(len(dirs)) if train_shards is None else train_shards
+    return {"train": concat_splits([_load_split(dirs[i], "train", dtype) for i in pick], dtype),
+            "eval": concat_splits([_load_split(x, "eval", dtype) for x in dirs], dtype)}, index
+
+
+def host_shards(index: dict, process_index: int, process_count: int) -> Optional[Tuple[int, ...]]:
+    """The shards whose train documents process `process_index` of `process_count` reads (grain's
+    ShardByJaxProcess rule: shard i goes to process i % count); None (read everything) in one process or
+    for an unsharded directory."""
+    n = len(index.get("shards", ()))
+    if process_count == 1 or n == 0:
+        return None
+    if n < process_count:
+        raise DataError(f"the prepared directory has {n} shards; a {process_count}-process run reads at least one "
+                        f"per process: prepare it again with a smaller --shard_docs (>= {process_count} shards)")
+    return tuple(range(process_index, n, process_count))
 
 
 def token_cache_dir(cache_root: str, tok: Tokenizer, corpus: Corpus) -> str:
