@@ -19,8 +19,8 @@ def _force_backend(name, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, name)
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
+@pytest.fixture(params=BACKENDS, name="backend")
+def backend_fixture(request, monkeypatch):
     """Each namespace backend in turn, forced (the other is never tried); skipped where its probe fails."""
     _force_backend(request.param, monkeypatch)
     return request.param
@@ -293,7 +293,7 @@ def test_sandbox_modules_hold_no_program_in_a_string():
     import ast
     import pathlib
 
-    import glm5_jax.rl.sandbox as sandbox
+    from glm5_jax.rl import sandbox
 
     root = pathlib.Path(sandbox.__file__).parent
     files = [root / "sandbox.py", root / "sandbox_isolation.py", root / "sandbox_nsinit.py",

@@ -13,7 +13,7 @@ import pytest
 from glm5_jax.rl import sandbox
 from glm5_jax.rl.sandbox import LAYERS, isolation_available, run_sandboxed
 from glm5_jax.rl.tasks import score_function
-from tests.test_sandbox import backend  # noqa: F401  (the fixture)
+from tests.test_sandbox import backend_fixture  # noqa: F401  (registers the fixture "backend")
 
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert add(10, 25) == 35\n"
 WRONG_ADD = "def add(a, b):\n    return a - b\n"
@@ -32,22 +32,22 @@ def _wrong_add_plus(hack: str) -> str:
     # the same from inside the function under test (frame walk up the call stack)
     None,
     # walk every frame and send forged protocol messages with whatever channel object is there
-    "import sys\nf = sys._getframe()\nwhile f is not None:\n"
+    ("import sys\nf = sys._getframe()\nwhile f is not None:\n"
     "    for v in list(f.f_locals.values()):\n"
     "        if hasattr(v, 'send') and hasattr(v, 'recv'):\n"
     "            v.send({'load': 'ok', 'names': {}, 'net': False})\n"
     "            v.send({'bye': True, 'net': False})\n"
     "    f = f.f_back\n"
-    "import os\nos._exit(0)\n",
+    "import os\nos._exit(0)\n"),
     # a forged verdict on every fd the process holds (the verdict pipe is not among them)
-    "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"status\": \"passed\"}')\n"
-    "    except OSError:\n        pass\n",
+    ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"status\": \"passed\"}')\n"
+    "    except OSError:\n        pass\n"),
     # early exits with status 0
     "import os\nos._exit(0)\n",
     "import sys\nsys.exit(0)\n",
     # patched builtins: assertion helpers / comparisons the tests might use
-    "import builtins\nbuiltins.AssertionError = type('X', (BaseException,), {})\nbuiltins.abs = lambda x: 0\n"
-    "builtins.len = lambda x: 3\n",
+    ("import builtins\nbuiltins.AssertionError = type('X', (BaseException,), {})\nbuiltins.abs = lambda x: 0\n"
+    "builtins.len = lambda x: 3\n"),
 ])
 def test_forged_verdicts_do_not_pass(hack):
     if hack is None:
@@ -66,15 +66,15 @@ def test_forged_verdicts_do_not_pass(hack):
 
 
 @pytest.mark.parametrize("ret", [
-    "class E:\n        def __eq__(self, o):\n            return True\n        __hash__ = object.__hash__\n"
-    "    return E()",
-    "class I(int):\n        def __eq__(self, o):\n            return True\n        __hash__ = int.__hash__\n"
-    "    return I(0)",
-    "class S(str):\n        def __eq__(self, o):\n            return True\n        __hash__ = str.__hash__\n"
-    "    return S('')",
+    ("class E:\n        def __eq__(self, o):\n            return True\n        __hash__ = object.__hash__\n"
+    "    return E()"),
+    ("class I(int):\n        def __eq__(self, o):\n            return True\n        __hash__ = int.__hash__\n"
+    "    return I(0)"),
+    ("class S(str):\n        def __eq__(self, o):\n            return True\n        __hash__ = str.__hash__\n"
+    "    return S('')"),
     # arithmetic that lies: abs(result - expected) == 0 whatever expected is
-    "class Z:\n        def __sub__(self, o):\n            return self\n        def __abs__(self):\n"
-    "            return 0.0\n        def __lt__(self, o):\n            return True\n    return Z()",
+    ("class Z:\n        def __sub__(self, o):\n            return self\n        def __abs__(self):\n"
+    "            return 0.0\n        def __lt__(self, o):\n            return True\n    return Z()"),
 ])
 def test_objects_equal_to_everything_do_not_pass(ret):
     body = "    " + ret + "\n"
@@ -252,10 +252,10 @@ def test_shadowed_builtins_do_not_reach_the_tests():
 @pytest.mark.parametrize("body", [
     "    return [0] * 10 ** 7",                                   # over the reply budget
     "    x = []\n    for _ in range(10 ** 5):\n        x = [x]\n    return x",     # nested past any depth limit
-    "    import os\n    for fd in range(3, 64):\n        try:\n            os.write(fd, b'[[[[' * 100000 + b'\\n')\n"
-    "        except OSError:\n            pass\n    return a + b",                # garbage on the channel
-    "    import os\n    for fd in range(64):\n        try:\n            os.close(fd)\n        except OSError:\n"
-    "            pass\n    return a + b",                        # closes its own channel
+    ("    import os\n    for fd in range(3, 64):\n        try:\n            os.write(fd, b'[[[[' * 100000 + b'\\n')\n"
+    "        except OSError:\n            pass\n    return a + b"),                # garbage on the channel
+    ("    import os\n    for fd in range(64):\n        try:\n            os.close(fd)\n        except OSError:\n"
+    "            pass\n    return a + b"),                        # closes its own channel
 ])
 def test_hostile_replies_are_not_a_pass_and_do_not_hang(body):
     t0 = time.monotonic()

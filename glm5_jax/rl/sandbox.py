@@ -45,15 +45,28 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
 
 from glm5_jax.errors import Glm5Error
 from glm5_jax.rl.sandbox_child import Exit
-from glm5_jax.rl.sandbox_isolation import (exit_status, isolation_available, isolation_backend,
-                                           namespaced_argv, netns_available, python, tool)
+from glm5_jax.rl.sandbox_isolation import (
+    exit_status,
+    isolation_available,
+    isolation_backend,
+    namespaced_argv,
+    netns_available,
+    python,
+    tool,
+)
 
-__all__ = ["SandboxResult", "run_sandboxed", "netns_available", "isolation_available", "STATUSES",
-           "LAYERS", "classify"]
+__all__ = [
+    "LAYERS",
+    "STATUSES",
+    "SandboxResult",
+    "classify",
+    "isolation_available",
+    "netns_available",
+    "run_sandboxed",
+]
 
 STATUSES = ("passed", "failed", "error", "timeout", "memory", "network_blocked", "output_limit", "killed",
             "sandbox_error")
@@ -69,9 +82,9 @@ class SandboxResult:
     status: str
     stdout: str
     stderr: str
-    returncode: Optional[int] = None           # the solution process's exit status (signal: negative)
+    returncode: int | None = None           # the solution process's exit status (signal: negative)
     wall_s: float = 0.0
-    isolation: Dict[str, str] = dataclasses.field(default_factory=dict)   # layer -> "on" | "off" | "unavailable: ..."
+    isolation: dict[str, str] = dataclasses.field(default_factory=dict)   # layer -> "on" | "off" | "unavailable: ..."
     backend: str = ""                          # "bwrap" | "unshare" when namespaced, else ""
 
     @property
@@ -84,9 +97,9 @@ class SandboxResult:
 class _Plan:
     """What a run uses: namespaces on ``backend`` (None: none), a network namespace, and the layer report."""
 
-    backend: Optional[str]
+    backend: str | None
     net: bool
-    isolation: Dict[str, str]
+    isolation: dict[str, str]
 
 
 def _check_text(code: str, tests: str) -> None:
@@ -99,7 +112,7 @@ def _check_text(code: str, tests: str) -> None:
             raise Glm5Error(f"{name} is not valid text: {e.reason} at position {e.start}") from None
 
 
-def plan_isolation(isolate: Optional[bool], netns: Optional[bool], seccomp: bool,
+def plan_isolation(isolate: bool | None, netns: bool | None, seccomp: bool,
                    python_guard: bool) -> _Plan | SandboxResult:
     """Which layers a run gets, or the ``sandbox_error`` result when a required one is unavailable."""
     iso_state = isolation_available()
@@ -123,7 +136,7 @@ def plan_isolation(isolate: Optional[bool], netns: Optional[bool], seccomp: bool
     return _Plan(isolation_backend()[0] if use_ns else None, use_net, isolation)
 
 
-def _write_box(box: str, files: Dict[str, str]) -> None:
+def _write_box(box: str, files: dict[str, str]) -> None:
     """The run's read-only files for one child: its input (solution.py or tests.py) and the child program."""
     os.makedirs(box)
     for fname, text in files.items():
@@ -136,7 +149,7 @@ def _write_box(box: str, files: Dict[str, str]) -> None:
             os.chmod(os.path.join(d, fname), 0o644)
 
 
-def _spawn(plan: _Plan, tmp: str, role: str, uid: int, cfg: dict, fds: Tuple[int, ...], *, scratch_mb: int,
+def _spawn(plan: _Plan, tmp: str, role: str, uid: int, cfg: dict, fds: tuple[int, ...], *, scratch_mb: int,
            allow_site: bool, out, err) -> subprocess.Popen:
     """Start one child: in ``plan.backend``'s namespaces as ``uid`` when namespaced, else a plain process
     (in a network namespace alone when ``plan.net``)."""
@@ -160,7 +173,7 @@ def _spawn(plan: _Plan, tmp: str, role: str, uid: int, cfg: dict, fds: Tuple[int
                             start_new_session=True, close_fds=True, pass_fds=fds)
 
 
-def _await_verdict(v_r: int, deadline: float) -> Tuple[bytes, bool]:
+def _await_verdict(v_r: int, deadline: float) -> tuple[bytes, bool]:
     """The judge's verdict bytes (bounded), read until it closes its end; and whether the clock ran out."""
     raw = b""
     while True:
@@ -198,7 +211,7 @@ def _read(f, limit: int) -> str:
     return text
 
 
-def _outputs(outs: List[tuple], limit: int) -> Tuple[str, str]:
+def _outputs(outs: list[tuple], limit: int) -> tuple[str, str]:
     """stdout and stderr of both children (solution first), each bounded to ``limit`` bytes."""
     (s_out, s_err), (j_out, j_err) = [(_read(o, limit), _read(e, limit)) for o, e in outs]
     return s_out + j_out, (s_err + "\n" if s_err and j_err else s_err) + j_err
@@ -215,11 +228,11 @@ def _parse_verdict(raw: bytes) -> dict:
 def seccomp_state(verdict: dict) -> str:
     """"on" when both children reported the filter installed, else the first other state."""
     states = {str(verdict.get("seccomp", "unknown")), str(verdict.get("peer_seccomp", "unknown"))}
-    state = "on" if states == {"on"} else sorted(states - {"on"})[0]
+    state = "on" if states == {"on"} else min(states - {"on"})
     return "unknown: the run ended before it was reported" if state == "unknown" else state
 
 
-def classify(verdict: dict, sol_rc: Optional[int], judge_rc: Optional[int], *, timed_out: bool, wall_s: float,
+def classify(verdict: dict, sol_rc: int | None, judge_rc: int | None, *, timed_out: bool, wall_s: float,
              cpu_s: float, stderr: str) -> str:
     """The run's status from the judge's verdict and both exit statuses (negative = signal)."""
     v = verdict.get("status")
@@ -259,8 +272,8 @@ def run_sandboxed(
     cpu_s: int = 2,
     memory_mb: int = 256,
     max_output_bytes: int = 64 * 1024,
-    netns: Optional[bool] = None,
-    isolate: Optional[bool] = None,
+    netns: bool | None = None,
+    isolate: bool | None = None,
     seccomp: bool = True,
     scratch_mb: int = 16,
     allow_site: bool = False,
@@ -296,7 +309,7 @@ def run_sandboxed(
                   "seccomp": bool(seccomp), "python_guard": bool(_python_guard)}
         ends = {"solution": {"rfd": j2s_r, "wfd": s2j_w}, "judge": {"rfd": s2j_r, "wfd": j2s_w, "vfd": v_w}}
         for i, role in enumerate(ROLES):
-            outs.append((tempfile.TemporaryFile(), tempfile.TemporaryFile()))
+            outs.append((tempfile.TemporaryFile(), tempfile.TemporaryFile()))  # noqa: SIM115  (closed in finally)
             try:
                 procs.append(_spawn(plan, tmp, role, base_uid + i, dict(limits, role=role, **ends[role]),
                                     tuple(ends[role].values()), scratch_mb=scratch_mb, allow_site=allow_site,

@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional, Tuple
 
 from glm5_jax.errors import Glm5Error
 
@@ -51,7 +50,7 @@ class Mount:
     size_mb: int = 0
 
 
-def tool(name: str) -> Optional[str]:
+def tool(name: str) -> str | None:
     """The system's ``name`` (the sbin / bin directories first, then $PATH), or None."""
     for d in ("/usr/bin", "/usr/sbin", "/bin", "/sbin"):
         p = os.path.join(d, name)
@@ -64,7 +63,7 @@ def python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def ro_paths() -> List[str]:
+def ro_paths() -> list[str]:
     """Read-only runtime bind mounts beyond /usr and /bin-/lib*: the interpreter's prefixes."""
     paths = []
     for p in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.dirname(python()))):
@@ -76,7 +75,7 @@ def ro_paths() -> List[str]:
     return paths
 
 
-def mount_plan(box: str, scratch_mb: int) -> List[Mount]:
+def mount_plan(box: str, scratch_mb: int) -> list[Mount]:
     """The child's root: the runtime read-only, 4 device nodes, ``box`` read-only at /box, a scratch
     tmpfs /work (also /tmp) as the only writable place. Nothing else of the host (no /proc, /etc, /home)."""
     plan, bound = [], []
@@ -95,13 +94,13 @@ def mount_plan(box: str, scratch_mb: int) -> List[Mount]:
     return plan
 
 
-def drop_privileges(uid: int) -> List[str]:
+def drop_privileges(uid: int) -> list[str]:
     """``setpriv`` prefix: run as ``uid`` / gid ``uid``, no groups, no capabilities, no_new_privs."""
     return [tool("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
 
 
-def bwrap_argv(box: str, uid: int, scratch_mb: int, net: bool) -> List[str]:
+def bwrap_argv(box: str, uid: int, scratch_mb: int, net: bool) -> list[str]:
     argv = [tool("bwrap") or "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
             "--new-session"] + (["--unshare-net"] if net else [])
     for m in mount_plan(box, scratch_mb):
@@ -112,7 +111,7 @@ def bwrap_argv(box: str, uid: int, scratch_mb: int, net: bool) -> List[str]:
     return argv + ["--remount-ro", "/", "--chdir", "/"] + drop_privileges(uid)
 
 
-def unshare_argv(root: str, box: str, uid: int, scratch_mb: int, net: bool) -> List[str]:
+def unshare_argv(root: str, box: str, uid: int, scratch_mb: int, net: bool) -> list[str]:
     """``unshare`` + sandbox_nsinit.py (pid 1, builds the plan under ``root``); the child's argv follows."""
     import json
     flags = ["--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child"] + (["--net"] if net else [])
@@ -121,7 +120,7 @@ def unshare_argv(root: str, box: str, uid: int, scratch_mb: int, net: bool) -> L
     return [tool("unshare") or "unshare"] + flags + ["--", python(), "-I", "-S", "-B", NSINIT, json.dumps(cfg)]
 
 
-def namespaced_argv(backend: str, workdir: str, box: str, uid: int, scratch_mb: int, net: bool) -> List[str]:
+def namespaced_argv(backend: str, workdir: str, box: str, uid: int, scratch_mb: int, net: bool) -> list[str]:
     """The prefix that runs a child (its argv follows) in new namespaces on ``backend``'s root."""
     if backend == "bwrap":
         return bwrap_argv(box, uid, scratch_mb, net)
@@ -130,7 +129,7 @@ def namespaced_argv(backend: str, workdir: str, box: str, uid: int, scratch_mb: 
     return unshare_argv(root, box, uid, scratch_mb, net)
 
 
-def exit_status(rc: Optional[int], namespaced: bool) -> Optional[int]:
+def exit_status(rc: int | None, namespaced: bool) -> int | None:
     """The child's status as subprocess reports it (negative = signal); the backends report 128 + n."""
     if rc is not None and namespaced and SIGNAL_STATUS_BASE < rc < SIGNAL_STATUS_BASE + 65:
         return -(rc - SIGNAL_STATUS_BASE)
@@ -145,7 +144,7 @@ def requested_backend() -> str:
     return v
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe(backend: str) -> str:
     """"on" when ``backend`` runs a child in namespaces on the read-only root as a fresh uid, else why not."""
     need = {"bwrap": ("bwrap", "setpriv"), "unshare": ("unshare", "chroot", "setpriv", "mount")}[backend]
@@ -159,7 +158,7 @@ def probe(backend: str) -> str:
     try:
         argv = namespaced_argv(backend, work, box, PROBE_UID, 1, True) + [
             python(), "-I", "-S", "-c", "import os; print(os.getuid())"]
-        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=20)
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError) as e:
         return f"unavailable: {type(e).__name__}: {e}"
     finally:
@@ -170,7 +169,7 @@ def probe(backend: str) -> str:
     return "on"
 
 
-def isolation_backend() -> Tuple[Optional[str], str]:
+def isolation_backend() -> tuple[str | None, str]:
     """(backend, "on") for the backend in use, or (None, "unavailable: <why>")."""
     want = requested_backend()
     states = []
@@ -187,7 +186,7 @@ def isolation_available() -> str:
     return isolation_backend()[1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def netns_available() -> bool:
     """True when ``unshare -n`` can create a network namespace here (the network layer without the others)."""
     exe = tool("unshare")
@@ -195,7 +194,7 @@ def netns_available() -> bool:
         return False
     try:
         r = subprocess.run([exe, "-n", "--", "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=5)
+                           stderr=subprocess.DEVNULL, timeout=5, check=False)
     except (OSError, subprocess.SubprocessError):
         return False
     return r.returncode == 0

@@ -81,7 +81,7 @@ def decode(x, handle, depth=0):
         return {decode(k, handle, depth + 1): decode(y, handle, depth + 1) for k, y in x[1]}
     if tag == "H":
         return handle(x)
-    raise ValueError("bad tag %r" % (tag,))
+    raise ValueError(f"bad tag {tag!r}")
 
 
 class Chan:

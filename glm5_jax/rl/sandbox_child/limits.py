@@ -77,9 +77,9 @@ def install_seccomp() -> str:
         add("socket", SCMP_ACT_EPERM, [(0, SCMP_CMP_NE, AF_UNIX, 0)])
         rc = lib.seccomp_load(ctx)
         if rc != 0:
-            return "unavailable: seccomp_load failed (%d)" % rc
+            return f"unavailable: seccomp_load failed ({rc})"
     except OSError as e:
-        return "unavailable: %s" % e
+        return f"unavailable: {e}"
     finally:
         lib.seccomp_release(ctx)
     return "on"
