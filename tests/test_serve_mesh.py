@@ -1,0 +1,88 @@
+"""The serving engine on 8 forced CPU devices (a subprocess: the device count is fixed at JAX start-up).
+
+Against the unsharded engine (one device, the reference): on meshes with the batch over data x expert
+(and tensor splitting heads / MLP / vocab), greedy tokens are equal and log-probs agree within 1e-5
+(float32) for plain decoding, a prefix-reusing second turn, and MTP-speculative decoding; every cache
+array's bytes on one device are its total / batch shards (the cache is sharded, never replicated); the
+experts are split over `expert`; the mesh engine's MoE is the dropless all-to-all; bad meshes are
+refused with the axis named.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    from flax import traverse_util
+    from glm5_jax import model, sharding
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.serve.engine import Engine, SamplingParams
+    assert len(jax.devices()) == 8
+    cfg = ModelConfig(attention="dsa", num_layers=3, first_k_dense=1, index_topk=4,
+                      indexer_types=("full", "full", "shared"), num_experts=8, experts_per_tok=2, num_heads=4,
+                      mtp_depth=1)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    S = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 13, [1, 2, 3, 4, 5], [7, 7, 8], [11, 12, 13, 14],
+               [2] * 9, [6, 5, 4]]
+    kw = dict(max_batch=8, max_model_len=48, prefill_chunk=8, prefill_buckets=(8,))
+
+    def run(mesh, spec=0):
+        e = Engine(cfg, params, mesh=mesh, speculative=spec, **kw)
+        try:
+            a = e.generate(prompts, G)
+            b = e.generate(prompts[:4], S)
+            turn2 = prompts[0] + a[0].tokens + [3, 4, 5]           # extends the first request's cached row
+            c = e.generate([turn2], G)[0]
+            return e, a, b, c
+        finally:
+            e.shutdown()
+
+    def same(x, y, what):
+        for i, (p, q) in enumerate(zip(x, y)):
+            assert p.tokens == q.tokens, (what, i, p.tokens, q.tokens)
+            err = float(np.abs(np.asarray(p.logprobs) - np.asarray(q.logprobs)).max())
+            assert err <= 1e-5, (what, i, err)
+
+    for spec in (0, 1):
+        e1, a1, b1, c1 = run(None, spec)
+        assert e1.programs.shards == 1
+        for mesh_spec in ("data:2,expert:4", "expert:4,tensor:2"):
+            mesh = sharding.make_mesh(mesh_spec)
+            e, a, b, c = run(mesh, spec)
+            same(a, a1, (mesh_spec, spec, "greedy"))
+            same(b, b1, (mesh_spec, spec, "sampled"))
+            same([c], [c1], (mesh_spec, spec, "turn 2"))
+            if not spec:
+                assert c.reused_tokens >= len(prompts[0]), c.reused_tokens
+            shards = e.programs.shards
+            assert shards == (8 if mesh_spec.startswith("data") else 4)
+            assert e.config.moe_impl == "a2a" and e.config.moe_capacity_factor <= 0
+            for path, (local, total) in e.programs.per_device_bytes(e.state).items():
+                assert local * shards == total, (path, local, total, shards)
+            gp = next(v for k, v in traverse_util.flatten_dict(e.params).items() if k[-1] == "gate_proj")
+            assert "expert" in tuple(gp.sharding.spec), gp.sharding.spec
+            print("ok", mesh_spec, "spec" if spec else "plain", flush=True)
+    for bad, msg in [("context:2,expert:4", "'context' is not supported for serving"),
+                     ("data:8", None)]:
+        try:
+            Engine(cfg, params, mesh=sharding.make_mesh(bad), max_batch=4, start=False)
+        except sharding.MeshError as err:
+            assert msg is None or msg in str(err), (bad, err)
+            assert "max_batch=4" in str(err) or msg, err
+        else:
+            raise AssertionError(bad)
+    print("ALL OK")
+""")
+
+
+def test_mesh_engine_equals_unsharded_engine_on_8_devices():
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
+               JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
