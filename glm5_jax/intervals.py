@@ -1,13 +1,16 @@
 """Intervals for run evidence, in one shape: {"mean", "lo", "hi", "n"} (lo = hi = None: no interval).
-Pure Python / numpy; experiments format them with experiments.report.fmt_interval."""
+Student-t quantiles come from scipy.stats; experiments format intervals with fmt_interval."""
 
 from __future__ import annotations
 
 import math
 
-# two-sided 95% Student-t quantiles for 1..30 degrees of freedom (scipy is not a dependency)
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+from scipy import stats
+
+
+def t95(dof: int) -> float:
+    """The two-sided 95% Student-t quantile for `dof` degrees of freedom (12.706 at 1, 2.042 at 30, -> 1.960)."""
+    return float(stats.t.ppf(0.975, dof))
 
 
 def proportion_interval(successes: int, n: int, z: float = 1.96) -> dict:
@@ -32,8 +35,7 @@ def mean_interval(values) -> dict:
     if n == 1:
         return {"mean": m, "lo": None, "hi": None, "n": 1}
     sd = (sum((x - m) ** 2 for x in xs) / (n - 1)) ** 0.5
-    t = _T95[min(n - 1, len(_T95)) - 1] if n - 1 <= len(_T95) else 1.96
-    half = t * sd / n ** 0.5
+    half = t95(n - 1) * sd / n ** 0.5
     return {"mean": m, "lo": m - half, "hi": m + half, "n": n}
 
 

@@ -24,13 +24,42 @@ def _wsd_reference(s, peak, w, total, frac, r):
     return peak * (1 - (1 - r) * min((s + 1 - d0) / (total - d0), 1.0))
 
 
+def _cosine_reference(s, peak, w, total, r):
+    """The closed form the project computed itself before issue 60 (now optax's schedules)."""
+    if s < w:
+        return peak * (s + 1) / w
+    if total is None:
+        return peak
+    prog = min(max((s - w) / max(total - w, 1), 0.0), 1.0)
+    return peak * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+# float32 rounding: optax's linear warm-up is (init - end) * frac + end, not peak * (s + 1) / w
+RTOL = 2e-5
+
+
 @pytest.mark.parametrize("w,total,frac,r", [(3, 20, 0.25, 0.1), (0, 10, 1.0, 0.0), (4, 12, 0.0, 0.1),
-                                            (2, 9, 0.5, 0.3), (5, 5, 0.5, 0.1)])
+                                            (2, 9, 0.5, 0.3), (5, 5, 0.5, 0.1), (1, 7, 0.2, 0.1),
+                                            (10, 300, 0.2, 0.1), (0, 1, 1.0, 0.1), (3, 10, 0.1, 0.0)])
 def test_warmup_stable_decay_matches_closed_form(w, total, frac, r):
-    f = warmup_stable_decay(2.0, w, total, frac, r)
+    f = jax.jit(warmup_stable_decay(2.0, w, total, frac, r))
     got = [float(f(s)) for s in range(total + 3)]
     want = [_wsd_reference(s, 2.0, w, total, frac, r) for s in range(total + 3)]
-    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=2e-6)
+
+
+@pytest.mark.parametrize("peak,w,total,r", [(1e-3, 0, 60, 0.1), (3e-3, 1, 50, 0.1), (1e-3, 5, 5, 0.1),
+                                            (2.0, 4, 14, 0.1), (6e-4, 10, 300, 0.0), (1e-2, 100, 1000, 0.2),
+                                            (1.0, 3, None, 0.1), (1.0, 0, None, 0.1), (5e-4, 20, 21, 0.1)])
+def test_warmup_cosine_matches_closed_form(peak, w, total, r):
+    """optax's join of a linear warm-up and a cosine decay gives the old closed form at every step
+    (before, during and after warm-up and decay), jitted and on a batch of steps alike."""
+    f = warmup_cosine(peak, w, total, r)
+    steps = np.arange((total or 40) + 3)
+    want = [_cosine_reference(int(s), peak, w, total, r) for s in steps]
+    tol = dict(rtol=RTOL, atol=1e-6 * peak)     # 1 + cos(pi) near the end cancels in float32 (before, too)
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(f))(jnp.asarray(steps))), want, **tol)
+    np.testing.assert_allclose([float(f(int(s))) for s in steps[:8]], want[:8], **tol)
 
 
 def test_wsd_holds_the_peak_then_decays_to_the_minimum():

@@ -1,14 +1,28 @@
-"""Learning-rate schedules."""
+"""Learning-rate schedules, assembled from optax's (`linear_schedule`, `cosine_decay_schedule`,
+`join_schedules`); the docstrings give each one's closed form, which tests/test_schedules.py checks.
+
+The values equal the closed forms to float32 rounding, not bit for bit: optax evaluates the linear
+warm-up as `(init - end) * (1 - count / T) + end` and the cosine as `cos(pi * count / T)`, where the
+project's own versions (before issue 60) computed `peak * (s + 1) / w` and `cos(pi * progress)`.
+"""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
-import jax.numpy as jnp
+import optax
+
+LR_SCHEDULES = ("cosine", "wsd")
+
+
+def _warmup(peak: float, w: int) -> optax.Schedule:
+    """peak * (s + 1) / w for s < w (the first update is non-zero, the w-th is at the peak); peak when w <= 1."""
+    if w <= 1:
+        return optax.constant_schedule(peak)
+    return optax.linear_schedule(peak / w, peak, w - 1)
 
 
 def warmup_cosine(peak_lr: float, warmup_steps: int = 0, total_steps: Optional[int] = None,
-                  min_lr_ratio: float = 0.1):
+                  min_lr_ratio: float = 0.1) -> optax.Schedule:
     """Linear warmup then cosine decay to ``peak_lr * min_lr_ratio`` at ``total_steps``.
 
     step s (0-based count of updates already applied):
@@ -17,30 +31,16 @@ def warmup_cosine(peak_lr: float, warmup_steps: int = 0, total_steps: Optional[i
                           progress = (s - warmup) / (total - warmup) clipped to [0, 1]
     ``total_steps=None`` keeps the peak after warmup.
     """
-    peak = float(peak_lr)
-    w = int(warmup_steps)
-    r = float(min_lr_ratio)
+    peak, w, r = float(peak_lr), int(warmup_steps), float(min_lr_ratio)
     if total_steps is not None and total_steps < w:
         raise ValueError(f"total_steps {total_steps} < warmup_steps {w}")
-
-    def schedule(step):
-        s = jnp.asarray(step, jnp.float32)
-        warm = peak * jnp.minimum((s + 1.0) / max(w, 1), 1.0) if w > 0 else jnp.full_like(s, peak)
-        if total_steps is None:
-            return warm
-        span = max(int(total_steps) - w, 1)
-        prog = jnp.clip((s - w) / span, 0.0, 1.0)
-        decay = peak * (r + (1.0 - r) * 0.5 * (1.0 + jnp.cos(math.pi * prog)))
-        return jnp.where(s < w, warm, decay)
-
-    return schedule
-
-
-LR_SCHEDULES = ("cosine", "wsd")
+    after = (optax.constant_schedule(peak) if total_steps is None
+             else optax.cosine_decay_schedule(peak, max(int(total_steps) - w, 1), alpha=r))
+    return optax.join_schedules([_warmup(peak, w), after], [w])
 
 
 def warmup_stable_decay(peak_lr: float, warmup_steps: int = 0, total_steps: int = 1,
-                        decay_fraction: float = 0.2, min_lr_ratio: float = 0.1):
+                        decay_fraction: float = 0.2, min_lr_ratio: float = 0.1) -> optax.Schedule:
     """Warmup-stable-decay (WSD): linear warmup, the peak held, then a linear decay to
     ``peak_lr * min_lr_ratio`` over the last ``decay_steps = round(decay_fraction * total_steps)`` steps.
 
@@ -52,30 +52,24 @@ def warmup_stable_decay(peak_lr: float, warmup_steps: int = 0, total_steps: int 
     decay_fraction 0 keeps the peak after warmup (a stage that an annealing stage continues); 1 decays
     from the end of warmup (an annealing stage of its own).
     """
-    peak = float(peak_lr)
-    w = int(warmup_steps)
-    r = float(min_lr_ratio)
-    total = int(total_steps)
+    peak, w, r, total = float(peak_lr), int(warmup_steps), float(min_lr_ratio), int(total_steps)
     if not 0.0 <= float(decay_fraction) <= 1.0:
         raise ValueError(f"decay_fraction {decay_fraction} is invalid: must be in [0, 1]")
     if total < w:
         raise ValueError(f"total_steps {total} < warmup_steps {w}")
     d0 = max(total - int(round(float(decay_fraction) * total)), w)
-    span = max(total - d0, 1)
-
-    def schedule(step):
-        s = jnp.asarray(step, jnp.float32)
-        warm = peak * jnp.minimum((s + 1.0) / max(w, 1), 1.0) if w > 0 else jnp.full_like(s, peak)
-        if d0 >= total:
-            return warm
-        prog = jnp.clip((s + 1.0 - d0) / span, 0.0, 1.0)
-        return jnp.where(s < w, warm, peak * (1.0 - (1.0 - r) * prog))
-
-    return schedule
+    span = total - d0
+    hold = optax.constant_schedule(peak)
+    if span <= 0:
+        return optax.join_schedules([_warmup(peak, w), hold], [w])
+    # from d0 on: step d0 is already one decay step in (progress 1 / span), the last (total - 1) at r * peak
+    decay = optax.linear_schedule(peak * (1.0 - (1.0 - r) / span), peak * r, span - 1) if span > 1 \
+        else optax.constant_schedule(peak * r)
+    return optax.join_schedules([_warmup(peak, w), hold, decay], [w, d0])
 
 
 def lr_schedule(kind: str, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1,
-                decay_fraction: float = 0.2):
+                decay_fraction: float = 0.2) -> optax.Schedule:
     """The schedule named `kind`: "cosine" (warmup_cosine) or "wsd" (warmup_stable_decay)."""
     if kind == "cosine":
         return warmup_cosine(peak_lr, warmup_steps, total_steps, min_lr_ratio)
