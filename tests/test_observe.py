@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glm5_jax import chips
 from glm5_jax.config import preset
 from glm5_jax.flops import estimate
 from glm5_jax.train import TrainConfig
@@ -80,7 +81,7 @@ def test_resumed_run_purges_events_past_its_first_step(tmp_path):
 
 
 def test_mfu_closed_form_for_a_fake_device_kind(tmp_path, monkeypatch):
-    monkeypatch.setitem(observe.PEAK_BF16_FLOPS, "Fake TPU", 2e12)
+    monkeypatch.setitem(chips.CHIPS, "fake", chips.Chip("fake", chips.GiB, 2e12, device_kinds=("Fake TPU",)))
     mesh = types.SimpleNamespace(devices=np.array(jax.devices() * 4))     # only .devices is read
     obs = RunObserver(str(tmp_path), model_cfg=CFG, tcfg=TCFG, mesh=mesh, primary=False, device_kind="Fake TPU")
     perf = obs.record(1, {"loss": 1.0}, step_seconds=0.25)
@@ -92,6 +93,7 @@ def test_mfu_closed_form_for_a_fake_device_kind(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind, peak", [("TPU v5", 459e12), ("TPU v5 lite", 197e12), ("TPU v6 lite", 918e12),
                                         ("TPU v4", 275e12), ("NVIDIA H100 80GB HBM3", 989e12),
                                         ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA H100 PCIe", 756e12),
                                         ("cpu", None), ("TPU v9", None)])
 def test_peak_table(kind, peak):
     assert observe.peak_flops(kind) == peak

@@ -310,7 +310,7 @@ def test_plan_tiny_equals_hand_count():
     # the mesh's 8 devices are forced on CPU, the step is compiled: activations are measured
     assert p["sources"]["activations"].startswith("measured") and p["devices"] == 8
     assert pd["activations"] == p["compiled_memory_analysis"]["temp_size_in_bytes"] > 0
-    assert set(p["fits"]) == {"TPU v5p (95 GB)", "H200 (141 GB)"} and all(p["fits"].values())
+    assert set(p["fits"]) == {"TPU v5p (95 GiB)", "H200 (140 GiB)"} and all(p["fits"].values())
     bad = subprocess.run([sys.executable, "-m", "tools.plan", "--preset=tiny", "--mesh=tensor:8"],
                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and "num_heads=4" in bad.stderr and "tensor=8" in bad.stderr, bad.stderr
@@ -326,7 +326,7 @@ def test_plan_glm5_pod_mesh():
     assert "256 devices" in out and "per-device memory" in out
     for key in ("params", "optimizer", "activations", "total"):
         assert any(line.strip().startswith(key) and "GB" in line for line in out.splitlines()), key
-    assert "TPU v5p (95 GB)" in out and "H200 (141 GB)" in out
+    assert "TPU v5p (95 GiB)" in out and "H200 (140 GiB)" in out
     assert ("fits:" in out) or ("does not fit:" in out)
 
 

@@ -31,11 +31,13 @@ from typing import Mapping
 import jax
 import numpy as np
 
+from glm5_jax.chips import CHIPS
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.sharding import MESH_AXES, check_model_fits_mesh, parse_mesh_spec
 from glm5_jax.train.config import TrainConfig
 
-TARGETS = {"TPU v5p (95 GB)": 95e9, "H200 (141 GB)": 141e9}
+# the memory targets a plan is checked against: name -> bytes per device (glm5_jax.chips, binary units)
+TARGETS = {c.label: c.hbm_bytes for c in (CHIPS["v5p"], CHIPS["H200"])}
 # ModelConfig.remat policy -> the estimate's formula. "full" keeps only each layer's input ("layer");
 # the dots policies keep every matmul output, which is most of a layer's saved values, so they are
 # estimated with the no-remat formula (an upper bound for them). "offload" is "full" with the scanned

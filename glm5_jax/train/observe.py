@@ -27,33 +27,13 @@ import os
 import jax
 import numpy as np
 
+from glm5_jax.chips import chip_for_device_kind
 from glm5_jax.flops import train_flops_per_token
 
-# Dense bf16 peak FLOP/s per jax device, by device_kind. TPU kinds are matched exactly (jax names
-# v5p "TPU v5" and v5e "TPU v5 lite", so a substring match would confuse them); GPU kinds
-# ("NVIDIA H100 80GB HBM3", ...) by the first listed substring they contain.
-PEAK_BF16_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12, "TPU v5e": 197e12,
-    "TPU v5": 459e12, "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-}
-GPU_PEAK_BF16_FLOPS = (          # order matters: the more specific name first
-    ("H100 PCIe", 756e12),
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-)
-
-
 def peak_flops(device_kind: str) -> float | None:
-    """Per-device peak bf16 FLOP/s for a jax device_kind, or None when not listed (e.g. "cpu")."""
-    if device_kind in PEAK_BF16_FLOPS:
-        return PEAK_BF16_FLOPS[device_kind]
-    for name, peak in GPU_PEAK_BF16_FLOPS:
-        if name in device_kind:
-            return peak
-    return None
+    """Per-device dense bf16 peak FLOP/s for a jax device_kind (glm5_jax.chips), or None when not listed ("cpu")."""
+    chip = chip_for_device_kind(device_kind)
+    return chip.peak_flops if chip else None
 
 
 def fmt_eta(seconds: float) -> str:
