@@ -41,20 +41,11 @@ from __future__ import annotations
 import math
 import re
 
-# chip kind -> per-chip bf16 peak FLOP/s, HBM bytes/s, ICI bytes/s (one direction). Google Cloud's published
-# figures (docs/scaleout.md "Compiled step budget"):
-#   v5p: 459 TFLOP/s bf16, HBM2e 2765 GB/s, ICI 4800 Gbps = 600 GB/s per direction (1200 GB/s bidirectional)
-#        https://cloud.google.com/tpu/docs/v5p-training, https://docs.cloud.google.com/tpu/docs/v5p
-#   v5e: 197 TFLOP/s, 819 GB/s, ICI 1600 Gbps = 200 GB/s (400 GB/s bidirectional)  https://cloud.google.com/tpu/docs/v5e
-#   v6e: 918 TFLOP/s, 1638 GB/s, ICI 800 GB/s bidirectional = 400 GB/s  https://docs.cloud.google.com/tpu/docs/v6e
-#   v4:  275 TFLOP/s, 1200 GB/s; the page gives no per-chip ICI figure: None (the ICI term is left out)
-#        https://cloud.google.com/tpu/docs/v4
-CHIP_PEAKS = {
-    "v5p": {"peak_flops": 459e12, "hbm_bytes_per_s": 2765e9, "ici_bytes_per_s": 4800e9 / 8},
-    "v5e": {"peak_flops": 197e12, "hbm_bytes_per_s": 819e9, "ici_bytes_per_s": 1600e9 / 8},
-    "v6e": {"peak_flops": 918e12, "hbm_bytes_per_s": 1638e9, "ici_bytes_per_s": 400e9},
-    "v4": {"peak_flops": 275e12, "hbm_bytes_per_s": 1200e9, "ici_bytes_per_s": None},
-}
+from glm5_jax.chips import TPU_CHIPS
+
+# chip kind -> published peaks (units and sources: glm5_jax.chips, the one chip table)
+CHIP_PEAKS = {k: {"peak_flops": c.peak_flops, "hbm_bytes_per_s": c.hbm_bytes_per_s, "ici_bytes_per_s": c.ici_bytes_per_s}
+              for k, c in TPU_CHIPS.items()}
 
 BUDGET_NOTE = ("estimates from the compiled HLO, not measurements: compiled_flops = dot/convolution FLOPs x "
                "while-loop trip counts; bytes_accessed = kernel operands + outputs; collective_bytes = "
