@@ -46,16 +46,12 @@ import re
 import sys
 import time
 
+from glm5_jax.chips import TPU_CHIPS
 from glm5_jax.config import REMAT_POLICIES
 from glm5_jax.errors import Glm5Error
 
-# chip kind -> (HBM bytes per chip, chips per host bounds of the kind's hosts)
-CHIPS = {
-    "v5p": (95 * 2**30, (2, 2, 1)),
-    "v4": (32 * 2**30, (2, 2, 1)),
-    "v6e": (32 * 2**30, (2, 4, 1)),
-    "v5e": (16 * 2**30, (2, 4, 1)),
-}
+# chip kind -> (HBM bytes per chip, chips per host bounds of the kind's hosts): glm5_jax.chips, the one table
+CHIPS = {k: (c.hbm_bytes, c.host_bounds) for k, c in TPU_CHIPS.items()}
 
 # (preset, topology) or (preset, topology, seq_len) -> flag defaults that were compiled and fit (see
 # docs/scaleout.md). With --seq_len the (preset, topology, seq_len) entry wins over (preset, topology).
