@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
@@ -86,3 +88,66 @@ def test_mesh_engine_equals_unsharded_engine_on_8_devices():
                JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+SERVER_SCRIPT = textwrap.dedent("""
+    import os, socket, subprocess, sys, time, urllib.request
+    import jax, openai
+    from glm5_jax import hf, model
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.data.tokenizer import train_hf_tokenizer
+    from glm5_jax.serve.openai_api import run_in_thread
+    from tools.serve import build
+    d = sys.argv[1]
+    corpus = ["Hello world, this is a tiny model answering questions about the calculator.\\n"] * 40
+    tok = train_hf_tokenizer(corpus, 300, os.path.join(d, "tokenizer.json"))
+    cfg = ModelConfig(vocab_size=tok.vocab_size, attention="dsa", num_layers=2, index_topk=4, num_experts=8,
+                      experts_per_tok=2, num_heads=4, mtp_depth=1)
+    hf.save_checkpoint(cfg, model.init_params(cfg, jax.random.PRNGKey(0)), d)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    env = dict(os.environ)
+    cli = subprocess.Popen([sys.executable, "-m", "tools.serve", f"--model={d}", f"--port={port}", "--max_batch=8",
+                            "--max_model_len=64", "--mesh=expert:4,tensor:2", "--speculative=mtp", "--num_draft=1",
+                            "--served_model_name=tiny", "--nowarmup"], env=env)
+    ref = build(d, served_model_name="tiny", max_batch=2, max_model_len=64, speculative="mtp", num_draft=1)
+    ref_url, stop = run_in_thread(ref)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2); break
+            except Exception:
+                assert cli.poll() is None, "tools.serve --mesh exited"
+                time.sleep(0.5)
+        clients = [openai.OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=300) for u in (url, ref_url)]
+        outs = []
+        for c in clients:
+            comp = c.completions.create(model="tiny", prompt="Hello world, this", max_tokens=8, temperature=0,
+                                        logprobs=2)
+            chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello world"}],
+                                             max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+            outs.append((comp, chat))
+        (mc, mh), (rc, rh) = outs
+        assert mc.choices[0].text == rc.choices[0].text, (mc.choices[0].text, rc.choices[0].text)
+        for a, b in zip(mc.choices[0].logprobs.token_logprobs, rc.choices[0].logprobs.token_logprobs):
+            assert abs(a - b) <= 1e-5, (a, b)
+        assert mh.choices[0].message.content == rh.choices[0].message.content
+        for a, b in zip(mh.choices[0].logprobs.content, rh.choices[0].logprobs.content):
+            assert a.token == b.token and abs(a.logprob - b.logprob) <= 1e-5, (a, b)
+        assert mc.usage.completion_tokens == rc.usage.completion_tokens == 8
+        print("SERVER OK", repr(mc.choices[0].text))
+    finally:
+        cli.terminate(); cli.wait(60); stop(); ref.engine.shutdown()
+""")
+
+
+def test_serve_cli_on_a_mesh_answers_the_openai_client_like_the_unsharded_server(tmp_path):
+    """`python -m tools.serve --mesh=expert:4,tensor:2 --speculative=mtp` on 8 fake devices: the official
+    openai client gets the unsharded server's completion text and log-probs (1e-5), plain and chat."""
+    pytest.importorskip("openai")
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
+               JAX_PLATFORMS="cpu", GLM5_HUGEPAGES="0")
+    r = subprocess.run([sys.executable, "-c", SERVER_SCRIPT, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "SERVER OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]

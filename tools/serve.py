@@ -4,6 +4,11 @@
         [--served_model_name=NAME] [--max_batch=8] [--max_model_len=2048] [--speculative=none|mtp]
         [--dtype=auto|float32|bfloat16] [--mesh=AXIS:N,...]
 
+--mesh serves on a device mesh (a pod slice, or 8 fake CPU devices with
+XLA_FLAGS=--xla_force_host_platform_device_count=8): the weights are read straight into the serving layout
+(glm5_jax.sharding.SERVE_RULES), the cache slots are split over data x fsdp x expert (max_batch must divide),
+the MoE runs expert-parallel (docs/inference.md, "Sharding for serving").
+
 PATH: a Hugging Face folder (config.json + safetensors [+ tokenizer.json]), an experiments.run workdir
 or a params checkpoint (tools.convert_hf's config.json + params/); give --tokenizer when PATH has no
 tokenizer.json / *.model. Endpoints: GET /health, /v1/models, /metrics; POST /v1/completions,
@@ -33,7 +38,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("speculative", "none", ["none", "mtp"], "MTP self-speculative decoding.")
     flags.DEFINE_integer("num_draft", 2, "Draft tokens per verification with --speculative=mtp.")
     flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "auto: the checkpoint's own dtype.")
-    flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... for the parameters (default: one device).")
+    flags.DEFINE_string("mesh", None, "Serving mesh AXIS:N,... over data, fsdp, expert, tensor (default: one device): "
+                        "cache slots split over data x fsdp x expert, experts over expert, heads over tensor.")
     flags.DEFINE_enum("chat_mode", "interleaved", ["interleaved", "preserved", "turn"], "Chat template thinking mode.")
     flags.DEFINE_bool("warmup", True, "Compile every prefill bucket before listening.")
 
@@ -46,8 +52,10 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     from glm5_jax.serve.loading import load_model, load_serving_tokenizer
     from glm5_jax.serve.metrics import EngineMetrics
     from glm5_jax.serve.openai_api import OpenAIServer
+    from glm5_jax.sharding import make_mesh
 
     tok = load_serving_tokenizer(model, tokenizer)
+    mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
     config, params = load_model(model, dtype=dtype, mesh=mesh)
     if tok.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {config.vocab_size}")
@@ -60,7 +68,7 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     if speculative == "mtp":
         kw["speculative"] = int(num_draft)
     engine = Engine(config, params, max_batch=max_batch, max_model_len=max_model_len, tokenizer=tok,
-                    stop_token_ids=stop, max_queue=max_queue, metrics=EngineMetrics(name), **kw)
+                    stop_token_ids=stop, max_queue=max_queue, metrics=EngineMetrics(name), mesh=mesh, **kw)
     if warmup:
         engine.warmup()
     return OpenAIServer(engine, tok, model_name=name, chat_mode=chat_mode)

@@ -23,9 +23,11 @@ def load_serving_tokenizer(model_path: str, tokenizer: Optional[str] = None):
                                 f"sentencepiece .model)") from None
 
 
-def load_model(path: str, *, dtype: str = "auto", mesh=None):
+def load_model(path: str, *, dtype: str = "auto", mesh=None, rules=None):
     """-> (ModelConfig, params). ``dtype`` auto: the checkpoint's own dtype (config.json's torch_dtype; a
-    float32 checkpoint is served in float32), else float32 / bfloat16 for both parameters and compute."""
+    float32 checkpoint is served in float32), else float32 / bfloat16 for both parameters and compute.
+    ``mesh`` (a Mesh or "AXIS:N,..."): each device reads its shard of the serving layout (``rules``, default
+    glm5_jax.sharding.SERVE_RULES: attention replicated or over tensor, experts over expert)."""
     from glm5_jax.train.checkpoint import checkpoint_config, load_params
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
@@ -33,7 +35,7 @@ def load_model(path: str, *, dtype: str = "auto", mesh=None):
     config = checkpoint_config(path)
     d = config.param_dtype if dtype == "auto" else dtype
     config = config.replace(param_dtype=d, dtype=d)
+    from glm5_jax.sharding import SERVE_RULES, make_mesh
     if isinstance(mesh, str):
-        from glm5_jax.sharding import make_mesh
         mesh = make_mesh(mesh)
-    return config, load_params(path, config, mesh)
+    return config, load_params(path, config, mesh, SERVE_RULES if rules is None else rules)
