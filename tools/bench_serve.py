@@ -20,6 +20,7 @@ object with an entry per policy (`--json` prints only that).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tempfile
@@ -184,6 +185,12 @@ def main(argv):
         elif pol == "static_mtp":
             result[pol] = run_engine(config, params, reqs, batching="static", speculative=2, **kw)
         elif pol == "hf_generate":
+            missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+            if missing:      # the engine arms need nothing beyond the core install; this one needs .[fixtures]
+                result[pol] = {"skipped": f"needs {' and '.join(missing)}: pip install -e '.[fixtures]'"}
+                if not FLAGS.json:
+                    print(f"  {pol}: skipped ({result[pol]['skipped']})", flush=True)
+                continue
             with tempfile.TemporaryDirectory() as d:
                 hf.save_checkpoint(config, params, d)
                 result[pol] = run_hf(d, reqs, max_batch=FLAGS.max_batch)
