@@ -37,7 +37,6 @@ tokens per optimizer step, batch_size / K rows per micro-batch must divide over 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -47,6 +46,7 @@ import sys
 import time
 
 from glm5_jax.chips import TPU_CHIPS
+from glm5_jax.cli import USAGE_EXIT, main_wrapper
 from glm5_jax.config import REMAT_POLICIES
 from glm5_jax.errors import Glm5Error
 
@@ -220,6 +220,46 @@ class DoesNotFit(Exception):
         self.available = int(float(m.group(3)) * unit[m.group(4)]) if m else None
 
 
+def compile_lowered(lower, *, log=None, save_hlo: str | None = None):
+    """lower() -> (compiled, lower seconds, compile seconds) by the TPU compiler; DoesNotFit when it refuses
+    the program for memory. save_hlo: the compiled module's text, for tools.budget to re-read."""
+    log = log or (lambda msg: None)
+    t = time.time()
+    lowered = lower()
+    lower_s = time.time() - t
+    log(f"lowered in {lower_s:.1f}s; compiling with the TPU compiler")
+    t = time.time()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:          # jax.errors.JaxRuntimeError; only the compiler's out-of-memory is a result
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise DoesNotFit(str(e), time.time() - t, lower_s) from None
+    compile_s = time.time() - t
+    log(f"compiled in {compile_s:.1f}s")
+    if save_hlo:
+        import gzip
+        with (gzip.open if save_hlo.endswith(".gz") else open)(save_hlo, "wt") as f:
+            f.write(compiled.as_text())
+        log(f"compiled HLO written to {save_hlo}")
+    return compiled, lower_s, compile_s
+
+
+def memory_report(compiled) -> dict:
+    """compiled.memory_analysis() per device: total = arguments + outputs + temporaries - aliased."""
+    ma = compiled.memory_analysis()
+    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    tmp, alias = int(ma.temp_size_in_bytes), int(getattr(ma, "alias_size_in_bytes", 0) or 0)
+    peak = getattr(ma, "peak_memory_in_bytes", None)
+    host = int(getattr(ma, "host_temp_size_in_bytes", 0) or 0)   # remat="offload": layer inputs on the host
+    return {"per_device_bytes": {"arguments": arg, "outputs": out, "temporaries": tmp, "aliased": alias,
+                                 "total": arg + out + tmp - alias, **({"peak_memory": int(peak)} if peak else {}),
+                                 **({"host_temporaries": host} if host else {})},
+            "total_formula": "arguments + outputs + temporaries - aliased" if alias else
+                             "arguments + outputs + temporaries (memory_analysis reports no aliasing)",
+            "generated_code_bytes": int(getattr(ma, "generated_code_size_in_bytes", 0) or 0)}
+
+
 def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     """Lower and compile the train step of a resolve()d config for its topology. Returns the report
     (per_device_bytes, compile_seconds, ...) without the plan estimate."""
@@ -243,30 +283,7 @@ def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     step = make_train_step(cfg, tcfg, tx, mesh)
     batch = abstract_batch(tcfg.batch_size, tcfg.seq_len, mesh)
     log(f"abstract state built ({time.time() - t:.1f}s); lowering")
-    t = time.time()
-    lowered = step.lower(state, batch)
-    lower_s = time.time() - t
-    log(f"lowered in {lower_s:.1f}s; compiling with the TPU compiler")
-    t = time.time()
-    try:
-        compiled = lowered.compile()
-    except Exception as e:          # jax.errors.JaxRuntimeError; only the compiler's out-of-memory is a result
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise DoesNotFit(str(e), time.time() - t, lower_s) from None
-    compile_s = time.time() - t
-    log(f"compiled in {compile_s:.1f}s")
-    if save_hlo:       # the compiled module's text, for tools.budget to re-read without compiling again
-        import gzip
-        with (gzip.open if save_hlo.endswith(".gz") else open)(save_hlo, "wt") as f:
-            f.write(compiled.as_text())
-        log(f"compiled HLO written to {save_hlo}")
-    ma = compiled.memory_analysis()
-    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
-    tmp, alias = int(ma.temp_size_in_bytes), int(getattr(ma, "alias_size_in_bytes", 0) or 0)
-    total = arg + out + tmp - alias
-    peak = getattr(ma, "peak_memory_in_bytes", None)
-    host = int(getattr(ma, "host_temp_size_in_bytes", 0) or 0)   # remat="offload": layer inputs on the host
+    compiled, lower_s, compile_s = compile_lowered(lambda: step.lower(state, batch), log=log, save_hlo=save_hlo)
     t = time.time()
     budget = step_budget(compiled, r["chip"], model_flops_per_device(cfg, tcfg.batch_size, tcfg.seq_len,
                                                                      r["devices"]))
@@ -278,20 +295,27 @@ def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     budget["useful_flops_fraction_without_mtp"] = round(main / budget["compiled_flops"], 4) if budget["compiled_flops"] else None
     log(f"budget read off the compiled HLO in {time.time() - t:.1f}s")
     return {
-        "per_device_bytes": {"arguments": arg, "outputs": out, "temporaries": tmp, "aliased": alias,
-                             "total": total, **({"peak_memory": int(peak)} if peak else {}),
-                             **({"host_temporaries": host} if host else {})},
-        "total_formula": "arguments + outputs + temporaries - aliased" if alias else
-                         "arguments + outputs + temporaries (memory_analysis reports no aliasing)",
+        **memory_report(compiled),
         "state_bytes": {"params": per_device_bytes(state["params"]),
                         "optimizer": per_device_bytes(state["opt_state"])},
-        "generated_code_bytes": int(getattr(ma, "generated_code_size_in_bytes", 0) or 0),
         "lower_seconds": round(lower_s, 1), "compile_seconds": round(compile_s, 1),
         "num_params": int(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state["params"]))),
         # Muon / Muon Split on > 1 device: Newton-Schulz where each matrix's shards live (glm5_jax.optim.distributed)
         "muon_distributed": tcfg.optimizer in ("muon", "muon_split") and r["devices"] > 1,
         "budget": budget,
     }
+
+
+def _not_fit(e: DoesNotFit) -> dict:
+    """No executable, so no memory analysis or budget: the compiler's own figures and message instead."""
+    return {"per_device_bytes": {"temporaries": e.temporaries} if e.temporaries else {},
+            "compiler_hbm_bytes": e.available, "compile_error": str(e).strip().splitlines()[-1][:2000],
+            "lower_seconds": round(e.lower_s, 1), "compile_seconds": round(e.compile_s, 1),
+            "total_formula": "the compiler stopped at buffer assignment: temporaries alone exceed HBM"}
+
+
+def _fits(out: dict, hbm: int) -> bool:
+    return "compile_error" not in out and out["per_device_bytes"]["total"] <= hbm
 
 
 def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, save_hlo: str | None = None,
@@ -303,17 +327,12 @@ def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, sa
     try:
         out = compile_step(r, log=log, save_hlo=save_hlo)
     except DoesNotFit as e:
-        # no executable, so no memory analysis or budget: the compiler's own figures and message instead
-        out = {"per_device_bytes": {"temporaries": e.temporaries} if e.temporaries else {},
-               "compiler_hbm_bytes": e.available, "compile_error": str(e).strip().splitlines()[-1][:2000],
-               "lower_seconds": round(e.lower_s, 1), "compile_seconds": round(e.compile_s, 1),
-               "total_formula": "the compiler stopped at buffer assignment: temporaries alone exceed HBM"}
-    report = {"preset": preset_name, "topology": topology, "chip": r["chip"], "devices": r["devices"],
-              "mesh": r["mesh"], "batch_size": r["train"].batch_size, "seq_len": r["train"].seq_len,
-              "grad_accum": r["train"].grad_accum,
+        out = _not_fit(e)
+    report = {"program": "train", "preset": preset_name, "topology": topology, "chip": r["chip"],
+              "devices": r["devices"], "mesh": r["mesh"], "batch_size": r["train"].batch_size,
+              "seq_len": r["train"].seq_len, "grad_accum": r["train"].grad_accum,
               "tokens_per_step": r["train"].batch_size * r["train"].seq_len,
-              **out, "hbm_bytes": hbm,
-              "fits": "compile_error" not in out and out["per_device_bytes"]["total"] <= hbm,
+              **out, "hbm_bytes": hbm, "fits": _fits(out, hbm),
               "config": {"model": as_dict(r["model"]), "train": as_dict(r["train"])}}
     if with_plan:
         est = plan_estimate(r["model"], r["train"], r["mesh"])
@@ -323,22 +342,46 @@ def run(preset_name: str, topology: str, *, with_plan: bool = True, log=None, sa
     return report
 
 
+def run_serving(program: str, preset_name: str, topology: str, *, log=None, save_hlo: str | None = None,
+                **kw) -> dict:
+    """tools.aot_serve.resolve_serving() + compile_serving(): the report of --program=decode|prefill."""
+    from glm5_jax.overrides import as_dict
+    from tools.aot_serve import compile_serving, resolve_serving
+    r = resolve_serving(program, preset_name, topology, **kw)
+    try:
+        out = compile_serving(r, log=log, save_hlo=save_hlo)
+    except DoesNotFit as e:
+        out = _not_fit(e)
+    keys = ("program", "preset", "topology", "chip", "devices", "mesh", "batch", "max_model_len", "cache_size",
+            "num_draft", "hbm_bytes")
+    return {**{k: r[k] for k in keys}, **({"prefill_width": r["prefill_width"]} if program == "prefill" else {}),
+            **out, "fits": _fits(out, r["hbm_bytes"]), "config": {"model": as_dict(r["model"])}}
+
+
 def format_report(p: dict) -> str:
     gib = lambda b: f"{b / 2**30:10.2f} GiB"
     pd = p["per_device_bytes"]
     mesh = ",".join(f"{a}:{n}" for a, n in p["mesh"].items() if n > 1) or "1 device"
     m = p["config"]["model"]
-    lines = [f"preset {p['preset']} on {p['topology']} ({p['devices']} chips), mesh {mesh}, batch "
-             f"{p['batch_size']} x {p['seq_len']} ({p['tokens_per_step']:,} tokens/step, "
-             f"{p['grad_accum']} micro-batch{'es' if p['grad_accum'] > 1 else ''}), "
-             f"optimizer {p['config']['train']['optimizer']}, layers {m['num_layers']}, remat {m['remat']}, "
-             f"moe_impl {m['moe_impl']}",
+    if p["program"] == "train":
+        head = (f"preset {p['preset']} on {p['topology']} ({p['devices']} chips), mesh {mesh}, batch "
+                f"{p['batch_size']} x {p['seq_len']} ({p['tokens_per_step']:,} tokens/step, "
+                f"{p['grad_accum']} micro-batch{'es' if p['grad_accum'] > 1 else ''}), "
+                f"optimizer {p['config']['train']['optimizer']}, layers {m['num_layers']}, remat {m['remat']}, "
+                f"moe_impl {m['moe_impl']}")
+    else:
+        head = (f"{p.get('program_name', p['program'])} of preset {p['preset']} on {p['topology']} ({p['devices']} "
+                f"chips), mesh {mesh}, {p['batch']} cache slots x {p['cache_size']} positions"
+                + (f", {p['prefill_width']} prompt tokens a row" if p["program"] == "prefill" else "")
+                + f", layers {m['num_layers']}, attention {m['attention']}")
+    lines = [head,
              f"{'compiler stopped' if 'compile_error' in p else 'compiled'} in {p['compile_seconds']:.1f}s "
              f"(lowered in {p['lower_seconds']:.1f}s)",
              "per-device memory (compiled.memory_analysis()):"]
-    for k in ("arguments", "outputs", "temporaries", "aliased", "total", "peak_memory", "host_temporaries"):
+    for k in ("arguments", "outputs", "temporaries", "aliased", "total", "peak_memory", "host_temporaries",
+              "weights", "cache"):
         if k in pd:
-            lines.append(f"  {k:<12}{gib(pd[k])}")
+            lines.append(f"  {k:<12}{gib(pd[k])}" + ("  (of the arguments)" if k in ("weights", "cache") else ""))
     lines.append(f"  ({p['total_formula']})")
     if "compile_error" in p:
         lines.append(f"  the TPU compiler refused it: {p['compile_error']}")
@@ -357,46 +400,91 @@ def format_report(p: dict) -> str:
                   + (f" ({b['useful_flops_fraction_without_mtp']} without the MTP blocks)"
                      if b.get("useful_flops_fraction_without_mtp") is not None else ""),
                   f"  bytes accessed {gib(b['bytes_accessed']).strip()}, collectives {gib(b['collective_bytes']).strip()}",
-                  f"  roofline: compute {t['compute']:.3f}s, HBM {t['hbm']:.3f}s, ICI {t['ici']:.3f}s -> step "
-                  f"~{b['estimated_step_seconds']:.3f}s ({b['bound']}-bound, perfect overlap; serial "
-                  f"{b['serial_seconds']:.3f}s), MFU ~{b['estimated_mfu']}"]
+                  f"  roofline: compute {t['compute']:.4g}s, HBM {t['hbm']:.4g}s, ICI {t['ici']:.4g}s -> step "
+                  f"~{b['estimated_step_seconds']:.4g}s ({b['bound']}-bound, perfect overlap; serial "
+                  f"{b['serial_seconds']:.4g}s), MFU ~{b['estimated_mfu']}"]
+        if p["program"] != "train":
+            from tools.aot_serve import format_serving
+            lines += format_serving(p)
         if b["unknown_trip_loops"]:
             lines.append(f"  {len(b['unknown_trip_loops'])} while loop(s) of unknown trip count counted once")
     return "\n".join(lines)
 
 
+def define_flags(fv) -> None:
+    """This CLI's flags, defined into `fv` (its own FlagValues: no collision with another tool's flags)."""
+    from absl import flags
+    from tools.aot_serve import PREFILL_CHUNK, PROGRAMS, SPECULATIVE
+    S, I = flags.DEFINE_string, flags.DEFINE_integer
+    flags.DEFINE_enum("program", "train", PROGRAMS, "train: the train step; decode / prefill: the serving engine's "
+                      "programs (serve.programs.Programs)", flag_values=fv)
+    S("preset", None, "model preset", flag_values=fv, required=True)
+    S("topology", None, "KIND:AxBxC, kinds: " + ", ".join(CHIPS), flag_values=fv, required=True)
+    S("mesh", None, "AXIS:N,... over data, fsdp, expert, context, tensor (-1 = fill); decode / prefill default: "
+      "expert over every chip", flag_values=fv)
+    I("batch_size", None, "train: sequences per optimizer step", flag_values=fv)
+    I("seq_len", None, "train: tokens per sequence", flag_values=fv)
+    S("remat", None, "train: ModelConfig.remat: " + " | ".join(REMAT_POLICIES), flag_values=fv)
+    I("grad_accum", None, "train: TrainConfig.grad_accum: micro-batches per step", flag_values=fv)
+    S("optimizer", None, "train: TrainConfig.optimizer: adamw | muon | muon_split", flag_values=fv)
+    I("batch", None, "decode / prefill: cache slots (the engine's max_batch; default one per batch shard)",
+      flag_values=fv)
+    I("max_model_len", None, "decode / prefill: cache positions per slot (default 4096)", flag_values=fv)
+    flags.DEFINE_enum("speculative", "none", SPECULATIVE, "decode: mtp compiles the MTP speculative round",
+                      flag_values=fv)
+    I("num_draft", 2, "decode --speculative=mtp: draft tokens per round", flag_values=fv)
+    I("prefill_chunk", PREFILL_CHUNK, "prefill: prompt tokens a row prefills per call (the engine's prefill_chunk)",
+      flag_values=fv)
+    flags.DEFINE_multi_string("set", [], "model.FIELD=V (ModelConfig) or, for train, train.FIELD=V (TrainConfig); "
+                              "repeatable", flag_values=fv)
+    S("dump_dir", None, "dump the compiled HLO and buffer assignment here", flag_values=fv)
+    S("save_hlo", None, "write the compiled HLO text here (.gz: gzipped); `python -m tools.budget PATH` re-reads it",
+      flag_values=fv)
+    flags.DEFINE_bool("no_plan", False, "train: skip tools.plan's estimate", flag_values=fv)
+    flags.DEFINE_bool("json", False, "last stdout line: one JSON object", flag_values=fv)
+
+
+_TRAIN_ONLY = ("batch_size", "seq_len", "remat", "grad_accum", "optimizer")
+_SERVE_ONLY = ("batch", "max_model_len")
+
+
+@main_wrapper          # AotError, ConfigError, MeshError, OverrideError (Glm5Error): one line, exit 2
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.aot", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", required=True)
-    ap.add_argument("--topology", required=True, help="KIND:AxBxC, kinds: " + ", ".join(CHIPS))
-    ap.add_argument("--mesh", default=None, help="AXIS:N,... over data, fsdp, expert, context, tensor (-1 = fill)")
-    ap.add_argument("--batch_size", type=int, default=None)
-    ap.add_argument("--seq_len", type=int, default=None)
-    ap.add_argument("--remat", default=None, help="ModelConfig.remat: " + " | ".join(REMAT_POLICIES))
-    ap.add_argument("--grad_accum", type=int, default=None, help="TrainConfig.grad_accum: micro-batches per step")
-    ap.add_argument("--optimizer", default=None, help="TrainConfig.optimizer: adamw | muon | muon_split")
-    ap.add_argument("--set", action="append", default=[], metavar="model.FIELD=V",
-                    help="dotted override of model.* (ModelConfig) or train.* (TrainConfig); repeatable")
-    ap.add_argument("--dump_dir", default=None, help="dump the compiled HLO and buffer assignment here")
-    ap.add_argument("--save_hlo", default=None, metavar="PATH",
-                    help="write the compiled HLO text here (.gz: gzipped); `python -m tools.budget PATH` re-reads it")
-    ap.add_argument("--no_plan", action="store_true", help="skip tools.plan's estimate")
-    ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
-    a = ap.parse_args(argv)
+    """argv: the flags without the program name (default sys.argv[1:])."""
+    from absl import flags
+    fv = flags.FlagValues()
+    define_flags(fv)
+    try:
+        rest = fv(["tools.aot", *(sys.argv[1:] if argv is None else argv)])
+    except flags.Error as e:
+        print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
+        return USAGE_EXIT
+    if len(rest) > 1:
+        raise AotError(f"unexpected arguments {rest[1:]}: every setting is a --flag")
+    a = fv
+    serving = a.program != "train"
+    wrong = [f for f in (_TRAIN_ONLY if serving else _SERVE_ONLY) if getattr(a, f) is not None]
+    if wrong:
+        raise AotError(f"--{wrong[0]} does not apply to --program={a.program}; "
+                       + ("use --batch / --max_model_len" if serving else "use --batch_size / --seq_len"))
     t0 = time.time()
     log = lambda msg: _log(t0, msg)
     if a.dump_dir:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_dump_to={a.dump_dir} --xla_dump_hlo_as_text").strip()
-    try:
+    if serving:
+        from tools.aot_serve import resolve_serving
+        kw = dict(mesh=a.mesh, batch=a.batch, max_model_len=a.max_model_len, speculative=a.speculative,
+                  num_draft=a.num_draft, prefill_chunk=a.prefill_chunk, overrides=tuple(a.set))
+        resolve_serving(a.program, a.preset, a.topology, **kw)      # every flag checked before the compiler
+        log(f"config resolved; building the {a.topology} devices")
+        report = run_serving(a.program, a.preset, a.topology, log=log, save_hlo=a.save_hlo, **kw)
+    else:
         kw = dict(mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len, remat=a.remat, optimizer=a.optimizer,
                   grad_accum=a.grad_accum, overrides=tuple(a.set))
         resolve(a.preset, a.topology, **kw)     # every flag checked before the compiler
         log(f"config resolved; building the {a.topology} devices")
         report = run(a.preset, a.topology, with_plan=not a.no_plan, log=log, save_hlo=a.save_hlo, **kw)
-    except Glm5Error as e:        # AotError, ConfigError, MeshError, OverrideError: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     report["elapsed_seconds"] = round(time.time() - t0, 1)
     print(format_report(report))
     if a.json:
