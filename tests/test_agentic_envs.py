@@ -128,13 +128,14 @@ def test_bad_calls_are_4xx(srv, name, args, status):
 
 
 def test_size_and_time_bounds(srv):
+    # (HTTP/1.1 requests name their Host: RFC 9112 makes one without it a 400, which aiohttp answers first)
     assert _raw(srv, _post("/call", None, raw_body=b"x" * (LIMITS.max_body + 1))) == 413
-    big = f"POST /call HTTP/1.1\r\nContent-Length: {10 ** 12}\r\n\r\n".encode()
+    big = f"POST /call HTTP/1.1\r\nHost: x\r\nContent-Length: {10 ** 12}\r\n\r\n".encode()
     assert _raw(srv, big) == 413
     assert _raw(srv, b"POST /call HTTP/1.1\r\nHost: x\r\n\r\n") == 411
-    assert _raw(srv, b"POST /call HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n") == 411
+    assert _raw(srv, b"POST /call HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n") == 411
     t0 = time.monotonic()       # a body that never completes: 408 at the deadline, not a hang
-    assert _raw(srv, b"POST /call HTTP/1.1\r\nContent-Length: 100\r\n\r\n{") == 408
+    assert _raw(srv, b"POST /call HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{") == 408
     assert time.monotonic() - t0 < LIMITS.request_timeout_s + 3
     # a slow drip (a few bytes every 0.1 s) is cut at the whole-request deadline
     body = json.dumps({"name": "calculator", "arguments": {"expression": "1+1" + "+1" * 20}}).encode()
@@ -267,7 +268,7 @@ def test_connection_cap():
         for c in idle:
             c.close()
         time.sleep(0.3)
-        assert _raw(s, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n") == 200
+        assert _raw(s, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") == 200
 
 
 def test_subprocess_service():

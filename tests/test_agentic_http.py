@@ -43,9 +43,9 @@ def served(template):
                 "finish_reason": "stop"}
 
     gateway = Gateway()
-    server, url = serve_http(ChatEndpoint(template, generate, gateway, max_tokens=32), max_body=4096)
-    yield url, gateway, calls, script
-    server.shutdown()
+    server = serve_http(ChatEndpoint(template, generate, gateway, max_tokens=32), max_body=4096)
+    yield server.url, gateway, calls, script
+    server.close()
 
 
 def post(url, body, raw=None):
@@ -122,9 +122,10 @@ def test_bad_content_length_is_400_and_a_slow_body_is_408(template):
     answered 408 after the deadline (its thread freed), and the server keeps answering."""
     import socket
     import time
-    server, url = serve_http(ChatEndpoint(template, lambda *a: None), timeout_s=0.5)
+    server = serve_http(ChatEndpoint(template, lambda *a: None), timeout_s=0.5)
+    url = server.url
     try:
-        host, port = server.server_address[:2]
+        host, port = server.host, server.port
         for head, want in [(b"Content-Length: abc\r\n", b" 400 "), (b"Content-Length: 100\r\n", b" 408 ")]:
             with socket.create_connection((host, port), timeout=10) as c:
                 t0 = time.time()
@@ -134,7 +135,7 @@ def test_bad_content_length_is_400_and_a_slow_body_is_408(template):
                 assert time.time() - t0 < 5
         assert post(url + "/v1/rollouts/none/finish", {"reward": 1})[0] == 404
     finally:
-        server.shutdown()
+        server.close()
 
 
 def test_open_rollouts_are_bounded(template):
@@ -143,7 +144,8 @@ def test_open_rollouts_are_bounded(template):
     toks = _generated_ids(template, [USER], REPLY)
     gen = lambda rid, req, ids, n: {"tokens": toks, "logprobs": [0.0] * len(toks), "version": 0,
                                     "finish_reason": "stop"}
-    server, url = serve_http(ChatEndpoint(template, gen, Gateway(), max_tokens=32, max_open=2))
+    server = serve_http(ChatEndpoint(template, gen, Gateway(), max_tokens=32, max_open=2))
+    url = server.url
     try:
         assert [post(url + "/v1/chat/completions", {"messages": [USER], "rollout_id": r})[0]
                 for r in ("a", "b", "c")] == [200, 200, 429]
@@ -152,4 +154,4 @@ def test_open_rollouts_are_bounded(template):
         assert post(url + "/v1/rollouts/a/finish", {"reward": 0})[0] == 200
         assert post(url + "/v1/chat/completions", {"messages": [USER], "rollout_id": "c"})[0] == 200
     finally:
-        server.shutdown()
+        server.close()

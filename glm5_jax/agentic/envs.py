@@ -1,10 +1,12 @@
 """Tool environments as HTTP services (issue 17 item 4): the code sandbox, the calculator / kv lookup
 tools and a file tool, behind one JSON-over-HTTP server with bounded request size and time.
 
-Why the standard library (``http.server.ThreadingHTTPServer``): the services must run wherever the
-rollout agents run, including the 2-core CPU machine, with no extra dependency to pin; the few
-protections a framework would add (body cap, per-request deadline, connection cap) are written here in
-~60 lines and tested by the fuzz test.
+HTTP: the project's one stack (glm5_jax.serve.http, aiohttp), whose protections (body cap, one deadline
+for the request line, headers and body, connection cap, JSON for requests it cannot parse) the fuzz
+test exercises. Each endpoint's body is one pydantic schema (``SessionRequest``, ``CloseRequest``,
+``CallRequest``, and per tool its arguments, built from ``TOOLS``); every refusal is an ``HTTPError``
+rendered ``{"ok": false, "error"}``. Tools block (a sandbox run takes seconds), so they run in a thread
+pool of ``max_connections`` threads while the event loop keeps answering.
 
 Endpoints (JSON in, JSON out; every reply is an object):
   GET  /health                          -> {"ok": true, "tools": [...]}
@@ -24,9 +26,9 @@ can learn from (a bad expression, an unknown key, a missing file) is an ordinary
 ``"error: ..."``, exactly as ``execute_tool`` answers, because it is an observation for the agent.
 
 Bounds: body <= ``max_body`` bytes (413 before reading it; a missing Content-Length is 411, chunked
-bodies 411), the whole request (headers + body) within ``request_timeout_s`` (408; a slow-drip body is
-cut off at the deadline, not per byte), at most ``max_connections`` handled at once (others get 503
-and are closed), at most ``max_sessions`` sessions (oldest evicted, its files removed), file size /
+bodies 411), the whole request (headers + body) within ``request_timeout_s`` (a slow-drip body: 408 at
+the deadline, not per byte; headers still arriving, or an idle connection: closed), at most
+``max_connections`` open at once (others get 503 and are closed), at most ``max_sessions`` sessions (oldest evicted, its files removed), file size /
 file count per session capped, run_code timeouts capped at ``max_code_timeout_s`` and at most
 ``max_sandboxes`` concurrent sandboxes (503 beyond). Any unexpected exception inside a handler is a
 500 with no traceback to the client; the fuzz test checks none happens.
@@ -34,8 +36,9 @@ file count per session capped, run_code timeouts capped at ``max_code_timeout_s`
 
 from __future__ import annotations
 
-import argparse
+import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -43,22 +46,24 @@ import os
 import re
 import secrets
 import shutil
-import socket
-import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional
+from typing import Annotated, Any, Dict, Optional, Union
+
+from absl import app as absl_app
+from absl import flags
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, create_model
 
 from glm5_jax.post.tooldata import TOOL_ARGS as _POST_TOOL_ARGS
 from glm5_jax.post.tooldata import execute_tool
 from glm5_jax.rl.sandbox import run_sandboxed
+from glm5_jax.serve.http import HTTPError, error_middleware, parse_as, read_json, serve_in_thread, short
 
-__all__ = ["EnvLimits", "EnvServer", "ToolError", "TOOLS", "call_tool", "close_session", "find_bad_string",
-           "open_session", "serve", "main"]
+__all__ = ["CallRequest", "CloseRequest", "EnvLimits", "EnvServer", "SessionRequest", "ToolError", "TOOLS", "call_tool",
+           "close_session", "open_session", "serve", "main"]
 
 # name -> {argument: allowed python types}; optional arguments are listed in _OPTIONAL
 TOOLS: Dict[str, Dict[str, tuple]] = {
@@ -91,12 +96,6 @@ class EnvLimits:
             v = getattr(self, f.name)
             if not v > 0:
                 raise ValueError(f"EnvLimits.{f.name}={v!r} is invalid: must be > 0")
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 class ToolError(RuntimeError):
@@ -138,13 +137,13 @@ class _State:
 
     def get(self, sid) -> _Session:
         if not isinstance(sid, str) or not _SESSION_RE.fullmatch(sid):
-            raise _HTTPError(400, f"session={_short(sid)} is invalid: expected the 32-hex id from POST /session")
+            raise HTTPError(400, f"session={short(sid)} is invalid: expected the 32-hex id from POST /session")
         with self.lock:
             s = self.sessions.get(sid)
             if s is not None:
                 self.sessions.move_to_end(sid)
         if s is None:
-            raise _HTTPError(404, "session is unknown (closed, evicted or never opened)")
+            raise HTTPError(404, "session is unknown (closed, evicted or never opened)")
         return s
 
     def close(self, sid):
@@ -160,61 +159,41 @@ class _State:
             self.sessions.clear()
 
 
-def find_bad_string(obj, max_nodes: int = 1 << 20) -> Optional[str]:
-    """Where in a decoded JSON value the first string (key or value) that is not valid Unicode text
-    is, e.g. ``"arguments.content"``: JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which
-    no file, tokenizer or UTF-8 encoder accepts. None when every string is fine. Iterative (a deeply
-    nested body cannot exhaust the stack) and bounded by ``max_nodes`` (beyond it: ``"<too large>"``)."""
-    stack = [("", obj)]
-    seen = 0
-    while stack:
-        where, v = stack.pop()
-        seen += 1
-        if seen > max_nodes:
-            return "<too large>"
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return where or "<body>"
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                key = where + "." + k if where else k
-                if isinstance(k, str):
-                    try:
-                        k.encode("utf-8")
-                    except UnicodeEncodeError:
-                        return (where + "." if where else "") + "<a key>"
-                stack.append((key, x))
-        elif isinstance(v, list):
-            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
-    return None
+_PYDANTIC = {str: StrictStr, int: StrictInt, float: StrictFloat}
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+def _arg_type(types: tuple):
+    t = [_PYDANTIC[x] for x in types]
+    return t[0] if len(t) == 1 else Union[tuple(t)]
 
 
-def _short(v, n: int = 40) -> str:
-    r = repr(v)
-    return r if len(r) <= n else r[:n] + "..."
+# one schema per tool's arguments, from TOOLS: unknown names and wrong types are 400. An optional argument's
+# default is None but its type is not Optional: an explicit null is refused, as a wrong type.
+ARGUMENTS = {name: create_model(f"{name}_arguments", __config__=ConfigDict(extra="forbid"),
+                                **{a: (_arg_type(t), None if a in _OPTIONAL.get(name, ()) else ...)
+                                   for a, t in spec.items()})
+             for name, spec in TOOLS.items()}
 
 
-def _check_args(name: str, args) -> None:
-    spec = TOOLS[name]
-    if not isinstance(args, dict):
-        raise _HTTPError(400, f"arguments must be an object, not {type(args).__name__}")
-    optional = _OPTIONAL.get(name, set())
-    missing = set(spec) - optional - set(args)
-    extra = set(args) - set(spec)
-    if missing or extra:
-        raise _HTTPError(400, f"{name} takes {', '.join(sorted(spec))} "
-                              f"(optional: {', '.join(sorted(optional)) or '-'}); "
-                              f"missing {sorted(missing)}, unknown {sorted(map(str, extra))}")
-    for a, v in args.items():
-        if isinstance(v, bool) or not isinstance(v, spec[a]):
-            raise _HTTPError(400, f"arguments.{a}={_short(v)} is invalid: must be "
-                                  f"{' or '.join(t.__name__ for t in spec[a])}")
+class SessionRequest(BaseModel):
+    """``POST /session``: the session's kv store."""
+    model_config = ConfigDict(extra="ignore")
+    store: Dict[Annotated[StrictStr, Field(max_length=64)], StrictInt] = Field(
+        default_factory=dict, max_length=1024, description="an object of at most 1024 {string key (<= 64 chars): int}")
+
+
+class CloseRequest(BaseModel):
+    """``POST /session/close``."""
+    model_config = ConfigDict(extra="ignore")
+    session: Any = None
+
+
+class CallRequest(BaseModel):
+    """``POST /call``: ``name`` (404 unless a tool), ``arguments`` (its ARGUMENTS schema), ``session``."""
+    model_config = ConfigDict(extra="ignore")
+    name: Any = None
+    arguments: Any = Field(default_factory=dict)
+    session: Any = None
 
 
 def _resolve(session: _Session, path: str) -> str:
@@ -223,14 +202,14 @@ def _resolve(session: _Session, path: str) -> str:
     Relative names only, a conservative character set (no NUL, no backslash), no ``..`` component,
     and the resolved real path must stay under the root (covers symlinks, which the tool never makes)."""
     if not _PATH_RE.fullmatch(path):
-        raise _HTTPError(400, f"path={_short(path)} is invalid: up to 255 of [A-Za-z0-9._-/]")
+        raise HTTPError(400, f"path={short(path)} is invalid: up to 255 of [A-Za-z0-9._-/]")
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if path.startswith("/") or ".." in parts:
-        raise _HTTPError(403, f"path={_short(path)} is refused: must stay inside the session root")
+        raise HTTPError(403, f"path={short(path)} is refused: must stay inside the session root")
     root = os.path.realpath(session.root)
     full = os.path.realpath(os.path.join(root, *parts))
     if os.path.commonpath([root, full]) != root:
-        raise _HTTPError(403, f"path={_short(path)} is refused: must stay inside the session root")
+        raise HTTPError(403, f"path={short(path)} is refused: must stay inside the session root")
     return full
 
 
@@ -248,7 +227,7 @@ def _file_tool(name: str, args: dict, session: _Session, limits: EnvLimits):
                 return f.read()
         content = args["content"]
         if len(content.encode("utf-8")) > limits.max_file_bytes:
-            raise _HTTPError(413, f"arguments.content is {len(content.encode('utf-8'))} bytes: at most "
+            raise HTTPError(413, f"arguments.content is {len(content.encode('utf-8'))} bytes: at most "
                                   f"{limits.max_file_bytes}")
         if path == os.path.realpath(session.root) or os.path.isdir(path):
             return "error: is a directory"
@@ -265,33 +244,22 @@ def _file_tool(name: str, args: dict, session: _Session, limits: EnvLimits):
 
 
 def _dispatch(state: _State, path: str, body: Any):
+    """A POST body (already JSON, strings checked) -> the reply; HTTPError for a protocol fault."""
     limits = state.limits
-    if not isinstance(body, dict):
-        raise _HTTPError(400, f"body must be a JSON object, not {type(body).__name__}")
-    bad = find_bad_string(body)
-    if bad is not None:
-        raise _HTTPError(400, f"{bad} is invalid: not valid Unicode text (a lone surrogate escape such as "
-                              f"\\ud800)")
     if path == "/session":
-        store = body.get("store", {})
-        if not isinstance(store, dict) or len(store) > 1024 or not all(
-                isinstance(k, str) and len(k) <= 64 and isinstance(v, int) and not isinstance(v, bool)
-                for k, v in store.items()):
-            raise _HTTPError(400, "store must be an object of at most 1024 {string key (<= 64 chars): int}")
-        return {"ok": True, "session": state.open(dict(store))}
+        return {"ok": True, "session": state.open(dict(parse_as(SessionRequest, body).store))}
     if path == "/session/close":
-        state.close(body.get("session"))
+        state.close(parse_as(CloseRequest, body).session)
         return {"ok": True}
-    if path != "/call":
-        raise _HTTPError(404, f"path {_short(path)} is unknown: /health, /session, /session/close, /call")
-    name = body.get("name")
+    req = parse_as(CallRequest, body)
+    name = req.name
     if not isinstance(name, str) or name not in TOOLS:
-        raise _HTTPError(404, f"name={_short(name)} is not a tool: allowed: {', '.join(sorted(TOOLS))}")
-    args = body.get("arguments", {})
-    _check_args(name, args)
-    if name in _NEEDS_SESSION and "session" not in body:
-        raise _HTTPError(400, f"{name} needs a session: open one with POST /session")
-    session = state.get(body["session"]) if "session" in body else None
+        raise HTTPError(404, f"name={short(name)} is not a tool: allowed: {', '.join(sorted(TOOLS))}", param="name")
+    args = parse_as(ARGUMENTS[name], req.arguments, f"{name}'s arguments").model_dump(exclude_unset=True)
+    has_session = "session" in req.model_fields_set
+    if name in _NEEDS_SESSION and not has_session:
+        raise HTTPError(400, f"{name} needs a session: open one with POST /session")
+    session = state.get(req.session) if has_session else None
     if name in _POST_TOOL_ARGS:
         if name == "calculator" and len(args["expression"]) > limits.max_expression:
             return {"ok": True, "result": "error: invalid expression"}
@@ -304,9 +272,9 @@ def _dispatch(state: _State, path: str, body: Any):
         # min() before float(): a 400-digit int compares exactly but would overflow float(); NaN stays NaN
         t = min(args.get("timeout_s", limits.max_code_timeout_s), limits.max_code_timeout_s)
         if not t > 0:
-            raise _HTTPError(400, f"arguments.timeout_s={args.get('timeout_s')!r} is invalid: must be > 0")
+            raise HTTPError(400, f"arguments.timeout_s={args.get('timeout_s')!r} is invalid: must be > 0")
         if not state.sandboxes.acquire(blocking=False):
-            raise _HTTPError(503, f"all {limits.max_sandboxes} sandboxes busy; retry later")
+            raise HTTPError(503, f"all {limits.max_sandboxes} sandboxes busy; retry later")
         t = float(t)
         try:
             r = run_sandboxed(args["code"], args["tests"], timeout_s=t, cpu_s=max(1, math.ceil(t)))
@@ -317,199 +285,51 @@ def _dispatch(state: _State, path: str, body: Any):
     return {"ok": True, "result": _file_tool(name, args, session, limits)}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "glm5-env/1"
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format, *args):       # noqa: A002 - stdlib signature; quiet by design
-        pass
-
-    def handle_one_request(self):
-        # One deadline for the request line, headers and body together. Socket timeouts alone bound
-        # each recv, not the total, so a watchdog shuts the read side when the deadline passes while
-        # the request is still arriving (a slow drip then reads EOF); replies can still be written.
-        t = self.server.limits.request_timeout_s
-        self._deadline = time.monotonic() + t
-        self._reading = True
-        self.connection.settimeout(t)
-        timer = threading.Timer(t, self._expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            super().handle_one_request()
-        finally:
-            timer.cancel()
-
-    def _expire(self):
-        if self._reading:
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
-
-    def parse_request(self):
-        ok = super().parse_request()
-        if ok and time.monotonic() >= self._deadline:
-            # the watchdog cut the headers short: what was parsed is not the whole request
-            self.send_error(408, f"headers not received within {self.server.limits.request_timeout_s} s")
-            return False
-        if ok and self.request_version == "HTTP/0.9":
-            self.send_error(400, "HTTP/0.9 requests are not supported")
-            return False
-        return ok
-
-    def send_error(self, code, message=None, explain=None):
-        # http.server's own refusals (bad request line, long headers, unknown method) as JSON, with a
-        # status line: the stdlib answers a request it could not parse in HTTP/0.9 style (a bare HTML
-        # body), an unknown method with 501 and an unknown HTTP version with 505; both are the
-        # client's fault here (405, 400): a 5xx would read as "the environment is broken".
-        self._reading = False
-        self.request_version = "HTTP/1.0" if self.request_version == "HTTP/0.9" else self.request_version
-        code = {501: 405, 505: 400}.get(code, code)
-        try:
-            self._reply(code, {"ok": False, "error": f"{code} {message or ''}".strip()}, close=True)
-        except OSError:
-            self.close_connection = True
-
-    def _reply(self, status: int, obj: dict, close: bool = False):
-        data = json.dumps(obj).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _read_body(self) -> bytes:
-        limits = self.server.limits
-        if self.headers.get("Transfer-Encoding"):
-            raise _HTTPError(411, "chunked/encoded bodies are not accepted: send Content-Length")
-        n = self.headers.get("Content-Length")
-        if n is None:
-            raise _HTTPError(411, "Content-Length is required")
-        try:
-            n = int(n)
-        except ValueError:
-            raise _HTTPError(400, f"Content-Length={_short(n)} is invalid: a byte count") from None
-        if n < 0:
-            raise _HTTPError(400, f"Content-Length={n} is invalid: must be >= 0")
-        if n > limits.max_body:
-            raise _HTTPError(413, f"body of {n} bytes: at most {limits.max_body}")
-        chunks, got = [], 0
-        while got < n:      # the deadline is for the whole body, so a slow drip cannot hold a thread
-            left = self._deadline - time.monotonic()
-            if left <= 0:
-                raise _HTTPError(408, f"body not received within {limits.request_timeout_s} s")
-            self.connection.settimeout(left)
-            try:
-                c = self.rfile.read1(n - got)
-            except (TimeoutError, socket.timeout):
-                raise _HTTPError(408, f"body not received within {limits.request_timeout_s} s") from None
-            if not c:
-                if time.monotonic() >= self._deadline:
-                    raise _HTTPError(408, f"body not received within {limits.request_timeout_s} s")
-                raise _HTTPError(400, f"body ended after {got} of {n} bytes")
-            chunks.append(c)
-            got += len(c)
-        return b"".join(chunks)
-
-    def _handle(self, method: str):
-        try:
-            path = self.path.split("?", 1)[0]
-            if method == "GET":
-                self._reading = False
-                if path != "/health":
-                    raise _HTTPError(404 if path not in ("/call", "/session", "/session/close") else 405,
-                                     f"GET {_short(path)}: only GET /health")
-                self._reply(200, {"ok": True, "tools": sorted(TOOLS)})
-                return
-            raw = self._read_body()
-            self._reading = False       # a long tool run (run_code) is not cut by the watchdog
-            self.connection.settimeout(self.server.limits.request_timeout_s)    # for writing the reply
-            try:
-                body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-            except (UnicodeDecodeError, ValueError, RecursionError) as e:
-                raise _HTTPError(400, f"body is not JSON: {type(e).__name__}") from None
-            self._reply(200, _dispatch(self.server.state, path, body))
-        except _HTTPError as e:
-            # after a refused body the connection cannot be reused: its unread bytes would be parsed
-            # as the next request
-            self._reply(e.status, {"ok": False, "error": e.message}, close=e.status in (400, 408, 411, 413))
-        except (ConnectionError, TimeoutError):     # the client vanished or stopped reading
-            self.close_connection = True
-        except Exception as e:      # noqa: BLE001 - never take the server down; never leak a traceback
-            self.server.internal_errors += 1
-            try:
-                self._reply(500, {"ok": False, "error": f"internal error ({type(e).__name__})"}, close=True)
-            except OSError:
-                self.close_connection = True
-
-    def do_GET(self):       # noqa: N802 - stdlib names
-        self._handle("GET")
-
-    def do_POST(self):      # noqa: N802
-        self._handle("POST")
-
-    def _not_allowed(self):
-        self._reading = False
-        self._reply(405, {"ok": False, "error": f"method {self.command} not allowed: GET /health, POST"}, close=True)
-
-    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed     # noqa: N815
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
-
-    def __init__(self, addr, limits: EnvLimits):
-        self.limits = limits
-        self.state = _State(limits)
-        self.internal_errors = 0
-        self._slots = threading.BoundedSemaphore(limits.max_connections)
-        super().__init__(addr, _Handler)
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request, client_address):
-        pass        # a client that vanished mid-request; nothing to report
+def _render(e: HTTPError) -> dict:
+    return {"ok": False, "error": e.message}
 
 
 class EnvServer:
-    """A running environment service (in-process, on a daemon thread). ``url``; ``close()``."""
+    """A running environment service (in-process, its event loop on a daemon thread). ``url``; ``close()``."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: Optional[EnvLimits] = None):
-        self._server = _Server((host, port), limits or EnvLimits())
-        self.host, self.port = self._server.server_address[:2]
-        self.url = f"http://{self.host}:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="glm5-env", daemon=True)
-        self._thread.start()
+        limits = limits or EnvLimits()
+        self.state = _State(limits)
+        self.internal_errors = 0
+        pool = concurrent.futures.ThreadPoolExecutor(limits.max_connections, thread_name_prefix="glm5-env")
 
-    @property
-    def internal_errors(self) -> int:
-        return self._server.internal_errors
+        def count_internal():
+            self.internal_errors += 1
+
+        async def health(request):
+            return web.json_response({"ok": True, "tools": sorted(TOOLS)})
+
+        async def post(request):
+            deadline = getattr(request.protocol, "deadline", None)
+            body = await read_json(request, max_body=limits.max_body, deadline=deadline, require_length=True)
+            out = await asyncio.get_running_loop().run_in_executor(pool, _dispatch, self.state, request.path, body)
+            return web.json_response(out)
+
+        async def stop_pool(_app):
+            pool.shutdown(wait=False)
+
+        app = web.Application(client_max_size=limits.max_body,
+                              middlewares=[error_middleware(_render, on_internal=count_internal)])
+        app.router.add_get("/health", health)
+        for path in ("/session", "/session/close", "/call"):
+            app.router.add_post(path, post)
+        app.on_cleanup.append(stop_pool)
+        self._served = serve_in_thread(app, host, port, render=_render, request_timeout_s=limits.request_timeout_s,
+                                       max_connections=limits.max_connections, name="glm5-env")
+        self.host, self.port, self.url = self._served.host, self._served.port, self._served.url
+
+    def wait(self):
+        """Block until the service stops (the command line's serve-until-killed)."""
+        self._served._thread.join()
 
     def close(self):
-        self._server.shutdown()
-        self._server.server_close()
-        self._server.state.close_all()
+        self._served.close()
+        self.state.close_all()
 
     def __enter__(self):
         return self
@@ -557,18 +377,22 @@ def close_session(url: str, session: str, timeout: float = 10.0) -> None:
     _post(url, "/session/close", {"session": session}, timeout)
 
 
-def main(argv=None):
-    """``python -m glm5_jax.agentic.envs --port N``: serve until killed; prints the URL once ready."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 = any free port (the URL is printed)")
-    p.add_argument("--max-body", type=int, default=EnvLimits.max_body)
-    p.add_argument("--request-timeout-s", type=float, default=EnvLimits.request_timeout_s)
-    a = p.parse_args(argv)
-    srv = EnvServer(a.host, a.port, EnvLimits(max_body=a.max_body, request_timeout_s=a.request_timeout_s))
+def define_flags() -> None:
+    flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+    flags.DEFINE_integer("port", 0, "Port (0 = any free port; the URL is printed).")
+    flags.DEFINE_integer("max_body", EnvLimits.max_body, "Largest request body in bytes.")
+    flags.DEFINE_float("request_timeout_s", EnvLimits.request_timeout_s,
+                       "Deadline for a request's line, headers and body together.")
+
+
+def main(argv):
+    """``python -m glm5_jax.agentic.envs --port=N``: serve until killed; prints the URL once ready."""
+    del argv
+    f = flags.FLAGS
+    srv = EnvServer(f.host, f.port, EnvLimits(max_body=f.max_body, request_timeout_s=f.request_timeout_s))
     print(f"listening on {srv.url}", flush=True)
     try:
-        srv._thread.join()
+        srv.wait()
     except KeyboardInterrupt:
         pass
     finally:
@@ -577,4 +401,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    define_flags()
+    absl_app.run(main)

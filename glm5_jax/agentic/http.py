@@ -14,32 +14,50 @@ string that is not Unicode text (a lone surrogate such as ``"\\ud800"``), bad me
 reward that is not a finite number within 1e6 get 400, an unknown path 404, a request not sent within
 the deadline 408, an oversized body 413, a new rollout beyond ``max_open`` 429, no live worker 503; the
 response adds ``glm5: {token_ids, logprobs, version}`` so a client can check what was recorded.
+
+HTTP: the project's one stack (glm5_jax.serve.http, aiohttp): bodies read by ``read_json``, each endpoint's
+request one pydantic schema (``ChatRequest``, ``FinishRequest``), every refusal an ``HTTPError`` rendered
+as ``{"error": {"message", "code": status}}``. The routed generation call blocks (a Ray request), so a
+handler runs the endpoint in a thread pool and the event loop keeps answering.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import math
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from glm5_jax.agentic.coordinator import NoWorkers, WorkerLost
-from glm5_jax.agentic.envs import find_bad_string
 from glm5_jax.agentic.gateway import Gateway
 from glm5_jax.data.chat import ChatFormatError, ChatTemplate
+from glm5_jax.serve.http import HTTPError, Served, error_middleware, parse_as, read_json, serve_in_thread
 
-__all__ = ["ChatEndpoint", "HTTPError", "serve_http"]
+__all__ = ["ChatEndpoint", "ChatRequest", "FinishRequest", "HTTPError", "serve_http"]
 
 MAX_REWARD = 1e6      # |reward| a finish may carry: larger values are a bug in the client's scorer
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+class ChatRequest(BaseModel):
+    """``POST /v1/chat/completions`` (other OpenAI fields are accepted and ignored)."""
+    model_config = ConfigDict(extra="allow")
+    messages: List[dict] = Field(min_length=1, description="a non-empty list of message objects")
+    max_tokens: Optional[StrictInt] = Field(None, description="an integer in [1, the endpoint's max_tokens]")
+    rollout_id: Optional[StrictStr] = Field(None, max_length=128, description="a string of at most 128 characters")
+    tools: Optional[List[dict]] = Field(None, description="a list of tool objects")
+
+
+class FinishRequest(BaseModel):
+    """``POST /v1/rollouts/<id>/finish``."""
+    model_config = ConfigDict(extra="allow")
+    reward: Union[StrictInt, StrictFloat] = Field(description=f"a finite number with |reward| <= {MAX_REWARD:g}")
 
 
 class ChatEndpoint:
@@ -52,22 +70,18 @@ class ChatEndpoint:
         self.max_tokens, self.max_context, self.max_open = max_tokens, max_context, max_open
         self._lock = threading.Lock()
 
-    def completions(self, body: dict) -> dict:
-        if not isinstance(body, dict):
-            raise HTTPError(400, "the request body must be a JSON object")
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise HTTPError(400, "messages must be a non-empty list of message objects")
-        n = body.get("max_tokens", self.max_tokens)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_tokens:
-            raise HTTPError(400, f"max_tokens must be an integer in [1, {self.max_tokens}], got {n!r}")
-        rid = body.get("rollout_id") or f"http-{uuid.uuid4().hex[:12]}"
-        if not isinstance(rid, str) or len(rid) > 128:
-            raise HTTPError(400, "rollout_id must be a string of at most 128 characters")
+    def completions(self, body) -> dict:
+        req = parse_as(ChatRequest, body)
+        msgs = req.messages
+        n = self.max_tokens if req.max_tokens is None else req.max_tokens
+        if not 1 <= n <= self.max_tokens:
+            raise HTTPError(400, f"max_tokens must be an integer in [1, {self.max_tokens}], got {n!r}",
+                            param="max_tokens")
+        rid = req.rollout_id or f"http-{uuid.uuid4().hex[:12]}"
         try:
-            rendered = self.template.render(msgs, add_generation_prompt=True, tools=body.get("tools"))
+            rendered = self.template.render(msgs, add_generation_prompt=True, tools=req.tools)
         except (ChatFormatError, TypeError, KeyError, AttributeError) as e:
-            raise HTTPError(400, f"bad messages: {e}") from None
+            raise HTTPError(400, f"bad messages: {e}", param="messages") from None
         with self._lock:
             open_ids = self.gateway.open_ids()
             known = rid in open_ids
@@ -78,12 +92,11 @@ class ChatEndpoint:
                 self.gateway.open(rid, rid, rendered.ids)
             else:
                 # TITO: keep the recorded tokens; append only what came after the last assistant message
-                last = max((i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"),
-                           default=-1)
+                last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=-1)
                 self.gateway.observe(rid, [t for t, mi in zip(rendered.ids, rendered.message_index) if mi > last])
         if len(self.gateway.context(rid)) + n > self.max_context:
             raise HTTPError(400, f"context of {len(self.gateway.context(rid))} tokens + max_tokens {n} exceeds "
-                                 f"{self.max_context}")
+                                 f"{self.max_context}", param="max_tokens")
         try:
             out = self.gateway.generate(rid, lambda ids: self.generate(rid, f"{rid}.{time.monotonic_ns()}", ids, n))
         except NoWorkers as e:
@@ -107,85 +120,52 @@ class ChatEndpoint:
                 "glm5": {"token_ids": toks, "logprobs": [float(x) for x in out["logprobs"]],
                          "version": int(out["version"])}}
 
-    def finish(self, rid: str, body: dict) -> dict:
-        reward = body.get("reward") if isinstance(body, dict) else None
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-            raise HTTPError(400, "finish needs a numeric reward")
+    def finish(self, rid: str, body) -> dict:
+        reward = parse_as(FinishRequest, body).reward
         if abs(reward) > MAX_REWARD or not math.isfinite(reward):      # (a huge int never reaches float())
-            raise HTTPError(400, f"reward must be a finite number with |reward| <= {MAX_REWARD:g}, got {reward!r}")
+            raise HTTPError(400, f"reward must be a finite number with |reward| <= {MAX_REWARD:g}, got {reward!r}",
+                            param="reward")
         if rid not in self.gateway.open_ids():
             raise HTTPError(404, f"unknown rollout_id {rid!r}")
         rec = self.gateway.finish(rid, float(reward), "done")
         return {"rollout_id": rid, "tokens": len(rec.tokens), "generated": rec.generated_tokens}
 
 
-def _no_constant(name):
-    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+def _render(e: HTTPError) -> dict:
+    return {"error": {"message": e.message, "code": e.status}}
 
 
 def serve_http(endpoint: ChatEndpoint, host: str = "127.0.0.1", port: int = 0, *, max_body: int = 1 << 20,
-               on_finish: Optional[Callable] = None, timeout_s: float = 60.0):
-    """Start a threaded HTTP server in a daemon thread -> (server, url). ``server.shutdown()`` stops it.
+               on_finish: Optional[Callable] = None, timeout_s: float = 60.0, max_workers: int = 64) -> Served:
+    """Serve the endpoint on a daemon thread -> Served (``url``, ``host``, ``port``, ``close()``).
     ``on_finish(record)`` receives each finished record (e.g. to hand it to the trainer). ``timeout_s``: the
-    deadline for reading a request (a client that drips its body is answered 408, its thread freed)."""
+    deadline for reading a request body (a client that drips its body is answered 408). ``max_workers``:
+    requests handled at once (each blocks a thread while its generation runs)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="chat-http")
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):     # quiet
-            pass
+    async def run(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-        def _send(self, status: int, obj: dict):
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    async def chat(request):
+        body = await read_json(request, max_body=max_body, deadline=time.monotonic() + timeout_s)
+        return web.json_response(await run(endpoint.completions, body))
 
-        def do_POST(self):
-            try:
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                except ValueError:
-                    raise HTTPError(400, f"Content-Length {self.headers.get('Content-Length')!r} is not an "
-                                         "integer") from None
-                if length < 0 or length > max_body:
-                    raise HTTPError(413, f"body of {length} bytes exceeds {max_body}")
-                self.connection.settimeout(timeout_s)
-                try:
-                    raw = self.rfile.read(length)
-                except TimeoutError:
-                    self.close_connection = True
-                    raise HTTPError(408, f"the request body was not sent within {timeout_s:g} s") from None
-                try:
-                    body = json.loads(raw or b"null", parse_constant=_no_constant)
-                except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                    raise HTTPError(400, f"body is not JSON: {e}") from None
-                bad = find_bad_string(body)
-                if bad is not None:
-                    raise HTTPError(400, f"{bad}: not Unicode text (a lone surrogate?); strings must be valid "
-                                         "UTF-8")
-                path = self.path.rstrip("/")
-                if path == "/v1/chat/completions":
-                    self._send(200, endpoint.completions(body))
-                elif path.startswith("/v1/rollouts/") and path.endswith("/finish"):
-                    rid = path[len("/v1/rollouts/"):-len("/finish")]
-                    rec_open = rid in endpoint.gateway.open_ids()
-                    res = endpoint.finish(rid, body)
-                    if on_finish is not None and rec_open:
-                        on_finish(res)
-                    self._send(200, res)
-                else:
-                    raise HTTPError(404, f"no route {self.path!r}: POST /v1/chat/completions or "
-                                         f"/v1/rollouts/<id>/finish")
-            except HTTPError as e:
-                self._send(e.status, {"error": {"message": str(e), "code": e.status}})
-            except Exception as e:     # never let one request take the server down
-                self._send(500, {"error": {"message": f"{type(e).__name__}: {e}", "code": 500}})
+    async def finish(request):
+        body = await read_json(request, max_body=max_body, deadline=time.monotonic() + timeout_s)
+        rid = request.match_info["rid"]
+        rec_open = rid in endpoint.gateway.open_ids()
+        res = await run(endpoint.finish, rid, body)
+        if on_finish is not None and rec_open:
+            on_finish(res)
+        return web.json_response(res)
 
-        def do_GET(self):
-            self._send(404, {"error": {"message": "use POST /v1/chat/completions", "code": 404}})
+    app = web.Application(client_max_size=max_body, middlewares=[error_middleware(_render)])
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions/", chat)
+    app.router.add_post("/v1/rollouts/{rid}/finish", finish)
+    app.router.add_post("/v1/rollouts/{rid}/finish/", finish)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True, name="chat-http").start()
-    return server, f"http://{host}:{server.server_address[1]}"
+    async def stop_pool(_app):
+        pool.shutdown(wait=False)
+    app.on_cleanup.append(stop_pool)
+    return serve_in_thread(app, host, port, render=_render, name="chat-http")
