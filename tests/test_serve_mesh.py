@@ -4,7 +4,8 @@ Against the unsharded engine (one device, the reference): on meshes with the bat
 (and tensor splitting heads / MLP / vocab), greedy tokens are equal and log-probs agree within 1e-5
 (float32) for plain decoding, a prefix-reusing second turn, and MTP-speculative decoding; every cache
 array's bytes on one device are its total / batch shards (the cache is sharded, never replicated); the
-experts are split over `expert`; the mesh engine's MoE is the dropless all-to-all; bad meshes are
+experts are split over `expert`; weights handed over in the training layout are resharded into the
+serving layout (and decode the same); the mesh engine's MoE is the dropless all-to-all; bad meshes are
 refused with the axis named.
 """
 
@@ -51,8 +52,10 @@ SCRIPT = textwrap.dedent("""
             err = float(np.abs(np.asarray(p.logprobs) - np.asarray(q.logprobs)).max())
             assert err <= 1e-5, (what, i, err)
 
+    ref = {}
     for spec in (0, 1):
         e1, a1, b1, c1 = run(None, spec)
+        ref[spec] = a1
         assert e1.programs.shards == 1
         for mesh_spec in ("data:2,expert:4", "expert:4,tensor:2"):
             mesh = sharding.make_mesh(mesh_spec)
@@ -70,6 +73,15 @@ SCRIPT = textwrap.dedent("""
             gp = next(v for k, v in traverse_util.flatten_dict(e.params).items() if k[-1] == "gate_proj")
             assert "expert" in tuple(gp.sharding.spec), gp.sharding.spec
             print("ok", mesh_spec, "spec" if spec else "plain", flush=True)
+    # weights in the training layout (ZeRO-3 rules) are resharded device to device into the serving layout
+    mesh = sharding.make_mesh("data:2,expert:4")
+    e = Engine(cfg, sharding.shard_params(params, sharding.param_shardings(cfg, mesh)), mesh=mesh, **kw)
+    try:
+        same(e.generate(prompts, G), ref[0], "from the training layout")
+        for got, want in zip(jax.tree.leaves(e.params), jax.tree.leaves(e.programs.params)):
+            assert got.sharding.is_equivalent_to(want, got.ndim), (got.sharding, want)
+    finally:
+        e.shutdown()
     for bad, msg in [("context:2,expert:4", "'context' is not supported for serving"),
                      ("data:8", None)]:
         try:
