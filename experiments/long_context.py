@@ -12,7 +12,7 @@ Phases (glm5_jax.train.stages; each stage its own resumable folder):
                   dsa_learning_rate held constant after its warm-up (so the state at step n is an n-step run), a
                   checkpoint kept at every length: the DSA gap against adaptation length from one run, beside the
                   oracle top-k gap (the same params selecting by the main attention's own scores) and the
-                  attention mass the indexer's / the oracle's keys carry (glm5_jax.attention.selection)
+                  attention mass the indexer's / the oracle's keys carry (glm5_jax.eval.selection)
 Then: held-out loss per position bucket at T = the last length before extension (the base model) and
 after each arm's last stage, with bootstrap intervals over held-out windows; a passkey probe by context
 length and key depth (and for dsa the indexer's recall of the key's value tokens); attention time and
@@ -30,7 +30,7 @@ from typing import ClassVar
 from experiments.registry import register
 from experiments.report import md_table, plot_curves, plot_heatmap, write_report
 from glm5_jax.intervals import fmt_interval
-from glm5_jax.attention.selection import mass_beyond
+from glm5_jax.eval.selection import mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig, preset
 from glm5_jax.data import DataConfig, build_lm_data
 from glm5_jax.eval.dsa import as_oracle

@@ -27,9 +27,10 @@ import numpy as np
 from experiments.registry import register
 from experiments.report import eval_series, md_table, plot_curves, write_report
 from glm5_jax.config import ModelConfig
-from glm5_jax.eval import LMLoss, evaluate, task_success
+from glm5_jax.eval import LMLoss, evaluate
 from glm5_jax.fields import check_fields, setting
 from glm5_jax.quant import ALL_LINEAR, QuantConfig, export_int4, load_int4, ptq_params, qat_params, quantized_paths
+from glm5_jax.rl.program import evaluate_accuracy
 from glm5_jax.rl.sft import CharVocab, SFTIterator, pack_examples
 from glm5_jax.rl.tasks import distinct_tasks, draw_excluding, named_task as make_task
 from glm5_jax.train import TrainConfig, train
@@ -123,7 +124,7 @@ def run(cfg: QatConfig, workdir: str, log, mesh=None) -> dict:
         return draw_excluding(make_task, exclude, rng, cfg.task)
 
     def success(params, tasks):
-        return task_success(mcfg, params, tasks, vocab, max_new_tokens=cfg.max_new_tokens)
+        return evaluate_accuracy(mcfg, params, tasks, vocab, max_new_tokens=cfg.max_new_tokens, greedy=True)["accuracy"]
 
     test_loss, val_loss = eval_loss_fn(cfg, test, vocab), eval_loss_fn(cfg, val, vocab)
     base_loss = make_loss_fn(mcfg, tc)

@@ -1,5 +1,5 @@
 """glm5_jax.eval: the evaluator's LM loss equals the train step's eval figures exactly, its attention mass equals
-glm5_jax.attention.selection's, and on a data:2 mesh of fake CPU devices every metric (LM loss, the
+glm5_jax.eval.selection's, and on a data:2 mesh of fake CPU devices every metric (LM loss, the
 position-bucket loss, a retrieval probe) matches the unsharded evaluation to float32 rounding."""
 
 import os
@@ -54,7 +54,7 @@ def test_lm_loss_is_the_eval_step_s_and_outputs_agree():
 
 
 def test_attention_mass_matches_the_selection_module():
-    from glm5_jax.attention.selection import attention_mass as reference
+    from glm5_jax.eval.selection import attention_mass as reference
     from glm5_jax.eval.metrics import attention_mass
     params = init_params(CFG, jax.random.PRNGKey(1))
     bk = ((0, 8), (8, 32))

@@ -1,5 +1,5 @@
 """Oracle top-k (ModelConfig.dsa_topk_source="oracle") and the attention-mass figures (selection_stats,
-glm5_jax.attention.selection) against numpy references, brute-force optimality and the dense forward."""
+glm5_jax.eval.selection) against numpy references, brute-force optimality and the dense forward."""
 
 import itertools
 
@@ -11,7 +11,7 @@ import pytest
 
 from glm5_jax.attention.indexer import oracle_topk, selection_stats
 from glm5_jax.attention.mla import MLAttention
-from glm5_jax.attention.selection import attention_mass, mass_beyond
+from glm5_jax.eval.selection import attention_mass, mass_beyond
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.layers.rope import apply_rope, rope_angles, softmax_scale
 from glm5_jax.model import GLM5, init_params

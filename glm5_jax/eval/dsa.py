@@ -1,6 +1,6 @@
 """DSA evaluations beside the LM loss: a model evaluated with oracle top-k (each query's k keys = the top-k
 of its own head-averaged dense attention), query-position buckets for the attention-mass figures
-(glm5_jax.attention.selection), and the wall time of one attention layer dense vs sparse."""
+(glm5_jax.eval.selection), and the wall time of one attention layer dense vs sparse."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def time_attention(cfg_dense: ModelConfig, cfg_sparse: ModelConfig, seq_len: int
 
 def mass_row(prefix: str, res: dict, keys=("selected_mass", "oracle_mass", "recall")) -> dict:
     """Flat metrics-row entries of an attention-mass result: over all positions and per bucket (mean over layers)."""
-    from glm5_jax.attention.selection import mass_beyond
+    from glm5_jax.eval.selection import mass_beyond
     out = {}
     allpos = mass_beyond(res, 0)
     for key in keys:
@@ -87,7 +87,7 @@ def decomposition_fn(dsa_cfg: ModelConfig, test_lm, mass_lm, ks, arm: str, mass_
     for k in mass_ks (default: every k). arm "dsa" (a DSA model at top-k ks[0]): the attention mass on its
     indexer's keys and on the oracle's ("indexer_mass", "oracle_mass", "indexer_recall_of_oracle", per bucket
     "_b<j>") and its test LM loss with oracle top-k instead of its indexer ("oracle_test_loss")."""
-    from glm5_jax.attention.selection import mass_beyond
+    from glm5_jax.eval.selection import mass_beyond
     from glm5_jax.eval.evaluator import evaluate
     from glm5_jax.eval.metrics import attention_mass
     buckets = mass_buckets(test_lm[0]["tokens"].shape[1])

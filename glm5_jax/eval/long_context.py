@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from glm5_jax.attention.selection import mass_beyond
+from glm5_jax.eval.selection import mass_beyond
 from glm5_jax.config import ModelConfig
 from glm5_jax.eval.dsa import as_oracle, attention_flops, oracle_config, time_attention
 from glm5_jax.eval.evaluator import evaluate
@@ -89,7 +89,7 @@ def adaptation_entry(steps: int, dsa: tuple, oracle: tuple, mass: dict, ref: tup
                      reps: int) -> dict:
     """The DSA gap after `steps` sparse-adaptation steps: the indexer's and oracle top-k's loss minus the dense
     reference's over the buckets `cols` (paired bootstrap) and per bucket, and the attention mass on the selected
-    / oracle keys over positions >= lo (attention.selection.mass_beyond) and per bucket and layer."""
+    / oracle keys over positions >= lo (eval.selection.mass_beyond) and per bucket and layer."""
     fm = mass_beyond(mass, lo)
     return {"sparse_steps": steps, "gap": beyond_difference(dsa, ref, cols, reps),
             "oracle_gap": beyond_difference(oracle, ref, cols, reps),

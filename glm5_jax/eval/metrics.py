@@ -154,7 +154,7 @@ class MTPAcceptance(Metric):
 @dataclasses.dataclass(frozen=True)
 class AttentionMass(Metric):
     """Per DSA layer and query-position bucket [lo, hi): token means of the head-averaged dense softmax mass on
-    the selected keys, on the oracle's keys and the recall of the oracle's keys (glm5_jax.attention.selection;
+    the selected keys, on the oracle's keys and the recall of the oracle's keys (glm5_jax.eval.selection;
     the model config needs dsa_selection_stats=True: `attention_mass` below sets it) -> {"attention_mass":
     {"buckets", "tokens", "layers": {layer: {stat: [per bucket]}}, "mean": over layers}}; sums in float64 on
     the host. Tokens with loss_mask 0 are left out."""
@@ -162,12 +162,12 @@ class AttentionMass(Metric):
     forward = "intermediates"
 
     def device(self, out, batch):
-        from glm5_jax.attention.selection import STATS
+        from glm5_jax.eval.selection import STATS
         flat = traverse_util.flatten_dict(out["intermediates"])
         return {("/".join(k[:-1]), k[-1]): v[0] for k, v in flat.items() if k[-1] in STATS}
 
     def reduce(self, values, batches):
-        from glm5_jax.attention.selection import KEYS, STATS
+        from glm5_jax.eval.selection import KEYS, STATS
         sums: dict = {}
         counts = np.zeros(len(self.buckets))
         for v, b in zip(values, batches):

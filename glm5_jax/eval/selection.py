@@ -1,4 +1,5 @@
-"""Where DSA's loss comes from: how much of the dense attention the selected keys carry.
+"""Where DSA's loss comes from: how much of the dense attention the selected keys carry (an evaluation of the
+model, so it sits in glm5_jax.eval above the model; it was attention.selection, which imported the model).
 
 `attention_mass(cfg, params, batches, buckets)` runs the model's own forward (a DSA config; its k keys from
 cfg.dsa_topk_source) with `dsa_selection_stats` on, so every DSA layer sows per query (indexer.selection_stats):
@@ -21,6 +22,7 @@ import numpy as np
 from flax import traverse_util
 
 from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.model import GLM5
 
 STATS = ("selected_mass", "oracle_mass", "oracle_recall")
 KEYS = {"selected_mass": "selected_mass", "oracle_mass": "oracle_mass", "oracle_recall": "recall"}
@@ -28,7 +30,6 @@ KEYS = {"selected_mass": "selected_mass", "oracle_mass": "oracle_mass", "oracle_
 
 @functools.lru_cache(maxsize=None)
 def _stats_fn(cfg: ModelConfig):
-    from glm5_jax.model import GLM5      # the model imports the attention package
     model = GLM5(cfg.replace(dsa_selection_stats=True))
 
     def f(p, b):
