@@ -188,6 +188,12 @@ def test_the_layer_check_finds_an_upward_import_lazy_or_not():
     assert _upward(tree) == ["glm5_jax.attention.mla (3, 0) -> glm5_jax.train.step (5, 6)"]
 
 
+def test_no_module_imports_argparse():
+    """Every CLI parses absl flags through glm5_jax.cli.run (docs/architecture.md, "Errors and validation")."""
+    bad = sorted(m for m in MODULES if any(base.split(".")[0] == "argparse" for base, _ in _imports(m)))
+    assert not bad, "argparse imported (use absl flags and glm5_jax.cli.run): " + ", ".join(bad)
+
+
 def test_no_import_cycles():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles (function-level imports count): " + "; ".join(" <-> ".join(c) for c in cycles)
