@@ -271,6 +271,10 @@ def test_error_mapping(server, tiny):
         (dict(body={"prompt": "hi", "logprobs": 99}), 400, "logprobs"),
         (dict(body={"prompt": 5}), 400, "prompt"),
         (dict(body=[1, 2]), 400, None),
+        (dict(raw=b'{"prompt": "hi", "temperature": NaN}'), 400, None),     # not JSON (one rule, serve.http)
+        (dict(raw=b"[" * 100000 + b"]" * 100000), 400, None),             # nesting deeper than the stack
+        (dict(body={"prompt": "hi", "echo": 1}), 400, "echo"),             # strict types: 1 is not true
+        (dict(body={"prompt": "hi", "best_of": 3}), 400, "best_of"),
     ]
     for kw, status, param in cases:
         s, out = _post(url, "/v1/completions", **kw)
@@ -286,6 +290,18 @@ def test_error_mapping(server, tiny):
         s, out = _post(url, "/v1/chat/completions", body)
         assert s == 400 and json.loads(out)["error"]["param"] == param, (body, out)
     assert _post(url, "/v1/nothing", {"a": 1})[0] == 404
+    # a request aiohttp cannot parse gets the OpenAI body too (glm5_jax.serve.http's protocol)
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
+            got = c.recv(4096)
+            if not got:
+                break
+            reply += got
+    assert reply.startswith(b"HTTP/1.1 400") or reply.startswith(b"HTTP/1.0 400"), reply[:100]
+    assert set(json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]) == {"message", "type", "param", "code"}
     assert _post(url, "/v1/completions", method="GET")[0] == 405
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="hi", max_tokens=1)

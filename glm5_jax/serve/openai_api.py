@@ -1,21 +1,24 @@
 """OpenAI-compatible HTTP API over the engine (aiohttp): ``GET /health``, ``GET /v1/models``,
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /metrics`` (Prometheus text).
 
-Why aiohttp: one maintained package gives an asyncio HTTP/1.1 server with streamed responses (SSE) and
-tells a handler when its client went away (a write to a closed transport fails), which is what frees a
-disconnected stream's slot; the engine runs in its own thread and hands tokens to the event loop with
-``call_soon_threadsafe``. (The agentic endpoint's stdlib ``http.server`` has neither streaming nor
-disconnect detection.)
+HTTP: the project's one stack (glm5_jax.serve.http, aiohttp): an asyncio server with streamed responses
+(SSE) that tells a handler when its client went away (a write to a closed transport fails), which is what
+frees a disconnected stream's slot; the engine runs in its own thread and hands tokens to the event loop
+with ``call_soon_threadsafe``. Each endpoint's body is one pydantic schema (glm5_jax.serve.schemas).
 
 Completions: ``prompt`` is a string, a list of strings, a list of token ids or a list of token-id lists;
 ``echo``, ``logprobs`` (top-k, <= 20) with ``choices[i].logprobs = {tokens, token_logprobs, top_logprobs,
 text_offset}`` over the prompt (with echo; the first prompt token's log-prob null) and the generated
 tokens, ``max_tokens=0`` with echo scores the prompt only (how evaluation harnesses read log-likelihoods);
-``n``; ``stream``. Chat: the GLM chat template (``glm5_jax.data.chat``), ``tools`` / ``tool_choice`` (auto,
-none, required, or a named function: the generation prompt then ends with the forced ``<tool_call>`` /
-name), ``chat_template_kwargs.enable_thinking`` (False: the prompt ends with an empty think block) and
-``clear_thinking`` (False: preserved thinking, earlier turns' reasoning kept), streamed deltas of
-``content`` / ``reasoning_content`` / ``tool_calls`` through ``glm5_jax.serve.parsing.StreamParser``.
+``n``; ``stream``. Chat: the checkpoint's own Jinja ``chat_template`` when its tokenizer files carry one
+(``glm5_jax.data.hf_chat_template``: rendered as transformers' ``apply_chat_template`` renders it, with
+``tools`` and every ``chat_template_kwargs`` key), else the project's GLM renderer (``glm5_jax.data.chat``);
+``tools`` / ``tool_choice`` (auto, none, required, or a named function: the generation prompt then ends
+with the forced ``<tool_call>`` / name), ``chat_template_kwargs.enable_thinking`` (False: the prompt ends
+with an empty think block) and ``clear_thinking`` (False: preserved thinking, earlier turns' reasoning
+kept); the prompt's tail (empty think block, forced call) is ``ChatTemplate.generation_tail``'s for
+either renderer; streamed deltas of ``content`` / ``reasoning_content`` / ``tool_calls`` through
+``glm5_jax.serve.parsing.StreamParser``.
 Every choice carries the TITO record as ``glm5``: ``{prompt_token_ids, token_ids, logprobs (sampling),
 version, rollout_id}``.
 
@@ -23,9 +26,10 @@ Log-probs in ``logprobs`` are the model's log-softmax (temperature 1), as OpenAI
 record's are those of the distribution the token was drawn from (what RL needs); they agree for
 temperature 1 without top-k / top-p.
 
-Errors: ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad JSON, bad fields, prompt too
-long, token ids outside the vocabulary, invalid UTF-8 / lone surrogates), 404 (unknown model or route),
-405, 413 (body too large), 429 (queue full); a client that disconnects mid-request cancels it.
+Errors: every refusal is a ``glm5_jax.serve.http.HTTPError`` rendered ``{"error": {"message", "type",
+"param", "code"}}``, with 400 (bad JSON, NaN / Infinity, bad fields, prompt too long, token ids outside
+the vocabulary, invalid UTF-8 / lone surrogates), 404 (unknown model or route), 405, 413 (body too
+large), 429 (queue full); a client that disconnects mid-request cancels it.
 """
 
 from __future__ import annotations
@@ -34,75 +38,28 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, List, Optional
+from typing import List
 
 from aiohttp import web
 
 from glm5_jax.data.chat import ChatFormatError, ChatTemplate
 from glm5_jax.data.hf_chat_template import load_chat_template
 from glm5_jax.serve.engine import EngineError, QueueFull, SamplingParams
+from glm5_jax.serve.http import HTTPError, error_middleware, parse_as, read_json, serve_in_thread
 from glm5_jax.serve.metrics import CONTENT_TYPE_LATEST
+from glm5_jax.serve.schemas import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["APIError", "OpenAIServer", "run_in_thread"]
-
-MAX_N = 16
-MAX_LOGPROBS = 20
+__all__ = ["OpenAIServer", "render_error", "run_in_thread"]
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code or {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
-                             413: "request_too_large", 429: "queue_full"}.get(status, "error")
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                            "code": self.code}}, status=self.status)
+def render_error(e: HTTPError) -> dict:
+    """The OpenAI error body."""
+    return {"error": {"message": e.message, "type": "invalid_request_error" if e.status < 500 else "server_error",
+                      "param": e.param, "code": e.code}}
 
 
 def _bad(message, param=None, code=None):
-    return APIError(400, message, param, code)
-
-
-def _check_str(s: str, param: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _bad(f"{param} is not valid Unicode text (a lone surrogate)", param) from None
-    return s
-
-
-def _deep_check_str(x, param: str):
-    if isinstance(x, str):
-        _check_str(x, param)
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            _deep_check_str(k, param)
-            _deep_check_str(v, param)
-    elif isinstance(x, list):
-        for v in x:
-            _deep_check_str(v, param)
-
-
-def _int(body, name, default, lo, hi):
-    v = body.get(name, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise _bad(f"{name}={v!r} is invalid: an integer in [{lo}, {hi}]", name)
-    return v
-
-
-def _num(body, name, default, lo, hi, lo_open=False):
-    v = body.get(name, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if lo_open else lo <= v) or not v <= hi:
-        raise _bad(f"{name}={v!r} is invalid: a number in {'(' if lo_open else '['}{lo}, {hi}]", name)
-    return float(v)
+    return HTTPError(400, message, param=param, code=code)
 
 
 class OpenAIServer:
@@ -124,32 +81,13 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body, middlewares=[error_middleware(render_error)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         return app
-
-    @web.middleware
-    async def _errors(self, request, handler):
-        try:
-            return await handler(request)
-        except APIError as e:
-            return e.response()
-        except web.HTTPRequestEntityTooLarge as e:
-            return APIError(413, f"request body too large: {e.text}").response()
-        except web.HTTPNotFound:
-            return APIError(404, f"no route {request.method} {request.path}").response()
-        except web.HTTPMethodNotAllowed:
-            return APIError(405, f"method {request.method} not allowed on {request.path}").response()
-        except web.HTTPException as e:
-            return APIError(e.status, e.reason or "error").response()
-        except (ConnectionError, asyncio.CancelledError):
-            raise
-        except Exception as e:      # a bug, not bad input: still an OpenAI-style body
-            return APIError(500, f"{type(e).__name__}: {e}", type_="server_error", code="internal_error").response()
 
     async def health(self, request):
         return web.json_response({"status": "ok", "model": self.model_name, "running": self.engine.active,
@@ -166,72 +104,49 @@ class OpenAIServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ---------------------------------------------------------------- request parsing
-    async def _body(self, request) -> dict:
-        raw = await request.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise _bad(f"the body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        try:
-            body = json.loads(text)
-        except ValueError as e:
-            raise _bad(f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise _bad("the body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            if not isinstance(model, str):
-                raise _bad(f"model must be a string, got {model!r}", "model")
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
-        return body
+    async def _request(self, request, schema):
+        req = parse_as(schema, await read_json(request, max_body=self.max_body))
+        if req.model is not None and req.model != self.model_name:
+            if not isinstance(req.model, str):
+                raise _bad(f"model must be a string, got {req.model!r}", "model")
+            raise HTTPError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                            param="model", code="model_not_found")
+        return req
 
-    def _sampling(self, body, max_tokens: int, *, min_tokens: int = 1) -> SamplingParams:
+    def _sampling(self, req, max_tokens: int) -> SamplingParams:
+        """SamplingParams of a request whose fields the schema checked; here what depends on the model."""
         for name in ("presence_penalty", "frequency_penalty"):
-            if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
+            if getattr(req, name) not in (None, 0):
                 raise _bad(f"{name} is not supported (only 0)", name)
-        if body.get("logit_bias"):
+        if req.logit_bias:
             raise _bad("logit_bias is not supported", "logit_bias")
-        stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 16 or not all(stop):
             raise _bad("stop must be a non-empty string or a list of at most 16 non-empty strings", "stop")
-        for s in stop:
-            _check_str(s, "stop")
-        stop_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                     and 0 <= t < self.engine.config.vocab_size for t in stop_ids):
-            raise _bad(f"stop_token_ids must be token ids in [0, {self.engine.config.vocab_size})", "stop_token_ids")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2 ** 63 <= seed < 2 ** 64):
-            raise _bad(f"seed={seed!r} is invalid: an integer", "seed")
-        ignore_eos = body.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise _bad("ignore_eos must be a boolean", "ignore_eos")
-        return SamplingParams(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
-                              top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                              top_k=_int(body, "top_k", 0, 0, self.engine.config.vocab_size) if body.get("top_k") != -1
-                              else 0, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+        v = self.engine.config.vocab_size
+        stop_ids = list(req.stop_token_ids or [])
+        if not all(0 <= t < v for t in stop_ids):
+            raise _bad(f"stop_token_ids must be token ids in [0, {v})", "stop_token_ids")
+        top_k = req.top_k or 0
+        if top_k > v:
+            raise _bad(f"top_k={top_k} is invalid: an integer in [0, {v}] (-1: off)", "top_k")
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
+                              top_p=1.0 if req.top_p is None else float(req.top_p), top_k=max(top_k, 0), seed=req.seed,
+                              stop=stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos)
 
-    def _max_tokens(self, body, prompt_len: int, *, allow_zero=False, names=("max_tokens",)):
+    def _max_tokens(self, req, prompt_len: int, default: int, *, allow_zero=False, names=("max_tokens",)) -> int:
         room = self.engine.max_len - prompt_len
-        v = None
-        for name in names:
-            if body.get(name) is not None:
-                v, used = body[name], name
-                break
-        if v is None:
-            return (16 if names[0] == "max_tokens" and "messages" not in body else room), room
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+        used = next((name for name in names if getattr(req, name) is not None), None)
+        if used is None:
+            return min(default, room)
+        v = getattr(req, used)
+        if v < (0 if allow_zero else 1):
             raise _bad(f"{used}={v!r} is invalid: an integer >= {0 if allow_zero else 1}", used)
         if v > room:
             raise _bad(f"this model's maximum context length is {self.engine.max_len} tokens; the prompt has "
                        f"{prompt_len} tokens and {used}={v} more were asked for ({prompt_len + v})", used,
                        "context_length_exceeded")
-        return v, room
+        return v
 
     def _check_prompt_ids(self, ids: List[int], param="prompt"):
         v = self.engine.config.vocab_size
@@ -245,26 +160,16 @@ class OpenAIServer:
                        f"{len(ids)}", param, "context_length_exceeded")
 
     def _prompts(self, prompt) -> List[tuple]:
-        """-> [(ids, text or None)]"""
-        def is_ids(x):
-            return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif is_ids(prompt):
-            items = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
-            items = prompt
-        else:
-            raise _bad("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
-                       "prompt")
+        """-> [(ids, text or None)]; ``prompt`` has the schema's shape (a string, ids, or a list of either)."""
+        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+        if not items:
+            raise _bad("prompt is empty", "prompt")
         if len(items) > 64:
             raise _bad("at most 64 prompts per request", "prompt")
         out = []
         for p in items:
             if isinstance(p, str):
-                _check_str(p, "prompt")
-                ids = [int(t) for t in self.tok.encode(p)]
-                out.append((ids, p))
+                out.append(([int(t) for t in self.tok.encode(p)], p))
             else:
                 out.append(([int(t) for t in p], None))
             self._check_prompt_ids(out[-1][0])
@@ -277,7 +182,7 @@ class OpenAIServer:
         try:
             return self.engine.submit(ids, sp, request_id=rid, on_event=on_event)
         except QueueFull as e:
-            raise APIError(429, str(e)) from None
+            raise HTTPError(429, str(e)) from None
         except EngineError as e:
             raise _bad(str(e), e.param) from None
 
@@ -302,7 +207,7 @@ class OpenAIServer:
 
     def _error_of(self, h):
         if h.finish_reason == "error":
-            raise APIError(500, f"generation failed: {h.error}", type_="server_error", code="internal_error")
+            raise HTTPError(500, f"generation failed: {h.error}", code="internal_error")
 
     def _piece(self, t: int) -> str:
         s = self._piece_cache.get(t)
@@ -346,25 +251,14 @@ class OpenAIServer:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     async def completions(self, request):
-        body = await self._body(request)
-        if "prompt" not in body:
-            raise _bad("prompt is required", "prompt")
-        for name, ok in (("suffix", None), ("best_of", 1)):
-            if body.get(name) not in (None, ok):
-                raise _bad(f"{name} is not supported", name)
-        prompts = self._prompts(body["prompt"])
-        echo = body.get("echo", False)
-        stream = body.get("stream", False)
-        if not isinstance(echo, bool) or not isinstance(stream, bool):
-            raise _bad("echo and stream must be booleans", "echo" if not isinstance(echo, bool) else "stream")
-        lp = body.get("logprobs")
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
-            raise _bad(f"logprobs={lp!r} is invalid: an integer in [0, {MAX_LOGPROBS}]", "logprobs")
-        n = _int(body, "n", 1, 1, MAX_N)
+        req = await self._request(request, CompletionRequest)
+        prompts = self._prompts(req.prompt)
+        echo, stream, lp = req.echo, req.stream, req.logprobs
+        n = req.n or 1
         jobs = []
         for pi, (ids, text) in enumerate(prompts):
-            mt, _ = self._max_tokens(body, len(ids), allow_zero=echo)
-            sp = self._sampling(body, max(mt, 1))
+            mt = self._max_tokens(req, len(ids), 16, allow_zero=echo)
+            sp = self._sampling(req, max(mt, 1))
             sp.prompt_logprobs = bool(echo and lp is not None)
             if mt == 0:
                 sp.ignore_eos = True
@@ -373,7 +267,7 @@ class OpenAIServer:
                 jobs.append((pi, ids, text, s, mt))
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         cid = f"cmpl-{uuid.uuid4().hex}"
-        rid = body.get("rollout_id") if isinstance(body.get("rollout_id"), str) else cid
+        rid = req.rollout or cid
         handles = []
         try:
             for k, (pi, ids, text, sp, mt) in enumerate(jobs):
@@ -383,7 +277,7 @@ class OpenAIServer:
                 h.cancel()
             raise
         if stream:
-            return await self._stream_completions(request, body, jobs, handles, q, cid, rid, echo, lp,
+            return await self._stream_completions(request, req, jobs, handles, q, cid, rid, echo, lp,
                                                   sum(len(ids) for ids, _ in prompts))
         await self._wait_all(request, handles, q)
         choices = []
@@ -409,9 +303,8 @@ class OpenAIServer:
     async def _sse(resp, obj):
         await resp.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
 
-    async def _stream_completions(self, request, body, jobs, handles, q, cid, rid, echo, lp, n_prompt):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
-            if isinstance(body.get("stream_options"), dict) else False
+    async def _stream_completions(self, request, req, jobs, handles, q, cid, rid, echo, lp, n_prompt):
+        include_usage = req.include_usage
         by_id = {h.id: k for k, h in enumerate(handles)}
         left = set(by_id)
         offsets = {}
@@ -491,52 +384,33 @@ class OpenAIServer:
                 if m.get("tool_calls") is None:
                     m.pop("tool_calls", None)
             out.append(m)
-        _deep_check_str(out, "messages")
         return out
 
     async def chat(self, request):
-        body = await self._body(request)
+        req = await self._request(request, ChatCompletionRequest)
         if not self.templates and self.hf_template is None:
             raise _bad("this model's tokenizer has neither a chat_template nor the GLM chat template tokens; use "
                        "/v1/completions", "messages")
-        msgs = self._messages(body.get("messages"))
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        msgs = self._messages(req.messages)
+        kwargs = req.chat_template_kwargs.model_dump(exclude_unset=True) if req.chat_template_kwargs else {}
         reserved = sorted(set(kwargs) & {"messages", "tools", "documents", "add_generation_prompt"})
         if reserved:
             raise _bad(f"chat_template_kwargs may not set {reserved}: they are the request's own fields",
                        "chat_template_kwargs")
-        thinking = kwargs.get("enable_thinking", True)
-        clear = kwargs.get("clear_thinking", True)
-        if not isinstance(thinking, bool) or not isinstance(clear, bool):
-            raise _bad("chat_template_kwargs.enable_thinking / clear_thinking must be booleans", "chat_template_kwargs")
-        tools = body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise _bad("tools must be a list of tool objects", "tools")
-        _deep_check_str(tools, "tools")
-        choice = body.get("tool_choice", "auto" if tools else "none")
+        thinking, clear = kwargs.get("enable_thinking", True), kwargs.get("clear_thinking", True)
+        tools = req.tools
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         forced_name = None
-        if isinstance(choice, dict):
-            fn = choice.get("function") if choice.get("type") == "function" else None
-            forced_name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(choice, str):
+            forced_name = choice.function.name
             names = [((t.get("function") or {}).get("name") if isinstance(t.get("function"), dict) else t.get("name"))
                      for t in tools or []]
-            if not isinstance(forced_name, str) or forced_name not in names:
-                raise _bad(f"tool_choice names a function that is not in tools: {choice!r}", "tool_choice")
-        elif choice not in ("auto", "none", "required"):
-            raise _bad(f"tool_choice={choice!r} is invalid: auto, none, required or a named function", "tool_choice")
+            if forced_name not in names:
+                raise _bad(f"tool_choice names a function that is not in tools: {forced_name!r}", "tool_choice")
         elif choice == "required" and not tools:
             raise _bad("tool_choice='required' needs tools", "tool_choice")
         use_tools = bool(tools) and choice != "none"
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _bad("stream must be a boolean", "stream")
-        lp = body.get("logprobs", False)
-        top_n = body.get("top_logprobs")
-        if not isinstance(lp, bool) or (top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int)
-                                                               or not 0 <= top_n <= MAX_LOGPROBS)):
-            raise _bad(f"logprobs must be a boolean and top_logprobs an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+        stream, lp, top_n = req.stream, req.logprobs, req.top_logprobs
         force_call = use_tools and (forced_name is not None or choice == "required")
         template = self.templates.get("preserved" if not clear else self.chat_mode)
         try:
@@ -555,13 +429,13 @@ class OpenAIServer:
         elif force_call:
             raise _bad("a forced tool call needs the GLM chat template tokens in the tokenizer", "tool_choice")
         self._check_prompt_ids(ids, "messages")
-        mt, _ = self._max_tokens(body, len(ids), names=("max_completion_tokens", "max_tokens"))
-        sp = self._sampling(body, mt)
-        n = _int(body, "n", 1, 1, MAX_N)
+        mt = self._max_tokens(req, len(ids), self.engine.max_len, names=("max_completion_tokens", "max_tokens"))
+        sp = self._sampling(req, mt)
+        n = req.n or 1
         stop_ids = list(template.stop_ids) if template is not None else []
         sp.stop_token_ids = list(sp.stop_token_ids) + stop_ids
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        rid = body.get("rollout_id") if isinstance(body.get("rollout_id"), str) else cid
+        rid = req.rollout or cid
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         handles = []
         try:
@@ -576,7 +450,7 @@ class OpenAIServer:
         ctx = dict(thinking=think_gen, tools=use_tools, forced=forced, lp=lp, top_n=top_n or 0, rid=rid,
                    stop_ids=set(stop_ids))
         if stream:
-            return await self._stream_chat(request, body, handles, q, cid, dict(ctx, n_prompt=len(ids)))
+            return await self._stream_chat(request, req, handles, q, cid, dict(ctx, n_prompt=len(ids)))
         await self._wait_all(request, handles, q)
         choices = []
         for j, h in enumerate(handles):
@@ -613,9 +487,8 @@ class OpenAIServer:
         from glm5_jax.serve.parsing import StreamParser
         return StreamParser(thinking=ctx["thinking"], tools=ctx["tools"])
 
-    async def _stream_chat(self, request, body, handles, q, cid, ctx):
-        so = body.get("stream_options")
-        include_usage = bool(so.get("include_usage")) if isinstance(so, dict) else False
+    async def _stream_chat(self, request, req, handles, q, cid, ctx):
+        include_usage = req.include_usage
         by_id = {h.id: j for j, h in enumerate(handles)}
         parsers = [self._parser(ctx) for _ in handles]
         left = set(by_id)
@@ -693,31 +566,5 @@ def _assemble(deltas):
 
 def run_in_thread(server: OpenAIServer, host: str = "127.0.0.1", port: int = 0):
     """Serve ``server.app()`` on an event loop in a daemon thread -> (url, stop()). For tests and tools."""
-    import threading
-    ready = threading.Event()
-    state: dict = {}
-
-    def main():
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        runner = web.AppRunner(server.app(), handle_signals=False, access_log=None)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, host, port)
-        loop.run_until_complete(site.start())
-        state["port"] = site._server.sockets[0].getsockname()[1]
-        state["loop"], state["runner"] = loop, runner
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-    t = threading.Thread(target=main, daemon=True, name="openai-http")
-    t.start()
-    if not ready.wait(60):
-        raise RuntimeError("the HTTP server did not start")
-
-    def stop():
-        state["loop"].call_soon_threadsafe(state["loop"].stop)
-        t.join(timeout=30)
-
-    return f"http://{host}:{state['port']}", stop
+    served = serve_in_thread(server.app(), host, port, render=render_error, name="openai-http")
+    return served.url, served.close
