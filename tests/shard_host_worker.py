@@ -36,6 +36,7 @@ def main():
     from experiments.run import make_mesh, start_distributed
     assert start_distributed(f"127.0.0.1:{port}", n, i)
     import jax
+
     from glm5_jax.config import ModelConfig
     from glm5_jax.data import DataConfig, build_lm_data
     from glm5_jax.train import TrainConfig, train

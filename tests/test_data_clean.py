@@ -94,3 +94,11 @@ def test_bad_settings_name_the_flag():
         CleanConfig(filters=("perplexity",))
     with pytest.raises(CleanConfigError, match="--near_threshold"):
         CleanConfig(near_threshold=1.5)
+
+
+def test_semantic_dedup_needs_an_embedding_model_and_stages_are_named_once():
+    with pytest.raises(CleanConfigError, match="--dedup=semantic needs --embed_model"):
+        CleanConfig(dedup=("near", "exact", "semantic"))
+    with pytest.raises(CleanConfigError, match="names a stage twice"):
+        CleanConfig(dedup=("near", "near"))
+    assert CleanConfig(dedup=("near", "exact", "semantic"), embed_model="ckpt").dedup == ("near", "exact", "semantic")

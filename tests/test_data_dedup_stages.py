@@ -61,6 +61,7 @@ def write_embedder(path, tokenizer_file, vocab_size):
     paraphrases from -0.09); at x16 the blocks perturb the embeddings instead (distinct <= 0.39, paraphrases
     >= 0.64: the test's threshold 0.5 lies between)."""
     import jax
+
     from glm5_jax.config import ModelConfig
     from glm5_jax.hf import save_checkpoint
     from glm5_jax.model import init_params
@@ -72,19 +73,23 @@ def write_embedder(path, tokenizer_file, vocab_size):
     return path
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """(jsonl path, kinds, tokenizer file, embedding checkpoint): the tokenizer is trained on the corpus by
-    a plain prepare_data run (vocab 1024: the pseudo-words are single pieces)."""
-    d = tmp_path_factory.mktemp("planted")
-    texts, kinds = planted(np.random.default_rng(0))
+def planted_dir(d, seed: int, vocab_size: int):
+    """(jsonl path, kinds, tokenizer file, embedding checkpoint) of planted(seed) written into folder d: the
+    tokenizer is trained on the corpus by a plain prepare_data run (vocab 1024: the pseudo-words are single
+    pieces)."""
+    texts, kinds = planted(np.random.default_rng(seed))
     path = d / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = d / "plain"
-    assert prepare_data.main([f"--input={path}", "--tokenizer=spm", "--vocab_size=1024", f"--out={out}",
+    assert prepare_data.main([f"--input={path}", "--tokenizer=spm", f"--vocab_size={vocab_size}", f"--out={out}",
                               f"--cache_dir={small_cache_dir()}", "--workers=1"]) == 0
     tok = str(out / json.load(open(out / "index.json"))["tokenizer_file"])
-    return str(path), kinds, tok, write_embedder(str(d / "embedder"), tok, 1024)
+    return str(path), kinds, tok, write_embedder(str(d / "embedder"), tok, vocab_size)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return planted_dir(tmp_path_factory.mktemp("planted"), 0, 1024)
 
 
 def test_each_dedup_stage_removes_its_own_kind_in_glm5_order(corpus, tmp_path, capsys):
@@ -97,7 +102,7 @@ def test_each_dedup_stage_removes_its_own_kind_in_glm5_order(corpus, tmp_path, c
     assert rc == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     dropped = [json.loads(line) for line in open(out / "dropped.jsonl")]
-    index_of = lambda key: int(key.rsplit("#", 1)[1])                       # noqa: E731  (relpath#i)
+    index_of = lambda key: int(key.rsplit("#", 1)[1])
     found = {index_of(d["key"]): (d["reason"], index_of(d["duplicate_of"])) for d in dropped}
     assert found == kinds                          # each planted copy by its own stage, as a copy of its original
     assert (s["near_duplicates"], s["exact_duplicates"], s["semantic_duplicates"]) == (N_EACH, N_EACH, N_EACH)

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.data.token_cache import load_tokens
-from tests.test_data_common import small_cache_dir
-from tests.test_data_dedup_stages import planted, write_embedder
+from tests.test_data_dedup_stages import planted_dir
 from tools import prepare_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,15 +32,8 @@ def ray_cluster():
 def corpus(tmp_path_factory):
     """A planted corpus (near copies, width variants, paraphrases), its spm tokenizer file and a tiny
     embedding checkpoint."""
-    d = tmp_path_factory.mktemp("engine")
-    texts, _ = planted(np.random.default_rng(1))
-    path = d / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    out = d / "plain"
-    assert prepare_data.main([f"--input={path}", "--tokenizer=spm", "--vocab_size=512", f"--out={out}",
-                              f"--cache_dir={small_cache_dir()}", "--workers=1"]) == 0
-    tok = str(out / json.load(open(out / "index.json"))["tokenizer_file"])
-    return str(path), tok, write_embedder(str(d / "embedder"), tok, 512)
+    path, _, tok, embedder = planted_dir(tmp_path_factory.mktemp("engine"), 1, 512)
+    return path, tok, embedder
 
 
 def _flags(corpus, out, workers):
@@ -110,3 +102,42 @@ def test_other_settings_do_not_resume_an_unfinished_run(corpus, tmp_path):
     (out / "_work").mkdir(parents=True)
     (out / "_work" / "plan.json").write_text(json.dumps({"key": "another"}))
     assert prepare_data.main(_flags(corpus, out, 1)) == 2
+
+
+def test_components_keep_the_lowest_id_of_each_connected_group():
+    """dedup.components against a breadth-first search of the same random graph."""
+    from glm5_jax.data.prep.dedup import components
+    rng = np.random.default_rng(0)
+    edges = rng.integers(0, 60, size=(40, 2))
+    adj = {}
+    for a, b in edges.tolist():
+        adj.setdefault(a, set()).add(b)
+        adj.setdefault(b, set()).add(a)
+    expect, seen = {}, set()
+    for start in sorted(adj):
+        if start in seen:
+            continue
+        group, todo = {start}, [start]
+        while todo:
+            for y in adj[todo.pop()] - group:
+                group.add(y)
+                todo.append(y)
+        seen |= group
+        expect.update({x: min(group) for x in group if x != min(group)})
+    assert {a: b for a, b in components(edges).tolist()} == expect
+
+
+def test_shards_cover_the_corpus_in_order_across_files(tmp_path):
+    """plan_shards: at most shard_docs documents each, contiguous global ids, every document once, the held-out
+    split as the corpus has it, files cut mid-way and joined."""
+    from glm5_jax.data import DataConfig
+    from glm5_jax.data.corpus import load_corpus
+    from glm5_jax.data.prep.plan import plan_shards
+    for name, n in (("a.jsonl", 7), ("b.jsonl", 2), ("c.jsonl", 9)):
+        (tmp_path / name).write_text("".join(json.dumps({"text": f"{name} {i}"}) + "\n" for i in range(n)))
+    corpus = load_corpus(DataConfig(path=str(tmp_path), eval_fraction=0.3))
+    shards = plan_shards(corpus, 4)
+    got = [(g, split, doc.text) for s in shards for g, split, doc in s.documents()]
+    want = list(corpus.documents())
+    assert [s.num_docs for s in shards] == [4, 4, 4, 4, 2] and [s.first for s in shards] == [0, 4, 8, 12, 16]
+    assert [g for g, _, _ in got] == list(range(18)) and [(sp, t) for _, sp, t in got] == [(sp, d.text) for sp, d in want]

@@ -75,13 +75,13 @@ def _counts(spec: str) -> list[int]:
 
 
 def run_bench(docs: int, words: int, shard_docs: int, workers: list[int], dedup: str, filters: str) -> dict:
-    from glm5_jax.data.prep.driver import prepare
     from glm5_jax.data.clean import CleanConfig
+    from glm5_jax.data.prep.driver import prepare
     tmp = tempfile.mkdtemp(prefix="bench_data-")
     try:
         corpus = os.path.join(tmp, "corpus.jsonl")
         n_docs = write_corpus(corpus, docs, words)
-        split = lambda v: tuple(x for x in v.split(",") if x)                 # noqa: E731
+        split = lambda v: tuple(x for x in v.split(",") if x)
         clean = CleanConfig(dedup=split(dedup), filters=split(filters), min_words=10)
         first = prepare(corpus, "spm", os.path.join(tmp, "tok"), vocab_size=1000, quiet=True,
                         cache_dir=os.path.join(tmp, "cache"), workers=1, shard_docs=shard_docs)

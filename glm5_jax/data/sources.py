@@ -343,5 +343,5 @@ def is_utf8_text(f: SourceFile) -> bool:
 
 
 __all__ = ["DOC_CHUNK_BYTES", "DataError", "Document", "EXTENSIONS", "SourceFile", "count_documents", "document_key",
-           "format_of", "is_utf8_text", "iter_document_range", "iter_documents", "make_sources", "record_document", "resolve_files",
-           "walk_files"]
+           "format_of", "is_utf8_text", "iter_document_range", "iter_documents", "make_sources", "record_document",
+           "resolve_files", "walk_files"]

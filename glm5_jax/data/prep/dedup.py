@@ -16,7 +16,7 @@ file is written to a temporary name and renamed, so a killed run leaves whole fi
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,7 +48,7 @@ def _partition_rows(work: str, shards, stem: str, r: int, dead: np.ndarray) -> n
     return rows[~np.isin(rows[:, 2].astype(np.int64), dead)] if len(dead) else rows
 
 
-def _group_starts(keys: List[np.ndarray]) -> np.ndarray:
+def _group_starts(keys: list[np.ndarray]) -> np.ndarray:
     """bool [n]: row i starts a new group of equal keys (rows sorted by the keys)."""
     n = len(keys[0])
     same = np.ones([max(n - 1, 0)], bool)
@@ -76,7 +76,7 @@ class _Signatures:
     def __init__(self, work: str, shards):
         self.work, self.shards = work, list(shards)
         self.firsts = np.array([s.first for s in self.shards], np.int64)
-        self.maps: Dict[int, np.ndarray] = {}
+        self.maps: dict[int, np.ndarray] = {}
 
     def __getitem__(self, g: int) -> np.ndarray:
         k = int(np.searchsorted(self.firsts, g, side="right")) - 1
@@ -111,7 +111,7 @@ def near_partition(work: str, shards, r: int, prior: Sequence[str], threshold: f
 def components(edges: np.ndarray) -> np.ndarray:
     """int64 [m, 2] (id, lowest id of its connected component) for every id of `edges` that is not the
     lowest of its component, sorted by id."""
-    parent: Dict[int, int] = {}
+    parent: dict[int, int] = {}
 
     def find(x: int) -> int:
         root = x

@@ -24,7 +24,6 @@ import os
 import shutil
 import sys
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -112,7 +111,7 @@ def _log(quiet: bool, msg: str) -> None:
 def prepare(input: str, tokenizer: str, out: str, *, vocab_size: int | None = None, text_field: str = "text",
             messages_field: str = "messages", eval_fraction: float = 0.02, max_files: int | None = None,
             max_bytes: int | None = None, cache_dir: str | None = None, quiet: bool = False,
-            clean: CleanConfig | None = None, workers: int = 1, ray_address: Optional[str] = None,
+            clean: CleanConfig | None = None, workers: int = 1, ray_address: str | None = None,
             shard_docs: int = DEFAULT_SHARD_DOCS) -> dict:
     """Clean and tokenize `input` into sharded token caches under `out` (module docstring); returns the
     index (index.json), with the cleaning summary's fields at its top level when `clean` is active, and
@@ -222,6 +221,6 @@ def _write_dropped(out, work, shards, removed, key_of: DocKeys) -> None:
             codes = np.load(p)
             rows += [(s.first + int(i), FILTERS[codes[i] - 1], None) for i in np.flatnonzero(codes)]
     with open(os.path.join(out, "dropped.jsonl"), "w") as fh:
-        for g, why, other in sorted(rows, key=lambda r: r[0]):
-            fh.write(json.dumps({"key": key_of(g), "reason": why,
-                                 "duplicate_of": None if other is None else key_of(other)}) + "\n")
+        fh.writelines(json.dumps({"key": key_of(g), "reason": why,
+                                  "duplicate_of": None if other is None else key_of(other)}) + "\n"
+                      for g, why, other in sorted(rows, key=lambda r: r[0]))

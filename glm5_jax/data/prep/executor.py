@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from glm5_jax.errors import Glm5Error
 
@@ -38,14 +39,14 @@ class Executor:
     workers: int = 1
 
     def __init__(self):
-        self.peak_rss_mb: Dict[int, float] = {}
+        self.peak_rss_mb: dict[int, float] = {}
 
-    def _record(self, results: List[tuple]) -> List[Any]:
+    def _record(self, results: list[tuple]) -> list[Any]:
         for _, pid, rss in results:
             self.peak_rss_mb[pid] = max(rss, self.peak_rss_mb.get(pid, 0.0))
         return [r for r, _, _ in results]
 
-    def map(self, fn: Callable, args: Sequence[tuple]) -> List[Any]:
+    def map(self, fn: Callable, args: Sequence[tuple]) -> list[Any]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -64,7 +65,7 @@ class RayExecutor(Executor):
     Ray is already initialised in this process or `address` names a cluster to join; shuts down only a
     cluster it started."""
 
-    def __init__(self, workers: int, address: Optional[str] = None):
+    def __init__(self, workers: int, address: str | None = None):
         super().__init__()
         import ray
         self._ray = ray
@@ -98,7 +99,7 @@ class RayExecutor(Executor):
             self._ray.shutdown()
 
 
-def make_executor(workers: int, ray_address: Optional[str] = None) -> Executor:
+def make_executor(workers: int, ray_address: str | None = None) -> Executor:
     if workers < 1:
         raise ExecutorError(f"--workers={workers} is invalid: must be an integer >= 1")
     if workers == 1 and not ray_address:

@@ -9,12 +9,17 @@ per-shard output, and the prepared directory, is the same whatever ran it."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, List, Tuple
+from collections.abc import Iterator
 
 import numpy as np
 
 from glm5_jax.data.corpus import Corpus
-from glm5_jax.data.sources import Document, SourceFile, document_key, iter_document_range
+from glm5_jax.data.sources import (
+    Document,
+    SourceFile,
+    document_key,
+    iter_document_range,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +27,14 @@ class Piece:
     file: SourceFile
     start: int                    # documents start..stop-1 of the file
     stop: int
-    evals: Tuple[int, ...]        # those of them in the held-out split (file-local indices)
+    evals: tuple[int, ...]        # those of them in the held-out split (file-local indices)
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
     index: int
     first: int                    # global id of its first document
-    pieces: Tuple[Piece, ...]
+    pieces: tuple[Piece, ...]
     text_field: str = "text"
     messages_field: str = "messages"
 
@@ -41,7 +46,7 @@ class Shard:
     def name(self) -> str:
         return f"{self.index:05d}"
 
-    def documents(self) -> Iterator[Tuple[int, str, Document]]:
+    def documents(self) -> Iterator[tuple[int, str, Document]]:
         """(global id, split, document) of the shard's documents in corpus order."""
         g = self.first
         for p in self.pieces:
@@ -51,10 +56,10 @@ class Shard:
                 g += 1
 
 
-def plan_shards(corpus: Corpus, shard_docs: int) -> List[Shard]:
+def plan_shards(corpus: Corpus, shard_docs: int) -> list[Shard]:
     """Shards of at most `shard_docs` documents covering the corpus in order."""
-    shards: List[Shard] = []
-    pieces: List[Piece] = []
+    shards: list[Shard] = []
+    pieces: list[Piece] = []
     room, first, g = shard_docs, 0, 0
 
     def close():

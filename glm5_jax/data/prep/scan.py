@@ -17,7 +17,14 @@ import os
 import numpy as np
 
 from glm5_jax.data._cache import build_dir_atomically
-from glm5_jax.data.clean import FILTERS, CleanConfig, digest, filter_reason, lsh_bands, minhash_signature
+from glm5_jax.data.clean import (
+    FILTERS,
+    CleanConfig,
+    digest,
+    filter_reason,
+    lsh_bands,
+    minhash_signature,
+)
 from glm5_jax.data.prep.plan import Shard
 
 DONE = "filtered.npy"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -72,6 +72,7 @@ def load_embedder(model_path: str, tokenizer_path: str | None):
 def _pooled_fn(cfg):
     import jax
     import jax.numpy as jnp
+
     from glm5_jax.model import GLM5
 
     def pooled(params, tokens, lengths):
@@ -113,7 +114,8 @@ def embed_shard(work: str, shard: Shard, cfg: CleanConfig, prior: Sequence[str])
             if g not in dead and filtered[g - shard.first] == 0:
                 ids.append(g)
                 texts.append(doc.plain_text())
-        emb = embed_texts(texts, cfg) if texts else np.zeros([0, load_embedder(cfg.embed_model, cfg.embed_tokenizer)[0].d_model], np.float32)
+        width = load_embedder(cfg.embed_model, cfg.embed_tokenizer)[0].d_model
+        emb = embed_texts(texts, cfg) if texts else np.zeros([0, width], np.float32)
         np.save(os.path.join(tmp, "emb.npy"), emb)
         np.save(os.path.join(tmp, "ids.npy"), np.asarray(ids, np.int64))
 
