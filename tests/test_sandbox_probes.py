@@ -102,11 +102,13 @@ def test_solution_cannot_read_the_tests(backend):
 
 
 def test_controls_plain_values_classes_mutation_exceptions():
-    code = (
+    functions = (
         "def add(a, b):\n    return a + b\n"
         "def halve(x):\n    if x % 2:\n        raise ValueError('odd')\n    return x // 2\n"
         "def sort_in_place(xs):\n    xs.sort()\n"
         "def stats(xs):\n    return {'n': len(xs), 'mean': sum(xs) / len(xs), 'items': (tuple(xs), set(xs))}\n"
+    )
+    classes = (
         "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
         "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
         "    def __len__(self):\n        return len(self.items)\n"
@@ -114,6 +116,7 @@ def test_controls_plain_values_classes_mutation_exceptions():
         "    def __eq__(self, o):\n        return isinstance(o, P) and o.x == self.x\n"
         "LIMIT = 10 ** 30\n"
     )
+    code = functions + classes
     tests = (
         "assert add(1, 2) == 3 and add('a', 'b') == 'ab' and add([1], [2]) == [1, 2]\n"
         "assert add(0.1, 0.2) == 0.1 + 0.2 and add(1j, 1) == 1 + 1j and LIMIT == 10 ** 30\n"
