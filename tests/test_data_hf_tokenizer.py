@@ -78,3 +78,15 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(str(other))
     with pytest.raises(ValueError, match="vocab_size"):
         train_hf_tokenizer(["abc"], 100, str(tmp_path / "small.json"))
+
+
+def test_encode_rendered_matches_control_tokens_that_encode_keeps_as_text():
+    """encode never turns "<|user|>" into the special id (user text cannot forge one); encode_rendered, for
+    a checkpoint's own rendered chat template, does, and encodes the rest exactly as encode."""
+    tok = hf_tok()
+    text = "def f():<|user|>\n    return 1<think>"
+    assert tok.special_id("<|user|>") not in tok.encode(text)
+    ids = tok.encode_rendered(text)
+    assert ids == (tok.encode("def f():") + [tok.special_id("<|user|>")] + tok.encode("\n    return 1")
+                   + [tok.special_id("<think>")])
+    assert set(GLM_SPECIAL_TOKENS) <= set(tok.added_tokens())

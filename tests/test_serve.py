@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import random
+import shutil
 import socket
 import time
 import urllib.error
@@ -421,9 +422,8 @@ def test_checkpoint_chat_template_prompt_equals_transformers(tiny, tmp_path):
     prompt_token_ids) equals transformers' apply_chat_template on the same messages, tools and kwargs,
     for thinking on and off, with a tool call (arguments sent as a JSON string, rendered as a mapping)."""
     transformers = pytest.importorskip("transformers")
-    import shutil
     from tools.serve import build
-    path, tok, cfg, params = tiny
+    path, tok, _, _ = tiny
     d = tmp_path / "glm_style"
     shutil.copytree(path, d)
     with open(d / "tokenizer_config.json", "w") as f:

@@ -35,6 +35,9 @@ turn otherwise (each training its last turn with the reasoning visible).
 Deviations from GLM's Jinja template, for exact round trips: contents and reasoning are stripped; a
 string argument value that would parse as JSON (``"5"``, ``"true"``) is written JSON-quoted, so the
 parser (which JSON-decodes values and falls back to the raw string, like GLM's) gives the string back.
+That is why serving a checkpoint that carries its own Jinja ``chat_template`` renders with it instead
+(glm5_jax.data.hf_chat_template); this renderer stays for training samples and masks, parsing, and
+checkpoints without one. ``generation_tail`` (thinking off, a forced tool call) serves both.
 """
 
 from __future__ import annotations
