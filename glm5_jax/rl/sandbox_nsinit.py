@@ -48,7 +48,7 @@ def main():
     build_root(cfg)
     # close_fds=False: the child's pipe ends (inherited from the parent) must reach it
     rc = subprocess.call([cfg["chroot"], cfg["root"], *cfg["drop"], *sys.argv[2:]], close_fds=False)
-    sys.exit(128 - rc if rc < 0 else rc)
+    sys.exit(128 - rc if rc < 0 else rc)    # 128 + n, as bwrap does: sandbox_isolation.SIGNAL_STATUS_BASE
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The sandbox's child program (glm5_jax.rl.sandbox runs it twice per run, as two processes).
 
-This package is copied into each run's read-only box and executed as a directory,
+This package is copied into each run's box (read-only in namespaced runs) and executed as a directory,
 ``python -I -S -B <box>/sandbox_child '<json config>'`` (``__main__.py``): an isolated interpreter that
 imports nothing but the standard library and these modules, never the project (the untrusted code
 shares the solution process with it, so nothing it could reach there may matter to the verdict).
