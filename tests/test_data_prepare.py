@@ -22,11 +22,14 @@ def docs_parquet(tmp_path_factory):
 def test_prepare_then_train_from_the_directory(tmp_path, docs_parquet, capsys):
     out = str(tmp_path / "prepared")
     rc = prepare_data.main([f"--input={docs_parquet}", "--tokenizer=spm", "--vocab_size=500", f"--out={out}",
-                            f"--cache_dir={small_cache_dir()}", "--eval_fraction=0.1", "--json", "--workers=1"])
+                            f"--cache_dir={small_cache_dir()}", "--eval_fraction=0.1", "--json", "--workers=1",
+                            "--shard_docs=7"])
     assert rc == 0
     index = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert index["dtype"] == "uint16" and os.path.isfile(os.path.join(out, index["tokenizer_file"]))
-    # the same corpus and tokenizer through the training pipeline's own cache gives the same tokens
+    assert len(index["shards"]) > 3
+    # the same corpus and tokenizer through the training pipeline's own cache gives the same tokens (the
+    # shards read back to back in shard order are the corpus in order)
     raw = build_lm_data(DataConfig(path=docs_parquet, tokenizer="spm", vocab_size=500, eval_fraction=0.1,
                                    cache_dir=small_cache_dir()))
     prepared = build_lm_data(DataConfig(path=out, vocab_size=512))

@@ -91,7 +91,12 @@ class RayExecutor(Executor):
                 pending[self._remote.remote(fn_ref, a)] = i
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
-                results[pending.pop(ref)] = ray.get(ref)
+                try:
+                    results[pending.pop(ref)] = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:     # a bad input in a task: its own one-line error
+                    if isinstance(e.cause, Glm5Error):
+                        raise e.cause from None
+                    raise
         return self._record(results)
 
     def close(self) -> None:
