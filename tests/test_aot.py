@@ -199,3 +199,109 @@ def test_pallas_dsa_step_lowers_for_tpu_under_a_mesh():
     assert r["fits"] is True
     assert r["budget"]["unknown_cost_kernels"] == []
     assert r["budget"]["compiled_flops"] > 0
+
+
+# ---------------------------------------------------------------- serving programs (--program=decode|prefill)
+
+def _serve_json(*flags):
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+    env.pop("JAX_PLATFORMS", None)
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    res = subprocess.run([sys.executable, "-m", "tools.aot", "--preset=tiny", "--topology=v5p:2x2x1", "--json", *flags],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _tiny_decode_floor(batch, chips, context):
+    """min_bytes_per_step of the tiny preset's decode step on expert:`chips`, by hand from the config and
+    glm5_jax.flops's parameter counts (float32: 4 bytes a number): every non-routed, non-MTP parameter once
+    (the chip holds them whole), the embedding's `batch` rows, each local expert's weights with probability
+    1 - (1 - k / E)^batch, and per sequence of the chip in each of the 3 layers (all full-indexer DSA) the
+    `context` indexer keys, the index_topk selected [latent | k_rope] rows and the new token's row written."""
+    from glm5_jax.config import preset
+    from glm5_jax.flops import estimate
+    c, e = preset("tiny"), estimate(preset("tiny"))
+    embed = c.vocab_size * c.d_model
+    hit = 1 - (1 - c.experts_per_tok / c.num_experts) ** batch
+    weights = 4 * (e["total_params"] - e["routed_expert_params"] - embed + batch * c.d_model
+                   + e["routed_expert_params"] / chips * hit)
+    row, idx = c.kv_lora_rank + c.qk_rope_head_dim, c.index_head_dim
+    cache = 4 * (batch // chips) * c.num_layers * (context * idx + min(context, c.index_topk) * row + row + idx)
+    return weights, cache
+
+
+def test_decode_floor_is_the_closed_form_by_hand():
+    """tools.aot_serve.min_step_bytes on the engine's own abstract arguments (serve.programs on an abstract
+    expert:4 mesh: the shardings' shard shapes, nothing allocated) equals the hand-derived floor of
+    docs/inference.md, and its parts add up."""
+    from glm5_jax.config import preset
+    from glm5_jax.parallel.plan import abstract_mesh
+    from glm5_jax.serve.programs import Programs
+    from tools.aot_serve import min_step_bytes
+
+    mesh = abstract_mesh({"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 1})
+    pr = Programs(preset("tiny"), mesh, max_batch=8, size=64)
+    args = pr.abstract_args("decode")
+    f = min_step_bytes(pr.config, args[0], tokens=8, queries=1, rows=2, context=64)
+    weights, cache = _tiny_decode_floor(8, 4, 64)
+    assert f["min_bytes_by_part"]["cache_rows"] == pytest.approx(cache)
+    assert f["min_bytes_per_step"] == pytest.approx(weights + cache)
+    assert f["min_bytes_per_step"] == pytest.approx(sum(f["min_bytes_by_part"].values()))
+    assert f["cache_share"] == pytest.approx(cache / (weights + cache))
+    # dense MLA reads every cached row instead of the indexer keys + the selected rows
+    mla = Programs(preset("tiny").replace(attention="mla"), mesh, max_batch=8, size=64)
+    g = min_step_bytes(mla.config, mla.abstract_args("decode")[0], tokens=8, queries=1, rows=2, context=64)
+    c = mla.config
+    assert g["min_bytes_by_part"]["cache_rows"] == 4 * 2 * c.num_layers * 65 * (c.kv_lora_rank + c.qk_rope_head_dim)
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
+def test_tiny_decode_and_prefill_compile_for_v5p_with_the_serving_budget():
+    """--program=decode and --program=prefill compile the engine's programs for v5p:2x2x1 on the default
+    serving mesh (expert over the 4 chips): the report splits weights / cache per chip (the cache by hand:
+    2 sequences x 3 layers x 256 positions x the stored row, float32), the floor is the closed form above,
+    and TPOT / tokens a second / the HBM roofline follow from the estimated step and the floor."""
+    from glm5_jax.config import preset
+    from glm5_jax.infer.cache import cache_numbers_per_token
+    d = _serve_json("--program=decode", "--batch=8", "--max_model_len=256")
+    assert d["program"] == "decode" and d["fits"] is True and d["mesh"]["expert"] == 4
+    pd, b = d["per_device_bytes"], d["budget"]
+    c = preset("tiny")
+    import jax
+    from glm5_jax.infer.cache import init_cache
+    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: init_cache(c, 8, 256)["layers"])))
+    assert pd["cache"] == full // 4                       # each chip holds its 2 of the 8 slots
+    assert pd["cache"] >= 4 * 2 * 256 * cache_numbers_per_token(c)          # >=: the kv row may be padded
+    assert pd["weights"] + pd["cache"] <= pd["arguments"] and pd["aliased"] >= pd["cache"]
+    assert pd["total"] == pd["arguments"] + pd["outputs"] + pd["temporaries"] - pd["aliased"]
+    weights, cache = _tiny_decode_floor(8, 4, 256)
+    assert b["min_bytes_per_step"] == pytest.approx(weights + cache)
+    assert b["bytes_over_min"] == pytest.approx(b["bytes_accessed"] / b["min_bytes_per_step"], rel=1e-3)
+    hbm = b["chip_peaks"]["hbm_bytes_per_s"]
+    assert b["hbm_roofline_step_seconds"] == pytest.approx(b["min_bytes_per_step"] / hbm)
+    assert b["tpot_s"] == b["estimated_step_seconds"] > 0
+    assert b["output_tokens_per_s_per_chip"] == pytest.approx(8 / 4 / b["tpot_s"])
+    assert b["roofline_output_tokens_per_s_per_chip"] == pytest.approx(8 / 4 / b["hbm_roofline_step_seconds"])
+    assert b["compiled_flops"] > 0 and b["collective_bytes"] > 0          # the experts' all-to-all
+    p = _serve_json("--program=prefill", "--batch=8", "--max_model_len=256", "--prefill_chunk=64")
+    assert p["program"] == "prefill" and p["fits"] is True and p["prefill_width"] == 64
+    assert p["budget"]["prefill_tokens_per_s_per_chip"] > 0 and p["budget"]["tokens_per_step_per_chip"] == 64
+    assert p["per_device_bytes"]["cache"] == pd["cache"]
+
+
+def test_serving_flags_are_checked_before_compiling(capsys):
+    import tools.aot as aot
+    assert aot.main(["--program=decode", "--preset=tiny", "--topology=v5p:2x2x1", "--seq_len=64"]) == 2
+    assert "--seq_len does not apply to --program=decode" in capsys.readouterr().err
+    assert aot.main(["--preset=tiny", "--topology=v5p:2x2x1", "--max_model_len=64"]) == 2
+    assert "use --batch_size / --seq_len" in capsys.readouterr().err
+    assert aot.main(["--program=serve", "--preset=tiny", "--topology=v5p:2x2x1"]) == 2
+    assert "train|decode|prefill" in capsys.readouterr().err
+    assert aot.main(["--program=decode", "--preset=tiny", "--topology=v5p:2x2x1", "--batch=6"]) == 2
+    assert "max_batch=6 is not divisible" in capsys.readouterr().err
+    assert aot.main(["--program=decode", "--preset=tiny", "--topology=v5p:2x2x1", "--mesh=context:4"]) == 2
+    assert "not supported for serving" in capsys.readouterr().err
+    assert aot.main(["--program=decode", "--preset=tiny", "--topology=v5p:2x2x1", "--set", "train.lr=1"]) == 2
+    assert "train" in capsys.readouterr().err

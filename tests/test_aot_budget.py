@@ -302,3 +302,11 @@ def test_match_sums_the_flops_of_every_matching_source(tmp_path, capsys):
     assert b["flops_matching"]["flops"] == 2 * 2 * m * k * k
     assert all("attn" in s for s in b["flops_matching"]["sources"]) and len(b["flops_matching"]["sources"]) == 2
     assert main([str(path), "--match=("]) == 2 and "not a regular expression" in capsys.readouterr().err
+    # --top lists that many sources; bad flags and input exit 2 with one "error:" line (absl flags)
+    assert main([str(path), "--top=1", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(b["flops_by_source"]) == 1 and len(b["bytes_by_source"]) == 1
+    assert main([str(path), "--chip=v9"]) == 2 and "--chip=v9" in capsys.readouterr().err
+    assert main([str(path), "--top=0"]) == 2 and "error:" in capsys.readouterr().err
+    assert main([]) == 2 and "exactly one compiled HLO" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.txt")]) == 2 and "missing.txt" in capsys.readouterr().err

@@ -4,6 +4,12 @@
         [--seq_len=T] [--remat=none|full|offload|dots|dots_no_batch|save_qkv|save_attention|custom] [--grad_accum=K]
         [--optimizer=adamw|muon|muon_split] [--set model.FIELD=V ...] [--set train.FIELD=V ...] [--dump_dir=DIR] [--json]
 
+    python -m tools.aot --program=decode|prefill --preset=glm5 --topology=v5p:4x4x4 --batch=128
+        --max_model_len=131072 [--speculative=mtp] [--set model.FIELD=V ...] --json
+
+--program=decode|prefill compiles the serving engine's own programs instead (tools/aot_serve.py: the
+weights / cache split of the per-chip memory, the step's floor of HBM bytes, TPOT and output tokens/s a
+chip beside the HBM roofline). For --program=train (the default):
 It builds the SAME step experiments train with (glm5_jax.train.step.make_train_step on a Mesh of
 the topology's devices, state shapes from glm5_jax.train.state.abstract_state, batch shapes from
 abstract_batch), lowers it with ShapeDtypeStructs (nothing is allocated) and compiles it with the

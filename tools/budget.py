@@ -172,7 +172,7 @@ def _conv_flops(ins: dict, shapes: dict) -> float:
     return 2.0 * out[ol.index("b")] * out[ol.index("f")] * rhs[rl.index("i")] * taps
 
 
-def hlo_budget(text: str) -> dict:
+def hlo_budget(text: str, top: int = 16) -> dict:
     """dot FLOPs, bytes accessed and collective bytes of a compiled HLO module's text, each instruction
     counted as many times as the while loops around it run (module docstring)."""
     mod = parse_hlo(text)
@@ -253,9 +253,9 @@ def hlo_budget(text: str) -> dict:
             bytes_ += nb
             key = f"{flops_source(ins)} [{op}]"
             bytes_src[key] = bytes_src.get(key, 0.0) + nb
-    top = dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:16])
-    top_bytes = dict(sorted(bytes_src.items(), key=lambda kv: -kv[1])[:16])
-    return {"flops": flops, "flops_by_source": top, "flops_by_source_all": by_source, "bytes_accessed": bytes_,
+    top_flops = dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:top])
+    top_bytes = dict(sorted(bytes_src.items(), key=lambda kv: -kv[1])[:top])
+    return {"flops": flops, "flops_by_source": top_flops, "flops_by_source_all": by_source, "bytes_accessed": bytes_,
             "bytes_by_source": top_bytes, "collective_bytes": sum(coll.values()),
             "collective_bytes_by_op": coll, "while_trip_counts": trips, "unknown_trip_loops": unknown,
             "unknown_cost_kernels": sorted(set(unknown_cost))}
@@ -378,12 +378,13 @@ def _matching(by_source: dict[str, float], regex: str) -> dict:
 
 
 def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None = None,
-                match: str | None = None) -> dict:
+                match: str | None = None, top: int = 16) -> dict:
     """step_budget of a compiled HLO module's text (tools.aot --save_hlo, or another program's
     `--xla_dump_to` *after_optimizations.txt): the same fields, XLA's cost analysis only if given.
     match: a regex over flops_source names; the FLOPs of every matching source are summed in
-    `flops_matching` (e.g. 'attn' for the attention of every layer, not only the top 16 sources)."""
-    h = hlo_budget(text)
+    `flops_matching` (e.g. 'attn' for the attention of every layer, not only the top 16 sources).
+    top: how many of the largest sources `flops_by_source` / `bytes_by_source` list."""
+    h = hlo_budget(text, top)
     peaks = CHIP_PEAKS[chip]
     t_flops = h["flops"] / peaks["peak_flops"]
     t_hbm = h["bytes_accessed"] / peaks["hbm_bytes_per_s"]
@@ -406,55 +407,72 @@ def text_budget(text: str, chip: str, model_flops: float, xla_cost: dict | None 
     }
 
 
+def define_flags(fv) -> None:
+    """This CLI's flags, defined into `fv` (its own FlagValues: no collision with another tool's flags)."""
+    from absl import flags
+    flags.DEFINE_enum("chip", "v5p", list(CHIP_PEAKS), "chip peaks", flag_values=fv)
+    flags.DEFINE_float("model_flops", 0.0, "model FLOPs per device (for useful fraction / MFU)", flag_values=fv)
+    flags.DEFINE_string("match", None, "also sum the FLOPs of every source matching this regular expression "
+                        "(flops_matching), e.g. 'attn'", flag_values=fv)
+    flags.DEFINE_integer("top", 16, "list this many of the largest FLOP and byte sources", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_bool("json", False, "print the budget as one JSON line", flag_values=fv)
+
+
 def main(argv=None) -> int:
     """python -m tools.budget HLO_TEXT_FILE --chip=v5p [--model_flops=F] [--json]: the budget of a dumped,
     compiled HLO module (e.g. tools.aot --save_hlo, or MaxText's train_compile with
-    XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text: DIR/*train_step*after_optimizations.txt)."""
-    import argparse
+    XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text: DIR/*train_step*after_optimizations.txt).
+    argv: the arguments without the program name (default sys.argv[1:]). Bad flags or input: exit 2."""
     import gzip
     import json
     import sys
-    ap = argparse.ArgumentParser(prog="python -m tools.budget", description=main.__doc__.split(":")[0])
-    ap.add_argument("hlo", help="compiled HLO module text (.txt or .txt.gz)")
-    ap.add_argument("--chip", default="v5p", help="chip peaks: " + ", ".join(CHIP_PEAKS))
-    ap.add_argument("--model_flops", type=float, default=0.0, help="model FLOPs per device (for useful fraction / MFU)")
-    ap.add_argument("--match", default=None, metavar="REGEX",
-                    help="also sum the FLOPs of every source matching REGEX (flops_matching), e.g. 'attn'")
-    ap.add_argument("--json", action="store_true", help="print the budget as one JSON line")
-    a = ap.parse_args(argv)
+
+    from absl import flags
+
+    from glm5_jax.cli import USAGE_EXIT
+    fv = flags.FlagValues()
+    define_flags(fv)
+    try:
+        rest = fv(["tools.budget", *(sys.argv[1:] if argv is None else argv)])[1:]
+    except flags.Error as e:
+        print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
+        return USAGE_EXIT
+    if len(rest) != 1:
+        print(f"error: give exactly one compiled HLO text file (.txt or .txt.gz), got {rest or 'none'}",
+              file=sys.stderr)
+        return USAGE_EXIT
+    a, hlo = fv, rest[0]
     if a.match is not None:
         try:
             re.compile(a.match)
         except re.error as e:
             print(f"error: --match={a.match!r} is not a regular expression: {e}", file=sys.stderr)
-            return 2
-    if a.chip not in CHIP_PEAKS:
-        print(f"error: --chip={a.chip!r}; allowed: {', '.join(CHIP_PEAKS)}", file=sys.stderr)
-        return 2
+            return USAGE_EXIT
     try:
-        opener = gzip.open if a.hlo.endswith(".gz") else open
-        with opener(a.hlo, "rt") as f:
+        opener = gzip.open if hlo.endswith(".gz") else open
+        with opener(hlo, "rt") as f:
             text = f.read()
     except OSError as e:
-        print(f"error: {a.hlo}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        print(f"error: {hlo}: {e.strerror or e}", file=sys.stderr)
+        return USAGE_EXIT
     if "ENTRY" not in text:
-        print(f"error: {a.hlo}: not an HLO module's text (no ENTRY computation)", file=sys.stderr)
-        return 2
-    b = text_budget(text, a.chip, a.model_flops, match=a.match)
+        print(f"error: {hlo}: not an HLO module's text (no ENTRY computation)", file=sys.stderr)
+        return USAGE_EXIT
+    b = text_budget(text, a.chip, a.model_flops, match=a.match, top=a.top)
     if a.json:
         print(json.dumps(b))
     else:
         t = b["seconds_by_bound"]
         print(f"compiled FLOPs {b['compiled_flops']:.4g}, model FLOPs {b['model_flops']:.4g}, useful "
               f"{b['useful_flops_fraction']}; bytes {b['bytes_accessed']:.4g}, collectives {b['collective_bytes']:.4g}; "
-              f"compute {t['compute']:.3f}s HBM {t['hbm']:.3f}s ICI {t['ici']:.3f}s -> {b['estimated_step_seconds']:.3f}s "
+              f"compute {t['compute']:.4g}s HBM {t['hbm']:.4g}s ICI {t['ici']:.4g}s -> {b['estimated_step_seconds']:.4g}s "
               f"({b['bound']}), MFU {b['estimated_mfu']}; unknown-cost kernels {len(b['unknown_cost_kernels'])}, "
               f"unknown-trip loops {len(b['unknown_trip_loops'])}")
-        print("FLOPs by source (top 16):")
+        print(f"FLOPs by source (top {a.top}):")
         for src, f in b["flops_by_source"].items():
             print(f"  {f:12.4g}  {src}")
-        print("bytes accessed by source [op] (top 16):")
+        print(f"bytes accessed by source [op] (top {a.top}):")
         for src, f in b["bytes_by_source"].items():
             print(f"  {f:12.4g}  {src}")
         if a.match is not None:
