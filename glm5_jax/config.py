@@ -162,6 +162,10 @@ class ModelConfig:
                                           # DSA's k keys: indexer (the lightning indexer) | oracle (top-k of the main attention's own head-averaged dense softmax: an evaluation, glm5_jax.attention.indexer.oracle_topk)
     dsa_selection_stats: bool = setting(False, runtime=True)
                                           # DSA layers sow per-query attention mass on the selected keys / the oracle's and recall (glm5_jax.attention.selection)
+    dsa_decode_pages: int = setting(0, integer=True, min=0, when=_dsa, runtime=True, note=(
+        "(0: exact token top-k; P > 0: page-level selection, pages of P cache slots; P must divide index_topk)"))
+                                          # DSA over a cache (decode, chunked prefill): the exact top-k (0), or the best index_topk / P
+                                          # pages of P slots (glm5_jax.attention.indexer.select_topk_cached); training never reads it
     remat: str = setting("none", choices=REMAT_POLICIES, runtime=True)
                                           # none | full (keep layer inputs only) | offload (full, inputs on host) | dots | dots_no_batch
                                           # | save_qkv | save_attention | custom (glm5_jax.model.remat_policy)
@@ -250,6 +254,8 @@ class ModelConfig:
             _fail("remat_custom", self.remat_custom, "is only read with remat='custom'")
         if not isinstance(self.dsa_selection_stats, bool):
             _fail("dsa_selection_stats", self.dsa_selection_stats, "must be a bool")
+        if self.attention == "dsa" and self.dsa_decode_pages and self.index_topk % self.dsa_decode_pages:
+            _fail("dsa_decode_pages", self.dsa_decode_pages, f"must divide index_topk={self.index_topk} (or be 0: exact top-k)")
         if self.attention == "mha" and self.num_kv_heads != self.num_heads:
             _fail("num_kv_heads", self.num_kv_heads, f"mha needs num_kv_heads == num_heads ({self.num_heads}); use attention='gqa'")
         if self.attention == "gqa" and self.num_heads % self.num_kv_heads:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.attention.context import context_size
+from glm5_jax.attention.core import LayerCache
 from glm5_jax.config import LayerStack, ModelConfig
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of, init_normal
 from glm5_jax.layers.decoder import ACT, DecoderLayer
@@ -63,36 +64,41 @@ def remat_policy(cfg: ModelConfig):
 
 
 class Block(nn.Module):
-    """One scan step of a stack: `stack.period` decoder layers (`layer_0` ...)."""
+    """One scan step of a stack: `stack.period` decoder layers (`layer_0` ...).
+
+    The carry is (x, indices), or with a cache (x, indices, the stack's cache {"layer_j": buffers
+    [repeats, B, S, ...]}, this step's int32 index r): the stacked buffers themselves travel in the carry and
+    each attention layer writes its new rows at [r, b, slot] in place and reads row r (`LayerCache`), so a
+    step neither slices out nor copies a layer's cache, and the cache exists once (a scan over per-layer
+    cache slices as xs / ys copied every layer's cache per step into a second cache-sized output)."""
     cfg: ModelConfig
     stack: LayerStack
 
     @nn.compact
-    def __call__(self, carry, cache, cos, sin, segment_ids, positions, write_positions, indexer_loss,
-                 monitor_logits):
-        x, indices = carry
+    def __call__(self, carry, cos, sin, segment_ids, positions, write_positions, indexer_loss, monitor_logits):
+        x, indices, *cached = carry
         x = checkpoint_name(x, LAYER_INPUT)
-        new_cache = {} if cache is not None else None
+        cache, r = cached if cached else (None, None)
         for j, itype in enumerate(self.stack.indexer_types):
-            lc = None if cache is None else cache[f"layer_{j}"]
+            lc = None if cache is None else LayerCache(cache[f"layer_{j}"], r)
             x, idx, lc = DecoderLayer(self.cfg, self.stack.moe, itype, name=f"layer_{j}")(
                 x, cos, sin, segment_ids, indices, indexer_loss, monitor_logits,
                 positions=positions, cache=lc, write_positions=write_positions)
             if idx is not None and indices is not None:   # None: no shared layer reads them (not carried)
                 indices = idx
-            if new_cache is not None:
-                new_cache[f"layer_{j}"] = lc
-        return (x, indices), new_cache
+            if cache is not None:
+                cache = dict(cache, **{f"layer_{j}": lc.buffers})
+        return ((x, indices) if cache is None else (x, indices, cache, r + 1)), None
 
 
 def stack_module(cfg: ModelConfig, stack: LayerStack):
     """The scanned (or unrolled) Block class of one stack, with the config's remat policy inside."""
     block = Block
     if cfg.remat != "none":
-        # argnums count `self`: 8 = indexer_loss, 9 = monitor_logits (Python values, not traced)
-        block = nn.remat(Block, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers, static_argnums=(8, 9))
+        # argnums count `self`: 7 = indexer_loss, 8 = monitor_logits (Python values, not traced)
+        block = nn.remat(Block, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers, static_argnums=(7, 8))
     return nn.scan(block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-                   in_axes=(0,) + (nn.broadcast,) * 7, length=stack.repeats,
+                   in_axes=(nn.broadcast,) * 7, length=stack.repeats,
                    unroll=1 if cfg.scan_layers else stack.repeats,
                    metadata_params={nn.PARTITION_NAME: "layers"})
 
@@ -168,7 +174,7 @@ class GLM5(nn.Module):
         keep attention inside documents; indexer_loss in (None, "dense", "sparse") sows indexer KL;
         monitor_logits sows each layer's max |q.k|*scale as intermediates/<stack>/layer_j/attn/max_attn_logit.
         cache: {stack name: {"layer_j": buffers [repeats, B, S, ...]}} (glm5_jax.infer.cache.init_cache's
-        "layers"); this call's keys are written at write_positions (default positions; < 0 = not written)
+        "layers", carried through each stack's scan: `Block`); this call's keys are written at write_positions (default positions; < 0 = not written)
         and a query at position p attends the cache slots 0..p. logits=False skips the head.
         mtp_tokens [depth, B, T]: the input token k steps ahead for MTP depth k (default: tokens shifted
         left by k); needed under context parallelism, where the sequence is in the context layout
@@ -198,14 +204,15 @@ class GLM5(nn.Module):
         # the top-k indices travel in the scan carry only when a shared layer reads them: a carried [B, T, K]
         # int32 array is saved per layer for the backward (9.75 GiB per chip for glm5 at 128K, tools.aot)
         if c.attention == "dsa" and "shared" in c.layer_indexer_types:
-            size = None if cache is None else next(iter(next(iter(cache.values())).values()))["latent"].shape[2]
+            size = None if cache is None else next(iter(next(iter(next(iter(cache.values())).values())).values())).shape[2]
             indices = jnp.full((b, t, num_indices(c, size)), -1, jnp.int32)
         new_cache = {} if cache is not None else None
         for stack, mod in zip(c.layer_stacks, self.stacks):
-            (x, indices), sc = mod((x, indices), None if cache is None else cache[stack.name], cos, sin,
-                                   segment_ids, positions, write_positions, indexer_loss, monitor_logits)
+            carry = (x, indices) if cache is None else (x, indices, cache[stack.name], jnp.int32(0))
+            carry, _ = mod(carry, cos, sin, segment_ids, positions, write_positions, indexer_loss, monitor_logits)
+            x, indices = carry[:2]
             if new_cache is not None:
-                new_cache[stack.name] = sc
+                new_cache[stack.name] = carry[2]
         hidden = self.final_norm(x)
         out = {"logits": self.head(hidden)} if logits else {}
         if reward and not c.reward_head:

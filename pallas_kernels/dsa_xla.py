@@ -262,9 +262,14 @@ def _sparse_chunk_fwd(qc, kv, idx, scale, dvp=None):
     """One query chunk: qc [B, tc, H, Dq], kv = (k [B, S, Dq], v [B, S, Dv]) or (k,) with dvp,
     idx [B, tc, K] ->
     (out [B, tc, H, Dv] f32, lse [B, tc, H]; lse = +inf for a row without a valid index)."""
-    valid = (idx >= 0)[..., None]  # [B, tc, K, 1]
-    safe = jnp.where(idx >= 0, idx, 0)
-    kc, vc = _gather_kv(kv, safe, dvp)
+    kc, vc = _gather_kv(kv, jnp.where(idx >= 0, idx, 0), dvp)
+    return _attend_rows(qc, kc, vc, idx >= 0, scale)
+
+
+def _attend_rows(qc, kc, vc, valid, scale):
+    """Attention of qc [B, tc, H, Dq] over gathered rows kc [B, tc, K, Dq], vc [B, tc, K, Dv] where valid
+    [B, tc, K] -> (out [B, tc, H, Dv] f32, lse [B, tc, H]; lse = +inf for a row without a valid index)."""
+    valid = valid[..., None]  # [B, tc, K, 1]
     s = jnp.einsum("btkd,bthd->btkh", kc, qc, preferred_element_type=jnp.float32) * scale
     s = jnp.where(valid, s, NEG_INF)  # [B, tc, K, H]: keys outside heads (fast XLA CPU dot)
     m = jnp.max(s, axis=2)  # [B, tc, H]
@@ -275,6 +280,24 @@ def _sparse_chunk_fwd(qc, kv, idx, scale, dvp=None):
     o = o / jnp.where(l == 0, 1.0, l)[..., None]
     lse = jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
     return o, lse
+
+
+def sparse_mqa_rows(q, gather, indices, *, scale: float, r: int, chunk: int = 16):
+    """The forward of `sparse_mqa_uv` before W_UV, with the rows read by `gather`: q [B, T, H, Dq],
+    gather(slots [B, tc, K] in range) -> rows [B, tc, K, Dq] (the value is each row's first r columns),
+    indices [B, T, K] (-1 = none) -> o [B, T, H, r] in q's dtype, the same values as `sparse_mqa_uv`'s (same
+    query chunks, same per-chunk work). The decode cache's path: `gather` reads the selected rows straight
+    from a stacked cache (glm5_jax.attention.core.LayerCache), so no layer-sized operand exists. No VJP."""
+    b, t, h, dq = q.shape
+    tc = _tile_chunk(t, indices.shape[-1], dq, chunk)
+
+    def one(args):
+        qc, idx = args
+        kc = gather(jnp.where(idx >= 0, idx, 0))
+        o, _ = _attend_rows(qc, kc, kc[..., :r], idx >= 0, scale)
+        return o.astype(q.dtype)
+
+    return _unchunks(jax.lax.map(one, (_chunks(q, tc), _chunks(indices.astype(jnp.int32), tc))))
 
 
 def _chunks(x, tc):  # [B, T, ...] -> [n, B, tc, ...]

@@ -180,7 +180,9 @@ def test_absorbed_mla_decode_equals_expanded_attention(kind):
         out, lc = step(lc, x[:, i:i + 1], cos[:, i:i + 1], sin[:, i:i + 1], pos[:, i:i + 1])
         steps.append(out)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, atol=2e-5)
-    assert lc["latent"].shape == (2, s, cfg.kv_lora_rank) and lc["k_rope"].shape == (2, s, cfg.qk_rope_head_dim)
+    # one [latent | k_rope | zero padding] buffer (glm5_jax.infer.cache): its row width a multiple of KV_ALIGN
+    assert lc["kv"].shape == (2, s, kv.kv_width(cfg)) and kv.kv_width(cfg) % kv.KV_ALIGN == 0
+    assert not np.any(np.asarray(lc["kv"][..., cfg.kv_lora_rank + cfg.qk_rope_head_dim:]))
     if kind == "dsa":
         k = cfg.index_topk
         np.testing.assert_array_equal(np.sort(np.asarray(idx[..., :k]), -1), np.sort(np.asarray(want_idx[..., :k]), -1))

@@ -11,6 +11,8 @@ Plus attention over a decode cache (`cached_attention`), which is not a training
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -121,12 +123,57 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
 
 
 # ----------------------------------------------------------------------------- attention over a cache
-def write_cache(buf, wpos, new):
-    """buf [B, S, ...] with new [B, T, ...] written at slots wpos [B, T]; wpos < 0 or >= S is dropped."""
-    s = buf.shape[1]
+def write_cache(buf, wpos, new, layer=None):
+    """buf [B, S, ...] with new [B, T, ...] written at slots wpos [B, T]; wpos < 0 or >= S is dropped.
+    With `layer` (an int32 scalar), buf is a layer stack [L, B, S, ...] and row `layer` is written.
+
+    One scatter of the T new rows, in place where buf is donated or carried by a loop (never a copy of the
+    buffer). Its batch index is an iota, not a vmap batching dim: a batching dim at axis 1 of a stack makes
+    XLA (CPU and TPU) transpose the whole buffer to put it first, while the iota form compiles in place, and
+    on TPU GSPMD partitions it along a sharded B without communication (docs/inference.md, "Cache layout
+    and DSA decode")."""
+    lead = () if layer is None else (layer,)
+    s = buf.shape[len(lead) + 1]
     wpos = jnp.where(wpos < 0, s, wpos)
-    rows = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[rows, wpos].set(new.astype(buf.dtype), mode="drop")
+    rows = jnp.arange(wpos.shape[0])[:, None]
+    return buf.at[lead + (rows, wpos)].set(new.astype(buf.dtype), mode="drop")
+
+
+def gather_slots(buf, idx, layer=None):
+    """buf [B, S, ...] (or a stack [L, B, S, ...] with `layer`), idx [B, T, K] slots in range ->
+    [B, T, K, ...]: only the selected rows are read (straight from the stack: no slice of the layer). The
+    batch index is an iota for the reason `write_cache` gives."""
+    lead = () if layer is None else (layer,)
+    rows = jnp.arange(idx.shape[0])[:, None, None]
+    return buf.at[lead + (rows, idx)].get(mode="promise_in_bounds")
+
+
+class LayerCache(NamedTuple):
+    """One attention layer's cache as the attention modules see it: `buffers` {name: [B, S, ...]} (an MTP
+    depth's), or the buffers of a whole layer stack {name: [L, B, S, ...]} with `layer` the row of this layer
+    (the layer scan carries the stacks and the layer index, so a step writes its new rows into the stack in
+    place and reads only what it needs: `rows` for every slot, `gather` for selected slots)."""
+    buffers: dict
+    layer: Any = None
+
+    def write(self, name: str, wpos, new) -> "LayerCache":
+        """This call's rows new [B, T, ...] at slots wpos [B, T] (< 0: not written)."""
+        return self._replace(buffers=dict(self.buffers, **{name: write_cache(self.buffers[name], wpos, new,
+                                                                             self.layer)}))
+
+    def rows(self, name: str):
+        """The layer's whole buffer [B, S, ...] (for a stack, an index of its layer row: XLA fuses that
+        dynamic slice into its consumers on TPU)."""
+        buf = self.buffers[name]
+        return buf if self.layer is None else buf[self.layer]
+
+    def gather(self, name: str, idx):
+        """The rows at slots idx [B, T, K] (in range) -> [B, T, K, ...]."""
+        return gather_slots(self.buffers[name], idx, self.layer)
+
+    def size(self, name: str) -> int:
+        """S, the number of slots."""
+        return self.buffers[name].shape[1 if self.layer is None else 2]
 
 
 def visible_slots(positions, size: int):
@@ -145,7 +192,7 @@ def masked_softmax(logits, mask):
 
 def cached_attention(q, k, v, positions, *, scale: float):
     """q [B, T, H, D] over a K/V cache k [B, S, Hk, D], v [B, S, Hk, Dv] -> [B, T, H, Dv]; the query
-    at position p sees the slots 0..p."""
+    at position p sees the slots 0..p. k / v: `LayerCache.rows` (MHA / GQA layers)."""
     b, t, h, d = q.shape
     hk = k.shape[2]
     logits = jnp.einsum("btkgd,bskd->btkgs", q.reshape(b, t, hk, h // hk, d), k).astype(jnp.float32)

@@ -39,14 +39,32 @@ class Indexer(nn.Module):
         return q * (di ** -0.5), k, w * (hi ** -0.5)
 
 
-def select_topk_cached(q_idx, k_cache, weights, topk: int, positions):
-    """Exact top-k over an indexer-key cache k_cache [B, S, Di] for queries at positions [B, T]
-    (slots 0..p visible) -> int32 [B, T, min(topk, S)], -1 where fewer keys are visible; ties go to the
-    lower slot, as in training."""
-    scores = jnp.where(visible_slots(positions, k_cache.shape[1]), ref.index_scores(q_idx, k_cache, weights),
-                       NEG_INF)
-    vals, idx = jax.lax.top_k(scores, min(topk, k_cache.shape[1]))
-    return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
+def select_topk_cached(q_idx, k_cache, weights, topk: int, positions, page: int = 0):
+    """DSA's selection over an indexer-key cache k_cache [B, S, Di] for queries at positions [B, T] (slots
+    0..p visible) -> int32 [B, T, min(topk, S)] slots, -1 where fewer keys are visible.
+
+    page=0 (ModelConfig.dsa_decode_pages, the default): the exact top-k, ties to the lower slot, as in
+    training. page=P > 0: page-level selection: the slots are scored in pages of P (slot s in page s // P;
+    a page's score is its best visible slot's), the best min(topk, S) // P pages are kept, and their visible
+    slots are the selection, page by page in score order (a page's invisible slots and unfilled pages -1).
+    The attention then reads whole pages of P contiguous rows (a DMA-friendly gather at long context, where
+    token gathers were the cost in sglang-jax's DSA decode), at the price of recall against the exact top-k
+    (docs/inference.md, "Cache layout and DSA decode": measured by tools.dsa_page_recall)."""
+    s = k_cache.shape[1]
+    visible = visible_slots(positions, s)
+    scores = jnp.where(visible, ref.index_scores(q_idx, k_cache, weights), NEG_INF)
+    if not page or s <= topk:     # S <= topk: every visible slot is selected, pages or not
+        vals, idx = jax.lax.top_k(scores, min(topk, s))
+        return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
+    if topk % page:
+        raise ValueError(f"page-level selection needs the page size ({page}) to divide index_topk ({topk})")
+    n_pages = -(-s // page)
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, n_pages * page - s)), constant_values=NEG_INF)
+    page_scores = jnp.max(padded.reshape(*scores.shape[:2], n_pages, page), axis=-1)
+    vals, pages = jax.lax.top_k(page_scores, topk // page)                      # S > topk: enough pages
+    slots = pages[..., None] * page + jnp.arange(page)                          # [B, T, topk // P, P]
+    ok = (vals[..., None] > NEG_INF) & (slots <= positions[..., None, None]) & (slots < s)
+    return jnp.where(ok, slots, -1).reshape(*scores.shape[:2], topk).astype(jnp.int32)
 
 
 def _kl(p, log_q, valid):

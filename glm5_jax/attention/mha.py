@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from glm5_jax.attention.context import over_context
-from glm5_jax.attention.core import cached_attention, causal_attention, write_cache
+from glm5_jax.attention.core import LayerCache, cached_attention, causal_attention
 from glm5_jax.layers.common import Dense, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope, softmax_scale
 from glm5_jax.attention.monitor import max_attention_logit
@@ -18,7 +18,8 @@ class GQAttention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids=None, prev_indices=None, monitor_logits: bool = False, *,
                  positions=None, cache=None, write_positions=None):
-        """x [B, T, D] -> (out [B, T, D], None, new cache or None); with `cache` ({"k", "v"} [B, S, Hk, hd])
+        """x [B, T, D] -> (out [B, T, D], None, new cache or None); with `cache` (a `LayerCache`, or an MTP
+        depth's {"k", "v"} [B, S, Hk, hd]; returned in the same form)
         this call's keys/values are written at write_positions (default positions) and attended over."""
         c = self.cfg
         b, t, _ = x.shape
@@ -35,8 +36,10 @@ class GQAttention(nn.Module):
             if positions is None:
                 raise ValueError("attention over a cache needs explicit positions [B, T]")
             wpos = positions if write_positions is None else write_positions
-            cache = {"k": write_cache(cache["k"], wpos, k), "v": write_cache(cache["v"], wpos, v)}
-            out = cached_attention(q, cache["k"], cache["v"], positions, scale=scale)
+            view = cache if isinstance(cache, LayerCache) else LayerCache(cache)
+            view = view.write("k", wpos, k).write("v", wpos, v)
+            out = cached_attention(q, view.rows("k"), view.rows("v"), positions, scale=scale)
+            cache = view if isinstance(cache, LayerCache) else view.buffers
         else:
             def attend(loc, kv, q_offset):   # one shard of queries over all keys (glm5_jax.attention.context)
                 out = causal_attention(loc["q"], kv["k"], kv["v"], scale=scale, segment_ids=loc["seg"],

@@ -9,8 +9,9 @@ Two forms of the same attention (docs/model.md "MLA forms"):
   * MQA (absorbed): with kv_b = [W_UK | W_UV], q_nope . k_nope = (q_nope W_UK^T) . latent and
     sum_s p_s v_s = (sum_s p_s latent_s) W_UV, so every head attends one shared
     [latent | k_rope] row per token (Hk = 1, kv_lora + dr wide) with the latent as value -- DSA's
-    sparse stage in training, prefill and decode (`dsa_attention`): top-k gathers one row per
-    selected token for all heads.
+    sparse stage (`dsa_attention` in training and the cache-free forward; over a decode cache, whose
+    "kv" buffer holds exactly those rows, `cached_mla_attention`): top-k gathers one row per selected
+    token for all heads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from glm5_jax.attention.context import context_size, over_context
-from glm5_jax.attention.core import causal_attention, masked_softmax, visible_slots, write_cache
+from glm5_jax.attention.core import LayerCache, causal_attention, masked_softmax, visible_slots
 from glm5_jax.attention.indexer import (Indexer, indexer_kl_dense, indexer_kl_sparse, oracle_topk, select_topk_cached,
                                         selection_stats)
 from glm5_jax.attention.kernels import indexer_topk, mqa_sparse_attention
@@ -29,6 +30,7 @@ from glm5_jax.attention.monitor import max_attention_logit
 from glm5_jax.layers.common import Dense, RMSNorm, constrain, dtype_of
 from glm5_jax.layers.rope import apply_rope, softmax_scale
 from pallas_kernels.dense import topk_key_mask
+from pallas_kernels import dsa_xla as ref
 from pallas_kernels.dsa_xla import LSE_NAME
 
 # checkpoint names (ModelConfig.remat policies, glm5_jax.model.REMAT): the query heads after RoPE, the
@@ -50,9 +52,10 @@ class MLAttention(nn.Module):
                  monitor_logits: bool = False, *, positions=None, cache=None, write_positions=None):
         """x [B, T, D] -> (out [B, T, D], top-k indices [B, T, K] or None, new cache or None).
 
-        With `cache` ({"latent" [B, S, kv_lora], "k_rope" [B, S, dr], + "k_idx" [B, S, Di] on full
-        indexer layers}) this call's latent / rope key / indexer key are written at write_positions
-        (default positions) and attention runs in the absorbed form over the cache.
+        With `cache` (a `LayerCache`, or an MTP depth's {"kv" [B, S, W], + "k_idx" [B, S, Di] on full indexer
+        layers}: glm5_jax.infer.cache) this call's [latent | rope key] row and indexer key are written at
+        write_positions (default positions) and attention runs in the absorbed form over the cache; the
+        cache comes back in the form it came in.
         """
         c = self.cfg
         b, t, d = x.shape
@@ -197,33 +200,37 @@ class MLAttention(nn.Module):
 
     def _cached(self, x, q, q_latent, latent, k_rope, kv_b, o_proj, cos, sin, prev_indices, positions, wpos,
                 cache, scale):
-        """Absorbed MLA over the latent cache. With kv_b = [W_UK | W_UV] per head,
-        q_nope . k_nope = (q_nope W_UK^T) . latent and sum_s p_s v_s = (sum_s p_s latent_s) W_UV,
-        so attention runs over the (kv_lora + qk_rope)-wide cache and K/V are never expanded."""
+        """Absorbed MLA over the cache (`LayerCache`, or an MTP depth's buffer dict). With kv_b = [W_UK | W_UV]
+        per head, q_nope . k_nope = (q_nope W_UK^T) . latent and sum_s p_s v_s = (sum_s p_s latent_s) W_UV,
+        so attention runs over the cached [latent | k_rope] rows ("kv", glm5_jax.infer.cache) and K/V are
+        never expanded. This call's rows are written in place; dense MLA reads the layer's rows, DSA reads
+        the layer's index keys and gathers only the selected kv rows."""
         c = self.cfg
         b, t = x.shape[:2]
         dn = c.qk_nope_head_dim
         if positions is None:
             raise ValueError("attention over a cache needs explicit positions [B, T]")
-        cache = dict(cache, latent=write_cache(cache["latent"], wpos, latent),
-                     k_rope=write_cache(cache["k_rope"], wpos, k_rope))
+        view = cache if isinstance(cache, LayerCache) else LayerCache(cache)
+        row = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
+        width = view.buffers["kv"].shape[-1]
+        view = view.write("kv", wpos, jnp.pad(row, ((0, 0), (0, 0), (0, width - row.shape[-1]))))
         indices = None
         if self.indexer_type and c.dsa_topk_source != "indexer":
             raise NotImplementedError(f"dsa_topk_source={c.dsa_topk_source!r} is an evaluation of the training / "
                                       "prefill forward (no cache); decoding over a cache selects with the indexer")
         if self.indexer_type == "full":
             q_idx, k_idx, w = Indexer(c, name="indexer")(x, q_latent, cos, sin)
-            cache = dict(cache, k_idx=write_cache(cache["k_idx"], wpos, k_idx))
-            indices = select_topk_cached(q_idx, cache["k_idx"], w, c.index_topk, positions)
+            view = view.write("k_idx", wpos, k_idx)
+            indices = select_topk_cached(q_idx, view.rows("k_idx"), w, c.index_topk, positions,
+                                         page=c.dsa_decode_pages)
         elif self.indexer_type == "shared":
             indices = self._shared(prev_indices)
         if self.is_initializing():
             kv_b(latent[:, :1])
         w_uk, w_uv = self._kv_b_weights(kv_b)
-        out = absorbed_attention(q[..., :dn], q[..., dn:], cache["latent"], cache["k_rope"], w_uk, w_uv, scale,
-                                 positions=positions, indices=indices, impl=c.attention_impl,
-                                 chunk=min(c.attn_chunk, 16))
-        return o_proj(out.reshape(b, t, -1)), indices, cache
+        out = cached_mla_attention(q[..., :dn], q[..., dn:], view, w_uk, w_uv, scale, c.kv_lora_rank,
+                                   positions=positions, indices=indices, chunk=min(c.attn_chunk, 16))
+        return o_proj(out.reshape(b, t, -1)), indices, (view if isinstance(cache, LayerCache) else view.buffers)
 
 
 def short_sequence_dense(c, t: int) -> bool:
@@ -241,15 +248,20 @@ def mqa_operands(q_nope, q_rope, latent, k_rope, w_uk):
     w_uk [r,H,dn] -> q [B,T,H,r+dr] = [q_nope W_UK^T | q_rope], k [B,S,1,r+dr] = [latent | k_rope],
     v [B,S,1,r] = latent (one key/value row per token, shared by all heads), in latent's dtype."""
     dt = latent.dtype
-    q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk.astype(q_nope.dtype)).astype(dt)
-    q = jnp.concatenate([q_lat, q_rope.astype(dt)], axis=-1)
     k = jnp.concatenate([latent, k_rope.astype(dt)], axis=-1)[:, :, None]
-    return q, k, latent[:, :, None]
+    return mqa_query(q_nope, q_rope, w_uk, dt), k, latent[:, :, None]
+
+
+def mqa_query(q_nope, q_rope, w_uk, dt):
+    """The MQA form's query [B,T,H,r+dr] = [q_nope W_UK^T | q_rope] in dtype dt (the keys' dtype)."""
+    q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk.astype(q_nope.dtype)).astype(dt)
+    return jnp.concatenate([q_lat, q_rope.astype(dt)], axis=-1)
 
 
 def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale, impl: str = "xla",
                   chunk: int = 16):
-    """DSA's sparse MLA in MQA form -- the one sparse call of training, prefill and decode.
+    """DSA's sparse MLA in MQA form over given latent / rope keys (the cache-free form; over a decode cache,
+    `cached_mla_attention`).
 
     q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], w_uk [r,H,dn], w_uv [r,H,dv],
     indices [B,T,K] (key slots, -1 = none) -> [B,T,H,dv]: each head attends the selected
@@ -258,17 +270,25 @@ def dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, *, scale,
     return mqa_sparse_attention(q, k, w_uv, indices, scale=scale, impl=impl, chunk=chunk)
 
 
-def absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, positions=None, indices=None,
-                       impl: str = "xla", chunk: int = 16):
-    """Absorbed MLA attention over a latent cache.
+def cached_mla_attention(q_nope, q_rope, cache, w_uk, w_uv, scale, r: int, *, positions=None, indices=None,
+                         chunk: int = 16):
+    """Absorbed MLA attention over a layer's cache (`LayerCache` with a "kv" buffer: [latent | k_rope | pad]
+    rows, latent r wide).
 
-    q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], w_uk [r,H,dn], w_uv [r,H,dv];
-    either positions [B,T] (dense: the query at p sees slots 0..p) or indices [B,T,K] (-1 = none; DSA:
-    `dsa_attention`, the same sparse call as training) -> [B,T,H,dv].
-    """
+    q_nope [B,T,H,dn], q_rope [B,T,H,dr], w_uk [r,H,dn], w_uv [r,H,dv]; either positions [B,T] (dense MLA:
+    the query at p sees slots 0..p, over the layer's rows) or indices [B,T,K] (-1 = none; DSA: only the
+    selected rows are gathered, per chunk of queries, straight from the cache) -> [B,T,H,dv].
+    The sparse form computes what `dsa_attention` (training's sparse call) computes over the same rows, in
+    jnp for every attention_impl: a Pallas kernel would need the layer's rows sliced out of the stack."""
+    dr = q_rope.shape[-1]
     if indices is not None:
-        return dsa_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, indices, scale=scale, impl=impl,
-                             chunk=chunk)
+        q = mqa_query(q_nope, q_rope, w_uk, cache.buffers["kv"].dtype)
+        dq = q.shape[-1]
+        o = ref.sparse_mqa_rows(q, lambda safe: cache.gather("kv", safe)[..., :dq], indices, scale=scale, r=r,
+                                chunk=chunk)
+        return jnp.einsum("bthr,rhd->bthd", o, w_uv.astype(o.dtype))
+    kv = cache.rows("kv")
+    latent, k_rope = kv[..., :r], kv[..., r:r + dr]
     dt = latent.dtype
     q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk.astype(q_nope.dtype)).astype(dt)
     logits = (jnp.einsum("bthr,bsr->bths", q_lat, latent).astype(jnp.float32)

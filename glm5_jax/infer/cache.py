@@ -2,11 +2,20 @@
 `glm5_jax.model.GLM5.__call__(..., cache=...)`).
 
 Layout: {"layers": {stack name: {"layer_j": buffers [repeats, B, S, ...]}}, "mtp": [one per MTP depth]}
-  * mla / dsa: "latent" [B, S, kv_lora] (after kv_a_norm) and "k_rope" [B, S, qk_rope] (after RoPE):
-    the compressed MLA cache, kv_lora + qk_rope numbers per token (512 + 64 at GLM-5 scale);
+  * mla / dsa: "kv" [B, S, kv_width(config)]: per token [latent (after kv_a_norm) | k_rope (after RoPE) |
+    zeros], kv_lora + qk_rope numbers (512 + 64 at GLM-5 scale) padded to a multiple of KV_ALIGN. The
+    buffer's first kv_lora + qk_rope columns ARE the absorbed (MQA) form's key row, and its first kv_lora
+    its value row: attention reads the buffer, nothing is concatenated over the cache;
     dsa "full" indexer layers add "k_idx" [B, S, index_head_dim] (after LayerNorm and RoPE).
     "shared" indexer layers keep no indexer keys: they reuse the previous full layer's selection.
   * mha / gqa: "k" [B, S, kv_heads, head_dim] (after RoPE) and "v" [B, S, kv_heads, head_dim].
+B is axis 1 of a stacked buffer (axis 0 of an MTP depth's): a batch-sharded cache shards that axis.
+
+Why the padding (docs/inference.md, "Cache layout and DSA decode"): the TPU's default layout of a
+[.., S, 576] bf16 array puts S minor (576 is not a multiple of the 128-lane tile, S is), and a decode
+step that writes and gathers token rows then copied the whole cache into the row-major layout and back
+at every call (compiled for v5p, tools.aot's compiler). A multiple of 128 keeps the row-major layout, in
+which a 576-wide row occupies 640 lanes anyway.
 
 Cache slot == absolute token position of its row (prompts are RIGHT-padded, see decode.py), so a
 query at position p sees exactly the slots 0..p; slots past a row's frontier may hold garbage
@@ -20,7 +29,15 @@ import jax.numpy as jnp
 from glm5_jax.attention.core import write_cache as write
 from glm5_jax.layers.common import dtype_of
 
-__all__ = ["cache_numbers_per_token", "init_cache", "layer_cache", "write"]
+__all__ = ["KV_ALIGN", "cache_numbers_per_token", "init_cache", "kv_width", "layer_cache", "write"]
+
+KV_ALIGN = 128      # the MLA "kv" row width is padded to a multiple of this (module docstring)
+
+
+def kv_width(config) -> int:
+    """Columns of an MLA layer's "kv" buffer: kv_lora + qk_rope rounded up to a multiple of KV_ALIGN."""
+    n = config.kv_lora_rank + config.qk_rope_head_dim
+    return -(-n // KV_ALIGN) * KV_ALIGN
 
 
 def layer_cache(config, batch: int, size: int, indexer: bool, lead: tuple = ()) -> dict:
@@ -28,7 +45,7 @@ def layer_cache(config, batch: int, size: int, indexer: bool, lead: tuple = ()) 
     c, dt = config, dtype_of(config.dtype)
     z = lambda *shape: jnp.zeros(lead + (batch, size) + shape, dt)
     if c.is_mla:
-        out = {"latent": z(c.kv_lora_rank), "k_rope": z(c.qk_rope_head_dim)}
+        out = {"kv": z(kv_width(c))}
         if indexer:
             out["k_idx"] = z(c.index_head_dim)
         return out
@@ -44,7 +61,8 @@ def init_cache(config, batch: int, size: int, mtp_depths: int = 0) -> dict:
 
 
 def cache_numbers_per_token(config) -> int:
-    """Cached numbers per token summed over the main layers (e.g. GLM-5: 78 * 576 + indexer keys)."""
+    """Cached numbers per token summed over the main layers (e.g. GLM-5: 78 * 576 + indexer keys): the
+    model's numbers, without the "kv" row padding (`kv_width` gives the stored width)."""
     types = config.layer_indexer_types
     total = 0
     for i in range(config.num_layers):
