@@ -325,7 +325,7 @@ class EnvServer:
 
     def wait(self):
         """Block until the service stops (the command line's serve-until-killed)."""
-        self._served._thread.join()
+        self._served.wait()
 
     def close(self):
         self._served.close()

@@ -2,7 +2,7 @@
 chat endpoint (glm5_jax.agentic.http) and the tool environment services (glm5_jax.agentic.envs).
 
 Why aiohttp for all three: one maintained asyncio server with streamed responses (SSE) and a handler
-that learns when its client went away, where the standard library's ``http.server`` has neither; one
+that learns when its client went away, where the standard library's HTTP server has neither; one
 set of protections (body cap, request deadline, connection cap) written once here instead of per server.
 
 What each server gets from here:
@@ -99,12 +99,11 @@ def parse_json_bytes(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise HTTPError(400, f"the body is not valid UTF-8 ({e.reason} at byte {e.start})", close=True) from None
+        raise HTTPError(400, f"the body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     try:
         body = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
-        raise HTTPError(400, f"the body is not valid JSON: {type(e).__name__}: {short(str(e), 120)}",
-                        close=True) from None
+        raise HTTPError(400, f"the body is not valid JSON: {type(e).__name__}: {short(str(e), 120)}") from None
     bad = find_bad_string(body)
     if bad is not None:
         raise HTTPError(400, f"{bad} is invalid: not valid Unicode text (a lone surrogate escape such as \\ud800)",
@@ -212,7 +211,12 @@ class _Limits:
 
 class _Protocol(RequestHandler):
     """aiohttp's connection handler plus the request deadline, the connection cap, a JSON body for requests
-    aiohttp cannot parse, and a reply to a request whose client closed its sending side (half-close)."""
+    aiohttp cannot parse, and a reply to a request whose client closed its sending side (half-close).
+
+    It reads two attributes of aiohttp's RequestHandler that aiohttp does not document (``_waiter``: the
+    future of a connection waiting for its next request; ``_loop``), for the pinned aiohttp 3.14.5; the
+    env services' tests (slow headers, slow bodies, half-closed requests, the connection cap, the fuzz
+    run) fail if a later aiohttp changes them."""
 
     def __init__(self, manager, *, limits: _Limits, **kw):
         super().__init__(manager, **kw)
@@ -286,8 +290,9 @@ class _Protocol(RequestHandler):
         return True
 
     def handle_error(self, request, status=500, exc=None, message=None):
-        # a request aiohttp could not parse (bad request line, header, length): the server's JSON body
-        e = HTTPError(status if status < 500 else 400, f"bad request: {message or type(exc).__name__}", close=True)
+        # a request aiohttp could not parse (bad request line, header, length: its parser says 4xx): the
+        # server's JSON body instead of aiohttp's plain-text page, and no traceback in the log
+        e = HTTPError(status, f"bad request: {message or type(exc).__name__}", close=True)
         return reply(self.limits.render, e)
 
 
@@ -329,6 +334,10 @@ class Served:
         self._server.close()
         loop.run_until_complete(runner.cleanup())
         loop.close()
+
+    def wait(self):
+        """Block until the server stops (a command line's serve-until-killed)."""
+        self._thread.join()
 
     def close(self):
         if self._thread.is_alive():
