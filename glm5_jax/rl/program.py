@@ -43,6 +43,7 @@ from glm5_jax.model import forward, layer_slice_paths
 from glm5_jax.optim import make_optimizer, partition_params, scale_slices, slice_masks
 from glm5_jax.rl.losses import get_loss, group_advantages
 from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
+from glm5_jax.rl.rollout_engine import RolloutEngine, bytes_per_device
 from glm5_jax.rl.tasks import aggregate_statuses
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.observe import fmt_eta
@@ -194,6 +195,24 @@ def evaluate_accuracy(config, params, tasks: Sequence, vocab, *, max_new_tokens:
     return {"accuracy": agg["reward_mean"], "statuses": agg, "n": len(prompts)}
 
 
+def rollout_memory(state, engine) -> dict:
+    """Per-device bytes of a colocated RL step (the most loaded device): the training state (params +
+    optimizer state), the rollout copy and KV cache of the last rollout, the rollout programs' scratch,
+    ``rollout_peak_bytes_per_device`` = their sum (the rollout phase holds all four; the update only the
+    state, ``update_resident_bytes_per_device``), and the allocator's measured peak where the backend
+    reports one (``device_peak_bytes``; CPU does not)."""
+    st = max(bytes_per_device(state).values())
+    m = engine.last_memory
+    out = {"update_resident_bytes_per_device": st, "rollout_copy_bytes_per_device": m["copy_bytes_per_device"],
+           "rollout_cache_bytes_per_device": m["cache_bytes_per_device"],
+           "rollout_peak_bytes_per_device": st + m["copy_bytes_per_device"] + m["cache_bytes_per_device"]
+           + m["program_temp_bytes_per_device"]}
+    stats = [d.memory_stats() for d in engine.mesh.devices.flat]
+    if all(s and "peak_bytes_in_use" in s for s in stats):
+        out["device_peak_bytes"] = int(max(s["peak_bytes_in_use"] for s in stats))
+    return out
+
+
 def _mean_metrics(rows: list) -> dict:
     keys = rows[0].keys()
     return {k: float(np.mean([float(r[k]) for r in rows])) for k in keys}
@@ -210,7 +229,8 @@ def _jsonable(obj):
     return obj
 
 
-TIMING_KEYS = ("rollout_s", "update_s")      # the only fields of a history row that differ between runs
+# the only fields of a history row that differ between runs (the allocator's peak: where a backend reports one)
+TIMING_KEYS = ("rollout_s", "update_s", "device_peak_bytes")
 
 
 def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random], object], vocab, *,
@@ -218,7 +238,8 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
              eval_every: int = 0, metrics_path: Optional[str] = None, name: str = "grpo", mesh=None,
              advantage_fn: Optional[Callable[[list, dict], np.ndarray]] = None,
              stop_fn: Optional[Callable[[dict], bool]] = None, ckpt_dir: Optional[str] = None,
-             ckpt_every: int = 10, keep_checkpoints: int = 2) -> dict:
+             ckpt_every: int = 10, keep_checkpoints: int = 2,
+             on_rollout: Optional[Callable[[int, object], None]] = None) -> dict:
     """GRPO for ``rl.steps`` steps from ``params``. ``sample_task(rng) -> Task`` draws training prompts.
 
     Returns {"params", "history": per-step rows, "evals": [{"step", ...eval_fn(params)}], "stopped_at"}.
@@ -227,6 +248,12 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     batch already holds old_logp; row_tasks[b] is row b's task). On-policy distillation plugs in here
     (glm5_jax.rl.distill): the same loss, the same update, only the advantage differs.
     stop_fn(eval row) -> True ends the run after that evaluation (e.g. "until skill A degrades").
+    on_rollout(step, Rollout): called with each step's rollouts (their token ids, log-probs, rewards).
+    Rollouts: a ``RolloutEngine`` on ``mesh`` (glm5_jax.rl.rollout_engine): before each step the policy
+    is synced device to device into the serving layout (the mismatch copy made there), sampled with
+    ``infer.generate``'s programs, and released before the update. Each row reports the sync's bytes
+    (``sync_bytes_moved`` over all devices, ``sync_bytes_moved_per_device`` the most one device receives,
+    ``sync_host_bytes`` 0) and the per-device memory of the phases (``rollout_memory``).
     Seeds: step s draws its prompts from ``Random(seed, s)`` and samples with PRNG seed
     ``seed * 100_003 + s``, so arms started from the same checkpoint with the same seed see the same
     prompts at every step.
@@ -244,6 +271,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     from glm5_jax.train.state import abstract_state
     tx, _ = make_rl_optimizer(params, rl, config)
     update = make_update_step(config, rl, tx, mesh)
+    engine = RolloutEngine(config, mesh, mismatch=rl.mismatch)
     history, evals = [], []
     first, ckpt = 1, None
     if ckpt_dir is not None:
@@ -278,9 +306,14 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             tasks = [sample_task(rng) for _ in range(rl.prompts_per_step)]
             t_roll = time.time()
             params = state["params"]
-            ro = collect_rollouts(config, params, tasks, vocab, group_size=rl.group_size,
+            sync = engine.sync(params, step)          # the rollout copy, device to device, in the serving layout
+            ro = collect_rollouts(config, None, tasks, vocab, group_size=rl.group_size,
                                   max_new_tokens=rl.max_new_tokens, seed=rl.seed * 100_003 + step,
-                                  temperature=rl.temperature, mismatch=rl.mismatch)
+                                  temperature=rl.temperature, mismatch=rl.mismatch, engine=engine)
+            engine.release()                          # the update runs with the training state alone
+            memory = rollout_memory(state, engine)
+            if on_rollout is not None:
+                on_rollout(step, ro)
             adv = np.asarray(group_advantages(jnp.asarray(ro.rewards), rl.group_size))
             adv_train = adv
             if rl.adv_norm == "informative":
@@ -319,7 +352,9 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             row = {"step": step, "reward_mean": float(np.mean(ro.rewards)), **met,
                    "zero_adv_group_frac": flat_groups, "mean_length": float(np.mean(ro.lengths)),
                    **{f"status_{k}": v for k, v in stat.items() if k.startswith("frac_")},
-                   "rollout_s": t_upd - t_roll, "update_s": time.time() - t_upd}
+                   "rollout_s": t_upd - t_roll, "update_s": time.time() - t_upd,
+                   "sync_bytes_moved": sync["bytes_moved"], "sync_bytes_moved_per_device": sync["bytes_moved_per_device"],
+                   "sync_host_bytes": sync["host_bytes"], **memory}
             if eval_fn is not None and eval_every and (step % eval_every == 0 or step == rl.steps):
                 ev = {"step": step, **eval_fn(state["params"])}
                 evals.append(ev)

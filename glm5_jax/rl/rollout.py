@@ -26,7 +26,6 @@ samples with, while training stays float32:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import List, Sequence
 
 import jax
@@ -62,8 +61,11 @@ def rollout_params(params, mode: str = "none"):
     return _rollout_params(params, mode)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _rollout_params(params, mode: str):
+def mismatch_params(params, mode: str):
+    """The traced body of ``rollout_params`` (mode != "none"), for programs that also reshard the result
+    (``glm5_jax.rl.rollout_engine.RolloutEngine.sync``)."""
+    if mode == "none":
+        return params
     if mode == "bf16":
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype)
                             if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
@@ -83,6 +85,9 @@ def _rollout_params(params, mode: str):
     return jax.tree_util.tree_map_with_path(q, params)
 
 
+_rollout_params = jax.jit(mismatch_params, static_argnums=1)
+
+
 @dataclasses.dataclass
 class Rollout:
     prompts: List[List[int]]       # [B] prompt ids (each prompt repeated group_size times, consecutive)
@@ -98,12 +103,18 @@ class Rollout:
 
 
 def collect_rollouts(config, params, tasks: Sequence, vocab, *, group_size: int, max_new_tokens: int,
-                     seed: int, temperature: float = 1.0, mismatch: str = "none") -> Rollout:
-    """``group_size`` samples per task from the inference engine (params under ``mismatch``), scored."""
-    engine_params = rollout_params(params, mismatch)
+                     seed: int, temperature: float = 1.0, mismatch: str = "none", engine=None) -> Rollout:
+    """``group_size`` samples per task from the inference engine (params under ``mismatch``), scored.
+    engine: a synced ``RolloutEngine`` (glm5_jax.rl.rollout_engine; its mismatch mode, its mesh) samples
+    instead of ``infer.generate`` on ``params`` (then None); the same sampling, so the same rollouts."""
     prompts = [vocab.encode(t.prompt, bos=True) for t in tasks for _ in range(group_size)]
-    res = generate(config, engine_params, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                   seed=seed, stop_tokens=(vocab.newline_id,))
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_tokens=(vocab.newline_id,))
+    if engine is not None:
+        if engine.mismatch != mismatch:
+            raise ValueError(f"collect_rollouts: mismatch={mismatch!r} but the engine samples under {engine.mismatch!r}")
+        res = engine.generate(prompts, **kw)
+    else:
+        res = generate(config, rollout_params(params, mismatch), prompts, **kw)
     texts = [vocab.decode(res.tokens[i, :res.lengths[i]]) for i in range(len(prompts))]
     scored = [tasks[i // group_size].score(txt) for i, txt in enumerate(texts)]
     return Rollout(prompts=prompts, tokens=np.asarray(res.tokens, np.int32),

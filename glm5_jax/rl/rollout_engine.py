@@ -1,0 +1,222 @@
+"""The RL rollout engine: batch sampling in the serving layout on a mesh, weights synced device to device.
+
+Colocated RL (docs/rl.md, "RL on a mesh"): the training state and the rollouts share the devices. Before
+each rollout ``sync(params, version)`` makes the rollout copy of the policy in the serving engine's
+layout (``glm5_jax.serve.programs.Programs``: ``SERVE_RULES`` weights, the MoE's dropless all-to-all over
+``expert``) straight from the training layout, device to device: one jitted program whose input is the
+training arrays and whose output sharding is the serving one, so XLA moves the shards between devices
+(an all-gather where the training layout splits what serving replicates) and nothing goes through the
+host. The mismatch mode's fake quantisation (``rollout.rollout_params``: int8 ... int2, bf16) runs inside
+that same program, on the mesh, so the quantised copy is only ever the sharded serving copy.
+
+``generate`` runs ``glm5_jax.infer.generate``'s own prefill and decode loop (the same functions, so on one
+device the tokens and log-probs equal ``infer.generate``'s bit for bit, and on any mesh they equal them
+up to float reduction order) with the serving engine's layout: the prompts, the KV cache and every
+per-row array split over the batch axes (data x fsdp x expert, ``Programs.state``), attention
+data-parallel. The cache is allocated inside the prefill program on its shards and donated to the decode
+loop, so it lives only while a rollout runs; ``release()`` drops the rollout copy after the rollouts, so
+the update runs with the training state alone on the devices (no cache, no second copy).
+
+Why not the continuous-batching ``serve.Engine`` itself for GRPO: its requests sample with per-request
+PRNG keys (``fold_in(PRNGKey(seed), i)``) where ``infer.generate`` folds one key over the batch, so the
+rollouts (and every RL figure measured so far) would change; and it prefills one prompt per batch shard
+per loop step, which for RL's many short prompts costs a full decode step per prompt. The agentic
+rollout servers (``glm5_jax.agentic.server``), the judge and the multi-turn environments use it.
+
+Each sync reports the bytes it moves between devices (``reshard_bytes``: per device, the bytes of its
+serving shards that it did not already hold in the training layout; the host moves none) and the
+per-device memory of the rollout phase (``memory``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from glm5_jax.batch import BATCH_AXES
+from glm5_jax.infer import cache as kv
+from glm5_jax.infer import sampling
+from glm5_jax.infer.decode import (PREFILL_CHUNK, GenerateResult, _decode_loop, _reasons, prefill, prefill_chunks,
+                                   prepare_prompts, stop_array)
+from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, single_device_mesh, use_mesh
+
+__all__ = ["RolloutEngine", "reshard_bytes", "bytes_per_device"]
+
+
+def _slice_bounds(idx, shape):
+    return [(s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(idx, shape)]
+
+
+def _overlap(a, b) -> int:
+    return math.prod(max(0, min(a1, b1) - max(a0, b0)) for (a0, a1), (b0, b1) in zip(a, b))
+
+
+def reshard_bytes(src_tree, dst_shardings) -> dict:
+    """Bytes each device must receive to hold ``src_tree`` (jax Arrays) laid out by ``dst_shardings``:
+    for every leaf and device, the bytes of its target shard minus those it already holds in the source
+    layout. -> {device id: bytes} (0 where a device already holds its whole target shard)."""
+    out: dict = {}
+    for a, sh in zip(jax.tree.leaves(src_tree), jax.tree.leaves(dst_shardings)):
+        shape, item = a.shape, a.dtype.itemsize
+        have = {d.id: _slice_bounds(i, shape) for d, i in a.sharding.devices_indices_map(shape).items()}
+        for d, idx in sh.devices_indices_map(shape).items():
+            want = _slice_bounds(idx, shape)
+            need = math.prod(hi - lo for lo, hi in want)
+            held = _overlap(want, have[d.id]) if d.id in have else 0
+            out[d.id] = out.get(d.id, 0) + (need - held) * item
+    return out
+
+
+def bytes_per_device(tree) -> dict:
+    """{device id: bytes} of the shards of every jax Array in ``tree`` held by each device."""
+    out: dict = {}
+    for a in jax.tree.leaves(tree):
+        for s in a.addressable_shards:
+            out[s.device.id] = out.get(s.device.id, 0) + int(s.data.size) * a.dtype.itemsize
+    return out
+
+
+class RolloutEngine:
+    """Batch rollouts of ``config`` on ``mesh`` (None: one device) in the serving layout; see module doc.
+
+    ``sync(params, version)`` -> the sync's report; ``generate(prompts, ...)`` -> ``GenerateResult`` (as
+    ``infer.generate``; the batch must split evenly over the batch shards); ``release()`` drops the copy."""
+
+    def __init__(self, config, mesh=None, *, mismatch: str = "none", prefill_chunk: int = PREFILL_CHUNK):
+        from glm5_jax.rl.rollout import MISMATCH_MODES
+        from glm5_jax.serve.programs import serving_config
+        from glm5_jax.sharding import param_shardings
+        if mismatch not in MISMATCH_MODES:
+            raise ValueError(f"unknown mismatch mode {mismatch!r}; choose from {MISMATCH_MODES}")
+        self.mesh = single_device_mesh() if mesh is None else mesh
+        self.shards = math.prod(dict(self.mesh.shape).get(a, 1) for a in BATCH_AXES)
+        check_serving_mesh(config, self.mesh, self.shards)
+        self.config = serving_config(config, self.mesh)
+        self.mismatch, self.prefill_chunk = mismatch, int(prefill_chunk)
+        self.param_shardings = param_shardings(self.config, self.mesh, SERVE_RULES)
+        self.rows = NamedSharding(self.mesh, P(BATCH_AXES))
+        self.rep = NamedSharding(self.mesh, P())
+        self.params, self.version = None, None
+        self.last_sync: dict = {}
+        self.last_memory: dict = {}
+        self._compiled: dict = {}
+        self._sync_program = None
+
+    # ------------------------------------------------------------------ weights
+    def sync(self, params, version: int = 0) -> dict:
+        """The rollout copy of ``params`` (jax Arrays in any layout on this mesh's devices) in the serving
+        layout, under the mismatch mode, device to device. Returns {"bytes_moved" (all devices),
+        "bytes_moved_per_device" (the most any device receives), "host_bytes" (0: no array leaves the
+        devices), "copy_bytes_per_device", "seconds"}."""
+        t0 = time.perf_counter()
+        self.params = None                  # the old copy goes first: at most one rollout copy at a time
+        moved = reshard_bytes(params, self.param_shardings)
+        if self.mismatch == "none":
+            self.params = jax.device_put(params, self.param_shardings)
+        else:
+            if self._sync_program is None:     # the fake quantisation and the reshard in one program, on the mesh
+                from glm5_jax.rl.rollout import mismatch_params
+                self._sync_program = jax.jit(functools.partial(mismatch_params, mode=self.mismatch),
+                                             out_shardings=self.param_shardings)
+            self.params = self._sync_program(params)
+        jax.block_until_ready(self.params)
+        copy = bytes_per_device(self.params)
+        self.version = int(version)
+        self.last_sync = {"bytes_moved": int(sum(moved.values())), "bytes_moved_per_device": int(max(moved.values())),
+                          "host_bytes": 0, "copy_bytes_per_device": int(max(copy.values())),
+                          "seconds": time.perf_counter() - t0}
+        return self.last_sync
+
+    def release(self) -> None:
+        """Drop the rollout copy (the update then has the devices to itself; the cache is already gone)."""
+        self.params = None
+
+    # ------------------------------------------------------------------ programs
+    def _programs(self, b: int, p: int, size: int, n_new: int, greedy: bool, top_k: int, use_top_p: bool, chunk: int,
+                  n_stops: int):
+        from glm5_jax.serve.programs import Programs
+        key = (b, p, size, n_new, greedy, top_k, use_top_p, chunk, n_stops)
+        if key in self._compiled:
+            return self._compiled[key]
+        layout = Programs(self.config, self.mesh, max_batch=b, size=size)      # the serving engine's cache layout
+        cache_sh, cfg, rows, rep = layout.state["cache"], self.config, self.rows, self.rep
+
+        def prefill_fn(params, tokens, lens):
+            cache = jax.lax.with_sharding_constraint(kv.init_cache(cfg, b, size), cache_sh)   # allocated on its shards
+            return prefill(cfg, params, cache, tokens, lens, False, chunk)
+
+        def decode_fn(params, cache, logits0, lens, key, temperature, top_p, stops):
+            return _decode_loop(cfg, n_new, greedy, top_k, use_top_p, params, cache, logits0, lens, key, temperature,
+                                top_p, stops)
+
+        tok = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows)
+        lens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows)
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.params,
+                              self.param_shardings)
+        with use_mesh(self.mesh, SERVE_RULES):
+            pre = jax.jit(prefill_fn, in_shardings=(self.param_shardings, rows, rows),
+                          out_shardings=(rows, cache_sh)).lower(params, tok, lens).compile()
+            cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                 jax.eval_shape(lambda: kv.init_cache(cfg, b, size)), cache_sh)
+            logits = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32, sharding=rows)
+            f32 = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+            dec = jax.jit(decode_fn, in_shardings=(self.param_shardings, cache_sh, rows, rows, rep, rep, rep, rep),
+                          out_shardings=(rows, rows, rows, rows)).lower(
+                params, cache, logits, lens, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), f32, f32,
+                jax.ShapeDtypeStruct((n_stops,), jnp.int32, sharding=rep)).compile()
+        cache_bytes = int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))) // self.shards
+        temp = max(_temp_bytes(pre), _temp_bytes(dec))
+        self._compiled[key] = (pre, dec, cache_bytes, temp)
+        return self._compiled[key]
+
+    def generate(self, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] = (),
+                 max_len: Optional[int] = None) -> GenerateResult:
+        """``infer.generate`` (same arguments, same sampling) on the synced rollout copy, on the mesh."""
+        from glm5_jax.infer.decode import resolve_max_len
+        if self.params is None:
+            raise RuntimeError("RolloutEngine.generate before sync(params): no rollout weights on the devices")
+        sampling.validate(temperature, top_p, top_k)
+        tokens, lens = prepare_prompts(self.config, prompts)
+        b = tokens.shape[0]
+        if b % self.shards:
+            raise ValueError(f"{b} rollout rows do not split over the mesh's {self.shards} batch shards "
+                             f"({'*'.join(BATCH_AXES)}); use a multiple of {self.shards}")
+        size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len)
+        prefill_chunks(tokens.shape[1], self.prefill_chunk)     # a bad prefill_chunk fails before any compilation
+        stops = stop_array(stop_tokens)
+        pre, dec, cache_bytes, temp = self._programs(b, tokens.shape[1], size, int(max_new_tokens), temperature == 0,
+                                                     int(top_k), top_p < 1.0, self.prefill_chunk, stops.shape[0])
+        t0 = time.perf_counter()
+        tok_d, lens_d = jax.device_put((tokens, lens), self.rows)
+        logits0, cache = pre(self.params, tok_d, lens_d)
+        jax.block_until_ready(logits0)
+        t1 = time.perf_counter()
+        scalars = jax.device_put((jax.random.PRNGKey(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stops),
+                                 self.rep)
+        toks, lps, length, stopped = dec(self.params, cache, logits0, lens_d, *scalars)
+        del cache, logits0                  # the cache lives only while the rollout runs
+        toks, lps, length, stopped = jax.device_get((toks, lps, length, stopped))
+        t2 = time.perf_counter()
+        self.last_memory = {"cache_bytes_per_device": cache_bytes, "program_temp_bytes_per_device": temp,
+                            "copy_bytes_per_device": self.last_sync.get("copy_bytes_per_device", 0)}
+        return GenerateResult(tokens=np.asarray(toks), logprobs=np.asarray(lps), lengths=np.asarray(length, np.int32),
+                              finish_reasons=_reasons(stopped),
+                              stats={"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tokens": int(lens.sum()),
+                                     "generated_tokens": int(np.asarray(length).sum())})
+
+
+def _temp_bytes(compiled) -> int:
+    """Scratch bytes per device of a compiled program (XLA's memory analysis; 0 where unavailable)."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.temp_size_in_bytes) if m is not None else 0
+    except Exception:           # noqa: BLE001 -- some backends do not implement the analysis
+        return 0
