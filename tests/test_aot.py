@@ -305,3 +305,22 @@ def test_serving_flags_are_checked_before_compiling(capsys):
     assert "not supported for serving" in capsys.readouterr().err
     assert aot.main(["--program=decode", "--preset=tiny", "--topology=v5p:2x2x1", "--set", "train.lr=1"]) == 2
     assert "train" in capsys.readouterr().err
+
+
+def test_serving_program_the_compiler_refuses_is_a_report_with_fits_false(monkeypatch, capsys):
+    """A serving program over HBM (e.g. glm5 decode at 192 x 131072 on v5p:4x4x4: docs/inference.md) is a
+    report with fits false and the compiler's line, exit 1, as for the train step."""
+    import tools.aot as aot
+    import tools.aot_serve as aot_serve
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(101.23G) exceeds available HBM (95.74G).")
+
+    def refuse(r, log=None, save_hlo=None):
+        raise aot.DoesNotFit(msg, 9.0, 1.0)
+    monkeypatch.setattr(aot_serve, "compile_serving", refuse)
+    assert aot.main(["--program=decode", "--preset=tiny", "--topology=v5p:2x2x1", "--batch=8", "--json"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "the TPU compiler refused it" in out
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["fits"] is False and r["program"] == "decode" and r["batch"] == 8
+    assert r["per_device_bytes"]["temporaries"] == int(101.23 * 2**30)

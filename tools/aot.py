@@ -499,4 +499,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as the module tools.aot (not __main__): tools.aot_serve imports it, and DoesNotFit must be one class
+    from tools import aot
+    sys.exit(aot.main())
