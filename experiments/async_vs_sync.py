@@ -155,7 +155,7 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
                                 max_batch=acfg.max_batch, max_len=acfg.max_len, max_new_tokens=acfg.max_new_tokens,
                                 temperature=acfg.temperature, stop_tokens=(vocab.newline_id,), seed=acfg.seed,
                                 row_buckets=acfg.row_buckets, width_buckets=acfg.width_buckets,
-                                cpus=acfg.server_cpus or None)
+                                cpus=acfg.server_cpus or None, mesh=acfg.server_mesh or None)
         if before is None:
             before = evaluate(workers, vocab, test, max_turns=acfg.max_turns, max_len=acfg.max_len,
                               max_new_tokens=acfg.max_new_tokens)
@@ -163,7 +163,7 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
         t_arm = time.time()
         t_match = arms["async"]["wall_s"] if arm == "sync" else None
         r = run_agentic(cfg.model, sft_params, acfg, vocab, sample_task, log=log, workers=workers,
-                        snapshot_wall_s=t_match)
+                        snapshot_wall_s=t_match, mesh=mesh)
         evaluate_on_test = functools.partial(evaluate, workers, vocab, test, max_turns=acfg.max_turns,
                                              max_len=acfg.max_len, max_new_tokens=acfg.max_new_tokens)
         after = evaluate_on_test(r["params"])

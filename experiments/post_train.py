@@ -298,7 +298,7 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
 
     def general_stage(done):
         rm_params, rm_summary = reward_model_phase(done)
-        rm = RewardModel(mcfg.replace(reward_head=True), rm_params, seq_len=cfg.rm_train.seq_len, batch_size=64)
+        rm = RewardModel(mcfg.replace(reward_head=True), rm_params, seq_len=cfg.rm_train.seq_len, batch_size=64, mesh=mesh)
         w = cfg.general_weights
         hybrid = HybridReward(HybridConfig(weights={"general": w}, rm_center=0.0, rm_scale=cfg.rm_scale,
                                            guards=GuardConfig(truncation=cfg.truncation)),

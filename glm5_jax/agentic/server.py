@@ -71,7 +71,8 @@ class RolloutServer:
                  max_len: int = 64, max_new_tokens: int = 8, temperature: float = 1.0,
                  stop_tokens: Sequence[int] = (), batch_wait_s: float = 0.005, seed: int = 0,
                  keep_outputs: bool = False, row_buckets: Optional[Sequence[int]] = None,
-                 cpus: Optional[Sequence[int]] = None, width_buckets: Optional[Sequence[int]] = None):
+                 cpus: Optional[Sequence[int]] = None, width_buckets: Optional[Sequence[int]] = None,
+                 mesh: Optional[str] = None):
         pin_process(cpus)      # before JAX starts its thread pool in this process
         if max_new_tokens >= max_len:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be < max_len={max_len}")
@@ -103,15 +104,24 @@ class RolloutServer:
         self._counter = itertools.count()
         self._requests = 0
         self._generated = 0
+        # mesh: this server's engine on a mesh of its own process's devices ("data:2,expert:2"; the
+        # engine's layout, docs/inference.md); weights then go from the object store straight into their
+        # serving shards, never whole onto one device first
+        self.mesh = None
+        if mesh:
+            from glm5_jax.parallel.distributed import build_mesh
+            self.mesh = build_mesh(mesh, scope="local")
+            self.row_buckets = [self.max_batch]          # every decode step of a sharded batch runs all slots
         self.engine = Engine(config, self._device(params), max_batch=self.max_batch, max_model_len=self.max_len,
                              prefill_buckets=self.width_buckets, max_prompt_len=wmax,
                              decode_buckets=self.row_buckets, version=self.version, seed=self.seed,
-                             max_queue=1 << 16)
+                             max_queue=1 << 16, mesh=self.mesh)
 
-    @staticmethod
-    def _device(params):
+    def _device(self, params):
         import jax
         import jax.numpy as jnp
+        if self.mesh is not None:        # host arrays -> each device's serving shard (Engine.place_params)
+            return params
         return jax.tree.map(jnp.asarray, params)
 
     # ------------------------------------------------------------------ API
@@ -202,21 +212,34 @@ class RolloutServer:
         return out
 
 
-def worker_env(threads: int = 1) -> dict:
+def worker_env(threads: int = 1, devices: int = 1) -> dict:
     """Ray runtime_env for rollout actors: the repo on PYTHONPATH, JAX on CPU with ``threads`` compute
-    threads (so servers and the trainer do not all fight over the same cores)."""
+    threads (so servers and the trainer do not all fight over the same cores) and ``devices`` CPU devices
+    (a server whose engine owns a mesh)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     flags = f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} intra_op_parallelism_threads={threads}"
+    if devices > 1:
+        flags += f" --xla_force_host_platform_device_count={devices}"
     return {"env_vars": {"PYTHONPATH": root, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags,
                          "OMP_NUM_THREADS": str(threads), "TF_CPP_MIN_LOG_LEVEL": "3"}}
 
 
 def start_servers(n: int, config, params, *, threads: int = 1, **kw) -> dict:
     """Start ``n`` RolloutServer Ray actors named server-0..n-1 -> {name: handle}. ``params`` are sent
-    once (numpy); ``kw`` goes to RolloutServer. Ray must be initialised."""
+    once (numpy); ``kw`` goes to RolloutServer (``mesh="data:2,expert:2"``: each actor's engine on a mesh
+    of that many CPU devices of its own). Ray must be initialised."""
+    import math
+
     import jax
     import ray
-    actor = ray.remote(RolloutServer).options(num_cpus=0, max_concurrency=1000, runtime_env=worker_env(threads))
+
+    from glm5_jax.sharding import MeshError, parse_mesh_spec
+    devices = math.prod(parse_mesh_spec(kw["mesh"]).values()) if kw.get("mesh") else 1
+    if devices < 1:
+        raise MeshError(f"start_servers: mesh={kw['mesh']!r}: a server's mesh names every axis size (no -1): "
+                        "it fixes how many CPU devices each actor's process starts with")
+    actor = ray.remote(RolloutServer).options(num_cpus=0, max_concurrency=1000,
+                                              runtime_env=worker_env(threads, devices))
     ref = ray.put(jax.device_get(params))
     seed = kw.pop("seed", 0)
     return {f"server-{i}": actor.remote(config, ref, name=f"server-{i}", seed=seed + i, **kw)

@@ -61,6 +61,7 @@ class AgenticConfig:
     # their own CPUs, as GLM-5 runs rollout engines and the trainer on separate accelerators
     trainer_cpus: Tuple[int, ...] = ()
     server_cpus: Tuple[int, ...] = ()
+    server_mesh: str = ""            # each rollout server's engine on a mesh of its own devices ("data:2,expert:2")
     max_len: int = 48
     max_new_tokens: int = 10
     max_turns: int = 3
@@ -121,13 +122,18 @@ def make_agentic_loss_fn(config, eps_low: float, eps_high: float, temperature: f
 def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Callable, *,
                 log: Callable[[str], None] = print, workers: Optional[dict] = None, drain: bool = True,
                 snapshot_wall_s: Optional[float] = None, ckpt_dir: Optional[str] = None,
-                ckpt_every: int = 10) -> dict:
+                ckpt_every: int = 10, mesh=None) -> dict:
     """Train ``cfg.steps`` steps from ``params``. ``workers``: existing server handles (else started
     here, and killed at the end). ``snapshot_wall_s``: also return the policy as it stood at that many
     seconds into the timed region (the last step finished by then; the start params if none), to
     compare arms at the same wall-clock time. Returns {"params", "history", "accounting", "staleness",
     "wall_s", "trained_tokens", "trainer_idle_s", "dead", "requeued", "server_busy_s" (decode seconds in
     the timed region per server still alive at the end), "snapshot" ({"step", "params"}, or None)}.
+    mesh: where the trainer's state lives and its update runs (default one device); the servers own
+    their devices (``cfg.server_mesh``). A push is one gather of the policy to the trainer's host
+    (``push_bytes`` in the row), one ``ray.put`` into the object store (shared memory: the servers on
+    this node map it, nothing is pickled per server) and, in each server, a copy straight into its
+    engine's serving shards (docs/agentic_rl.md, "On a mesh").
 
     ckpt_dir: checkpoints inside the stage (glm5_jax.train.checkpoint.Checkpointer) every ``ckpt_every``
     steps, at the last step and on SIGTERM (then ``Preempted``, exit 143): the train state (params,
@@ -149,7 +155,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
     from glm5_jax.train.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
     from glm5_jax.train.state import abstract_state
     tx, _ = make_rl_optimizer(params, rl, model_cfg)
-    update = make_train_step(model_cfg, rl_train_config(rl), tx, None,
+    update = make_train_step(model_cfg, rl_train_config(rl), tx, mesh,
                              loss_fn=make_agentic_loss_fn(model_cfg, cfg.eps_low, cfg.eps_high, cfg.temperature))
     ckpt, found = None, None
     if ckpt_dir is not None:
@@ -163,13 +169,14 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
         log(f"[{cfg.mode}] resumed from step {found[0]} ({ckpt.directory})")
     else:
         first, saved = 1, None
-        state, _ = init_train_state(model_cfg, rl_train_config(rl), None, tx=tx, params=params)
+        state, _ = init_train_state(model_cfg, rl_train_config(rl), mesh, tx=tx, params=params)
     own = workers is None
     if own:
         workers = start_servers(cfg.servers, model_cfg, params, threads=cfg.server_threads, max_batch=cfg.max_batch,
                                 max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                 stop_tokens=(vocab.newline_id,), seed=cfg.seed, row_buckets=cfg.row_buckets,
-                                cpus=cfg.server_cpus or None, width_buckets=cfg.width_buckets)
+                                cpus=cfg.server_cpus or None, width_buckets=cfg.width_buckets,
+                                mesh=cfg.server_mesh or None)
     coord = Coordinator(workers, heartbeat_s=cfg.heartbeat_s, log=log)
     coord.check_health()                                  # waits for every actor to be up
     ray.get([h.warmup.remote() for h in coord.live().values()])   # every decode shape compiled, untimed
@@ -256,7 +263,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             met = jax.device_get(met)
             t_push = time.time()
             skipped = float(met["skipped"]) > 0
-            host = None
+            host, push_bytes = None, 0
             if skipped:       # not applied (non-finite loss / gradient / update): the policy did not change
                 skipped_total += 1
                 log(f"[{cfg.mode}] step {step}: the update is non-finite, not applied and not pushed "
@@ -267,6 +274,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                 # sync: the next rollouts must use the new weights, so wait; async: don't block the
                 # trainer on busy servers (replies checked at the next push)
                 host = jax.device_get(state["params"])
+                push_bytes = int(sum(a.nbytes for a in jax.tree.leaves(host)))
                 coord.push_weights(version, host, wait=cfg.mode == "sync")
             trained += [r.traj_id for r in batch_recs if r.refill_of is None]
             ntok = int(batch["mask"].sum())
@@ -276,6 +284,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                    "update_s": t_push - t_train, "push_s": time.time() - t_push,
                    "loss": float(met["loss"]), "masked_frac": float(met["masked_frac"]),
                    "abs_logratio": float(met["abs_logratio"]), "live_workers": len(coord.live()),
+                   "push_bytes": push_bytes,
                    "skipped_updates": skipped_total, **info_sum}
             history.append(row)
             if snapshot is not None and row["wall_s"] <= snapshot_wall_s:   # a copy: the next update reuses buffers

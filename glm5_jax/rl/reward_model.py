@@ -229,10 +229,13 @@ def _jitted_rewards(model_cfg: ModelConfig):
 
 
 def reward_scores(model_cfg: ModelConfig, params, seqs: Sequence[Sequence[int]], *, seq_len: int,
-                  batch_size: int = 32, pad_id: int = 0) -> np.ndarray:
+                  batch_size: int = 32, pad_id: int = 0, engine=None) -> np.ndarray:
     """Rewards [N] float32 of token-id sequences (left-truncated to seq_len), in fixed [batch_size, seq_len]
-    batches so the forward compiles once."""
-    fn = _jitted_rewards(model_cfg)
+    batches so the forward compiles once. engine: a ``RolloutEngine`` of ``model_cfg`` on a mesh whose
+    ``place`` laid ``params`` out; each batch then runs split over its batch axes."""
+    fn = _jitted_rewards(model_cfg if engine is None else engine.config)
+    if engine is not None:
+        fn = functools.partial(engine.apply, fn)
     out = []
     for i in range(0, len(seqs), batch_size):
         chunk = [list(s)[-seq_len:] for s in seqs[i:i + batch_size]]
@@ -243,7 +246,7 @@ def reward_scores(model_cfg: ModelConfig, params, seqs: Sequence[Sequence[int]],
                 raise ValueError(f"sequence {i + j} is empty; a reward needs at least one token")
             tokens[j, :len(ids)] = ids
             last[j] = len(ids) - 1
-        out.append(np.asarray(fn(params, jnp.asarray(tokens), jnp.asarray(last)))[:len(chunk)])
+        out.append(np.asarray(fn(params, tokens, last))[:len(chunk)])
     return np.concatenate(out).astype(np.float32) if out else np.zeros((0,), np.float32)
 
 
@@ -264,15 +267,21 @@ class RewardModel:
     The sequences are the policy's own ids (prompt + generated), never re-tokenised, so the policy and
     the RM must share the tokenizer (the same trunk's)."""
 
-    def __init__(self, model_cfg: ModelConfig, params, *, seq_len: int, batch_size: int = 32, pad_id: int = 0):
+    def __init__(self, model_cfg: ModelConfig, params, *, seq_len: int, batch_size: int = 32, pad_id: int = 0,
+                 mesh=None):
         if not model_cfg.reward_head:
             raise ConfigError("RewardModel needs ModelConfig.reward_head=True")
+        self.engine = None
+        if mesh is not None:        # resident on the mesh in the serving layout; batches split over the batch axes
+            from glm5_jax.rl.rollout_engine import RolloutEngine
+            self.engine = RolloutEngine(model_cfg, mesh)
+            params = self.engine.place(params)
         self.model_cfg, self.params = model_cfg, params
         self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
 
     def __call__(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         return reward_scores(self.model_cfg, self.params, seqs, seq_len=self.seq_len, batch_size=self.batch_size,
-                             pad_id=self.pad_id)
+                             pad_id=self.pad_id, engine=self.engine)
 
 
 def rm_init_params(path, model_cfg: ModelConfig, mesh=None, seed: int = 0):

@@ -108,7 +108,7 @@ def collect_rollouts(config, params, tasks: Sequence, vocab, *, group_size: int,
     engine: a synced ``RolloutEngine`` (glm5_jax.rl.rollout_engine; its mismatch mode, its mesh) samples
     instead of ``infer.generate`` on ``params`` (then None); the same sampling, so the same rollouts."""
     prompts = [vocab.encode(t.prompt, bos=True) for t in tasks for _ in range(group_size)]
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_tokens=(vocab.newline_id,))
+    kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "stop_tokens": (vocab.newline_id,)}
     if engine is not None:
         if engine.mismatch != mismatch:
             raise ValueError(f"collect_rollouts: mismatch={mismatch!r} but the engine samples under {engine.mismatch!r}")

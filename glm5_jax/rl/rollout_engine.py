@@ -33,21 +33,35 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from glm5_jax.batch import BATCH_AXES
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer import sampling
-from glm5_jax.infer.decode import (PREFILL_CHUNK, GenerateResult, _decode_loop, _reasons, prefill, prefill_chunks,
-                                   prepare_prompts, stop_array)
-from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, single_device_mesh, use_mesh
+from glm5_jax.infer.decode import (
+    PREFILL_CHUNK,
+    GenerateResult,
+    _decode_loop,
+    _reasons,
+    prefill,
+    prefill_chunks,
+    prepare_prompts,
+    stop_array,
+)
+from glm5_jax.sharding import (
+    SERVE_RULES,
+    check_serving_mesh,
+    single_device_mesh,
+    use_mesh,
+)
 
-__all__ = ["RolloutEngine", "reshard_bytes", "bytes_per_device"]
+__all__ = ["RolloutEngine", "bytes_per_device", "reshard_bytes"]
 
 
 def _slice_bounds(idx, shape):
@@ -87,7 +101,8 @@ class RolloutEngine:
     """Batch rollouts of ``config`` on ``mesh`` (None: one device) in the serving layout; see module doc.
 
     ``sync(params, version)`` -> the sync's report; ``generate(prompts, ...)`` -> ``GenerateResult`` (as
-    ``infer.generate``; the batch must split evenly over the batch shards); ``release()`` drops the copy."""
+    ``infer.generate``; the batch must split evenly over the batch shards); ``release()`` drops the copy.
+    ``place`` / ``apply``: resident scorers (teacher log-probs, reward-model scores) on the same layout."""
 
     def __init__(self, config, mesh=None, *, mismatch: str = "none", prefill_chunk: int = PREFILL_CHUNK):
         from glm5_jax.rl.rollout import MISMATCH_MODES
@@ -138,6 +153,22 @@ class RolloutEngine:
         """Drop the rollout copy (the update then has the devices to itself; the cache is already gone)."""
         self.params = None
 
+    # ------------------------------------------------------------------ resident scorers
+    def place(self, params):
+        """Weights that stay resident (a distillation teacher, a reward model) in the serving layout on this
+        mesh: device to device from wherever they are (host arrays are copied in once)."""
+        return jax.device_put(params, self.param_shardings)
+
+    def apply(self, fn, params, *rows):
+        """``fn(params, *rows)`` on the mesh, traced under the serving rules: ``params`` as ``place`` laid them
+        out, every ``rows`` array split over the batch axes (its leading dim must divide by the shards)."""
+        for a in rows:
+            if np.shape(a)[0] % self.shards:
+                raise ValueError(f"a batch of {np.shape(a)[0]} rows does not split over the mesh's {self.shards} "
+                                 f"batch shards ({'*'.join(BATCH_AXES)}); use a multiple of {self.shards}")
+        with use_mesh(self.mesh, SERVE_RULES):
+            return fn(params, *jax.device_put(rows, self.rows))
+
     # ------------------------------------------------------------------ programs
     def _programs(self, b: int, p: int, size: int, n_new: int, greedy: bool, top_k: int, use_top_p: bool, chunk: int,
                   n_stops: int):
@@ -178,7 +209,7 @@ class RolloutEngine:
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] = (),
-                 max_len: Optional[int] = None) -> GenerateResult:
+                 max_len: int | None = None) -> GenerateResult:
         """``infer.generate`` (same arguments, same sampling) on the synced rollout copy, on the mesh."""
         from glm5_jax.infer.decode import resolve_max_len
         if self.params is None:
