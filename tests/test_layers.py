@@ -1,6 +1,7 @@
 """Model parts against independent references: RoPE closed form, MoE routing loop, indexer formula,
 DSA == dense when top-k covers every key, causality, document masking, MTP."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,8 +196,7 @@ def test_remat_gives_identical_loss_and_gradients():
     for policy in ("full", "offload", "dots", True):   # offload: on CPU the saved inputs stay put
         l1, g1 = loss(cfg.replace(remat=policy))
         np.testing.assert_allclose(l0, l1, rtol=1e-6)
-        for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("types", [pytest.param(None, marks=pytest.mark.slow), ("full", "shared", "full", "shared", "shared")])

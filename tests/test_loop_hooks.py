@@ -4,6 +4,7 @@ and without them, and after a resume); train_stages passes each stage its hooks.
 
 import json
 
+import chex
 import jax
 import numpy as np
 
@@ -54,8 +55,7 @@ def test_hooks_run_at_their_steps_and_never_change_the_training(tmp_path):
     a = train(CFG, TC, Data(), tmp_path / "a", eval_fn=eval_fn, hooks=hooks, log=lambda m: None)
     b = train(CFG, TC, Data(), tmp_path / "b", log=lambda m: None)
     assert [r["loss"] for r in a["history"]] == [r["loss"] for r in b["history"]]
-    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a["params"], b["params"])
     assert [s for s in seen if s[0] == "time"] == [("time", i) for i in range(1, 7)]
     probes = [s for s in seen if s[0] == "probe"]
     assert [s[1] for s in probes] == [4, 6]                   # every 4 and at the end

@@ -5,6 +5,7 @@ and the HF export writes bf16 (each value the float32 master rounded to nearest 
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -44,8 +45,8 @@ def test_float32_master_state_bf16_compute_and_exact_checkpoint(tmp_path):
     ck.wait()
     back, _ = ck.restore(1, state)
     ck.close()
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
-        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal_dtypes(state, back)
+    chex.assert_trees_all_equal(state, back)
 
 
 def test_muon_momentum_float32_and_hf_export_bf16(tmp_path):
@@ -67,5 +68,4 @@ def test_muon_momentum_float32_and_hf_export_bf16(tmp_path):
     # explicit float32 keeps the masters bit-exact
     hf.save_checkpoint(CFG, state["params"], tmp_path / "f32", dtype="float32")
     _, params3 = hf.load_checkpoint(str(tmp_path / "f32"))
-    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params3)):
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    chex.assert_trees_all_equal(params3, state["params"])

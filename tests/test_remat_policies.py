@@ -3,6 +3,7 @@ every policy gives the loss and gradients of no remat; keeping a named activatio
 the compiled backward (compiled matmul FLOPs, tools.budget, strictly between remat full and none); bad
 remat_custom entries are refused naming the allowed names and places."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +42,7 @@ def test_named_policies_equal_no_remat_and_recompute_less_than_full(reference, p
     f, _ = _grad_fn(CFG.replace(remat=policy, remat_custom=POLICIES[policy]))
     l1, g1 = f(params)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-7)
     flops = lambda c: hlo_budget(c.as_text())["flops"]
     full = flops(_grad_fn(CFG.replace(remat="full"))[0].lower(params).compile())
     got = flops(f.lower(params).compile())
@@ -77,8 +77,7 @@ def _pretrain_grads(cfg, t: int, variants: dict):
     (l0, g0), *rest = [f(params) for f in fns.values()]
     for l1, g1 in rest:
         np.testing.assert_allclose(l0, l1, rtol=1e-6)
-        for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-7)
 
     def flops(name, spec):   # compiled dot FLOPs of the einsum `spec` (tools.budget's source names end with it)
         by = hlo_budget(fns[name].lower(params).compile().as_text())["flops_by_source_all"]

@@ -4,6 +4,7 @@ checks and the tools.train_reward_model CLI."""
 import json
 import random
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,7 +97,7 @@ def test_pair_that_the_chat_template_refuses_names_its_line(tmp_path, capsys):
     rc, _, err = _cli(["--data", _write(tmp_path / "p.jsonl", rows), "--eval", _write(tmp_path / "e.jsonl", rows[:2]),
                        "--workdir", str(tmp_path / "w")] + sum((["--set", s] for s in SMALL), []), capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1
-    assert f"p.jsonl:5: field 'rejected'" in err and "<|assistant|>" in err
+    assert "p.jsonl:5: field 'rejected'" in err and "<|assistant|>" in err
 
 
 def _tiny_rm():
@@ -135,10 +136,10 @@ def test_init_from_policy_checkpoint_keeps_trunk_and_adds_head(tmp_path):
     save_params(tmp_path / "policy", policy_cfg, policy)
     got = rm_init_params(str(tmp_path / "policy"), cfg)
     assert set(got) == set(policy) | {"reward_head"} and got["reward_head"]["kernel"].shape == (cfg.d_model, 1)
-    jax.tree.map(np.testing.assert_array_equal, {k: got[k] for k in policy}, policy)
+    chex.assert_trees_all_equal({k: got[k] for k in policy}, policy)
     save_params(tmp_path / "rm", cfg, rm_params)
     back = rm_init_params(str(tmp_path / "rm"), cfg)
-    jax.tree.map(np.testing.assert_array_equal, back, rm_params)
+    chex.assert_trees_all_equal(back, rm_params)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -101,8 +102,7 @@ def test_staged_run_killed_in_and_between_stages_resumes_to_uninterrupted_losses
         assert [r["step"] for r in b] == list(range(1, s.steps + 1))
         assert a == b, s.name                       # every metric of every step, bitwise
         assert [r["loss"] for r in resumed["stages"][i]["history"]] == [r["loss"] for r in a]
-    for x, y in zip(jax.tree_util.tree_leaves(out["params"]), jax.tree_util.tree_leaves(resumed["params"])):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(out["params"], resumed["params"])
 
     # (b) RoPE-only stage: the same pytree (paths, shapes, dtypes), only the model's rope_theta changed
     p0, p1, p2 = finals

@@ -2,7 +2,6 @@
 the activation sharding constraints really reach the compiled program on a mesh."""
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -119,3 +118,31 @@ def test_cross_entropy_value_and_grad_match_log_softmax_reference():
     # masked positions get exactly zero gradient
     g = np.asarray(jax.grad(ours)(logits))
     assert np.all(g[np.asarray(mask) == 0] == 0)
+
+
+@pytest.mark.parametrize("bad,msg", [({"loss_mask": (2, 9)}, "assert_equal_shape"),
+                                     ({"tokens": (2, 8), "tokens_dtype": jnp.float32}, "assert_type"),
+                                     ({k: (2, 2, 8) for k in ("tokens", "targets", "positions", "segment_ids",
+                                                              "loss_mask")}, "assert_rank")])
+def test_the_step_refuses_a_batch_outside_its_contract_while_tracing(bad, msg):
+    """chex at the step's boundary: token-level leaves of unequal shapes, float token ids, or an LM batch that is
+    not [B, T] fail when the step is traced (lowered), naming the check, before anything runs."""
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.train import TrainConfig
+    from glm5_jax.sharding import single_device_mesh
+    from glm5_jax.train.state import abstract_param_shapes, abstract_state, build_optimizer
+    from glm5_jax.train.step import make_train_step
+    cfg = ModelConfig(vocab_size=64, d_model=8, num_layers=1, num_heads=1, num_kv_heads=1, attention="mha",
+                      num_experts=0, mtp_depth=0, ffn_dim=8)
+    tc = TrainConfig(batch_size=2, seq_len=8, steps=1)
+    tx, _ = build_optimizer(cfg, tc, abstract_param_shapes(cfg))
+    step = make_train_step(cfg, tc, tx)
+    shapes = {k: bad.get(k, (2, 8)) for k in ("tokens", "targets", "positions", "segment_ids", "loss_mask")}
+    dtypes = {k: jnp.float32 if k == "loss_mask" else jnp.int32 for k in shapes}
+    dtypes["tokens"] = bad.get("tokens_dtype", jnp.int32)
+    batch = {k: jax.ShapeDtypeStruct(shapes[k], dtypes[k]) for k in shapes}
+    good = {k: jax.ShapeDtypeStruct((2, 8), dtypes[k] if k != "tokens" else jnp.int32) for k in shapes}
+    state, _ = abstract_state(cfg, tc, single_device_mesh(), tx)
+    step.lower(state, good)                      # the contract holds: it lowers
+    with pytest.raises(AssertionError, match=msg):
+        step.lower(state, batch)

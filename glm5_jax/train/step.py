@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -27,7 +28,7 @@ from glm5_jax.losses import chunked_cross_entropy, cross_entropy
 from glm5_jax.model import GLM5, per_layer
 from glm5_jax.mtp import mtp_batch, mtp_depth_targets, mtp_loss
 from glm5_jax.config import ConfigError
-from glm5_jax.batch import BATCH_AXES
+from glm5_jax.batch import BATCH_AXES, BATCH_KEYS
 from glm5_jax.sharding import batch_sharding, single_device_mesh, use_mesh
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.state import build_optimizer, state_shardings
@@ -247,6 +248,7 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
     if loss_fn is not None and mesh.shape.get("context", 1) > 1:
         raise ConfigError(f"mesh {dict(mesh.shape)}: context parallelism runs the LM loss (make_loss_fn) only; a "
                           "custom loss (RL, distillation) would see the sequence in the context layout. Use context:1")
+    lm_batch = loss_fn is None      # the LM loss reads [B, T] batches; RL / reward-model losses bring their own
     loss_fn = make_loss_fn(model_cfg, tcfg) if loss_fn is None else loss_fn
     pat = re.compile(tcfg.trainable_pattern) if tcfg.trainable_pattern else None
     shards = 1
@@ -260,6 +262,15 @@ def make_train_step(model_cfg: ModelConfig, tcfg: TrainConfig, tx: optax.Gradien
     value_and_grad = accumulated_value_and_grad(loss_fn, tcfg.grad_accum, mesh)
 
     def train_step(state, batch):
+        # the batch at the step's boundary (checked while tracing, so free at run time): the token-level
+        # leaves it holds (BATCH_KEYS) share one shape, [B, T] for the LM loss ([B, 2, T] reward-model pairs,
+        # other keys for RL); token ids are integers
+        token_level = [batch[k] for k in BATCH_KEYS if k in batch]
+        chex.assert_equal_shape(token_level)
+        if lm_batch:
+            chex.assert_rank(token_level, 2)
+        if "tokens" in batch:
+            chex.assert_type(batch["tokens"], int)
         (_, (metrics, loads)), grads = value_and_grad(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
