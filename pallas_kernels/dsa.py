@@ -53,10 +53,13 @@ per-(query, head, slot) P and scale*dS) exist in two lowerings:
     global memory (`k_ref[0, ids]`), 2-D tl.dots; H, D, kc padded to powers of two >= 16.
 Without interpret, `lax.platform_dependent` picks the kernel for the lowering platform (the
 indexer's kernels likewise: Mosaic here, Triton in `indexer_triton`).
-The backward runs in query chunks (`bwd_rows`): per chunk the kernel gives dq, P and dS
-[B, rows, H, K], and dk / dv are atomic-free XLA scatter-adds of the chunk's per-query rows
+The generic `sparse_attention`'s backward runs in query chunks (`bwd_rows`): per chunk the kernel gives
+dq, P and dS [B, rows, H, K], and dk / dv are atomic-free XLA scatter-adds of the chunk's per-query rows
 (dv[s] += sum_h P dO, dk[s] += sum_h scale dS q): no [T, H, K] or [T, K, D] array is ever
-materialised (docs/kernels.md: why dk/dv are not a kernel, and the compiled memory).
+materialised (docs/kernels.md: why these dk/dv are not a kernel, and the compiled memory). The model's own
+call, MLA's MQA form (`dsa_xla.sparse_mqa_uv` with `PallasRows`), does not take that path on TPU: its
+backward is `sparse_mqa_tpu.mqa_bwd`, which sums dK inside the kernel (`PallasRows` below; on GPU it is the
+jnp backward).
 
 Lowering and compilation: tests/test_pallas_lowering.py (jax.export for TPU and CUDA) and
 tests/test_kernel_compile.py (the real TPU compiler via libtpu, tools/compile_kernels.py).
