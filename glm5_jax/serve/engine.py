@@ -62,6 +62,7 @@ import numpy as np
 
 from glm5_jax.infer.speculative import _check as _check_speculative
 from glm5_jax.serve.detok import TextStream
+from glm5_jax.serve.multihost import Broadcast, is_leader, multi_process, to_host
 from glm5_jax.serve.programs import TOP_LOGPROBS, Programs
 from glm5_jax.serve.request import EngineError, QueueFull, RequestHandle, SamplingParams, TokenEvent
 from glm5_jax.sharding import SERVE_RULES
@@ -159,7 +160,9 @@ class Engine:
         self.max_queue, self.prefix_reuse, self.min_reuse = int(max_queue), bool(prefix_reuse), int(min_reuse)
         self.batching = batching
         self.params, self.version = self.programs.place_params(params), int(version)
-        self._pending_weights = None
+        self._pending_weights = None          # a version waiting to be swapped in (its params in self._weights)
+        self._weights: dict = {}              # version -> params handed to update_weights, not yet swapped in
+        self._bcast = Broadcast() if multi_process(self.programs.mesh) else None
         self._epoch = 0                       # weight swaps so far: rows of older epochs are never reused
         self._reset_cache()
         self.acceptance = {"length": 1.0, "per_depth": [], "steps": 0}
@@ -176,7 +179,7 @@ class Engine:
         self.metrics = metrics
         self.stats = collections.Counter()
         self._thread: Optional[threading.Thread] = None
-        if start:
+        if start and (self._bcast is None or is_leader()):     # other processes of a multi-process mesh run follow()
             self.start()
 
     @property
@@ -199,6 +202,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+        elif self._bcast is not None and is_leader():     # no loop thread to tell the followers
+            self._bcast.exchange(("stop", ()))
+            self._bcast = None
         for h in list(self._queue):
             h._finish("cancelled")
         for s in self.slots:
@@ -222,41 +228,97 @@ class Engine:
     def update_weights(self, params, version: int) -> None:
         """New weights from the next step on (tokens report the version that produced them)."""
         with self._cv:
-            self._pending_weights = (params, int(version))
+            self._weights[int(version)] = params
+            self._pending_weights = int(version)
             self._cv.notify_all()
 
     def warmup(self, echo: bool = False) -> list:
         """Compile every prefill bucket and every decode program now (rows that write nothing), the loop
         held. Returns the compiled prefill (bucket, echo) pairs."""
-        pr, n = self.programs, self.programs.shards
+        n, r = self.programs.shards, self.max_batch
         done = []
         self.pause()
         try:
-            z = np.zeros((n,), np.int32)
+            z, zf, zu = np.zeros((n,), np.int32), np.zeros((n,), np.float32), np.zeros((n,), np.uint32)
             for b in self.buckets:
                 for e in ((False, True) if echo else (False,)):
-                    self._prefill_call(b, e, z, z, np.zeros((n, b), np.int32), np.zeros((n, b), np.int32), z, z,
-                                       np.zeros((n,), np.float32), z, np.ones((n,), np.float32),
-                                       np.zeros((n,), np.uint32))
+                    zt = np.zeros((n, b), np.int32)
+                    self._op("prefill", b, e, z, z, zt, zt, z, z, zf, z, zf + 1, zu)
                     done.append((b, e))
-            r = self.max_batch
-            zb, fb = np.zeros((r,), np.int32), np.zeros((r,), np.float32)
-            idle = (zb, np.zeros((r,), bool), fb, zb, fb + 1, np.zeros((r,), np.uint32), zb)
             if self.num_draft:
+                idle = (np.zeros((r,), np.int32), np.zeros((r,), bool), np.zeros((r,), np.float32),
+                        np.zeros((r,), np.int32), np.ones((r,), np.float32), np.zeros((r,), np.uint32),
+                        np.zeros((r,), np.int32))
                 for greedy in (True, False):
-                    self.state, *_ = pr.call(pr.spec_decode(greedy), self.params, self.state, *idle)
+                    self._op("spec_decode", greedy, *idle)
             else:
                 for rows in self.decode_buckets:
-                    z1, f1 = np.zeros((rows,), np.int32), np.zeros((rows,), np.float32)
-                    *_, lay = pr.call(pr.decode_rows(rows), self.params, self.state["cache"]["layers"], z1, z1,
-                                      np.zeros((rows,), bool), f1, z1, f1 + 1, np.zeros((rows,), np.uint32), z1)
-                    self._set_layers(lay)
+                    zi, zf = np.zeros((rows,), np.int32), np.zeros((rows,), np.float32)
+                    self._op("decode", rows, zi, zi, np.zeros((rows,), bool), zf, zi, zf + 1,
+                             np.zeros((rows,), np.uint32), zi)
                 if len(self.decode_buckets) > 1:
-                    self._set_layers(pr.call(pr.move_row(), self.state["cache"]["layers"], np.int32(0), np.int32(0)))
+                    self._op("move", np.int32(0), np.int32(0))
             jax.block_until_ready(self.state)
         finally:
             self.resume()
         return done
+
+    # ---------------------------------------------------------------- device operations
+    def _op(self, op: str, *args):
+        """Run one device operation; over several processes process 0 broadcasts it first and every other
+        process runs the same (`follow`), so all issue the same programs in the same order."""
+        if self._bcast is not None:
+            self._bcast.exchange((op, args))
+        return self._run(op, args)
+
+    def _run(self, op: str, args):
+        pr = self.programs
+        if op == "prefill":
+            return to_host(self._prefill_call(*args))
+        if op == "decode":
+            rows, *a = args
+            *out, lay = pr.call(pr.decode_rows(rows), self.params, self.state["cache"]["layers"], *a)
+            self._set_layers(lay)
+            return to_host(tuple(out))
+        if op == "spec_decode":
+            greedy, *a = args
+            self.state, *out = pr.call(pr.spec_decode(greedy), self.params, self.state, *a)
+            return to_host(tuple(out))
+        if op == "move":
+            self._set_layers(pr.call(pr.move_row(), self.state["cache"]["layers"], *args))
+            return None
+        if op == "reset":
+            self._reset_cache()
+            return None
+        if op == "weights":
+            self.params = pr.place_params(self._take_weights(args[0]))
+            return None
+        raise ValueError(f"unknown engine operation {op!r}")
+
+    def _take_weights(self, version: int):
+        """The params handed to update_weights for `version` (on a follower, wait for that call)."""
+        with self._cv:
+            while version not in self._weights:
+                self._cv.wait()
+            params = self._weights.pop(version)
+            for v in [v for v in self._weights if v < version]:
+                del self._weights[v]
+            return params
+
+    def follow(self) -> None:
+        """Processes other than 0: run process 0's device operations until it shuts down. Weight pushes
+        need `update_weights(params, version)` on every process (each passes its handles of the same
+        global arrays); the swap happens when process 0 makes it."""
+        if self._bcast is None:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process engine")
+        while True:
+            op, args = self._bcast.exchange()
+            if op == "stop":
+                return
+            try:
+                self._run(op, args)
+            except Exception:           # process 0 saw the same failure: it fails its requests and resets
+                traceback.print_exc()
 
     def _set_layers(self, layers):
         self.state = dict(self.state, cache=dict(self.state["cache"], layers=layers))
@@ -328,13 +390,16 @@ class Engine:
                         self._idle.set()
                     self._cv.wait()
                 if self._stop:
+                    if self._bcast is not None:
+                        self._bcast.exchange(("stop", ()))
+                        self._bcast = None
                     return
-                if self._pending_weights is not None:
-                    params, self.version = self._pending_weights
-                    self.params = self.programs.place_params(params)
-                    self._pending_weights = None
-                    self._epoch += 1
+                swap, self._pending_weights = self._pending_weights, None
             try:
+                if swap is not None:
+                    self._op("weights", swap)
+                    self.version = swap
+                    self._epoch += 1
                 self._cancel_requests()
                 self._admit()
                 if any(s.fill is not None for s in self.slots):
@@ -349,7 +414,7 @@ class Engine:
                     if s.handle is not None:
                         s.handle._finish("error", msg)
                     s.handle, s.fill, s.cached = None, None, np.zeros((0,), np.int32)   # the rows are zeroed below
-                self._reset_cache()
+                self._op("reset")
             if self.metrics is not None:
                 self.metrics.observe_engine(self)
 
@@ -457,9 +522,8 @@ class Engine:
             targets[k, :len(nxt)] = nxt
             temp[k], top_k[k], top_p[k], seed[k] = h.params.temperature, h.params.top_k, h.params.top_p, s.seed
         t0 = time.perf_counter()
-        out = self._prefill_call(width, any(s.fill.echo is not None for s in rows.values()), lslot, lsrc, toks,
-                                 targets, start, length, temp, top_k, top_p, seed)
-        tok, lp_s, lp_m, ti, tv, ech = jax.device_get(out)
+        tok, lp_s, lp_m, ti, tv, ech = self._op("prefill", width, any(s.fill.echo is not None for s in rows.values()),
+                                                lslot, lsrc, toks, targets, start, length, temp, top_k, top_p, seed)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_calls"] += 1
         for k, s in rows.items():
@@ -492,10 +556,8 @@ class Engine:
         if not high:
             return
         holes = sorted((s for s in self.slots[:need] if s.handle is None), key=self._keep)
-        pr = self.programs
         for src, dst in zip(high, holes):
-            self._set_layers(pr.call(pr.move_row(), self.state["cache"]["layers"], np.int32(dst.index),
-                                     np.int32(src.index)))
+            self._op("move", np.int32(dst.index), np.int32(src.index))
             dst.handle, dst.pos, dst.next_token, dst.seed = src.handle, src.pos, src.next_token, src.seed
             dst.cached, dst.last_used, dst.epoch = src.cached, src.last_used, src.epoch   # src's row still holds them
             src.handle = None
@@ -519,12 +581,8 @@ class Engine:
             seeds[i], counts[i] = s.seed, len(h.tokens)
         if self.num_draft:
             return self._spec_step(dec, pos, active, temp, top_k, top_p, seeds, counts)
-        pr = self.programs
         t0 = time.perf_counter()
-        nxt, lp_s, lp_m, ti, tv, lay = pr.call(pr.decode_rows(b), self.params, self.state["cache"]["layers"], tok, pos,
-                                               active, temp, top_k, top_p, seeds, counts)
-        self._set_layers(lay)
-        nxt, lp_s, lp_m, ti, tv = jax.device_get((nxt, lp_s, lp_m, ti, tv))
+        nxt, lp_s, lp_m, ti, tv = self._op("decode", b, tok, pos, active, temp, top_k, top_p, seeds, counts)
         self.stats["steps"] += 1
         self.stats["slot_steps"] += len(dec)
         self.stats["decode_rows"] += b
@@ -536,13 +594,11 @@ class Engine:
             self._deliver(s, int(nxt[i]), float(lp_m[i]), float(lp_s[i]), ti[i], tv[i])
 
     def _spec_step(self, dec, pos, active, temp, top_k, top_p, seeds, counts):
-        n, pr = self.num_draft, self.programs
+        n = self.num_draft
         greedy = bool(np.all(temp[active] <= 0))
         e = np.where(active, pos - 1, 0).astype(np.int32)
         t0 = time.perf_counter()
-        self.state, g, lp, a = pr.call(pr.spec_decode(greedy), self.params, self.state, e, active, temp, top_k, top_p,
-                                       seeds, counts)
-        g, lp, a = jax.device_get((g, lp, a))
+        g, lp, a = self._op("spec_decode", greedy, e, active, temp, top_k, top_p, seeds, counts)
         self.stats["steps"] += 1
         self.stats["slot_steps"] += len(dec)
         self.stats["decode_rows"] += len(pos)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.batch import BATCH_AXES
@@ -29,6 +30,7 @@ from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
 from glm5_jax.infer.sampling import sample_rows
 from glm5_jax.infer.speculative import mtp_pass, speculative_step
 from glm5_jax.layers.common import dtype_of
+from glm5_jax.serve.multihost import multi_process, to_global
 from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, param_shardings, single_device_mesh, use_mesh
 
 __all__ = ["Programs", "TOP_LOGPROBS", "serving_config"]
@@ -95,8 +97,11 @@ class Programs:
                          (), self.state)()
 
     def place_params(self, params):
-        """`params` laid out by the serving rules (device to device; a no-op where they already are)."""
-        return jax.device_put(params, self.params)
+        """`params` laid out by the serving rules (device to device; a no-op where they already are). Over
+        several processes a leaf that is not yet a global array must hold the same value on every process."""
+        if not multi_process(self.mesh):
+            return jax.device_put(params, self.params)
+        return jax.tree.map(to_global, params, self.params)
 
     def per_device_bytes(self, state) -> dict:
         """Bytes of each state array on one device (its addressable shard) and in total."""
@@ -113,6 +118,11 @@ class Programs:
         return self._jits[key]
 
     def call(self, fn, *args):
+        """fn(*args) traced under the mesh. Over several processes, host arguments (identical on every
+        process) become global arrays: per-slot / per-row arrays split over the batch axes, scalars replicated."""
+        if multi_process(self.mesh):
+            args = tuple(to_global(a, self.rows if np.ndim(a) else self.rep) if isinstance(a, (np.ndarray, np.generic))
+                         else a for a in args)
         with use_mesh(self.mesh, self.rules):
             return fn(*args)
 
