@@ -103,6 +103,22 @@ def _semantic(ex, work, shards, clean: CleanConfig, prior, partitions) -> np.nda
     return dedup.merge_partitions(work, "semantic", partitions)
 
 
+def _dedup_stage(ex, work, shards, clean: CleanConfig, stage: str, done: tuple, partitions: int) -> np.ndarray:
+    """Run one dedup stage over what the `done` stages kept (unless finished); its removal list."""
+    path = dedup.removed_path(work, stage)
+    if not os.path.exists(path):
+        if stage == "exact":
+            ex.map(dedup.exact_partition, [(work, shards, r, done) for r in range(partitions)])
+            pairs = dedup.merge_partitions(work, stage, partitions)
+        elif stage == "near":
+            ex.map(dedup.near_partition, [(work, shards, r, done, clean.near_threshold) for r in range(partitions)])
+            pairs = dedup.merge_partitions(work, stage, partitions)
+        else:
+            pairs = _semantic(ex, work, shards, clean, done, partitions)
+        dedup.save_atomic(path, pairs)
+    return np.load(path)
+
+
 def _log(quiet: bool, msg: str) -> None:
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
@@ -138,12 +154,12 @@ def prepare(input: str, tokenizer: str, out: str, *, vocab_size: int | None = No
     if resume:
         _remove_partial(out)
         _log(quiet, f"prepare_data: resuming the unfinished run in {out}")
+    _write_json(os.path.join(work, PLAN), {"key": key, "input": input, "shard_docs": shard_docs})  # first: resumable
     name = os.path.basename(tok.model_path)
     tok_copy = os.path.join(out, name)
     if not os.path.exists(tok_copy):
         shutil.copyfile(tok.model_path, tok_copy + ".tmp-copy")
         os.replace(tok_copy + ".tmp-copy", tok_copy)
-    _write_json(os.path.join(work, PLAN), {"key": key, "input": input, "shard_docs": shard_docs})
     shards = plan_shards(corpus, shard_docs)
     partitions = len(shards)
     ex = make_executor(workers, ray_address)
@@ -159,19 +175,7 @@ def prepare(input: str, tokenizer: str, out: str, *, vocab_size: int | None = No
         done: list[str] = []
         for stage in clean.dedup:
             t = time.perf_counter()
-            path = dedup.removed_path(work, stage)
-            if not os.path.exists(path):
-                if stage == "exact":
-                    ex.map(dedup.exact_partition, [(work, shards, r, tuple(done)) for r in range(partitions)])
-                    pairs = dedup.merge_partitions(work, stage, partitions)
-                elif stage == "near":
-                    ex.map(dedup.near_partition, [(work, shards, r, tuple(done), clean.near_threshold)
-                                                  for r in range(partitions)])
-                    pairs = dedup.merge_partitions(work, stage, partitions)
-                else:
-                    pairs = _semantic(ex, work, shards, clean, done, partitions)
-                dedup.save_atomic(path, pairs)
-            removed[stage] = np.load(path)
+            removed[stage] = _dedup_stage(ex, work, shards, clean, stage, tuple(done), partitions)
             done.append(stage)
             seconds[stage] = round(time.perf_counter() - t, 3)
             _log(quiet, f"prepare_data: {stage} dedup removed {len(removed[stage])} documents ({seconds[stage]} s)")
