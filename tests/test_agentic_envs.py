@@ -286,6 +286,14 @@ def test_subprocess_service():
         p.wait(timeout=10)
 
 
+def test_service_imports_without_jax():
+    """The services run on rollout hosts: importing them (with the shared HTTP stack, glm5_jax.serve.http)
+    loads neither jax nor the serving engine."""
+    code = "import sys, glm5_jax.agentic.envs; print(sorted(m for m in ('jax', 'glm5_jax.serve.engine') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def _raw_ok(url) -> bool:
     import urllib.request
     with urllib.request.urlopen(url + "/health", timeout=5) as r:
