@@ -1,0 +1,115 @@
+"""Colocated RL on 8 forced CPU devices (a subprocess: the device count is fixed at JAX start-up).
+
+Against the unsharded run (one device, the reference), on the mesh data:2,fsdp:2,expert:2:
+* ``run_grpo`` (GRPO + IcePop under an int8 rollout mismatch, two minibatches per step) logs the same
+  losses and metrics (rtol 1e-5) and samples the very same token ids at every step (``on_rollout``);
+  the mesh run's rows report the bytes its syncs moved between devices (the all-gather of the
+  fsdp-split policy into the replicated serving layout, computed independently here from the shapes)
+  and none through the host;
+* a weight sync runs under JAX's transfer guard with host <-> device transfers disallowed (so no array
+  goes through the host), leaves every leaf in the serving layout, and the synced engine then decodes
+  exactly (tokens and log-probs, bitwise) as a fresh engine built from the new weights;
+* the rollout engine on one device samples bit for bit what ``infer.generate`` samples.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""
+    import dataclasses, random
+    import jax, numpy as np
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.infer import generate
+    from glm5_jax.model import init_params
+    from glm5_jax.parallel.distributed import build_mesh
+    from glm5_jax.rl.program import TIMING_KEYS, RLConfig, run_grpo
+    from glm5_jax.rl.rollout import rollout_params
+    from glm5_jax.rl.rollout_engine import RolloutEngine
+    from glm5_jax.rl.sft import CharVocab
+    from glm5_jax.sharding import LOGICAL_RULES, param_shardings
+    assert len(jax.devices()) == 8
+    V = CharVocab()
+    cfg = ModelConfig(vocab_size=V.padded_size(), d_model=32, num_layers=2, num_heads=2, q_lora_rank=16,
+                      kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=4, v_head_dim=16, ffn_dim=64,
+                      attention="dsa", index_topk=4, index_n_heads=2, index_head_dim=8, num_experts=0,
+                      mtp_depth=0, attn_chunk=16, initializer_range=0.1)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    mesh = build_mesh("data:2,fsdp:2,expert:2")
+
+    @dataclasses.dataclass
+    class Digits:       # reward: the completion holds the prompt's digit (varies within a group: non-zero advantages)
+        prompt: str
+        def score(self, text):
+            return (1.0, "correct") if self.prompt[-2] in text else (0.0, "wrong")
+
+    def task(rng):
+        return Digits(f"{rng.randint(1, 9)}+{rng.randint(1, 9)}=")
+
+    rl = RLConfig(loss="icepop", steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, max_prompt_len=8,
+                  minibatches=2, learning_rate=3e-3, mismatch="int8")
+    runs = {}
+    for name, m in (("one", None), ("mesh", mesh)):
+        toks = []
+        r = run_grpo(cfg, params, rl, task, V, mesh=m, log=lambda s: None,
+                     on_rollout=lambda step, ro: toks.append((ro.tokens.copy(), ro.infer_logp.copy())))
+        runs[name] = (r["history"], toks)
+    (h1, t1), (hm, tm) = runs["one"], runs["mesh"]
+    assert any(abs(h["loss"]) > 1e-4 for h in h1), [h["loss"] for h in h1]     # the comparison is not vacuous
+    for a, b in zip(h1, hm):
+        for k in ("loss", "pop_frac", "clip_frac", "mismatch_kl", "grad_norm", "update_norm", "reward_mean"):
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    for (ta, la), (tb, lb) in zip(t1, tm):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_allclose(lb, la, atol=1e-5)
+    # bytes a sync moves: the training layout splits leaves over fsdp (2 ways); serving replicates them,
+    # so each device receives every leaf minus the part it holds
+    train_sh = param_shardings(cfg, mesh, LOGICAL_RULES)
+    held = sum(int(np.prod(sh.shard_shape(leaf.shape))) * 4
+               for leaf, sh in zip(jax.tree.leaves(params), jax.tree.leaves(train_sh)))
+    full = sum(leaf.size * 4 for leaf in jax.tree.leaves(params))
+    assert all(h["sync_host_bytes"] == 0 for h in hm)
+    assert hm[0]["sync_bytes_moved"] == 8 * (full - held), (hm[0]["sync_bytes_moved"], full, held)
+    assert h1[0]["sync_bytes_moved"] == 0                      # one device: the copy stays where it is
+    assert hm[0]["rollout_cache_bytes_per_device"] * 8 == h1[0]["rollout_cache_bytes_per_device"]
+    assert all(k in hm[0] for k in ("rollout_peak_bytes_per_device", "update_resident_bytes_per_device"))
+
+    # a weight sync moves nothing through the host, and then decodes as an engine built from the new weights
+    new = jax.tree.map(lambda x: x * 1.01, params)
+    new_train = jax.device_put(new, train_sh)                 # the trainer's layout
+    prompts = [V.encode(s, bos=True) for s in ("1+2=", "3+4=", "15+7=", "9=") * 2]
+    kw = dict(max_new_tokens=5, temperature=1.0, seed=11, stop_tokens=(V.newline_id,))
+    eng = RolloutEngine(cfg, mesh, mismatch="int8")
+    eng.sync(jax.device_put(params, train_sh), 0)
+    eng.generate(prompts, **kw)
+    with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
+        rep = eng.sync(new_train, 1)
+    assert rep["host_bytes"] == 0 and rep["bytes_moved"] > 0
+    for leaf, sh in zip(jax.tree.leaves(eng.params), jax.tree.leaves(eng.param_shardings)):
+        assert leaf.sharding.is_equivalent_to(sh, leaf.ndim), (leaf.sharding, sh)
+    got = eng.generate(prompts, **kw)
+    fresh = RolloutEngine(cfg, mesh, mismatch="int8")
+    fresh.sync(jax.device_put(new, jax.devices()[0]), 0)
+    want = fresh.generate(prompts, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+
+    # one device: the engine's rollouts are infer.generate's, bit for bit
+    one = RolloutEngine(cfg, None, mismatch="int8")
+    one.sync(params, 0)
+    a = one.generate(prompts, **kw)
+    b = generate(cfg, rollout_params(params, "int8"), prompts, **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    print("OK")
+""")
+
+
+def test_colocated_grpo_on_a_mesh_matches_one_device_and_syncs_device_to_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
