@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import re
 import unicodedata
@@ -154,6 +155,11 @@ def minhash_signature(text: str, cfg: CleanConfig) -> np.ndarray:
 def lsh_bands(cfg: CleanConfig) -> tuple[int, int]:
     """(bands, rows per band) that datasketch's MinHashLSH picks for near_threshold and num_perm, weighted
     for recall (false-negative weight 0.9): candidates are confirmed by the signatures' estimate."""
-    from datasketch import MinHashLSH
-    lsh = MinHashLSH(threshold=cfg.near_threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9))
+    return _lsh_bands(cfg.near_threshold, cfg.num_perm)
+
+
+@functools.lru_cache(maxsize=8)
+def _lsh_bands(threshold: float, num_perm: int) -> tuple[int, int]:
+    from datasketch import MinHashLSH        # its banding optimiser integrates numerically: ~0.5 s a call
+    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=(0.1, 0.9))
     return int(lsh.b), int(lsh.r)
