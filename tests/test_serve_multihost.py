@@ -73,3 +73,60 @@ def test_two_process_engine_equals_one_device_engine(tmp_path):
             p.kill()
     assert procs[0].returncode == 0 and "LEADER OK" in outs[0], outs[0][-5000:]
     assert procs[1].returncode == 0 and "FOLLOWER DONE" in outs[1], outs[1][-5000:]
+
+
+def test_serve_cli_over_two_processes_answers_like_the_one_device_model(tmp_path):
+    """`python -m tools.serve --mesh=data:2,expert:2` started on two processes (GLM5_* environment): process 0
+    answers the openai client with the greedy completion of the one-device model; process 1 follows and
+    exits when process 0 is stopped."""
+    import signal
+    import time
+    import urllib.request
+
+    import jax
+    import openai
+
+    from glm5_jax import hf, model
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.data.tokenizer import train_hf_tokenizer
+    from glm5_jax.infer import generate
+
+    d = str(tmp_path)
+    tok = train_hf_tokenizer(["Hello world, this is a tiny model answering questions.\n"] * 40, 300,
+                             os.path.join(d, "tokenizer.json"))
+    cfg = ModelConfig(vocab_size=tok.vocab_size, num_layers=2, num_experts=4, experts_per_tok=2, mtp_depth=0)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    hf.save_checkpoint(cfg, params, d)
+    prompt = tok.encode("Hello world, this")
+    want = tok.decode(generate(cfg, params, [prompt], max_new_tokens=6, temperature=0.0).tokens[0].tolist())
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, GLM5_HUGEPAGES="0",
+                   XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
+                   GLM5_COORDINATOR_ADDRESS=f"127.0.0.1:{ports[0]}", GLM5_NUM_PROCESSES="2", GLM5_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tools.serve", f"--model={d}", f"--port={ports[1]}",
+                                       "--mesh=data:2,expert:2", "--max_batch=4", "--max_model_len=32",
+                                       "--served_model_name=tiny", "--nowarmup"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    url = f"http://127.0.0.1:{ports[1]}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except Exception:
+                assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+        assert got.choices[0].text == want, (got.choices[0].text, want)
+        procs[0].send_signal(signal.SIGINT)
+        assert procs[1].wait(120) == 0, procs[1].communicate()[0][-3000:]
+    finally:
+        for p in procs:
+            p.kill()

@@ -7,7 +7,9 @@
 --mesh serves on a device mesh (a pod slice, or 8 fake CPU devices with
 XLA_FLAGS=--xla_force_host_platform_device_count=8): the weights are read straight into the serving layout
 (glm5_jax.sharding.SERVE_RULES), the cache slots are split over data x fsdp x expert (max_batch must divide),
-the MoE runs expert-parallel (docs/inference.md, "Sharding for serving").
+the MoE runs expert-parallel (docs/inference.md, "Sharding for serving"). Over several processes (a multi-host
+slice) start the same command on every host with GLM5_COORDINATOR_ADDRESS / GLM5_NUM_PROCESSES / GLM5_PROCESS_ID
+(or GLM5_DISTRIBUTED=auto on a TPU VM): process 0 serves HTTP and schedules, the others follow its steps.
 
 PATH: a Hugging Face folder (config.json + safetensors [+ tokenizer.json]), an experiments.run workdir
 or a params checkpoint (tools.convert_hf's config.json + params/); give --tokenizer when PATH has no
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 from absl import app, flags, logging
 
 from glm5_jax.cli import main_wrapper
@@ -69,8 +72,8 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
         kw["speculative"] = int(num_draft)
     engine = Engine(config, params, max_batch=max_batch, max_model_len=max_model_len, tokenizer=tok,
                     stop_token_ids=stop, max_queue=max_queue, metrics=EngineMetrics(name), mesh=mesh, **kw)
-    if warmup:
-        engine.warmup()
+    if warmup and engine.programs.mesh.devices.flat[0].process_index == jax.process_index():
+        engine.warmup()           # on process 0 only: the other processes of the mesh follow its operations
     return OpenAIServer(engine, tok, model_name=name, chat_mode=chat_mode)
 
 
@@ -80,11 +83,18 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.model:
         raise app.UsageError("--model is required")
+    # several processes (a multi-host slice: GLM5_COORDINATOR_ADDRESS / GLM5_NUM_PROCESSES / GLM5_PROCESS_ID,
+    # or auto on a TPU VM): process 0 serves HTTP and schedules, the others run its device operations
+    from glm5_jax.parallel.distributed import maybe_initialize
+    maybe_initialize()
     from aiohttp import web
     server = build(FLAGS.model, tokenizer=FLAGS.tokenizer, served_model_name=FLAGS.served_model_name,
                    max_batch=FLAGS.max_batch, max_model_len=FLAGS.max_model_len, max_queue=FLAGS.max_queue,
                    speculative=FLAGS.speculative, num_draft=FLAGS.num_draft, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
                    chat_mode=FLAGS.chat_mode, warmup=FLAGS.warmup)
+    if jax.process_index() > 0:
+        server.engine.follow()
+        return
     print(f"serving {server.model_name} on http://{FLAGS.host}:{FLAGS.port} (max_batch {FLAGS.max_batch}, "
           f"max_model_len {FLAGS.max_model_len})", flush=True)
     try:
