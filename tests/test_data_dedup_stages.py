@@ -108,3 +108,19 @@ def test_each_dedup_stage_removes_its_own_kind_in_glm5_order(corpus, tmp_path, c
     assert (s["near_duplicates"], s["exact_duplicates"], s["semantic_duplicates"]) == (N_EACH, N_EACH, N_EACH)
     assert s["documents_out"] == N_DISTINCT == s["train"]["documents"] + s["eval"]["documents"]
     assert len(s["shards"]) == -(-(N_DISTINCT + 3 * N_EACH) // 20)
+
+
+def test_embeddings_are_the_same_from_an_orbax_params_checkpoint(corpus, tmp_path):
+    """--embed_model reads whatever --init_from reads: the HF folder and the same weights saved as an orbax
+    params checkpoint (tools.convert_hf's layout, tokenizer beside it) embed the documents alike."""
+    from glm5_jax.data.clean import CleanConfig
+    from glm5_jax.data.prep.semantic import embed_texts
+    from glm5_jax.train.checkpoint import checkpoint_config, load_params, save_params
+    path, _, _, embedder = corpus
+    texts = [json.loads(line)["text"] for line in open(path)][:6]
+    orbax = str(tmp_path / "orbax")
+    save_params(orbax, checkpoint_config(embedder), load_params(embedder, checkpoint_config(embedder)))
+    shutil.copyfile(os.path.join(embedder, "tokenizer.model"), os.path.join(orbax, "tokenizer.model"))
+    got = [embed_texts(texts, CleanConfig(dedup=("semantic",), embed_model=p)) for p in (embedder, orbax)]
+    assert got[0].shape == (6, 256)
+    np.testing.assert_allclose(got[0], got[1], rtol=1e-6, atol=1e-6)
