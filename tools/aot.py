@@ -361,7 +361,8 @@ def run_serving(program: str, preset_name: str, topology: str, *, log=None, save
     keys = ("program", "preset", "topology", "chip", "devices", "mesh", "batch", "max_model_len", "cache_size",
             "num_draft", "hbm_bytes")
     return {**{k: r[k] for k in keys}, **({"prefill_width": r["prefill_width"]} if program == "prefill" else {}),
-            **out, "fits": _fits(out, r["hbm_bytes"]), "config": {"model": as_dict(r["model"])}}
+            **out, "fits": _fits(out, r["hbm_bytes"]) and out["per_device_bytes"]["engine_total"] <= r["hbm_bytes"],
+            "config": {"model": as_dict(r["model"])}}
 
 
 def format_report(p: dict) -> str:
@@ -384,10 +385,12 @@ def format_report(p: dict) -> str:
              f"{'compiler stopped' if 'compile_error' in p else 'compiled'} in {p['compile_seconds']:.1f}s "
              f"(lowered in {p['lower_seconds']:.1f}s)",
              "per-device memory (compiled.memory_analysis()):"]
+    notes = {"weights": "  (every parameter the engine holds)", "cache": "  (the engine state: cache [, MTP buffers])",
+             "engine_total": "  (weights + cache + temporaries)"}
     for k in ("arguments", "outputs", "temporaries", "aliased", "total", "peak_memory", "host_temporaries",
-              "weights", "cache"):
+              "weights", "cache", "engine_total"):
         if k in pd:
-            lines.append(f"  {k:<12}{gib(pd[k])}" + ("  (of the arguments)" if k in ("weights", "cache") else ""))
+            lines.append(f"  {k:<12}{gib(pd[k])}" + notes.get(k, ""))
     lines.append(f"  ({p['total_formula']})")
     if "compile_error" in p:
         lines.append(f"  the TPU compiler refused it: {p['compile_error']}")

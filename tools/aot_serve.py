@@ -13,8 +13,11 @@ per slot (+ num_draft + 2 with MTP speculation, as the engine sizes it).
 Default mesh: every chip on `expert` (attention data-parallel with batch / chips sequences a chip, routed
 experts expert-parallel: docs/inference.md, "Sharding for serving").
 
-The report adds to tools.aot's per-chip memory: `weights` / `cache` (the per-chip bytes of the parameter
-and cache arguments), and to the budget: `min_bytes_per_step` (`min_step_bytes` below, the closed form of
+The report adds to tools.aot's per-chip memory: `weights` / `cache` (the per-chip bytes of all parameters
+and of the engine state the program takes) and `engine_total` = weights + cache + temporaries (what the
+engine holds while the program runs: jit drops parameters a program does not use, e.g. the MTP blocks
+from plain decode, from its arguments, but the engine keeps them); `fits` needs both the strict total
+and engine_total within HBM. To the budget: `min_bytes_per_step` (`min_step_bytes` below, the closed form of
 docs/inference.md "Decode and prefill on a pod"), `bytes_over_min` = bytes_accessed / min_bytes_per_step,
 `hbm_roofline_step_seconds` = min_bytes_per_step / HBM bandwidth, and for decode `tpot_s` (the estimated
 step: one token per sequence) and `output_tokens_per_s_per_chip` beside their roofline values.
@@ -179,7 +182,12 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     compiled, lower_s, compile_s = compile_lowered(lambda: pr.call(fn.lower, *args), log=log, save_hlo=save_hlo)
     mem = memory_report(compiled)
     state = args[1]
-    mem["per_device_bytes"].update(weights=_shard_bytes(args[0]), cache=_shard_bytes(state))
+    pd = mem["per_device_bytes"]
+    pd.update(weights=_shard_bytes(args[0]), cache=_shard_bytes(state))
+    # what the engine holds while this program runs: every parameter (jit prunes the ones a program does not
+    # use, e.g. the MTP blocks from plain decode, from its arguments; the engine keeps them), its state and
+    # the program's temporaries
+    pd["engine_total"] = pd["weights"] + pd["cache"] + pd["temporaries"]
     model_flops = tokens * forward_flops_per_token(r["model"], ctx) / r["devices"]
     budget = step_budget(compiled, r["chip"], model_flops)
     floor = min_step_bytes(cfg, args[0], tokens=tokens, queries=queries, rows=rows, context=ctx,
