@@ -84,3 +84,17 @@ def test_train_stages_passes_each_stage_its_hooks_and_caches(tmp_path):
     f = lambda: calls.append(1) or {"v": 1.5}  # noqa: E731
     assert cached_json(tmp_path, "e", {"k": 1}, f) == cached_json(tmp_path, "e", {"k": 1}, f) == {"v": 1.5}
     assert len(calls) == 1
+
+
+def test_the_optimizer_table_is_printed_once_a_run(tmp_path, monkeypatch):
+    """Phases of one run share the optimizer table: the first train() logs it whole, the next (same optimizer
+    and model) one line pointing at it; another optimizer logs its own table."""
+    from glm5_jax.train import loop
+    monkeypatch.setattr(loop, "_LOGGED_TABLES", set())
+    logs = []
+    tc = TC.replace(steps=1, eval_every=1, ckpt_every=1)
+    for i, t in enumerate((tc, tc, tc.replace(optimizer="muon"))):
+        train(CFG, t, Data(), tmp_path / str(i), log=logs.append, name=f"p{i}")
+    tables = [m for m in logs if "optimizer" in m and "\n" in m]
+    assert [m.split(":")[0] for m in tables] == ["[p0] optimizer adamw", "[p2] optimizer muon"]
+    assert any(m.startswith("[p1] optimizer adamw: the table above (") for m in logs)

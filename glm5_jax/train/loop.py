@@ -145,6 +145,11 @@ class _MetricsFile:
             self._f = None
 
 
+# optimizer tables this process has printed: a run's phases (6 in a dsa_vs_mla smoke run) share one table,
+# which is printed once (issue 60); a phase with another optimizer or model prints its own
+_LOGGED_TABLES: set[str] = set()
+
+
 def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
           init_params=None, eval_fn: Callable[[object], dict] | None = None, log=None,
           name: str = "train", stop_after: int | None = None, mesh=None, loss_fn=None,
@@ -175,8 +180,12 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     shapes = abstract_param_shapes(model_cfg)
     tx, labels = build_optimizer(model_cfg, tcfg, shapes)
     if primary:
-        log(f"[{name}] optimizer {tcfg.optimizer}:\n" + optimizer_table(
-            shapes, labels, model_cfg if tcfg.optimizer == "muon_split" else None))
+        table = optimizer_table(shapes, labels, model_cfg if tcfg.optimizer == "muon_split" else None)
+        if table in _LOGGED_TABLES:      # a later phase of the same run: one line, not the table again
+            log(f"[{name}] optimizer {tcfg.optimizer}: the table above ({table.count(chr(10)) + 1} lines)")
+        else:
+            _LOGGED_TABLES.add(table)
+            log(f"[{name}] optimizer {tcfg.optimizer}:\n" + table)
     step_fn = make_train_step(model_cfg, tcfg, tx, mesh, loss_fn=loss_fn)
     bsh = step_fn.batch_sharding
     batch_size = tcfg.batch_size
