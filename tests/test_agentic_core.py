@@ -191,7 +191,8 @@ def test_server_row_buckets_and_pinning_validation():
     vocab = CharVocab()
     cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=1, ffn_dim=64, attention="mha",
                       num_heads=2, num_kv_heads=2, num_experts=0, mtp_depth=0, attn_chunk=64)
-    params = {"w": np.zeros(1)}            # never decoded here: construction only
+    from glm5_jax import model
+    params = model.init_params(cfg, jax.random.PRNGKey(0))      # never decoded here: construction only
     assert RolloutServer(cfg, params, max_batch=32).row_buckets == [4, 8, 16, 32]
     assert RolloutServer(cfg, params, max_batch=12).row_buckets == [4, 8, 12]
     assert RolloutServer(cfg, params, max_batch=3).row_buckets == [3]

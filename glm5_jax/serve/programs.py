@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.batch import BATCH_AXES
+from glm5_jax.errors import Glm5Error
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
 from glm5_jax.infer.sampling import sample_rows
@@ -99,6 +100,13 @@ class Programs:
     def place_params(self, params):
         """`params` laid out by the serving rules (device to device; a no-op where they already are). Over
         several processes a leaf that is not yet a global array must hold the same value on every process."""
+        want, got = jax.tree.structure(self.params), jax.tree.structure(params)
+        if want != got:
+            from flax import traverse_util
+            flat = lambda t: {"/".join(k) for k in traverse_util.flatten_dict(t)} if isinstance(t, dict) else set()
+            missing, extra = sorted(flat(self.params) - flat(params)), sorted(flat(params) - flat(self.params))
+            raise Glm5Error(f"params do not match the model's parameter tree: missing {missing[:4]}, unexpected "
+                            f"{extra[:4]} ({len(missing)} missing, {len(extra)} unexpected)")
         if not multi_process(self.mesh):
             return jax.device_put(params, self.params)
         return jax.tree.map(to_global, params, self.params)
