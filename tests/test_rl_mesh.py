@@ -9,7 +9,8 @@ Against the unsharded run (one device, the reference), on the mesh data:2,fsdp:2
 * a weight sync runs under JAX's transfer guard with host <-> device transfers disallowed (so no array
   goes through the host), leaves every leaf in the serving layout, and the synced engine then decodes
   exactly (tokens and log-probs, bitwise) as a fresh engine built from the new weights;
-* the rollout engine on one device samples bit for bit what ``infer.generate`` samples.
+* the rollout engine on one device samples bit for bit what ``infer.generate`` samples;
+* a distillation teacher and a reward model placed on the mesh score as on one device (1e-5).
 """
 
 import os
@@ -104,6 +105,22 @@ SCRIPT = textwrap.dedent("""
     b = generate(cfg, rollout_params(params, "int8"), prompts, **kw)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+    # the distillation teacher and the reward model, resident on the mesh, score as on one device
+    from glm5_jax.rl.distill import make_teacher_advantage_fn
+    from glm5_jax.rl.reward_model import RewardModel
+    rs = np.random.default_rng(0)
+    batch = {"inputs": rs.integers(1, V.padded_size(), (8, 9)).astype(np.int32),
+             "targets": rs.integers(1, V.padded_size(), (8, 9)).astype(np.int32),
+             "mask": np.ones((8, 9), np.float32), "old_logp": np.full((8, 9), -3.0, np.float32)}
+    adv = [make_teacher_advantage_fn(cfg, {"a": new}, lambda t: "a", mesh=m)([None] * 8, batch) for m in (None, mesh)]
+    np.testing.assert_allclose(adv[1], adv[0], rtol=1e-5, atol=1e-5)
+    assert np.abs(adv[0]).max() > 0.1
+    rcfg = cfg.replace(reward_head=True)
+    rparams = init_params(rcfg, jax.random.PRNGKey(1))
+    scores = [RewardModel(rcfg, rparams, seq_len=12, batch_size=8, mesh=m)(prompts[:6]) for m in (None, mesh)]
+    np.testing.assert_allclose(scores[1], scores[0], rtol=1e-5, atol=1e-6)
+    assert np.ptp(scores[0]) > 0
     print("OK")
 """)
 

@@ -78,8 +78,9 @@ def reshard_bytes(src_tree, dst_shardings) -> dict:
     layout. -> {device id: bytes} (0 where a device already holds its whole target shard)."""
     out: dict = {}
     for a, sh in zip(jax.tree.leaves(src_tree), jax.tree.leaves(dst_shardings)):
-        shape, item = a.shape, a.dtype.itemsize
-        have = {d.id: _slice_bounds(i, shape) for d, i in a.sharding.devices_indices_map(shape).items()}
+        shape, item = np.shape(a), np.dtype(a.dtype).itemsize
+        have = ({d.id: _slice_bounds(i, shape) for d, i in a.sharding.devices_indices_map(shape).items()}
+                if isinstance(a, jax.Array) else {})           # a host array: every device receives its shard
         for d, idx in sh.devices_indices_map(shape).items():
             want = _slice_bounds(idx, shape)
             need = math.prod(hi - lo for lo, hi in want)
@@ -128,11 +129,15 @@ class RolloutEngine:
     def sync(self, params, version: int = 0) -> dict:
         """The rollout copy of ``params`` (jax Arrays in any layout on this mesh's devices) in the serving
         layout, under the mismatch mode, device to device. Returns {"bytes_moved" (all devices),
-        "bytes_moved_per_device" (the most any device receives), "host_bytes" (0: no array leaves the
-        devices), "copy_bytes_per_device", "seconds"}."""
+        "bytes_moved_per_device" (the most any device receives), "host_bytes" (bytes copied in from host
+        arrays among ``params``; 0 for device arrays: no array leaves the devices), "copy_bytes_per_device",
+        "seconds"}."""
         t0 = time.perf_counter()
         self.params = None                  # the old copy goes first: at most one rollout copy at a time
         moved = reshard_bytes(params, self.param_shardings)
+        host = reshard_bytes([a for a in jax.tree.leaves(params) if not isinstance(a, jax.Array)],
+                             [s for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(self.param_shardings))
+                              if not isinstance(a, jax.Array)])
         if self.mismatch == "none":
             self.params = jax.device_put(params, self.param_shardings)
         else:
@@ -140,12 +145,15 @@ class RolloutEngine:
                 from glm5_jax.rl.rollout import mismatch_params
                 self._sync_program = jax.jit(functools.partial(mismatch_params, mode=self.mismatch),
                                              out_shardings=self.param_shardings)
+            here = set(self.mesh.devices.flat)     # leaves elsewhere (another device set, the host) come in first
+            params = jax.tree.map(lambda a, s: a if isinstance(a, jax.Array) and a.sharding.device_set == here
+                                  else jax.device_put(a, s), params, self.param_shardings)
             self.params = self._sync_program(params)
         jax.block_until_ready(self.params)
         copy = bytes_per_device(self.params)
         self.version = int(version)
         self.last_sync = {"bytes_moved": int(sum(moved.values())), "bytes_moved_per_device": int(max(moved.values())),
-                          "host_bytes": 0, "copy_bytes_per_device": int(max(copy.values())),
+                          "host_bytes": int(sum(host.values())), "copy_bytes_per_device": int(max(copy.values())),
                           "seconds": time.perf_counter() - t0}
         return self.last_sync
 
