@@ -153,8 +153,8 @@ def phase_plan(cfg: DsaVsMlaConfig) -> dict:
     adaptation length; dsa_short: dsa cut at that length (the other top-k fractions)."""
     tc = cfg.train
     f = cfg.steps / tc.steps if cfg.steps is not None else 1.0
-    n = lambda k: max(1, int(round(k * f)))                      # noqa: E731
-    w = lambda k: 0 if k == 0 else n(k)                          # noqa: E731
+    n = lambda k: max(1, int(round(k * f)))
+    w = lambda k: 0 if k == 0 else n(k)
     P, C, W = n(cfg.pretrain_steps), cfg.steps if cfg.steps is not None else tc.steps, n(cfg.indexer_warmup_steps)
     S = min(n(cfg.short_adaptation_steps), C)
     base = tc.replace(steps=P, warmup_steps=w(tc.warmup_steps), eval_every=n(tc.eval_every), log_every=n(tc.log_every))
@@ -183,7 +183,7 @@ def eval_fns(cfg: DsaVsMlaConfig, probes: dict, lm: dict) -> dict:
     phases), k (the top-k sweep), "dsa_lr": also the test LM loss and the gap decomposition's evaluations."""
     cfgs = model_configs(cfg.model)
     ks, K, mass_lm = topk_list(cfg), cfgs["dsa"].index_topk, lm["test"][:cfg.mass_batches]
-    dec = lambda arm, kk: decomposition_fn(cfgs["dsa"], lm["test"], mass_lm, kk, arm, mass_ks=(K,))  # noqa: E731
+    dec = lambda arm, kk: decomposition_fn(cfgs["dsa"], lm["test"], mass_lm, kk, arm, mass_ks=(K,))
     out = {k: phase_eval_fn(c, lm["dev"], probes["dev"]) for k, c in cfgs.items()}
     out["mla_cont"] = phase_eval_fn(cfgs["mla"], lm["dev"], probes["dev"], lm["test"], extra=dec("mla", tuple(ks)))
     out["dsa_cont"] = phase_eval_fn(cfgs["dsa"], lm["dev"], probes["dev"], lm["test"], extra=dec("dsa", (K,)))
@@ -248,7 +248,7 @@ def run_seed(cfg: DsaVsMlaConfig, data, s: int, workdir: str, log, mesh, probes:
     mass_lm, T = lm["test"][:cfg.mass_batches], base_tc.seq_len
     mass = {"dsa": attention_mass(cfgs["dsa"], runs["dsa"]["params"], mass_lm, mass_buckets(T)),
             "mla_oracle": attention_mass(*as_oracle(cfgs["dsa"], K, runs["mla"]["params"]), mass_lm, mass_buckets(T))}
-    recall = lambda p: evaluate(cfgs["dsa"], p, lm["dev"][:2], [IndexerRecall()])["indexer_recall"]  # noqa: E731
+    recall = lambda p: evaluate(cfgs["dsa"], p, lm["dev"][:2], [IndexerRecall()])["indexer_recall"]
     return {"base": base, "runs": runs, "warm": warm, "test": test, "test_lm": test_lm, "sweep": sweep,
             "lr_choice": lr_run, "mass": mass,
             "answer_key_recall_after_warmup": {k: float(v.mean()) for k, v in warm_scores["answer_key_recall"].items()},
@@ -334,7 +334,7 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
               "wall_time_s": None}
 
     # plots (the first seed's curves; the distance plot pools every seed)
-    first, pj = next(iter(seeds.values())), lambda name: os.path.join(workdir, name)  # noqa: E731
+    first, pj = next(iter(seeds.values())), lambda name: os.path.join(workdir, name)
     bx, by = eval_series(first["base"]["history"])
     b0 = ([P], [by[-1]]) if by else ([], [])        # the continued phases start from the base's last eval
     mx, my = chain_series([(first["runs"]["mla"]["history"], C)], start=P)
@@ -345,12 +345,12 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
         series["mha (from scratch)"] = eval_series(first["runs"]["mha"]["history"])
     plot_curves(pj("eval_loss.png"), series, title=f"dsa_vs_mla: dev eval loss (seed {cfg.seeds[0]}, T={T}, top-k={K})",
                 xlabel="training step (base, then each arm's phases in order)")
-    lr = lambda k, a: (list(range(a + 1, a + plan[k].steps + 1)),  # noqa: E731
+    lr = lambda k, a: (list(range(a + 1, a + plan[k].steps + 1)),
                        np.asarray(plan[k].schedule()(np.arange(plan[k].steps)), np.float64).tolist())
     plot_curves(pj("lr_schedule.png"), {"base": lr("base", 0), "mla continued": lr("mla", P),
                                         "dsa warm-up (indexer only)": lr("dsa_warmup", P), "dsa sparse": lr("dsa", P + W)},
                 title="learning rate per update", xlabel="training step", ylabel="learning rate", logy=True)
-    band = lambda rows: ([r["gap_pct"] if r["interval"][e] is None else r["interval"][e] for r in rows]  # noqa: E731
+    band = lambda rows: ([r["gap_pct"] if r["interval"][e] is None else r["interval"][e] for r in rows]
                          for e in ("lo", "hi"))
     for name, rows, x, label, kw in (
             ("gap_vs_topk", gap_vs_topk, "topk_fraction", f"DSA - MLA after {S} adaptation steps", {"logx": True}),
@@ -366,9 +366,9 @@ def run(cfg: DsaVsMlaConfig, workdir: str, log, mesh=None) -> dict:
                 title="DSA indexer dense warm-up (base frozen)", ylabel="KL(attention || indexer)")
     report["wall_time_s"] = time.time() - t_start
 
-    ivs = lambda iv, d=2: fmt_interval(iv, digits=d)  # noqa: E731
+    ivs = lambda iv, d=2: fmt_interval(iv, digits=d)
     seed0 = str(cfg.seeds[0])
-    acc = lambda n: fmt_interval(arms[n]["retrieval_accuracy"], *(  # noqa: E731
+    acc = lambda n: fmt_interval(arms[n]["retrieval_accuracy"], *(
         (arms[n]["retrieval_accuracy_interval"]["lo"], arms[n]["retrieval_accuracy_interval"]["hi"])
         if arms[n]["retrieval_accuracy_interval"]["n"] > 1 else per_seed[n][seed0]["retrieval_wilson_95"]))
     cvb = report["continued_mla_vs_base_dev_loss"]

@@ -259,7 +259,7 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
              for a, v in arms.items()]
     prows = [[k, fmt_interval(d), ", ".join(f"{x:+.3f}" for x in d["per_seed"])]
              for k, d in report["paired_differences"].items()]
-    sig = lambda a, f: float(np.mean([v[f] for v in arms[a]["signals_per_seed"].values()]))  # noqa: E731
+    sig = lambda a, f: float(np.mean([v[f] for v in arms[a]["signals_per_seed"].values()]))
     srows = [[a] + [sig(a, f) for f in SIGNALS] for a in arms]
     iv_kind = ("95% t interval over seeds" if len(cfg.seeds) > 1 else
                f"95% Wilson interval over {n_test} completions, one seed")

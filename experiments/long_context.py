@@ -93,7 +93,7 @@ class LongContextConfig:
     def __post_init__(self):
         object.__setattr__(self, "model", self.model.replace(vocab_size=self.data.vocab_size))
         object.__setattr__(self, "data", dataclasses.replace(self.data, seq_len=self.train.seq_len))
-        bad = lambda f, allowed: ConfigError(  # noqa: E731
+        bad = lambda f, allowed: ConfigError(
             f"LongContextConfig.{f}={getattr(self, f)!r} is invalid: {allowed}")
         if self.model.attention != "mla":
             raise bad("model", "model.attention must be 'mla' (the dsa arm adds the indexer by continued pre-training)")
@@ -234,7 +234,7 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     def make_iter(stage, i):
         return data.train_iter(dict(stage.train).get("batch_size", tc.batch_size), stage.seq_len,
                                seed=cfg.data.seed + 100 * i)
-    stages = lambda arm, chain, wd, **kw: train_stages(  # noqa: E731
+    stages = lambda arm, chain, wd, **kw: train_stages(
         kw.pop("model", None) or base["model_cfg"], tc, chain, make_iter, os.path.join(workdir, wd), mesh=mesh, log=log,
         hooks_for_stage=step_times.hooks(arm), **kw)
 
@@ -295,7 +295,7 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
     prog.finished("evaluation")
 
     recorded = step_times.record(workdir)       # step time per stage (this run's, else an earlier one's)
-    gap = lambda a, b: beyond_difference(a, b, far, reps)  # noqa: E731
+    gap = lambda a, b: beyond_difference(a, b, far, reps)
     arms, before = {}, pos["base"]
     for arm in runs:
         arms[arm] = {"position_loss": position_loss_figures(before, pos[arm], buckets, reps),
@@ -343,8 +343,8 @@ def run(cfg: LongContextConfig, workdir: str, log, mesh=None) -> dict:
 
 def _markdown(cfg, report, arms, passkey, names, buckets, timing, flops, recorded) -> str:
     T0, TL = cfg.train.seq_len, cfg.last_len
-    ci = lambda m, lo, hi: "n/a" if m is None else fmt_interval(m, lo, hi)  # noqa: E731
-    di = lambda x: fmt_interval(x["diff"], x["lo"], x["hi"])  # noqa: E731
+    ci = lambda m, lo, hi: "n/a" if m is None else fmt_interval(m, lo, hi)
+    di = lambda x: fmt_interval(x["diff"], x["lo"], x["hi"])
     prow = [[f"{arm} {when}"] + [ci(m, lo, hi) for m, lo, hi in zip(pl[when], *pl[f"{when}_interval"])]
             for arm, pl in ((arm, a["position_loss"]) for arm, a in arms.items()) for when in ("before", "after")]
     primary = [[arm, di(a["beyond_base_after_minus_before"]), a["beyond_base_after_minus_before"]["b"],

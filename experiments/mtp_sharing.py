@@ -305,10 +305,10 @@ def run(cfg: MtpSharingConfig, workdir: str, log, mesh=None) -> dict:
               "wall_time_s": None}
     report["wall_time_s"] = time.time() - t_start
 
-    iv = lambda v, k, n=3: fmt_interval(v[k], v[f"{k}_interval"]["lo"], v[f"{k}_interval"]["hi"], n)  # noqa: E731
-    ivs = lambda v, k, n=3: fmt_interval(v[f"{k}_interval_seeds"]["mean"], v[f"{k}_interval_seeds"]["lo"],  # noqa: E731
+    iv = lambda v, k, n=3: fmt_interval(v[k], v[f"{k}_interval"]["lo"], v[f"{k}_interval"]["hi"], n)
+    ivs = lambda v, k, n=3: fmt_interval(v[f"{k}_interval_seeds"]["mean"], v[f"{k}_interval_seeds"]["lo"],
                                          v[f"{k}_interval_seeds"]["hi"], n)
-    fmt_opt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    fmt_opt = lambda x: "-" if x is None else f"{x:.3f}"
     ns = len(cfg.seeds)
     prows = [[a, iv(v, "sampled_acceptance_length"), ivs(v, "sampled_acceptance_length"),
               iv(v, "oracle_acceptance_length"), ivs(v, "oracle_acceptance_length"),

@@ -294,7 +294,7 @@ Chosen: muon_learning_rate = {muon_lr:g} (largest final max logit with a finite 
                   ", ".join(f"{k} {x:.1f}" for k, x in sorted(v["max_attn_logit_per_layer"].items()))]
                  for a, by_seed in per_seed.items() for s, v in by_seed.items()]
     iv = "95% t interval over seeds" if len(cfg.seeds) > 1 else "one seed, no interval"
-    cell = lambda d, k, n: "-" if not d or not d.get(k) else fmt_interval(d[k], digits=n)  # noqa: E731
+    cell = lambda d, k, n: "-" if not d or not d.get(k) else fmt_interval(d[k], digits=n)
     diff_rows = [[name, cell(d, "max_attn_logit", 2), cell(d, "test_eval_loss", 4)] for name, d in primary_diff.items()]
     md = f"""# muon_split
 

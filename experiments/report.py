@@ -13,7 +13,7 @@ import matplotlib
 from etils import epath
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _primary() -> bool:

@@ -110,7 +110,7 @@ def run(cfg: ChatSFTConfig, workdir: str, log, mesh=None) -> dict:
     evals = heldout(cfg.eval_conversations, tc.seed, **kw)
     loss_convs = heldout(cfg.eval_conversations + cfg.eval_loss_conversations, tc.seed, **kw)[cfg.eval_conversations:]
     exclude = {c.prompt for c in evals + loss_convs}
-    encode = lambda c: sft_samples(template, c.messages)   # noqa: E731
+    encode = lambda c: sft_samples(template, c.messages)
 
     # held-out SFT loss: the held-out conversations' samples, packed like training batches
     loss_samples = [s for c in loss_convs for s in encode(c)]
@@ -134,7 +134,7 @@ def run(cfg: ChatSFTConfig, workdir: str, log, mesh=None) -> dict:
     before_loss = evaluate(mcfg, init_params, loss_batches)
     del init_params
 
-    sampler = lambda rng: make_conversation(rng, **kw)   # noqa: E731
+    sampler = lambda rng: make_conversation(rng, **kw)
     it = SFTIterator(sampler, None, tc.batch_size, tc.seq_len, seed=tc.seed, exclude=exclude, encode=encode)
     out = train(mcfg, tc, it, os.path.join(workdir, "train"), eval_fn=lambda p: evaluate(mcfg, p, loss_batches),
                 log=log, name="sft", mesh=mesh)

@@ -31,7 +31,8 @@ ROPE_SCALING_KEYS = {
 }
 REMAT_POLICIES = ("none", "full", "offload", "dots", "dots_no_batch", "save_qkv", "save_attention", "custom")
 # checkpoint names the model tags (glm5_jax.model.remat_policy): what remat_custom may place
-REMAT_NAMES = ("decoder_layer_input", "decoder_layer_mid", "attn_q", "attn_kv", "attn_context", "attn_topk", "attn_lse", "expert_in", "expert_gate", "expert_up")
+REMAT_NAMES = ("decoder_layer_input", "decoder_layer_mid", "attn_q", "attn_kv", "attn_context", "attn_topk", "attn_lse",
+               "expert_in", "expert_gate", "expert_up")
 REMAT_PLACES = ("device", "offload")
 
 
@@ -159,9 +160,12 @@ class ModelConfig:
                                           # CPU, xla: DSA's sparse stage as top-k-masked dense attention at T <= this * index_topk (0: never)
     dsa_topk_source: str = setting("indexer", choices=DSA_TOPK_SOURCES, note=(
         "(oracle: the top-k of the main attention's own dense softmax, for evaluation)"))
-                                          # DSA's k keys: indexer (the lightning indexer) | oracle (top-k of the main attention's own head-averaged dense softmax: an evaluation, glm5_jax.attention.indexer.oracle_topk)
+                                          # DSA's k keys: indexer (the lightning indexer) | oracle (top-k of the main
+                                          # attention's own head-averaged dense softmax: an evaluation,
+                                          # glm5_jax.attention.indexer.oracle_topk)
     dsa_selection_stats: bool = setting(False, runtime=True)
-                                          # DSA layers sow per-query attention mass on the selected keys / the oracle's and recall (glm5_jax.attention.selection)
+                                          # DSA layers sow per-query attention mass on the selected keys / the
+                                          # oracle's and recall (glm5_jax.eval.selection)
     dsa_decode_pages: int = setting(0, integer=True, min=0, when=_dsa, runtime=True, note=(
         "(0: exact token top-k; P > 0: page-level selection, pages of P cache slots; P must divide index_topk)"))
                                           # DSA over a cache (decode, chunked prefill): the exact top-k (0), or the best index_topk / P
@@ -275,7 +279,8 @@ class ModelConfig:
                 if t not in INDEXER_TYPES:
                     _fail("indexer_types", self.indexer_types, f"entry {i} is {t!r}; allowed: full, shared")
             if types[0] != "full":
-                _fail("indexer_types", self.indexer_types, "layer 0 is 'shared' but a shared layer reuses the previous full layer's indices, so layer 0 must be 'full'")
+                _fail("indexer_types", self.indexer_types, "layer 0 is 'shared' but a shared layer reuses the previous "
+                      "full layer's indices, so layer 0 must be 'full'")
         elif self.indexer_types is not None:
             _fail("indexer_types", self.indexer_types, f"only meaningful with attention='dsa' (got attention={self.attention!r}); set it to None")
         if self.num_experts > 0:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 # Masked attention / index scores: -inf (not a large finite number) so a fully masked row is
 # detectable and exp() of it is exactly 0. Defined once, beside the kernels that need it too.
-from pallas_kernels.dsa_xla import NEG_INF  # noqa: E402,F401
+from pallas_kernels.dsa_xla import NEG_INF  # noqa: F401
 
 
 def key_to_str(k) -> str:

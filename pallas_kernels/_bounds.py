@@ -58,7 +58,7 @@ def sparse_fwd_cost(q, k, v, idx):
     q, the index blocks (read twice: DMA addresses and mask), the gathered K and V rows, O and the LSE."""
     b, tp, h, dq = q.shape
     kp, dv = idx.shape[-1], v.shape[-1]
-    isz = lambda x: jnp.dtype(x.dtype).itemsize  # noqa: E731
+    isz = lambda x: jnp.dtype(x.dtype).itemsize
     rows = b * tp * kp * (dq * isz(k) + dv * isz(v))
     out = b * tp * h * (dv * isz(q) + 4)
     return cost(2 * b * tp * h * kp * (dq + dv), b * tp * h * kp, nbytes(q) + 2 * nbytes(idx) + rows + out)
@@ -70,7 +70,7 @@ def sparse_bwd_cost(q, k, v, idx):
     gathered rows, dq and the float32 P and dS written out."""
     b, tp, h, dq = q.shape
     kp, dv = idx.shape[-1], v.shape[-1]
-    isz = lambda x: jnp.dtype(x.dtype).itemsize  # noqa: E731
+    isz = lambda x: jnp.dtype(x.dtype).itemsize
     rows = b * tp * kp * (dq * isz(k) + dv * isz(v))
     io = b * tp * h * (2 * dq * isz(q) + dv * isz(q) + 8) + 2 * b * tp * h * kp * 4
     return cost(2 * b * tp * h * kp * (2 * dq + dv), b * tp * h * kp, 2 * nbytes(idx) + rows + io)

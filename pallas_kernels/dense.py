@@ -113,7 +113,7 @@ def _fwd(q, k, v, segq, segk, km, off, scale, blk):
         return _finish(*state, q.dtype, km is not None)
 
     def per_q(i):
-        step = lambda j, c: _fwd_pair(q[:, i], k[:, j], v[:, j],  # noqa: E731
+        step = lambda j, c: _fwd_pair(q[:, i], k[:, j], v[:, j],
                                       _block_mask(i, j, tri, segq, segk, km, off, b), c, scale)
         return _finish(*jax.lax.fori_loop(0, i + off + 1, step, init), q.dtype, km is not None)
 
@@ -159,7 +159,7 @@ def _flash_bwd(scale, blk, res, do):
             ck, cv, cq = contrib(i, j)
             return (dk.at[:, j].add(ck), dv.at[:, j].add(cv), dq.at[:, i].add(cq)), None
 
-        zeros = lambda x: jnp.zeros(x.shape, _F32)  # noqa: E731
+        zeros = lambda x: jnp.zeros(x.shape, _F32)
         (dk, dv, dq), _ = jax.lax.scan(pair, (zeros(k), zeros(v), zeros(q)), _pairs(n, key_major=True))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
@@ -223,10 +223,10 @@ def flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 512
     n = -(-t // blk)
     nk = -(-s // blk)
     tp, sp = n * blk, nk * blk
-    pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     # KV heads into the batch, the g query heads of a KV head into the rows: [B*Hk, n, blk*g, D]
     qf = jnp.swapaxes(pad(q, tp).reshape(b, tp, hk, g, d), 1, 2).reshape(b * hk, n, blk * g, d)
-    fold = lambda x: jnp.swapaxes(pad(x, sp), 1, 2).reshape(b * hk, nk, blk, x.shape[-1])  # noqa: E731
+    fold = lambda x: jnp.swapaxes(pad(x, sp), 1, 2).reshape(b * hk, nk, blk, x.shape[-1])
     segq = segk = None
     if segment_ids is not None:
         kseg = segment_ids if kv_segment_ids is None else kv_segment_ids

@@ -68,7 +68,6 @@ tests/test_kernel_compile.py (the real TPU compiler via libtpu, tools/compile_ke
 from __future__ import annotations
 
 import functools
-import math
 import typing
 
 import jax
@@ -172,7 +171,7 @@ def _block_bounds(qp, wp, kmax, kmin, segq, smin, smax, shift, *, bq, bk, t_tota
             return ub[..., :nk]
         return run
 
-    tpu = lambda interp: lambda *a: _block_bounds_tpu(*a, interpret=interp, **kw)  # noqa: E731
+    tpu = lambda interp: lambda *a: _block_bounds_tpu(*a, interpret=interp, **kw)
     args = (qp, wp, kmax, kmin, segq, smin, smax, _shift_arr(shift))
     return _dispatch(args, tpu, gpu, interpret, kernels)
 
@@ -254,7 +253,7 @@ def _score_round(tbl, act, off, qp, wp, kp, segq, segk, shift, n_blocks, *, bq, 
             return vals, _round_ids(tbl, off[0], n_blocks, bq, bk, qp.shape[1])
         return run
 
-    tpu = lambda interp: lambda *a: _score_round_tpu(*a, n_blocks, interpret=interp, **kw)  # noqa: E731
+    tpu = lambda interp: lambda *a: _score_round_tpu(*a, n_blocks, interpret=interp, **kw)
     # [round offset, causal shift]: one scalar-prefetch / scalar-load array for both kernels
     off = jnp.stack([jnp.asarray(off, jnp.int32), jnp.asarray(shift, jnp.int32)])
     args = (tbl, act, off, qp, wp, kp, segq, segk)
@@ -340,7 +339,7 @@ def _segments(segment_ids, b, t, s, tp, sp, bk, kv_segment_ids=None):
     big = jnp.iinfo(jnp.int32).max
     segk = jnp.pad(seg_k, ((0, 0), (0, sp - s)), constant_values=-big)  # never a query's id
     kvalid = jnp.arange(sp) < s
-    blocks = lambda x, fill: jnp.where(kvalid, x, fill).reshape(b, 1, sp // bk, bk)  # noqa: E731
+    blocks = lambda x, fill: jnp.where(kvalid, x, fill).reshape(b, 1, sp // bk, bk)
     smin = blocks(segk, big).min(axis=-1)
     smax = blocks(segk, -big).max(axis=-1)
     return segq, segk[:, None, :], smin, smax
@@ -560,8 +559,8 @@ def _attn_fwd(q, k, v, indices, scale, bq, kc, interpret):
     b, t, h, _ = q.shape
     hk = k.shape[2]
     q2, k2, v2, idx2 = _fold_heads(q, k, v, indices.astype(jnp.int32))
-    tpu_fn = lambda interp: lambda *a: _fwd_tpu(*a, scale, bq, kc, interp)  # noqa: E731
-    gpu_fn = lambda interp: lambda *a: _fwd_gpu(*a, scale, kc)  # noqa: E731
+    tpu_fn = lambda interp: lambda *a: _fwd_tpu(*a, scale, bq, kc, interp)
+    gpu_fn = lambda interp: lambda *a: _fwd_gpu(*a, scale, kc)
     o, lse = _dispatch((q2, k2, v2, idx2), tpu_fn, gpu_fn, interpret)
     return _unfold_heads(o, b, h, hk), _unfold_heads(lse, b, h, hk)
 
@@ -571,7 +570,7 @@ def _bwd_tpu(q2, k2, v2, idx2, do2, lse2, delta2, scale, bq, kc, interpret):
     kk = idx2.shape[-1]
     bq, kc = _tpu_blocks(h, kk, bq, kc, interpret)
     tp, kp = _round_up(t, bq), _round_up(kk, kc)
-    padt = lambda x, v=0: _pad_to(x, (bp, tp) + x.shape[2:], v)  # noqa: E731
+    padt = lambda x, v=0: _pad_to(x, (bp, tp) + x.shape[2:], v)
     dq, p, ds = _tpu.attn_bwd_dq(
         padt(q2), k2, v2, _pad_idx(idx2, tp, kp), padt(do2), padt(lse2, NEG_INF)[..., None],
         padt(delta2)[..., None], scale=scale, bq=bq, kc=kc, interpret=interpret)
@@ -616,27 +615,27 @@ def _attn_bwd_pallas(q, k, v, indices, o, lse, do, scale, bq, kc, interpret, bwd
     delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1)  # [B, T, H]
     q2, k2, v2, idx2 = _fold_heads(q, k, v, indices)
     do2 = _fold_heads(do, k, v, indices)[0]
-    fold = lambda x: _fold_heads(x[..., None], k, v, indices)[0][..., 0]  # noqa: E731
+    fold = lambda x: _fold_heads(x[..., None], k, v, indices)[0][..., 0]
     lse2, delta2 = fold(lse), fold(delta)
     bp, _, h2, dqd = q2.shape
     kk, dvd = idx2.shape[-1], v2.shape[-1]
     bq_k = _tpu_blocks(h2, kk, bq, kc, interpret)[0]
     rows = _bwd_chunk_rows(bq_k, h2, kk, dqd, dvd, t, bwd_rows)
     tp = _round_up(t, rows)
-    padt = lambda x, val=0: _pad_to(x, (bp, tp) + x.shape[2:], val)  # noqa: E731
+    padt = lambda x, val=0: _pad_to(x, (bp, tp) + x.shape[2:], val)
     q2, do2, delta2, lse2 = padt(q2), padt(do2), padt(delta2), padt(lse2, NEG_INF)
     idx2 = padt(idx2, -1)
 
     def kernel(qc, ic, doc, lc, dc):
-        tpu_fn = lambda interp: lambda *a: _bwd_tpu(*a, scale, bq, kc, interp)  # noqa: E731
-        gpu_fn = lambda interp: lambda *a: _bwd_gpu(*a, scale, kc)  # noqa: E731
+        tpu_fn = lambda interp: lambda *a: _bwd_tpu(*a, scale, bq, kc, interp)
+        gpu_fn = lambda interp: lambda *a: _bwd_gpu(*a, scale, kc)
         return _dispatch((qc, k2, v2, ic, doc, lc, dc), tpu_fn, gpu_fn, interpret)
 
     bidx = jnp.arange(bp)[:, None, None]
 
     def chunk(c, carry):
         dq_all, dk, dvv = carry
-        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, c * rows, rows, axis=1)  # noqa: E731
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, c * rows, rows, axis=1)
         qc, ic, doc = sl(q2), sl(idx2), sl(do2)
         dqc, pc, dsc = kernel(qc, ic, doc, sl(lse2), sl(delta2))  # P, dS [B', rows, H', K] f32
         cv = jnp.einsum("bthk,bthd->btkd", pc, doc.astype(_F32))

@@ -99,7 +99,7 @@ def _key_midpoint(lo, hi):
 def _select_threshold(keys, k: int, cap: int):
     """keys int32 [..., L] -> (lo [...], rounds): count(keys >= lo) >= k, and <= cap unless the
     k-th largest key is tied beyond cap. Rows with fewer than k keys above -inf get -inf's key."""
-    count = lambda thr: jnp.sum((keys >= thr[..., None]).astype(jnp.int32), axis=-1)  # noqa: E731
+    count = lambda thr: jnp.sum((keys >= thr[..., None]).astype(jnp.int32), axis=-1)
     finite = keys > _KEY_NEG_INF
     n_fin = jnp.sum(finite.astype(jnp.int32), axis=-1)
     enough = n_fin >= k
@@ -507,7 +507,7 @@ def sparse_attention(q, k, v, indices, *, scale: float, chunk: int = 16, dv: int
     if indices.shape[:2] != (b, t):
         raise ValueError(f"indices {indices.shape} must be [B={b}, T={t}, K]")
     if hk == h and h > 1:  # fold heads into the batch: [B*H, T, 1, D], indices repeated
-        fold = lambda x: None if x is None else jnp.swapaxes(x, 1, 2).reshape(  # noqa: E731
+        fold = lambda x: None if x is None else jnp.swapaxes(x, 1, 2).reshape(
             b * h, x.shape[1], 1, x.shape[-1])
         idx = jnp.repeat(indices, h, axis=0)
         o = sparse_attention(fold(q), fold(k), fold(v), idx, scale=scale, chunk=chunk,

@@ -12,8 +12,8 @@ source rows) and as a VMEM block [bq, 1, kc] (vector mask of the -1 slots). Each
 gathers its bq*kc K rows and bq*kc V rows with one `make_async_copy` per row into VMEM buffers
 [bq, kc, 1, D] (K/V are viewed as [B, S, 1, D]: the row and slot indices then address untiled
 leading dimensions; a single-row copy into the tiled second-minor dimension of a bfloat16 buffer
-is rejected by Mosaic, "Offsets along tiled dimensions must be aligned to tiles") (all K copies are started, then all V copies, then the K copies are waited for, so
-the V gather overlaps the Q.K^T / softmax part); -1 slots copy row 0 and are masked. The
+is rejected by Mosaic, "Offsets along tiled dimensions must be aligned to tiles") (all K copies are started,
+then all V copies, then the K copies are waited for, so the V gather overlaps the Q.K^T / softmax part); -1 slots copy row 0 and are masked. The
 gathered tiles feed batched dense matmuls ("qhd,qkd->qhk", batch = query).
 
 Empty slots / rows follow `pallas_kernels.dsa_xla`: masked logits are -inf, a row with no
@@ -185,7 +185,7 @@ def attn_bwd_dq(q, k, v, idx, do, lse, delta, *, scale, bq, kc, interpret):
     smem, vmem = _idx_specs(bq, kc)
     idx4 = idx[:, :, None, :]
     kern = functools.partial(_bwd_kernel, scale=scale, bq=bq, kc=kc)
-    row4 = lambda bi, i, c: (bi, i, 0, 0)  # noqa: E731
+    row4 = lambda bi, i, c: (bi, i, 0, 0)
     return pl.pallas_call(
         kern,
         out_shape=[jax.ShapeDtypeStruct((b, tp, h, dq), q.dtype),

@@ -120,8 +120,8 @@ def attn_bwd_dq(q, k, v, idx, do, lse, delta, *, scale, kc):
     s, dv = k.shape[1], v.shape[-1]
     kp = idx.shape[-1]
     kern = functools.partial(_bwd_kernel, scale=scale, kc=kc, n_chunks=kp // kc)
-    row3 = lambda bi, t: (bi, t, 0)  # noqa: E731
-    row4 = lambda bi, t: (bi, t, 0, 0)  # noqa: E731
+    row3 = lambda bi, t: (bi, t, 0)
+    row4 = lambda bi, t: (bi, t, 0, 0)
     return pl.pallas_call(
         kern,
         out_shape=[jax.ShapeDtypeStruct((b, tp, h, dq), q.dtype),

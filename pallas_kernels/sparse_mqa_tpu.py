@@ -121,7 +121,7 @@ def mqa_bwd(q, k, do, idx, lse, *, scale, interpret=False):
     s = k.shape[1]
     nk = idx.shape[-1]
     idx4 = idx.astype(jnp.int32)[:, :, None, :]
-    row = lambda bi, ti: (bi, ti, 0, 0)  # noqa: E731
+    row = lambda bi, ti: (bi, ti, 0, 0)
     kern = functools.partial(_bwd_kernel, scale=float(scale), nk=nk, h=h)
     odq, dk = pl.pallas_call(
         kern,

@@ -50,7 +50,8 @@ def main():
     mesh = make_mesh(mesh_spec, types.SimpleNamespace(model=mc, train=tc))
     assert mesh.devices.size == 4 and len(jax.local_devices()) == 4 // num_processes
     eval_batches = list(data.eval_batches(8, 32, max_batches=2))
-    out = train(mc, tc, Slow(data.train_iter(8, 32, seed=3), delay), workdir, log=lambda m: print(m, flush=True) if "preempted" in m else None, mesh=mesh,
+    out = train(mc, tc, Slow(data.train_iter(8, 32, seed=3), delay), workdir,
+                log=lambda m: print(m, flush=True) if "preempted" in m else None, mesh=mesh,
                 eval_fn=lambda p: evaluate(mc, p, eval_batches))
     print(json.dumps({"process": jax.process_index(), "final": out["final"],
                       "rows": [r["step"] for r in out["history"]]}), flush=True)

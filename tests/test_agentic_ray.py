@@ -2,7 +2,6 @@
 worker; killing a rollout worker mid-run loses and duplicates no trajectory id (slow)."""
 
 import collections
-import os
 
 import jax
 import numpy as np

@@ -49,9 +49,9 @@ def test_chunked_cross_entropy_equals_cross_entropy_of_the_whole_logits():
     w = jax.random.normal(ks[1], (d, v))
     tg = jax.random.randint(ks[2], (g, b, t), 0, v)
     mask = (jax.random.uniform(ks[3], (g, b, t)) > 0.2).astype(jnp.float32)
-    head = lambda w: lambda x: x @ w  # noqa: E731
+    head = lambda w: lambda x: x @ w
     weights = jnp.asarray([1.0, 0.3, 0.7])
-    whole = lambda h, w: sum(weights[i] * cross_entropy(head(w)(h[i]), tg[i], mask[i], z_loss=1e-2)[0]  # noqa: E731
+    whole = lambda h, w: sum(weights[i] * cross_entropy(head(w)(h[i]), tg[i], mask[i], z_loss=1e-2)[0]
                              for i in range(g))
     for shards, chunk in ((1, 5), (4, 2), (4, 100)):
         def part(h, w, shards=shards, chunk=chunk):
@@ -86,7 +86,7 @@ def test_flash_attention_with_query_offset_equals_rows_of_the_full_attention():
 
     np.testing.assert_allclose(jax.jit(sharded)(q, k, v), full(q, k, v), rtol=1e-6, atol=1e-6)
     w = jax.random.normal(jax.random.PRNGKey(3), (b, t, h, dv))
-    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)  # noqa: E731
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
     g_full = jax.grad(loss(full), argnums=(0, 1, 2))(q, k, v)
     g_sh = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
     for a, e in zip(g_sh, g_full):
@@ -171,7 +171,8 @@ SCRIPT = textwrap.dedent("""
 def test_context_parallel_train_step_equals_unsharded_and_splits_the_sequence(case):
     """On 8 CPU devices, data:2,context:4: the LM loss's value, metrics (CE, MTP, indexer KL and
     recall) and gradients equal the unsharded ones (float32, rtol 1e-5) for MLA, DSA's dense warm-up
-    (with the MoE dispatched per chunk) and DSA's sparse stage (with the LM head per chunk), with packed documents, a loss mask, MTP and a2a MoE; and the compiled
+    (with the MoE dispatched per chunk) and DSA's sparse stage (with the LM head per chunk), with packed
+    documents, a loss mask, MTP and a2a MoE; and the compiled
     loss-and-gradient program holds its [B, T, D] activations as [B/2, T/4, D] shards (fails if the
     context sharding is dropped)."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",

@@ -4,7 +4,6 @@ within 10%, at most 1% of distinct documents are removed; each quality filter re
 built to fail it (closed forms) and keeps ordinary text."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -54,7 +53,7 @@ def test_prepare_data_dedup_counts_planted_copies(tmp_path, capsys):
     assert s["documents_in"] == len(texts)
     assert s["exact_duplicates"] == N_EXACT                                 # every byte-exact copy
     dropped = [json.loads(ln) for ln in open(out / "dropped.jsonl")]
-    index_of = lambda key: int(key.rsplit("#", 1)[1])                       # noqa: E731  (relpath#i)
+    index_of = lambda key: int(key.rsplit("#", 1)[1])                       # (relpath#i)
     near_found = sum(kinds.get(index_of(d["key"])) == "near_duplicate" for d in dropped)
     assert abs(near_found - N_NEAR) <= 0.1 * N_NEAR and s["near_duplicates"] <= N_NEAR * 1.1
     distinct_removed = sum(index_of(d["key"]) < N_DISTINCT for d in dropped)

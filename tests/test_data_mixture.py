@@ -213,7 +213,7 @@ def test_training_loop_killed_and_resumed_reads_the_same_sequences_and_counts(tm
                         num_experts=0, mtp_depth=0, ffn_dim=32)
     tc = TrainConfig(steps=6, batch_size=2, seq_len=T, ckpt_every=2, log_every=1, eval_every=1000, warmup_steps=1,
                      async_checkpoints=False, keep_checkpoints=1)
-    quiet = lambda msg: None  # noqa: E731
+    quiet = lambda msg: None
     full_seen, killed_seen, resumed_seen = [], [], []
     train(model, tc, _Recording(data.train_iter(2, T, seed=9), full_seen), tmp_path / "full", log=quiet)
     with pytest.raises(KeyboardInterrupt):

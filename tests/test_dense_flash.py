@@ -80,8 +80,8 @@ def test_flash_key_mask_equals_sparse_attention_over_the_same_indices(h, hk, t, 
     w = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
     scale = d ** -0.5
     mask = topk_key_mask(jnp.asarray(idx), t)
-    flash = lambda q, k, v: flash_attention(q, k, v, scale=scale, segment_ids=seg, block=block, key_mask=mask)  # noqa: E731
-    sparse = lambda q, k, v: ref.sparse_attention(q, k, v, jnp.asarray(idx), scale=scale)  # noqa: E731
+    flash = lambda q, k, v: flash_attention(q, k, v, scale=scale, segment_ids=seg, block=block, key_mask=mask)
+    sparse = lambda q, k, v: ref.sparse_attention(q, k, v, jnp.asarray(idx), scale=scale)
     np.testing.assert_allclose(flash(q, k, v), sparse(q, k, v), atol=1e-5, rtol=1e-5)
     assert np.all(np.asarray(flash(q, k, v))[1, 5] == 0)
     g = jax.grad(lambda *a: jnp.sum(flash(*a) * w), argnums=(0, 1, 2))(q, k, v)
@@ -127,7 +127,7 @@ def test_causal_attention_each_platform_kernel(platform):
                                                             interpret=True)}
     fn = fns[platform]
     np.testing.assert_allclose(fn(q, k, v), _naive(q, k, v, 0.2, seg), atol=1e-5, rtol=1e-5)
-    loss = lambda f: lambda a, b_, c: jnp.sum(jnp.sin(f(a, b_, c)))  # noqa: E731
+    loss = lambda f: lambda a, b_, c: jnp.sum(jnp.sin(f(a, b_, c)))
     g = jax.grad(loss(fn), (0, 1, 2))(q, k, v)
     g_ref = jax.grad(loss(lambda a, b_, c: _naive(a, b_, c, 0.2, seg)), (0, 1, 2))(q, k, v)
     for a, r in zip(g, g_ref):

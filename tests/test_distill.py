@@ -85,7 +85,7 @@ def test_run_distill_moves_student_towards_teacher(setup):
     cfg, student, teacher = setup
     rl = RLConfig(steps=6, prompts_per_step=8, group_size=2, max_new_tokens=4, max_prompt_len=8, minibatches=1,
                   learning_rate=3e-3, mismatch="none", frozen_patterns=())
-    sample = lambda rng: arithmetic_task(rng, 0)  # noqa: E731
+    sample = lambda rng: arithmetic_task(rng, 0)
 
     def gap(params):
         rng = random.Random(123)

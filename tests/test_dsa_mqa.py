@@ -70,7 +70,7 @@ def test_mqa_sparse_attention_gradients_equal_expanded_heads():
     f32 = [jnp.asarray(a, jnp.float32) for a in args[:-1]]
     idx = jnp.asarray(args[-1])
     ct = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, H, DV)), jnp.float32)
-    grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a, idx, scale=scale) * ct), argnums=tuple(range(6)))  # noqa: E731
+    grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a, idx, scale=scale) * ct), argnums=tuple(range(6)))
     got = grad(dsa_attention)(*f32)
     want = grad(lambda *a, scale: _expanded_jnp(*a, scale))(*f32)
     for name, g, w in zip(("q_nope", "q_rope", "latent", "k_rope", "w_uk", "w_uv"), got, want):
@@ -83,7 +83,7 @@ def test_sparse_indexer_kl_same_in_mqa_and_expanded_form():
     idx = np.where(idx < T, idx, -1)
     rng = np.random.default_rng(4)
     qi, ki, w = rng.normal(size=(B, T, 2, 3)), rng.normal(size=(B, T, 3)), rng.normal(size=(B, T, 2))
-    f = lambda *a: [jnp.asarray(x, jnp.float32) for x in a]  # noqa: E731
+    f = lambda *a: [jnp.asarray(x, jnp.float32) for x in a]
     q_exp = np.concatenate([qn, qr], -1)
     k_exp = np.concatenate([np.einsum("bsr,rhd->bshd", lat, w_uk), np.broadcast_to(kr[:, :, None], (B, T, H, DR))], -1)
     q_mqa = np.concatenate([np.einsum("bthd,rhd->bthr", qn, w_uk), qr], -1)
@@ -103,7 +103,7 @@ def _mqa_case(seed, b=2, t=6, s=9, h=4, dq=8, kk=4):
     idx[1, 3, :] = -1
     idx[0, 4, 1] = -1                                   # an empty slot between valid ones
     idx[0, 0, -1] = -1                                  # in the kernel's first step (its VMEM rows not yet written)
-    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     return f(b, t, h, dq), f(b, s, 1, dq), jnp.asarray(idx)
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.eval import LMLoss, PositionLoss, RetrievalAccuracy, TokenOutputs, evaluate
+from glm5_jax.eval import LMLoss, PositionLoss, TokenOutputs, evaluate
 from glm5_jax.eval.placement import local_rows, place_batch
 from glm5_jax.model import init_params
 

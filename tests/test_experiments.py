@@ -220,5 +220,5 @@ def test_answer_key_hits_hand_computed():
     idx[0, 5] = [3, 0]          # digit 1 at 5: wants key 2, not selected
     idx[1, 4] = [0, 3]
     idx[1, 5] = [4, 3]          # row 1 wants keys 3 and 4: both selected
-    info = lambda v: RetrievalInfo("1", "00", 0, 3, 4, (4, 5), value_start=v)  # noqa: E731
+    info = lambda v: RetrievalInfo("1", "00", 0, 3, 4, (4, 5), value_start=v)
     np.testing.assert_allclose(answer_key_hits(idx, [info(1), info(3)], value_digits=2), [0.5, 1.0])

@@ -57,7 +57,7 @@ def test_test_delta_interval_and_paired_differences_closed_form():
     assert d["hi"] - d["mean"] == pytest.approx(4.303 * 0.1 / 3 ** 0.5, rel=2e-4)   # t(2) to 3 decimals
     one = per_seed_interval([0.5 - 0.4])
     assert one["lo"] is None and one["mean"] == pytest.approx(0.1)
-    acc = lambda *v: {str(i): {"accuracy": x} for i, x in enumerate(v)}  # noqa: E731
+    acc = lambda *v: {str(i): {"accuracy": x} for i, x in enumerate(v)}
     got = paired_arm_differences({"icepop": acc(0.5, 0.6, 0.7), "none": acc(0.4, 0.5, 0.6), "tis": acc(0.5, 0.5, 0.5)})
     assert set(got) == {"icepop - none", "tis - none", "icepop - tis"}
     # a constant per-seed gap: exact, zero-width interval although the seeds vary a lot

@@ -305,7 +305,7 @@ def test_training_run_is_a_source_for_init_from_and_export(tmp_path):
         train: TrainConfig = tc
 
     def probe(c, workdir, log, mesh=None):
-        r = train(c.model, c.train.replace(steps=1), _RandomBatches(c.model), os.path.join(workdir, "arm"), log=log)
+        train(c.model, c.train.replace(steps=1), _RandomBatches(c.model), os.path.join(workdir, "arm"), log=log)
         seen["arm"] = os.path.join(workdir, "arm")
         return {"arms": {}}
 

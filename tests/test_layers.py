@@ -207,7 +207,7 @@ def test_scanned_stacks_equal_unrolled_and_per_layer_reference(types):
     cfg = ModelConfig(num_layers=5, index_topk=4, mtp_depth=0, indexer_types=types)
     params = model.init_params(cfg, jax.random.PRNGKey(16))
     tok = jax.random.randint(jax.random.PRNGKey(17), (2, 12), 0, cfg.vocab_size)
-    trunk = lambda c: jax.jit(lambda p, t: model.GLM5(c).apply({"params": p}, t, return_hidden=True)["trunk"])  # noqa: E731
+    trunk = lambda c: jax.jit(lambda p, t: model.GLM5(c).apply({"params": p}, t, return_hidden=True)["trunk"])
     scanned = trunk(cfg)(params, tok)
     unrolled = trunk(cfg.replace(scan_layers=False))(params, tok)
     np.testing.assert_allclose(scanned, unrolled, atol=1e-6)

@@ -50,7 +50,7 @@ def test_hooks_run_at_their_steps_and_never_change_the_training(tmp_path):
         assert ctx.params is None and ctx.step_seconds > 0
         seen.append(("time", ctx.step))
 
-    eval_fn = lambda p: {"eval_loss": float(sum(np.sum(np.asarray(x)) for x in jax.tree.leaves(p)))}  # noqa: E731
+    eval_fn = lambda p: {"eval_loss": float(sum(np.sum(np.asarray(x)) for x in jax.tree.leaves(p)))}
     hooks = [Hook(probe, every=4), Hook(timing, every=1, at_end=False, params=False)]
     a = train(CFG, TC, Data(), tmp_path / "a", eval_fn=eval_fn, hooks=hooks, log=lambda m: None)
     b = train(CFG, TC, Data(), tmp_path / "b", log=lambda m: None)
@@ -81,7 +81,7 @@ def test_train_stages_passes_each_stage_its_hooks_and_caches(tmp_path):
     assert steps == {"a": [1, 2], "b": [1, 2, 3]} and out["model_cfg"].rope_theta == 1e5
     assert Stage.of("x", TC.replace(learning_rate=3e-3, eval_every=7), TC).train == (("eval_every", 7),)
     calls = []
-    f = lambda: calls.append(1) or {"v": 1.5}  # noqa: E731
+    f = lambda: calls.append(1) or {"v": 1.5}
     assert cached_json(tmp_path, "e", {"k": 1}, f) == cached_json(tmp_path, "e", {"k": 1}, f) == {"v": 1.5}
     assert len(calls) == 1
 

@@ -46,7 +46,7 @@ def test_sparse_attention_fwd_bwd_compiled_flops_are_the_closed_form():
         o = dsa.sparse_attention(q, k, k[..., :dv], idx, scale=scale, interpret=False)
         return jnp.sum(o.astype(jnp.float32))
 
-    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)  # noqa: E731
+    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)
     c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(sds((b, t, h, dq)), sds((b, t, 1, dq)),
                                                       sds((b, t, kk), jnp.int32)).compile()
     text = c.as_text()
@@ -63,7 +63,8 @@ def test_sparse_attention_fwd_bwd_compiled_flops_are_the_closed_form():
 def test_fused_mqa_backward_compiled_flops_and_bytes_are_the_closed_form():
     """dsa.sparse_mqa_uv's gradient (q, k, W_UV) compiled for TPU: the forward kernel 2 B T H K (Dq + r), the
     fused backward kernel 12 B T H K Dq (three matmuls over the K rows) and the backward's W_UV einsums (dO and
-    dW_UV, 2 B T H r dv each; the forward's is dead in a gradient alone) are all the FLOPs the budget counts; the backward kernel's bytes are its K rows
+    dW_UV, 2 B T H r dv each; the forward's is dead in a gradient alone) are all the FLOPs the budget counts; the
+    backward kernel's bytes are its K rows
     once in bfloat16 plus its dK rows read and written in float32, besides the per-query operands."""
     from pallas_kernels import dsa
     rep = _one_tpu()
@@ -72,7 +73,7 @@ def test_fused_mqa_backward_compiled_flops_and_bytes_are_the_closed_form():
     def loss(q, k, w_uv, idx):
         return jnp.sum(dsa.sparse_mqa_uv(q, k, w_uv, idx, scale=dq ** -0.5, interpret=False).astype(jnp.float32))
 
-    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)  # noqa: E731
+    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)
     c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(sds((b, t, h, dq)), sds((b, t, 1, dq)), sds((r, h, dv)),
                                                          sds((b, t, kk), jnp.int32)).compile()
     text = c.as_text()
@@ -96,7 +97,7 @@ def test_indexer_topk_kernels_carry_their_cost_estimates():
     from pallas_kernels import dsa
     rep = _one_tpu()
     b, t, hi, di, topk, bk = 1, 1024, 4, 128, 128, 128
-    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)  # noqa: E731
+    sds = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)
     c = jax.jit(lambda q, k, w: dsa.indexer_topk(q, k, w, topk, interpret=False)).lower(
         sds((b, t, hi, di)), sds((b, t, di)), sds((b, t, hi), jnp.float32)).compile()
     text = c.as_text()

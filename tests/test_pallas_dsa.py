@@ -250,7 +250,7 @@ def test_sparse_attention_backward_holds_no_thk_array():
     with the H x K probability layout (P / dS exist one chunk at a time)."""
     b, t, h, d, dv, kk = 1, 32, 4, 8, 6, 5
     q, k, v, idx = _attn_inputs(4, b, t, t, h, 1, d, dv, kk)
-    f = lambda a, b_, c: jnp.sum(dsa.sparse_attention(a, b_, c, idx, scale=0.3, block_q=8,  # noqa: E731
+    f = lambda a, b_, c: jnp.sum(dsa.sparse_attention(a, b_, c, idx, scale=0.3, block_q=8,
                                                       block_k=8, bwd_rows=8))
     shapes = _all_shapes(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(q, k, v).jaxpr)
     assert any(s[-2:] == (h, kk) for s in shapes)  # the chunk's P / dS exist ...

@@ -127,7 +127,7 @@ def test_dense_attention_gpu_lowers_cuda_triton(verified_triton):
     kv = sd((1, 256, 2, 64), jnp.bfloat16)
 
     def f(q, k, v, seg):
-        fn = lambda a, b, c: causal_attention(a, b, c, scale=0.125, segment_ids=seg, platform="gpu")  # noqa: E731
+        fn = lambda a, b, c: causal_attention(a, b, c, scale=0.125, segment_ids=seg, platform="gpu")
         return jax.grad(lambda a, b, c: jnp.sum(fn(a, b, c).astype(jnp.float32)), (0, 1, 2))(q, k, v)
 
     exp = jax.export.export(

@@ -14,8 +14,8 @@ from glm5_jax.rl.rollout import Rollout, build_batch
 from glm5_jax.rl.tasks import arithmetic_tasks, countdown_tasks, function_tasks
 
 STOP = 3                     # the stop token id of this byte-level toy vocabulary (ids = ord of characters)
-encode = lambda text: [ord(c) for c in text]                       # noqa: E731
-decode = lambda ids: "".join(chr(i) for i in ids if i != STOP)     # noqa: E731
+encode = lambda text: [ord(c) for c in text]
+decode = lambda ids: "".join(chr(i) for i in ids if i != STOP)
 
 
 @dataclasses.dataclass(frozen=True)

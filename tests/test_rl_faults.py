@@ -4,7 +4,6 @@ a rerun resumes to the same rows and params as an uninterrupted run; a non-finit
 from __future__ import annotations
 
 import os
-import random
 import signal
 
 import jax
@@ -48,8 +47,8 @@ def test_killed_grpo_stage_resumes_to_the_same_rows(params, tmp_path):
     """SIGTERM while step 3 draws its prompts: step 3 finishes, is checkpointed (ckpt_every=10: not a
     regular one), Preempted (143) is raised with one log line; the same call again resumes at step 4
     and ends with the rows, evals and params of an uninterrupted run (no checkpoints), bitwise."""
-    evalf = lambda p: {"norm": float(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(p)))}  # noqa: E731
-    sample = lambda rng: arithmetic_task(rng, 1)                    # noqa: E731
+    evalf = lambda p: {"norm": float(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(p)))}
+    sample = lambda rng: arithmetic_task(rng, 1)
     ref = run_grpo(CFG, params, RL, sample, VOCAB, log=lambda m: None, eval_fn=evalf, eval_every=2)
     calls = {"n": 0}
 
@@ -81,7 +80,7 @@ def test_killed_grpo_stage_resumes_to_the_same_rows(params, tmp_path):
 def test_non_finite_rl_update_is_not_applied(params, tmp_path):
     """advantage_fn returns NaN at step 2: both of its updates are skipped (params as after step 1), the
     run goes on, every checkpoint is finite and the rows count the skipped updates."""
-    sample = lambda rng: arithmetic_task(rng, 1)                    # noqa: E731
+    sample = lambda rng: arithmetic_task(rng, 1)
     seen = {"n": 0}
 
     def adv(row_tasks, batch):

@@ -92,7 +92,6 @@ def test_rejection_sample_marginals_and_closed_form_acceptance():
 def _chain_sequences(p_tab, q_tab, start, length, n, trials, seed, verify=sp.rejection_sample):
     """Speculative sampling of a bigram chain (target p_tab[prev], drafter q_tab[prev]) for `trials` rows,
     round after round, -> [trials, length] first tokens of each row."""
-    v = p_tab.shape[0]
     out = np.zeros((trials, length + n + 1), np.int64)
     count = np.zeros(trials, np.int64)
     prev = jnp.full((trials,), start, jnp.int32)

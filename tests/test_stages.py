@@ -29,7 +29,7 @@ STAGES = [Stage("base", seq_len=32, steps=2),
           Stage("long", seq_len=64, steps=5, model={"rope_theta": 1e5}, learning_rate=5e-3, min_lr_ratio=0.5),
           Stage("dsa", seq_len=64, steps=2, model={"attention": "dsa"}, warmup_steps=0,
                 train={"indexer_loss": "dense", "trainable_pattern": "indexer"})]
-quiet = lambda msg: None  # noqa: E731
+quiet = lambda msg: None
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_staged_run_killed_in_and_between_stages_resumes_to_uninterrupted_losses
     carries every shared parameter bit-exactly and adds a freshly initialised indexer."""
     start = init_params(MODEL, jax.random.PRNGKey(0))
     finals = []
-    eval_for = lambda stage, i, cfg: lambda params: finals.append(_flat(params)) or {}  # noqa: E731
+    eval_for = lambda stage, i, cfg: lambda params: finals.append(_flat(params)) or {}
     full, killed = tmp_path / "full", tmp_path / "killed"
     out = train_stages(MODEL, TRAIN, STAGES, _make_iter(data), full, init_params=start, eval_fn_for_stage=eval_for,
                        log=quiet)
@@ -106,7 +106,7 @@ def test_staged_run_killed_in_and_between_stages_resumes_to_uninterrupted_losses
 
     # (b) RoPE-only stage: the same pytree (paths, shapes, dtypes), only the model's rope_theta changed
     p0, p1, p2 = finals
-    shapes = lambda p: {k: (v.shape, v.dtype) for k, v in p.items()}  # noqa: E731
+    shapes = lambda p: {k: (v.shape, v.dtype) for k, v in p.items()}
     assert shapes(p0) == shapes(p1)
     (c0, _), (c1, _), (c2, _) = plan_stages(MODEL, TRAIN, STAGES)
     assert (c0.rope_theta, c1.rope_theta, c2.rope_theta) == (MODEL.rope_theta, 1e5, 1e5)

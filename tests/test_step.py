@@ -112,7 +112,7 @@ def test_cross_entropy_value_and_grad_match_log_softmax_reference():
         denom = jnp.maximum(mask.sum(), 1.0)
         return (nll * mask).sum() / denom + z * (lse ** 2 * mask).sum() / denom
 
-    ours = lambda lg: cross_entropy(lg, targets, mask, z_loss=z)[0]   # noqa: E731
+    ours = lambda lg: cross_entropy(lg, targets, mask, z_loss=z)[0]
     np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
     np.testing.assert_allclose(jax.jit(jax.grad(ours))(logits), jax.grad(reference)(logits), atol=1e-6)
     # masked positions get exactly zero gradient

@@ -197,7 +197,7 @@ def test_sigterm_checkpoints_the_step_reached_and_resumes_bitwise(tmp_path):
     tc = TrainConfig(steps=5, ckpt_every=100, learning_rate=1e-2, **BASE)
     train(CFG, tc, Data(), str(tmp_path / "full"), log=lambda m: None)
     before = signal.getsignal(signal.SIGTERM)
-    kill = lambda i: os.kill(os.getpid(), signal.SIGTERM) if i == 3 else None   # noqa: E731
+    kill = lambda i: os.kill(os.getpid(), signal.SIGTERM) if i == 3 else None
     lines = []
     with pytest.raises(Preempted) as info:
         train(CFG, tc, Data(on_step=kill), str(tmp_path / "cut"), log=lines.append)

@@ -96,7 +96,7 @@ def _time(compiled, args, reps, warmup):
 def make_inputs(t: int, w: dict, seed: int = 0):
     rng = np.random.default_rng(seed)
     h, hi, r, dr, dn, dv, di = (w[n] for n in ("h", "hi", "r", "dr", "dn", "dv", "di"))
-    a = lambda *shape, s=1.0: jnp.asarray(rng.normal(size=shape) * s, jnp.float32)  # noqa: E731
+    a = lambda *shape, s=1.0: jnp.asarray(rng.normal(size=shape) * s, jnp.float32)
     attn = (a(1, t, h, dn), a(1, t, h, dr), a(1, t, r), a(1, t, dr), a(r, h, dn + dv, s=r ** -0.5))
     index = (a(1, t, hi, di, s=di ** -0.5), a(1, t, di), a(1, t, hi, s=hi ** -0.5))
     return attn, index

@@ -30,20 +30,20 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import json  # noqa: E402
-import time  # noqa: E402
+import json
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from absl import flags  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from absl import flags
 
-from glm5_jax import hugepages, sharding  # noqa: E402
-from glm5_jax.cli import main_wrapper, run as run_cli  # noqa: E402
-from glm5_jax.parallel.ep import TOKEN_AXES, a2a_moe  # noqa: E402
-from tools.bench_dsa import _time  # noqa: E402  (best wall seconds, CPU seconds of that run)
+from glm5_jax import hugepages, sharding
+from glm5_jax.cli import main_wrapper, run as run_cli
+from glm5_jax.parallel.ep import TOKEN_AXES, a2a_moe
+from tools.bench_dsa import _time  # best wall seconds, CPU seconds of that run
 
 
 def programs(capacity: float, round_factor: float) -> dict:
@@ -72,7 +72,7 @@ def run(args) -> tuple[dict, list]:
     tok_axes = tuple(a for a in TOKEN_AXES if a in sizes)
     n, d, f, e, k = n_dev * args.tokens, args.d_model, args.ffn, args.experts, args.k
     r = np.random.default_rng(1)
-    put = lambda a, spec: jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, spec))  # noqa: E731
+    put = lambda a, spec: jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, spec))
     x = put(r.normal(size=(n, d)), P(tok_axes, None))
     w = put(r.uniform(0.1, 0.5, size=(n, k)), P(tok_axes, None))
     ct = put(r.normal(size=(n, d)), P(tok_axes, None))

@@ -61,7 +61,7 @@ def cases(seq: int, heads: int, topk: int, dtype: str, idx_heads: int = 32, idx_
         return vjp(do)
 
     def mqa_grad(q, k, w_uv, idx, dout):
-        f = lambda a, b, c: dsa.sparse_mqa_uv(a, b, c, idx, scale=scale, interpret=False)  # noqa: E731
+        f = lambda a, b, c: dsa.sparse_mqa_uv(a, b, c, idx, scale=scale, interpret=False)
         return jax.vjp(f, q, k, w_uv)[1](dout)
 
     def indexer(qi, ki, wi):
@@ -69,7 +69,7 @@ def cases(seq: int, heads: int, topk: int, dtype: str, idx_heads: int = 32, idx_
 
     def dense_grad(q, k, v, seg, do):
         from glm5_jax.attention.core import causal_attention
-        f = lambda a, b, c: causal_attention(a, b, c, scale=scale, segment_ids=seg, platform="tpu")  # noqa: E731
+        f = lambda a, b, c: causal_attention(a, b, c, scale=scale, segment_ids=seg, platform="tpu")
         return jax.vjp(f, q, k, v)[1](do)
 
     iq, ik, iw = sd((1, seq, idx_heads, idx_dim), dt), sd((1, seq, idx_dim), dt), sd((1, seq, idx_heads), dt)

@@ -4,7 +4,8 @@
 
 ORBAX_DIR is a params checkpoint (config.json + params/, as tools.convert_hf writes it) or a training
 run (its workdir, WORKDIR/checkpoints or one step folder: the latest step's params, the model from
-WORKDIR/model_config.json; glm5_jax.train.checkpoint.load_params). The params are restored onto the mesh (default one device) and written one HF tensor at a time
+WORKDIR/model_config.json; glm5_jax.train.checkpoint.load_params). The params are restored onto the mesh
+(default one device) and written one HF tensor at a time
 (glm5_jax.hf.save_checkpoint: layer stacks sliced back into `model.layers.<i>.*`, experts per expert,
 the MTP layer as `model.layers.<num_layers + k>.*`), so HF -> convert_hf -> export_hf -> HF is
 bit-exact. Weights keep the checkpoint's dtype (no FP8 re-quantisation).

@@ -37,7 +37,7 @@ from glm5_jax.cli import run
 # Keep the shared CPU machine usable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 

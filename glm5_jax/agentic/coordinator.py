@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import threading
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["HashRing", "WorkerLost", "NoWorkers", "Coordinator", "filter_group"]

@@ -150,7 +150,8 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
 
     rl = RLConfig(loss="none", steps=cfg.steps, prompts_per_step=cfg.groups_per_step, group_size=cfg.group_size,
                   minibatches=1, learning_rate=cfg.learning_rate, optimizer="adamw", adam_b2=0.999,
-                  weight_decay=0.0, mismatch="none", frozen_patterns=tuple(cfg.frozen_patterns), eps_low=cfg.eps_low, eps_high=cfg.eps_high, seed=cfg.seed)
+                  weight_decay=0.0, mismatch="none", frozen_patterns=tuple(cfg.frozen_patterns), eps_low=cfg.eps_low,
+                  eps_high=cfg.eps_high, seed=cfg.seed)
     from glm5_jax.train.checkpoint import Checkpointer
     from glm5_jax.train.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
     from glm5_jax.train.state import abstract_state
@@ -343,9 +344,10 @@ def run_summary(r: dict, group_size: int) -> dict:
     alive at the end))."""
     acc, h, wall = r["accounting"], r["history"], r["wall_s"]
     counted = acc["trained"] + acc["dropped"] + acc["unused"] + acc["warmup"]
-    mean = lambda k: float(np.mean([x[k] for x in h]))  # noqa: E731
+    mean = lambda k: float(np.mean([x[k] for x in h]))
     return {"tokens_per_s": r["trained_tokens"] / wall,
-            "train_reward_last5": float(np.mean([x["reward_mean"] for x in h[-5:]])), "wall_s": wall, "trained_tokens": r["trained_tokens"], "trainer_idle_frac": r["trainer_idle_s"] / wall,
+            "train_reward_last5": float(np.mean([x["reward_mean"] for x in h[-5:]])), "wall_s": wall,
+            "trained_tokens": r["trained_tokens"], "trainer_idle_frac": r["trainer_idle_s"] / wall,
             "steps": len(h), "dead_workers": r["dead"], "requeued": r["requeued"], "ids_issued": len(acc["issued"]),
             "ids_accounted": len(counted), "ids_duplicated": len(counted) - len(set(counted)),
             "ids_lost": len(set(acc["issued"]) - set(counted)), "curve": [[x["wall_s"], x["reward_mean"]] for x in h],

@@ -138,7 +138,7 @@ def over_context(fn: Callable, local, keys, reduce: Sequence[str], n: int | None
                 res.append(jax.lax.pmax(jnp.maximum(a, b), manual))
         return tuple(res)
 
-    specs = lambda tree: jax.tree_util.tree_map(lambda _: spec, tree)  # noqa: E731
+    specs = lambda tree: jax.tree_util.tree_map(lambda _: spec, tree)
     out_specs = tuple(spec if r == "token" else P() for r in reduce)
     const_specs = tuple(jax.tree_util.tree_map(lambda _: P(), e) for e in extra)
     return jax.shard_map(body, in_specs=(specs(local), specs(keys)) + const_specs, out_specs=out_specs,

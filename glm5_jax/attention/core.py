@@ -42,7 +42,7 @@ def splash_attention(q, k, v, *, scale: float, segment_ids=None, block: int = 12
     b, t, h, dq = q.shape
     hk, dv = k.shape[2], v.shape[-1]
     tp, dp = _round_up(t, block), _round_up(max(dq, dv), 128)
-    prep = lambda x: jnp.swapaxes(_pad_axis(_pad_axis(x, 1, tp), 3, dp), 1, 2)  # noqa: E731  [B, H, Tp, Dp]
+    prep = lambda x: jnp.swapaxes(_pad_axis(_pad_axis(x, 1, tp), 3, dp), 1, 2)   # [B, H, Tp, Dp]
     qs, ks, vs = prep(q * jnp.asarray(scale, q.dtype)), prep(k), prep(v)
     mask = sm.MultiHeadMask([sm.CausalMask((tp, tp)) for _ in range(h)])
     bs = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
@@ -69,7 +69,7 @@ def gpu_flash_attention(q, k, v, *, scale: float, segment_ids=None, block: int =
     hk, dv = k.shape[2], v.shape[-1]
     tp = _round_up(t, block)
     dp = max(16, 1 << (max(dq, dv) - 1).bit_length())
-    prep = lambda x: _pad_axis(_pad_axis(x, 1, tp), 3, dp)  # noqa: E731
+    prep = lambda x: _pad_axis(_pad_axis(x, 1, tp), 3, dp)
     k, v = jnp.repeat(k, h // hk, axis=2), jnp.repeat(v, h // hk, axis=2)
     seg = None if segment_ids is None else _pad_axis(segment_ids.astype(jnp.int32), 1, tp)
     bs = ga.BlockSizes(block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block,

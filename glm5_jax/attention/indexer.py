@@ -178,7 +178,7 @@ def _query_chunks(q, k, segment_ids, chunk, q_offset, kv_segment_ids, one):
 
     def body(i):
         t0 = i * tc
-        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, tc, axis=1)  # noqa: E731
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, tc, axis=1)
         seg_q = None if segment_ids is None else sl(segment_ids)
         mask = ref.visible_mask(t0, tc, s, t, True, seg_q, kv_seg, q_offset=q_offset)
         mask = jnp.broadcast_to(mask, (b, tc, s))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax.batch import BATCH_AXES

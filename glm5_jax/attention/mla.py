@@ -121,7 +121,7 @@ class MLAttention(nn.Module):
             """One shard of queries (at global positions q_offset.., None: all T) over all keys."""
             w_uv = consts.get("w_uv")
             qa, ka, seg_q, seg_k = loc["q"], kv["k"], loc["seg"], kv["seg"]
-            tq, s = qa.shape[1], ka.shape[1]
+            tq = qa.shape[1]
             at = dict(q_offset=q_offset, kv_segment_ids=None if q_offset is None else seg_k)
             outs = []
             indices = loc.get("indices")

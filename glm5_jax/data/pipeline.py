@@ -83,7 +83,8 @@ def _stack(rows: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
 class TrainIterator:
     """Infinite iterator of train batches with a JSON-serialisable, restorable state."""
 
-    def __init__(self, data: "LMData | MixtureData", batch_size: int, seq_len: int, seed: int,
+    # data: an LMData or a MixtureData (glm5_jax.data.mixture imports this module, so it is not imported here)
+    def __init__(self, data, batch_size: int, seq_len: int, seed: int,
                  num_threads: int = 0, mix=None):
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.seq_len = _check_int("seq_len", seq_len, 2)
@@ -136,7 +137,7 @@ class TrainIterator:
                                              cfg.retrieval_min_pairs],
         })
 
-    def _init_mixture(self, data: "MixtureData", mix) -> None:
+    def _init_mixture(self, data, mix) -> None:           # data: a glm5_jax.data.mixture.MixtureData
         """Each source: its train windows shuffled (a seed of its own, from `seed` and its name) and
         repeated; grain's MapDataset.mix interleaves them in proportion to the weights (deterministic:
         every prefix of the stream holds each source within one element of its share)."""

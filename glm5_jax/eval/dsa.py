@@ -126,13 +126,13 @@ def decomposition_entry(dsa_hists: list, mla_hists: list, k: int, step: int, buc
     og = [gap_pct(metric_at(h, step, f"oracle_test_loss_k{k}"), m) for h, m in zip(mla_hists, mla)]
     ig = [gap_pct(metric_at(h, step, "test_loss"), m) for h, m in zip(dsa_hists, mla)]
     dg = [gap_pct(metric_at(h, step, "oracle_test_loss"), m) for h, m in zip(dsa_hists, mla)]
-    per = lambda key: [metric_at(h, step, key) for h in dsa_hists]  # noqa: E731
+    per = lambda key: [metric_at(h, step, key) for h in dsa_hists]
     im, om, rc = per("indexer_mass"), per("oracle_mass"), per("indexer_recall_of_oracle")
     rows = [next((r for r in h if r.get("step") == step and "test_loss" in r), {}) for h in mla_hists]
     mom = [r.get(f"mla_oracle_mass_k{k}") for r in rows]
     mom = None if any(v is None for v in mom) else float(np.mean(mom))
     sel = [i - o for i, o in zip(ig, og)]
-    bucket = lambda key: [float(np.mean([metric_at(h, step, f"{key}_b{j}") for h in dsa_hists]))  # noqa: E731
+    bucket = lambda key: [float(np.mean([metric_at(h, step, f"{key}_b{j}") for h in dsa_hists]))
                           for j in range(len(buckets))]
     o_iv, s_iv = interval(og), interval(sel)
     return {"topk": k, "adaptation_steps": step,
@@ -216,7 +216,7 @@ def gap_at(dsa_hists: list, mla_hists: list, step: int) -> tuple[dict, list]:
 
 def decomposition_sentence(e: dict, T: int) -> str:
     """Which source dominates at one decomposition entry, with its intervals."""
-    iv = lambda d: fmt_interval(d["mean"], d["lo"], d["hi"], 2)  # noqa: E731
+    iv = lambda d: fmt_interval(d["mean"], d["lo"], d["hi"], 2)
     what = ("the cost of attending to k keys at all (oracle top-k on the continued MLA model)" if e["dominant"] == "sparsity"
             else "the indexer's choice of keys")
     return (f"At top-k {e['topk']} = T/{T // e['topk']} after {e['adaptation_steps']} sparse-adaptation steps the DSA "
@@ -235,7 +235,7 @@ def decomposition_verdict(entries: list, primary_k: int, T: int, lr_entries: lis
            + f" Over the {len(entries)} top-k fractions, sparsity itself dominates at {n_sparsity} and the indexer's "
            f"choice at {len(entries) - n_sparsity}.")
     if lr_entries:
-        e, f2 = lr_entries[0], lambda k: fmt_interval(lr_entries[0][k], digits=2)  # noqa: E731
+        e, f2 = lr_entries[0], lambda k: fmt_interval(lr_entries[0][k], digits=2)
         out += (f" At adaptation rate {e['learning_rate']:g} (fixed before the run; the default is the base's "
                 f"final {base_lr:g}) the DSA gap is {f2('indexer_gap_pct')}% and the indexer's choice "
                 f"{f2('selection_cost_pct')}% (on those params, indexer vs oracle top-k: "
@@ -280,7 +280,7 @@ def mean_attention_mass(masses: list, buckets) -> dict:
 
 def decomposition_table(entries: list) -> tuple[list, list]:
     """(header, rows) of the report's decomposition table, one row per gap_figures entry."""
-    ivs = lambda iv: fmt_interval(iv, digits=2)  # noqa: E731
+    ivs = lambda iv: fmt_interval(iv, digits=2)
     header = ["top-k / T", "steps", "lr", "indexer gap %", "oracle gap %", "indexer's choice %", "DSA + oracle gap %",
               "DSA: indexer - oracle %", "indexer mass", "oracle mass", "MLA oracle mass", "recall of oracle keys"]
     rows = [[f"1/{round(1 / e['topk_fraction'])}", e["adaptation_steps"], f"{e['learning_rate']:g}"]

@@ -103,7 +103,7 @@ def adaptation_entry(steps: int, dsa: tuple, oracle: tuple, mass: dict, ref: tup
 def adaptation_bucket_rows(entries: list[dict]) -> list[list]:
     """Table rows of adaptation_entry's per-bucket figures: [sparse steps, figure, value per bucket] for the gap,
     the oracle gap (signed, 3 decimals), the indexer's and the oracle's mass ("n/a": no tokens in the bucket)."""
-    fmt = lambda name, v: "n/a" if v is None else f"{v:+.3f}" if "gap" in name else f"{v:.3f}"  # noqa: E731
+    fmt = lambda name, v: "n/a" if v is None else f"{v:+.3f}" if "gap" in name else f"{v:.3f}"
     return [[e["sparse_steps"], name] + [fmt(name, v) for v in vals] for e in entries
             for name, vals in (("gap", e["gap_by_bucket"]), ("oracle gap", e["oracle_gap_by_bucket"]),
                                ("indexer mass", e["mass_by_bucket"]["selected_mass"]),

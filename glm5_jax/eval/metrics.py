@@ -186,7 +186,7 @@ class AttentionMass(Metric):
                     acc[n] += [st[n][mk].sum() for mk in masks]
         if not sums:
             raise ValueError("attention_mass: the model sowed no selection stats (no DSA layer?)")
-        mean = lambda a: [None if c == 0 else float(x / c) for x, c in zip(a, counts)]  # noqa: E731
+        mean = lambda a: [None if c == 0 else float(x / c) for x, c in zip(a, counts)]
         layers = {layer: {KEYS[n]: mean(acc[n]) for n in STATS} for layer, acc in sorted(sums.items())}
         avg = {KEYS[n]: mean(np.mean([acc[n] for acc in sums.values()], axis=0)) for n in STATS}
         return {"attention_mass": {"buckets": [list(b) for b in self.buckets], "tokens": [int(c) for c in counts],

@@ -47,7 +47,7 @@ def greedy_by_prompt(cfg: ModelConfig, params, prompts, num_draft: int, max_new_
     rows = [measure_acceptance(cfg, params, [p], num_draft, max_new_tokens) for p in prompts]
     rep = [r for r in rows if r["distinct_token_fraction"] < repetitive_below]
     non = [r for r in rows if r["distinct_token_fraction"] >= repetitive_below]
-    mean = lambda rs: float(np.mean([r["acceptance_length"] for r in rs])) if rs else None  # noqa: E731
+    mean = lambda rs: float(np.mean([r["acceptance_length"] for r in rs])) if rs else None
     return {"greedy_acceptance_repetitive": mean(rep), "greedy_acceptance_non_repetitive": mean(non),
             "greedy_prompts_repetitive": len(rep), "greedy_prompts_non_repetitive": len(non),
             "greedy_distinct_per_prompt": np.array([r["distinct_token_fraction"] for r in rows])}
@@ -93,7 +93,7 @@ def sampled_acceptance(cfg: ModelConfig, params, contexts: np.ndarray, num_draft
     toks = np.zeros((n * draws, L), np.int32)
     toks[:, :c] = np.repeat(contexts, draws, axis=0)
     batch = {"positions": np.broadcast_to(np.arange(L, dtype=np.int32), toks.shape), "segment_ids": np.ones_like(toks)}
-    fwd = lambda t: evaluate(icfg, ip, [{"tokens": t, **batch}], [Logits(mtp=True)])  # noqa: E731
+    fwd = lambda t: evaluate(icfg, ip, [{"tokens": t, **batch}], [Logits(mtp=True)])
     key = jax.random.PRNGKey(seed)
     t = c - 1
     out = fwd(toks)

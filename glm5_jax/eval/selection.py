@@ -74,7 +74,7 @@ def attention_mass(cfg: ModelConfig, params, batches, buckets) -> dict:
                 acc[n] += [st[n][mk].sum() for mk in masks]
     if not sums:
         raise ConfigError("attention_mass: the model sowed no selection stats (no DSA layer?)")
-    mean = lambda a: [None if c == 0 else float(x / c) for x, c in zip(a, counts)]  # noqa: E731
+    mean = lambda a: [None if c == 0 else float(x / c) for x, c in zip(a, counts)]
     layers = {layer: {KEYS[n]: mean(acc[n]) for n in STATS} for layer, acc in sorted(sums.items())}
     avg = {KEYS[n]: mean(np.mean([acc[n] for acc in sums.values()], axis=0)) for n in STATS}
     return {"buckets": [list(b) for b in buckets], "tokens": [int(c) for c in counts], "layers": layers, "mean": avg}

@@ -30,7 +30,7 @@ def bucket_means_interval(sums, counts, reps: int, seed: int = 0) -> dict:
     boots = np.stack([_ratio(sums[i], counts[i]) for i in idx])
     with np.errstate(all="ignore"):
         lo, hi = np.nanpercentile(boots, 2.5, axis=0), np.nanpercentile(boots, 97.5, axis=0)
-    clean = lambda a: [None if not np.isfinite(x) else float(x) for x in a]  # noqa: E731
+    clean = lambda a: [None if not np.isfinite(x) else float(x) for x in a]
     return {"mean": clean(_ratio(sums, counts)), "lo": clean(lo), "hi": clean(hi),
             "tokens": [int(x) for x in counts.sum(0)]}
 

@@ -96,7 +96,7 @@ def make_optimizer(name: str, params, *, learning_rate, weight_decay: float = 0.
 
     spec_fn = None
     if param_specs is not None:
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        is_spec = lambda x: isinstance(x, P)
         flat_specs = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
         flat_paths = [path_to_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         if len(flat_specs) != len(flat_paths):

@@ -56,7 +56,7 @@ def _matrix_axes(spec: P, ndim: int, mesh) -> tuple[list, list]:
     entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
     if len(entries) != ndim:
         raise ValueError(f"PartitionSpec {spec} has more entries than the leaf's {ndim} dims")
-    keep = lambda e: [a for a in _entry_axes(e) if mesh.shape[a] > 1]  # noqa: E731
+    keep = lambda e: [a for a in _entry_axes(e) if mesh.shape[a] > 1]
     return keep(entries[-2]), keep(entries[-1])
 
 

@@ -329,8 +329,8 @@ def _pick_level(rng: random.Random, level) -> int:
 def arithmetic_task(rng, level: int = 0, *, worked: bool = False) -> Task:
     """One arithmetic problem. ``rng``: random.Random or a seed."""
     rng = _rng(rng)
-    d1 = lambda: rng.randint(0, 9)  # noqa: E731
-    d2 = lambda: rng.randint(10, 99)  # noqa: E731
+    d1 = lambda: rng.randint(0, 9)
+    d2 = lambda: rng.randint(10, 99)
     if level == 0:
         tree = ("+", d1(), d1())
     elif level == 1:

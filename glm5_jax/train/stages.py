@@ -19,9 +19,10 @@ Stage i runs glm5_jax.train.loop.train in workdir/stage_<i>_<name>, starting fro
 * The optimizer state does not carry: each stage starts a fresh optimizer (moments, step 0, its own
   warmup + schedule: TrainConfig.lr_schedule, cosine or warmup-stable-decay, set per stage in
   `Stage.train`, e.g. {"lr_schedule": "wsd", "decay_fraction": 0.0} for a stage held at the peak and
-  {"lr_schedule": "wsd", "decay_fraction": 1.0} for the annealing stage that follows it). Reason: a stage is its own schedule (a new warmup re-estimates the moments, which
-  is what the fresh stage's warmup is for), a DSA stage has parameters the previous optimizer never saw
-  (its state would need a graft of its own), and the loop then needs no second way to start a state.
+  {"lr_schedule": "wsd", "decay_fraction": 1.0} for the annealing stage that follows it). Reason: a stage is
+  its own schedule (a new warmup re-estimates the moments, which is what the fresh stage's warmup is for), a
+  DSA stage has parameters the previous optimizer never saw (its state would need a graft of its own), and the
+  loop then needs no second way to start a state.
 * Resume: a stage writes stage.json (its definition; done + final eval when it ends). A rerun skips
   done stages, resumes the unfinished stage from its latest checkpoint (the loop's exact resume) and
   starts a fresh stage from the previous stage's final params (in memory, or read back from its final

@@ -113,7 +113,7 @@ def make_loss_fn(model_cfg: ModelConfig, tcfg: TrainConfig):
                 hs.append(out["mtp_hidden"][k])
                 tg.append(t_k)
                 mk.append(m_k.astype(batch["loss_mask"].dtype))
-            head = lambda h: model.apply({"params": params}, h, method=GLM5.head)  # noqa: E731
+            head = lambda h: model.apply({"params": params}, h, method=GLM5.head)
             ces, zs = chunked_cross_entropy(head, jnp.stack(hs), jnp.stack(tg), jnp.stack(mk),
                                             chunk=tcfg.logits_chunk, shards=n)
             ce = ces[0]
@@ -217,7 +217,7 @@ def _spike_guard(window, loss, grad_norm, finite, k):
     spike = finite & (window["count"] >= w) & (above(loss, window["loss"]) | above(grad_norm, window["grad_norm"]))
     keep = finite & ~spike
     at = window["count"] % w
-    put = lambda buf, x: jnp.where(keep, buf.at[at].set(x), buf)     # noqa: E731
+    put = lambda buf, x: jnp.where(keep, buf.at[at].set(x), buf)
     return spike, {"loss": put(window["loss"], loss), "grad_norm": put(window["grad_norm"], grad_norm),
                    "count": window["count"] + keep.astype(jnp.int32)}
 
