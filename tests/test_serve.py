@@ -435,11 +435,11 @@ def test_checkpoint_chat_template_prompt_equals_transformers(tiny, tmp_path):
                                                    "expression": {"type": "string"}}}}}]
     call_args = {"expression": "2+3", "precision": 2}
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"},
-             {"role": "assistant", "content": "", "reasoning_content": "Use the calculator.",
+             {"role": "assistant", "content": None, "reasoning_content": "Use the calculator.",
               "tool_calls": [{"id": "call_0", "type": "function",
                               "function": {"name": "calculator", "arguments": json.dumps(call_args)}}]},
              {"role": "tool", "tool_call_id": "call_0", "content": "5"}]
-    ref_convo = [dict(m) for m in convo]
+    ref_convo = [dict(m) for m in convo]     # (transformers drops None-valued keys itself)
     ref_convo[2] = dict(convo[2], tool_calls=[{"id": "call_0", "type": "function",
                                                "function": {"name": "calculator", "arguments": call_args}}])
     srv = build(str(d), served_model_name="glm", max_batch=2, max_model_len=1024)

@@ -355,6 +355,9 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- /v1/chat/completions
     def _messages(self, msgs):
+        """OpenAI messages -> the renderer's: developer is system, text parts joined, OpenAI-only keys
+        dropped; a None content is "" for the Python renderer and stays None (dropped, as transformers
+        drops it) for the checkpoint's own template."""
         if not isinstance(msgs, list) or not msgs:
             raise _bad("messages must be a non-empty list of message objects", "messages")
         out = []
@@ -373,7 +376,7 @@ class OpenAIServer:
                     texts.append(part["text"])
                 m["content"] = "".join(texts)
             elif c is None:
-                m["content"] = ""
+                m["content"] = None if self.hf_template is not None else ""
             elif not isinstance(c, str):
                 raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
             m.pop("name", None) if m.get("role") in ("user", "system", "assistant") else None
