@@ -6,7 +6,7 @@
 The programs are `glm5_jax.serve.programs.Programs`'s (what `serve.Engine` runs): `decode()` (one token for
 each of the `--batch` cache slots), `spec_decode(greedy)` with `--speculative=mtp`, and `prefill(width,
 chunk, echo=False)` (one row of `--prefill_chunk` prompt tokens per batch shard, the engine's default
-piece). Each is lowered with `Programs.abstract_args` (ShapeDtypeStructs carrying the serving shardings)
+piece; `spec_prefill` with `--speculative=mtp`). Each is lowered with `Programs.abstract_args` (ShapeDtypeStructs carrying the serving shardings)
 under the mesh and compiled by libtpu; nothing is allocated. The cache holds `--max_model_len` positions
 per slot (+ num_draft + 2 with MTP speculation, as the engine sizes it).
 
@@ -177,6 +177,10 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     else:
         w = r["prefill_width"]
         name, fn, args = "prefill", pr.prefill(w, w, False), pr.abstract_args("prefill", width=w, chunk=w)
+        if n:   # the engine prefills with spec_prefill: also the MTP caches, trunk hidden states and tokens
+            a, state = args, pr.abstract_args("spec_decode")[1]
+            name, fn = "spec_prefill", pr.spec_prefill(w, w)
+            args = (a[0], state, a[2], a[3], a[4]) + a[6:]       # spec_prefill takes no echo targets
         tokens, queries, rows = pr.shards * w, w, 1
     log(f"{name}: {b} slots x {ctx} positions on {pr.shards} batch shards; lowering")
     compiled, lower_s, compile_s = compile_lowered(lambda: pr.call(fn.lower, *args), log=log, save_hlo=save_hlo)
