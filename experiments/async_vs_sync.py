@@ -187,7 +187,9 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
     windows = [{"wall_s": [float(lo), float(hi)],
                 **{a: (mean_interval(steps_in(a, lo, hi)) if steps_in(a, lo, hi) else None) for a in ARMS}}
                for lo, hi in zip(edges[:-1], edges[1:])]
-    time_avg = {a: mean_interval(steps_in(a, 0.0, t_common)) for a in ARMS}
+    # a short run (smoke scale) may finish one arm before the other's first step: no interval then
+    time_avg = {a: (mean_interval(steps_in(a, 0.0, t_common)) if steps_in(a, 0.0, t_common) else None)
+                for a in ARMS}
     # TEST at the same wall-clock time (the async arm's end), paired over tasks
     diff = paired_interval(matched["async"]["rewards"], matched["sync"]["rewards"])
     matched_report = {"wall_s": arms["async"]["wall_s"], "sync_step": matched["sync"]["step"],
