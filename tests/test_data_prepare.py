@@ -56,6 +56,9 @@ def test_prepare_then_train_from_the_directory(tmp_path, docs_parquet, capsys):
     (["--input={docs}", "--tokenizer={tmp}/missing/tokenizer.json"], "does not exist"),
     (["--input={docs}", "--tokenizer={tmp}/x.model"], "not a readable sentencepiece model"),
     (["--input={docs}", "--tokenizer=spm", "--text_field=body"], "no 'body' column"),
+    (["--input={docs}", "--tokenizer=spm", "--dedup=near,semantic"], "needs --embed_model"),
+    (["--input={docs}", "--tokenizer=spm", "--workers=0"], "--workers=0"),
+    (["--input={docs}", "--tokenizer=spm", "--dedup=semantic", "--embed_model={tmp}"], "is not a checkpoint"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, docs_parquet, capsys, args, msg):
     (tmp_path / "x.model").write_bytes(b"not a model")

@@ -109,8 +109,12 @@ def main(argv=None) -> int:
     """argv: the flags (without the program name; default sys.argv[1:])."""
     fv = flags.FlagValues()
     define_flags(fv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {"--help", "-h", "--helpfull"} & set(argv):
+        print(__doc__ + "\nflags:\n" + fv.get_help())
+        return 0
     try:
-        fv(["prepare_data", *(sys.argv[1:] if argv is None else argv)])
+        fv(["prepare_data", *argv])
     except flags.Error as e:
         print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
         return USAGE_EXIT

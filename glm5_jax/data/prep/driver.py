@@ -143,6 +143,8 @@ def prepare(input: str, tokenizer: str, out: str, *, vocab_size: int | None = No
     if cfg.tokenizer_kind == "path" and vocab_size is None:
         cfg = DataConfig(**{**kw, "vocab_size": 1 << 24})   # any loaded vocabulary is fine here
     clean = clean or CleanConfig()
+    if "semantic" in clean.dedup:
+        semantic.check_embedder(clean)
     corpus = load_corpus(cfg)
     tok = resolve_tokenizer(cfg, corpus)
     check_vocab(tok, cfg)

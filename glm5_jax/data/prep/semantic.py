@@ -53,6 +53,13 @@ def find_tokenizer(model_path: str, explicit: str | None) -> str:
                     "folders above); pass the tokenizer it was trained with as --embed_tokenizer=PATH")
 
 
+def check_embedder(cfg: CleanConfig) -> None:
+    """Refuse an embedding checkpoint that is not one, or has no tokenizer, before any stage runs."""
+    from glm5_jax.train.checkpoint import checkpoint_kind
+    checkpoint_kind(cfg.embed_model)
+    find_tokenizer(cfg.embed_model, cfg.embed_tokenizer)
+
+
 @functools.lru_cache(maxsize=2)
 def load_embedder(model_path: str, tokenizer_path: str | None):
     """(ModelConfig, params on one device, tokenizer) of an embedding checkpoint (any kind
