@@ -218,8 +218,8 @@ def worker_env(threads: int = 1, devices: int = 1) -> dict:
     (a server whose engine owns a mesh)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     flags = f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} intra_op_parallelism_threads={threads}"
-    if devices > 1:
-        flags += f" --xla_force_host_platform_device_count={devices}"
+    if devices > 1:         # first: XLA stops reading flags at the bare intra_op_parallelism_threads token
+        flags = f"--xla_force_host_platform_device_count={devices} {flags}"
     return {"env_vars": {"PYTHONPATH": root, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags,
                          "OMP_NUM_THREADS": str(threads), "TF_CPP_MIN_LOG_LEVEL": "3"}}
 
