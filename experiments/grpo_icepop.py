@@ -226,7 +226,11 @@ def run(cfg: GrpoIcepopConfig, workdir: str, log, mesh=None) -> dict:
                      "final_sampled_accuracy": r["final"]["sampled_accuracy"],
                      "first_reward": h[0]["reward_mean"], "last5_reward": float(np.mean([x["reward_mean"] for x in h[-5:]])),
                      "mean_pop_frac": mean_of(h, "pop_frac"), "mean_clip_frac": mean_of(h, "clip_frac"),
-                     "mean_mismatch_kl": mean_of(h, "mismatch_kl"), "wall_s": r["wall_s"]}
+                     "mean_mismatch_kl": mean_of(h, "mismatch_kl"), "wall_s": r["wall_s"],
+                     # colocated RL on the run's mesh (docs/rl.md, "RL on a mesh"): per sync and per device
+                     **{k: max(x[k] for x in h) for k in ("sync_bytes_moved", "sync_bytes_moved_per_device",
+                                                          "sync_host_bytes", "update_resident_bytes_per_device",
+                                                          "rollout_peak_bytes_per_device")}}
     report = {"arms": arms, "task": level, "mismatch": rl.mismatch, "primary_metric": primary,
               "primary_metric_definition": f"held-out TEST {primary} pass@1 after RL (and its change from the SFT model)",
               "test_tasks": len(test_tasks), "seeds": list(cfg.seeds),
