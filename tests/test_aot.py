@@ -325,3 +325,12 @@ def test_serving_program_the_compiler_refuses_is_a_report_with_fits_false(monkey
     r = json.loads(out.strip().splitlines()[-1])
     assert r["fits"] is False and r["program"] == "decode" and r["batch"] == 8
     assert r["per_device_bytes"]["temporaries"] == int(101.23 * 2**30)
+
+
+def test_help_lists_the_flags_and_exits_0(capsys):
+    import tools.aot as aot
+    assert aot.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--max_model_len" in out and "--batch_size" in out and "--program" in out
+    assert aot.main(["--preset=tiny", "--topology=v5p:2x2x1", "stray"]) == 2
+    assert "unexpected arguments ['stray']" in capsys.readouterr().err

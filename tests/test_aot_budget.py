@@ -310,3 +310,4 @@ def test_match_sums_the_flops_of_every_matching_source(tmp_path, capsys):
     assert main([str(path), "--top=0"]) == 2 and "error:" in capsys.readouterr().err
     assert main([]) == 2 and "exactly one compiled HLO" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.txt")]) == 2 and "missing.txt" in capsys.readouterr().err
+    assert main(["--help"]) == 0 and "--model_flops" in capsys.readouterr().out

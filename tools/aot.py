@@ -52,7 +52,7 @@ import sys
 import time
 
 from glm5_jax.chips import TPU_CHIPS
-from glm5_jax.cli import USAGE_EXIT, main_wrapper
+from glm5_jax.cli import main_wrapper
 from glm5_jax.config import REMAT_POLICIES
 from glm5_jax.errors import Glm5Error
 
@@ -461,15 +461,15 @@ _SERVE_ONLY = ("batch", "max_model_len")
 def main(argv=None) -> int:
     """argv: the flags without the program name (default sys.argv[1:])."""
     from absl import flags
+
+    from tools.flagparse import parse
     fv = flags.FlagValues()
     define_flags(fv)
-    try:
-        rest = fv(["tools.aot", *(sys.argv[1:] if argv is None else argv)])
-    except flags.Error as e:
-        print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
-        return USAGE_EXIT
-    if len(rest) > 1:
-        raise AotError(f"unexpected arguments {rest[1:]}: every setting is a --flag")
+    rest = parse(fv, "tools.aot", argv)
+    if isinstance(rest, int):
+        return rest
+    if rest:
+        raise AotError(f"unexpected arguments {rest}: every setting is a --flag")
     a = fv
     serving = a.program != "train"
     wrong = [f for f in (_TRAIN_ONLY if serving else _SERVE_ONLY) if getattr(a, f) is not None]

@@ -431,13 +431,12 @@ def main(argv=None) -> int:
     from absl import flags
 
     from glm5_jax.cli import USAGE_EXIT
+    from tools.flagparse import parse
     fv = flags.FlagValues()
     define_flags(fv)
-    try:
-        rest = fv(["tools.budget", *(sys.argv[1:] if argv is None else argv)])[1:]
-    except flags.Error as e:
-        print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
-        return USAGE_EXIT
+    rest = parse(fv, "tools.budget", argv, usage="HLO_TEXT_FILE [flags]")
+    if isinstance(rest, int):
+        return rest
     if len(rest) != 1:
         print(f"error: give exactly one compiled HLO text file (.txt or .txt.gz), got {rest or 'none'}",
               file=sys.stderr)
