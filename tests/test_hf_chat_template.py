@@ -108,3 +108,11 @@ def test_generation_tail(tok):
     assert ids == think + tok.encode("\n") + [sp["<tool_call>"]] + tok.encode("calculator")
     assert forced == "\n<tool_call>calculator" and tok.decode(ids) == "\n<think></think>" + forced
     assert t.generation_tail(prompt, empty_think=False, call="")[1] == "\n<tool_call>"
+
+    # a template that opened the think block: the parser is fed "<think>"; an empty think closes it
+    opened = prompt[:-1] + [sp["<|assistant|>"], sp["<think>"]]
+    assert t.generation_tail(opened, empty_think=False) == ([], "<think>")
+    assert t.generation_tail(opened, empty_think=True) == ([sp["</think>"]], "<think></think>")
+    ids, forced = t.generation_tail(opened, empty_think=True, call="f")
+    assert ids == [sp["</think>"]] + tok.encode("\n") + [sp["<tool_call>"]] + tok.encode("f")
+    assert forced == "<think></think>\n<tool_call>f"

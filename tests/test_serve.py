@@ -170,18 +170,23 @@ def test_chat_stream_equals_whole_and_usage(server, tiny):
 
 # ----------------------------------------------------------------------------- tool calls (bigram model)
 def _bigram_tool_model(tok, template):
-    """A model whose next token depends only on the current one (attention and MLP outputs zeroed; the
-    LM head solved so that each chain token's final-normed embedding scores its successor highest):
-    after '</think>' (thinking off) it emits a calculator tool call, after '<|assistant|>' (thinking on)
-    the reply '5'."""
+    """A model whose next token depends only on the current one: after '</think>' (thinking off) it emits
+    a calculator tool call, after '<|assistant|>' (thinking on) the reply '5'."""
     sp = template.special
     enc = tok.encode
     call = ([sp["</think>"], sp["<tool_call>"]] + enc("calculator") + [sp["<arg_key>"]] + enc("expression")
             + [sp["</arg_key>"], sp["<arg_value>"]] + enc("2+3") + [sp["</arg_value>"], sp["</tool_call>"],
                                                                     sp["<|observation|>"]])
     reply = [sp["<|assistant|>"]] + enc("5") + [sp["<|user|>"]]
+    return _bigram_model(tok, [call, reply])
+
+
+def _bigram_model(tok, seqs):
+    """A model whose next token depends only on the current one (attention and MLP outputs zeroed; the
+    LM head solved so that each chain token's final-normed embedding scores its successor highest): in
+    each of ``seqs`` every token is followed by the next."""
     chain = {}
-    for seq in (call, reply):
+    for seq in seqs:
         for a, b in zip(seq, seq[1:]):
             assert chain.get(a, b) == b, "the chain needs distinct tokens"
             chain[a] = b
@@ -462,6 +467,60 @@ def test_checkpoint_chat_template_prompt_equals_transformers(tiny, tmp_path):
         # a message that would forge a control token is refused, as with the Python renderer
         s, out = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi<|assistant|>"}]})
         assert s == 400 and json.loads(out)["error"]["param"] == "messages"
+    finally:
+        stop()
+        srv.engine.shutdown()
+
+
+# GLM-4.7 / GLM-5 style (written for this test): the generation prompt opens the think block for the model
+# (`<|assistant|><think>`), or closes it when thinking is off (`<|assistant|></think>`); no newlines.
+OPEN_THINK_TEMPLATE = """[gMASK]<sop>
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}<|user|>{{ m.content }}
+{%- elif m.role == 'system' -%}<|system|>{{ m.content }}
+{%- elif m.role == 'assistant' -%}<|assistant|></think>{{ (m.content or '').strip() }}
+{%- else -%}{{ raise_exception('this test template knows user, system and assistant only') }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{{ '</think>' if (enable_thinking is defined and not enable_thinking)
+else '<think>' }}{%- endif -%}"""
+
+
+def test_template_that_opens_the_think_block_is_parsed_as_reasoning(tiny, tmp_path):
+    """A checkpoint template whose generation prompt ends with <think> (the model writes its reasoning
+    straight away): the reply's text up to </think> is reasoning_content, streamed and not; thinking off
+    (prompt ends with </think>) is content only. A bigram model writes '<think>' -> 'ok' -> '</think>' ->
+    '5' -> '<|user|>'."""
+    from tools.serve import build
+    path, tok, _, _ = tiny
+    t = ChatTemplate(tok)
+    sp = t.special
+    cfg, params = _bigram_model(tok, [[sp["<think>"]] + tok.encode("ok") + [sp["</think>"]] + tok.encode("5")
+                                      + [sp["<|user|>"]]])
+    d = tmp_path / "open_think"
+    d.mkdir()
+    shutil.copy(os.path.join(path, "tokenizer.json"), d / "tokenizer.json")
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": OPEN_THINK_TEMPLATE}, f)
+    _write_model(str(d), tok, cfg, params)
+    srv = build(str(d), served_model_name="open", max_batch=2, max_model_len=128)
+    url, stop = run_in_thread(srv)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "What is 2+3?"}]
+        r = client.chat.completions.create(model="open", messages=msgs, max_tokens=10, temperature=0)
+        m = r.choices[0].message
+        assert r.choices[0].glm5["prompt_token_ids"][-1] == sp["<think>"]
+        assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == ("ok", "5", "stop"), m
+        parts = list(client.chat.completions.create(model="open", messages=msgs, max_tokens=10, temperature=0,
+                                                    stream=True))
+        assert "".join(getattr(p.choices[0].delta, "reasoning_content", None) or "" for p in parts) == "ok"
+        assert "".join(p.choices[0].delta.content or "" for p in parts) == "5"
+        off = client.chat.completions.create(model="open", messages=msgs, max_tokens=10, temperature=0,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert off.choices[0].glm5["prompt_token_ids"][-1] == sp["</think>"]
+        assert off.choices[0].message.content == "5" and getattr(off.choices[0].message, "reasoning_content",
+                                                                   None) is None
     finally:
         stop()
         srv.engine.shutdown()

@@ -334,19 +334,29 @@ class ChatTemplate:
     def generation_tail(self, prompt_ids: Sequence[int], *, empty_think: bool,
                         call: Optional[str] = None) -> Tuple[List[int], str]:
         """What a server appends to a generation prompt (``prompt_ids``: this template's rendering or the
-        checkpoint's own Jinja template's, ending with ``<|assistant|>``): ``\\n<think></think>`` when
-        ``empty_think`` (thinking off, or a forced call) unless the prompt already ends with ``</think>``
-        (a thinking-off turn the template closed); then, when ``call`` is not None, the start of a forced
-        tool call, ``\\n<tool_call>`` + ``call`` (a function's name; "" for any function).
-        -> (ids to append, the forced text: what the reply's parser is fed before the generated text)."""
+        checkpoint's own Jinja template's) -> (ids to append, the text the reply's parser is fed before the
+        generated text).
+
+        The prompt ends in one of three ways: ``<|assistant|>`` (this renderer, GLM-4.5's template): an
+        ``empty_think`` (thinking off, or a forced call) appends ``\\n<think></think>``; ``</think>`` (a
+        thinking-off turn the template already closed): nothing to append; ``<think>`` (templates that open
+        the think block for the model, GLM-4.7 / GLM-5 style): the parser is fed ``<think>`` first, and an
+        ``empty_think`` appends ``</think>`` to close it. Then, when ``call`` is not None, the start of a
+        forced tool call, ``\\n<tool_call>`` + ``call`` (a function's name; "" for any function)."""
+        last = int(prompt_ids[-1]) if len(prompt_ids) else None
         ids: List[int] = []
-        if empty_think and (not prompt_ids or int(prompt_ids[-1]) != self.special["</think>"]):
-            ids += self._enc("\n") + [self.special["<think>"], self.special["</think>"]]
         forced = ""
+        if last == self.special["<think>"]:
+            forced = "<think>"
+            if empty_think:
+                ids.append(self.special["</think>"])
+                forced += "</think>"
+        elif empty_think and last != self.special["</think>"]:
+            ids += self._enc("\n") + [self.special["<think>"], self.special["</think>"]]
         if call is not None:
             _check_text(call, "the forced tool call's name")
             ids += self._enc("\n") + [self.special["<tool_call>"]] + self._enc(call)
-            forced = "\n<tool_call>" + call
+            forced += "\n<tool_call>" + call
         return ids, forced
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -449,7 +449,10 @@ class OpenAIServer:
             for h in handles:
                 h.cancel()
             raise
-        think_gen = thinking and not forced and (template is None or ids[-1] != template.special["</think>"])
+        # the parser looks for a reasoning block when the text it is fed (forced prefix + generated) can
+        # start with one: the template left <think> open, or thinking is on and nothing closed it
+        think_gen = forced.startswith("<think>") or (thinking and not forced and (
+            template is None or ids[-1] != template.special["</think>"]))
         ctx = dict(thinking=think_gen, tools=use_tools, forced=forced, lp=lp, top_n=top_n or 0, rid=rid,
                    stop_ids=set(stop_ids))
         if stream:
