@@ -157,7 +157,7 @@ def test_size_and_time_bounds(srv):
 def _fuzz_request(rng: random.Random, sid: str) -> bytes:
     """One random, mostly hostile request."""
     kind = rng.randrange(12)
-    junk = lambda n: bytes(rng.randrange(256) for _ in range(n))   # noqa: E731
+    junk = lambda n: bytes(rng.randrange(256) for _ in range(n))
     values = [None, True, 0, -1, 1.5, "", "x" * rng.randrange(1, 300), [], [1, "a"], {}, {"a": {"b": []}},
               "../../etc/passwd", "/tmp", "a/" * 200, "\u0000", "\ud7ff\u2028", 10 ** 30]
     tools = ["calculator", "kv_get", "run_code", "file_read", "file_write", "file_list", "", "CALC", None, 3]
@@ -310,8 +310,8 @@ _HOSTILE_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" + "0"
 def _hostile_bodies(rng: random.Random, sid: str):
     """JSON texts (not Python objects: json.dumps cannot write most of these) with a hostile value in
     every string / number slot of every endpoint."""
-    s = lambda: rng.choice(_HOSTILE_STRINGS)      # noqa: E731
-    n = lambda: rng.choice(_HOSTILE_NUMBERS)      # noqa: E731
+    s = lambda: rng.choice(_HOSTILE_STRINGS)
+    n = lambda: rng.choice(_HOSTILE_NUMBERS)
     q = json.dumps
     return rng.choice([
         ("/call", f'{{"name": "file_write", "arguments": {{"path": "a.txt", "content": {s()}}}, "session": {q(sid)}}}'),

@@ -64,7 +64,7 @@ def expected(mode):
     """(pieces, role, mask) blocks written out by hand for conversation(); a piece in SPECIAL is one token."""
     think_on = mode != "turn"
     keep_old = mode == "preserved"
-    old = lambda s: ["<think>", s, "</think>"] if keep_old else ["<think>", "</think>"]   # noqa: E731
+    old = lambda s: ["<think>", s, "</think>"] if keep_old else ["<think>", "</think>"]
     old_mask = 1 if keep_old else 0               # shown reasoning != generated: not trained
     blocks = [
         (["[gMASK]", "<sop>"], X, 0),
