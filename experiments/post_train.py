@@ -309,7 +309,8 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
                       metrics_path=os.path.join(workdir, "general_rl.jsonl"),
                       name="general_rl", mesh=mesh, advantage_fn=adv_fn)
         h, totals, sources = rl["history"], hybrid.totals, hybrid.source_means
-        hacking = {**{k: totals[k] for k in (*TOTAL_KEYS, "reward_removed_sum")}, "truncations_penalised": totals["truncated"] if cfg.truncation != "off" else 0,
+        hacking = {**{k: totals[k] for k in (*TOTAL_KEYS, "reward_removed_sum")},
+                   "truncations_penalised": totals["truncated"] if cfg.truncation != "off" else 0,
                    "layout_anomalies": totals["anomalous"], "truncation_mode": cfg.truncation}
         return rl["params"], {**test_eval(rl["params"], 4), "steps": len(h), "reward_model": rm_summary,
                               "reward_hacking": hacking, "hybrid_weights": dict(zip(("rule", "rm", "judge"), w)),
