@@ -123,9 +123,11 @@ def causal_attention(q, k, v, *, scale: float, segment_ids=None, chunk: int = 25
 
 
 # ----------------------------------------------------------------------------- attention over a cache
-def write_cache(buf, wpos, new, layer=None):
+def write_cache(buf, wpos, new, layer=None, slot=None):
     """buf [B, S, ...] with new [B, T, ...] written at slots wpos [B, T]; wpos < 0 or >= S is dropped.
-    With `layer` (an int32 scalar), buf is a layer stack [L, B, S, ...] and row `layer` is written.
+    With `layer` (an int32 scalar), buf is a layer stack [L, B, S, ...] and row `layer` is written. With
+    `slot` [B] (int32), buf has one more axis [.., B, P, S, ...] and batch row b writes its row slot[b] of P
+    (the serving engine's prefill: one row per batch shard, written in place into that shard's slots).
 
     One scatter of the T new rows, in place where buf is donated or carried by a loop (never a copy of the
     buffer). Its batch index is an iota, not a vmap batching dim: a batching dim at axis 1 of a stack makes
@@ -133,19 +135,21 @@ def write_cache(buf, wpos, new, layer=None):
     on TPU GSPMD partitions it along a sharded B without communication (docs/inference.md, "Cache layout
     and DSA decode")."""
     lead = () if layer is None else (layer,)
-    s = buf.shape[len(lead) + 1]
-    wpos = jnp.where(wpos < 0, s, wpos)
     rows = jnp.arange(wpos.shape[0])[:, None]
-    return buf.at[lead + (rows, wpos)].set(new.astype(buf.dtype), mode="drop")
+    sub = () if slot is None else (slot[:, None],)
+    s = buf.shape[len(lead) + 1 + len(sub)]
+    wpos = jnp.where(wpos < 0, s, wpos)
+    return buf.at[lead + (rows,) + sub + (wpos,)].set(new.astype(buf.dtype), mode="drop")
 
 
-def gather_slots(buf, idx, layer=None):
-    """buf [B, S, ...] (or a stack [L, B, S, ...] with `layer`), idx [B, T, K] slots in range ->
-    [B, T, K, ...]: only the selected rows are read (straight from the stack: no slice of the layer). The
-    batch index is an iota for the reason `write_cache` gives."""
+def gather_slots(buf, idx, layer=None, slot=None):
+    """buf [B, S, ...] (or a stack [L, B, S, ...] with `layer`; [.., B, P, S, ...] with `slot` [B] as in
+    `write_cache`), idx [B, T, K] slots in range -> [B, T, K, ...]: only the selected rows are read (straight
+    from the stack: no slice of the layer). The batch index is an iota for the reason `write_cache` gives."""
     lead = () if layer is None else (layer,)
     rows = jnp.arange(idx.shape[0])[:, None, None]
-    return buf.at[lead + (rows, idx)].get(mode="promise_in_bounds")
+    sub = () if slot is None else (slot[:, None, None],)
+    return buf.at[lead + (rows,) + sub + (idx,)].get(mode="promise_in_bounds")
 
 
 class LayerCache(NamedTuple):
@@ -155,25 +159,27 @@ class LayerCache(NamedTuple):
     place and reads only what it needs: `rows` for every slot, `gather` for selected slots)."""
     buffers: dict
     layer: Any = None
+    slot: Any = None          # [B] int32: the buffers hold P rows per batch row ([.., B, P, S, ...]); b uses slot[b]
 
     def write(self, name: str, wpos, new) -> "LayerCache":
         """This call's rows new [B, T, ...] at slots wpos [B, T] (< 0: not written)."""
         return self._replace(buffers=dict(self.buffers, **{name: write_cache(self.buffers[name], wpos, new,
-                                                                             self.layer)}))
+                                                                             self.layer, self.slot)}))
 
     def rows(self, name: str):
         """The layer's whole buffer [B, S, ...] (for a stack, an index of its layer row: XLA fuses that
-        dynamic slice into its consumers on TPU)."""
+        dynamic slice into its consumers on TPU; with `slot`, each batch row's own row)."""
         buf = self.buffers[name]
-        return buf if self.layer is None else buf[self.layer]
+        buf = buf if self.layer is None else buf[self.layer]
+        return buf if self.slot is None else buf[jnp.arange(buf.shape[0]), self.slot]
 
     def gather(self, name: str, idx):
         """The rows at slots idx [B, T, K] (in range) -> [B, T, K, ...]."""
-        return gather_slots(self.buffers[name], idx, self.layer)
+        return gather_slots(self.buffers[name], idx, self.layer, self.slot)
 
     def size(self, name: str) -> int:
         """S, the number of slots."""
-        return self.buffers[name].shape[1 if self.layer is None else 2]
+        return self.buffers[name].shape[(1 if self.layer is None else 2) + (self.slot is not None)]
 
 
 def visible_slots(positions, size: int):

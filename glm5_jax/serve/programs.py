@@ -8,11 +8,14 @@ program is jitted with explicit in / out shardings, donates the cache it updates
 the mesh (`use_mesh`): activation constraints apply, the MoE runs its expert-parallel all-to-all
 (`moe_impl="a2a"`, dropless in one worst-case round: a decode step routes a few tokens per chip).
 
-Prefill runs one row per batch shard per call (`prefill`): row i reads local slot `lsrc[i]` of shard i,
-prefills `length[i]` tokens at positions `start[i]..` and writes the row into local slot `lslot[i]`, so a
-prompt's cache never leaves its shard (a shard with no request runs a dummy row that writes nothing).
-Rows move between the cache and the program's batch inside `jax.shard_map` over the batch axes: a
-device reads and writes only its own slots.
+Prefill runs one row per batch shard per call (`prefill`): row i prefills `length[i]` tokens at positions
+`start[i]..` into local slot `lslot[i]` of shard i, in place: the model sees the cache as [repeats, shards,
+slots per shard, S, ...] (a reshape of the batch-sharded axis, no data moved) and writes and gathers at
+[layer, i, lslot[i], position] (`GLM5(cache_slots=)`), so no row is copied out and a prompt's cache never
+leaves its shard (a shard with no request runs a dummy row that writes nothing). A reused prefix held by
+another slot of the shard (`lsrc[i]`) is first copied within the shard, one layer at a time, inside
+`jax.shard_map` over the batch axes (`copy_rows`). The speculative prefill's smaller per-row buffers (MTP
+caches, hidden states, tokens) move with `take_rows` / `put_rows`.
 
 `tools.aot --program=decode|prefill` compiles these same programs for a TPU topology (`abstract_args`).
 """
@@ -156,6 +159,29 @@ class Programs:
         return jax.shard_map(f, mesh=self.mesh, in_specs=(specs, specs, P(BATCH_AXES)), out_specs=specs,
                              check_vma=False)(tree, rows, lslot)
 
+    def copy_rows(self, layers, lsrc, lslot):
+        """Stacked layer buffers with shard i's local slot lsrc[i] copied into its slot lslot[i] (a prefix
+        reused from another slot of the shard), one layer at a time (the transient is one layer's row), in
+        place; nothing where lsrc[i] == lslot[i]."""
+        def f(t, src, dst):
+            def copy(t):
+                def one(l, t):
+                    return jax.tree.map(lambda a: a.at[l, dst[0]].set(a[l, src[0]]), t)
+                return jax.lax.fori_loop(0, jax.tree.leaves(t)[0].shape[0], one, t)
+            return jax.lax.cond(src[0] != dst[0], copy, lambda t: t, t)
+        specs = self._specs(layers, 1)
+        return jax.shard_map(f, mesh=self.mesh, in_specs=(specs, P(BATCH_AXES), P(BATCH_AXES)), out_specs=specs,
+                             check_vma=False)(layers, lsrc, lslot)
+
+    def _per_shard(self, layers):
+        """[repeats, B, S, ...] -> [repeats, shards, B / shards, S, ...]: splits the sharded batch axis into
+        (shard, local slot) without moving data."""
+        n = self.shards
+        return jax.tree.map(lambda a: a.reshape(a.shape[0], n, a.shape[1] // n, *a.shape[2:]), layers)
+
+    def _merged(self, layers):
+        return jax.tree.map(lambda a: a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:]), layers)
+
     # ------------------------------------------------------------------ programs
     def decode(self):
         """(params, layers, tok, pos, active, temp, top_k, top_p, seeds, counts) [B] each -> (next tokens,
@@ -173,9 +199,10 @@ class Programs:
         lay = self.state["cache"]["layers"]
         return self._jit("decode", fn, (self.params, lay) + (self.rows,) * 8, (self.rows,) * 5 + (lay,), (1,))
 
-    def _trunk_rows(self, cfg, width, chunk, params, rows, tokens, start, length):
+    def _trunk_rows(self, cfg, width, chunk, params, rows, tokens, start, length, slots=None):
         """The trunk over tokens [n, width] (the first length[i] real) at positions start[i].. of each row,
-        in chunks (each writes its keys, then attends slots 0..p) -> (rows, pre-final-norm hidden [n, width, D])."""
+        in chunks (each writes its keys, then attends slots 0..p) -> (rows, pre-final-norm hidden [n, width, D]).
+        slots [n]: `rows` are the per-shard cache [repeats, n, P, S, ...] and row i works in place on its slot."""
         nc, c = prefill_chunks(width, chunk)
         toks = jnp.pad(tokens, ((0, 0), (0, nc * c - width)))
 
@@ -183,7 +210,7 @@ class Programs:
             j = i * c + jnp.arange(c, dtype=jnp.int32)[None]
             pos = start[:, None] + j
             x, r = model_step(cfg, params, r, jax.lax.dynamic_slice_in_dim(toks, i * c, c, axis=1), pos,
-                              jnp.where(j < length[:, None], pos, -1))
+                              jnp.where(j < length[:, None], pos, -1), slots)
             return r, x
 
         rows, xs = jax.lax.scan(one_chunk, rows, jnp.arange(nc, dtype=jnp.int32))
@@ -204,14 +231,14 @@ class Programs:
         cfg = self.config
 
         def fn(params, layers, lslot, lsrc, tokens, targets, start, length, temp, top_k, top_p, seed):
-            rows = self.take_rows(layers, lsrc, axis=1)
-            rows, xs = self._trunk_rows(cfg, width, chunk, params, rows, tokens, start, length)
+            layers = self._per_shard(self.copy_rows(layers, lsrc, lslot))
+            layers, xs = self._trunk_rows(cfg, width, chunk, params, layers, tokens, start, length, lslot)
             first = self._first_tokens(cfg, params, xs, length, temp, top_k, top_p, seed)
             ech = None
             if echo:
                 all_lp = jax.nn.log_softmax(head(cfg, params, final_norm(cfg, params, xs)), axis=-1)   # [n, W, V]
                 ech = (jnp.take_along_axis(all_lp, targets[..., None], axis=-1)[..., 0],) + _top(all_lp, TOP_LOGPROBS)
-            return (*first, ech, self.put_rows(layers, rows, lslot, axis=1))
+            return (*first, ech, self._merged(layers))
 
         lay = self.state["cache"]["layers"]
         ech = (self.rows,) * 3 if echo else None
@@ -228,15 +255,15 @@ class Programs:
 
         def fn(params, state, lslot, lsrc, tokens, start, length, temp, top_k, top_p, seed):
             cache, hbuf, seq = state["cache"], state["hbuf"], state["seq"]
-            lay = self.take_rows(cache["layers"], lsrc, axis=1)
-            lay, xs = self._trunk_rows(cfg, width, chunk, params, lay, tokens, start, length)
+            lay = self._per_shard(self.copy_rows(cache["layers"], lsrc, lslot))
+            lay, xs = self._trunk_rows(cfg, width, chunk, params, lay, tokens, start, length, lslot)
             tok, lp_s, lp_m, ti, tv = self._first_tokens(cfg, params, xs, length, temp, top_k, top_p, seed)
             j = jnp.arange(width, dtype=jnp.int32)[None]
             wp = jnp.where(j < length[:, None], start[:, None] + j, -1)
             hrow = kv.write(self.take_rows(hbuf, lsrc, axis=0), wp, xs)
             srow = kv.write(self.take_rows(seq, lsrc, axis=0), wp, tokens)
             e = start + length - 1
-            srow = kv.write(srow, (e + 1)[:, None], tok[:, None])
+            srow = kv.write(srow, jnp.where(length > 0, e + 1, -1)[:, None], tok[:, None])   # dummy rows: nothing
             mtp = self.take_rows(cache["mtp"], lsrc, axis=0)
             lo = jnp.maximum(start - 2 * n, 0)
             nc, c = prefill_chunks(width + 2 * n, chunk)
@@ -248,7 +275,7 @@ class Programs:
                 return m, None
 
             mtp, _ = jax.lax.scan(one_chunk, mtp, jnp.arange(nc, dtype=jnp.int32))
-            new = {"cache": {"layers": self.put_rows(cache["layers"], lay, lslot, axis=1),
+            new = {"cache": {"layers": self._merged(lay),
                              "mtp": self.put_rows(cache["mtp"], mtp, lslot, axis=0)},
                    "hbuf": self.put_rows(hbuf, hrow, lslot, axis=0), "seq": self.put_rows(seq, srow, lslot, axis=0)}
             return tok, lp_s, lp_m, ti, tv, new
