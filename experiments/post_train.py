@@ -286,8 +286,7 @@ def run(cfg: PostTrainConfig, workdir: str, log, mesh=None) -> dict:
 
     def agentic_stage(done):
         ray_init(cfg.ray_cpus)
-        r = run_agentic(mcfg, done["reasoning_rl"][0], cfg.agentic, vocab, lambda rng: draw(rng, "agentic"), log=log,
-                        mesh=mesh)
+        r = run_agentic(mcfg, done["reasoning_rl"][0], cfg.agentic, vocab, lambda g: draw(g, "agentic"), log=log, mesh=mesh)
         h, summary = r["history"], run_summary(r, cfg.agentic.group_size)
         with open(os.path.join(workdir, "agentic_rl.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in h)

@@ -1,6 +1,6 @@
 """Disaggregated agentic RL with meshes (slow; a subprocess: the driver's device count is fixed at JAX start-up).
 
-The trainer's update runs on a data:2,fsdp:2 mesh of the driver's 8 forced CPU devices; each rollout
+The trainer's update runs on a data:2,fsdp:4 mesh of the driver's 8 forced CPU devices; each rollout
 server is a Ray actor whose engine owns a data:2 mesh of its own process's 2 devices. Asynchronous
 run with a worker killed after step 1: the run finishes, every issued trajectory id ends exactly once
 (trained / dropped / unused / warm-up: 0 lost, 0 duplicated), the trained samples' staleness (trainer
@@ -34,11 +34,11 @@ SCRIPT = textwrap.dedent("""
                       v_head_dim=16, index_topk=16, index_n_heads=2, index_head_dim=16, num_experts=0,
                       mtp_depth=0, attn_chunk=64)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    acfg = AgenticConfig(mode="async", steps=3, groups_per_step=2, group_size=2, in_flight_groups=4, tau=1,
+    acfg = AgenticConfig(mode="async", steps=3, groups_per_step=4, group_size=2, in_flight_groups=4, tau=1,
                          servers=2, agent_threads=8, max_batch=8, max_len=40, max_new_tokens=6,
                          kill_worker_at_step=1, seed=1, server_mesh="data:2")
     params = init_params(cfg, jax.random.PRNGKey(0))
-    r = run_agentic(cfg, params, acfg, vocab, make_calc_task, log=lambda s: None, mesh=build_mesh("data:2,fsdp:2"))
+    r = run_agentic(cfg, params, acfg, vocab, make_calc_task, log=lambda s: None, mesh=build_mesh("data:2,fsdp:4"))
     assert len(r["history"]) == acfg.steps and len(r["dead"]) == 1
     assert {len(s.device_set) for s in jax.tree.leaves(jax.tree.map(lambda a: a.sharding, r["params"]))} == {8}
     acc = r["accounting"]
