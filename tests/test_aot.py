@@ -266,7 +266,7 @@ def test_tiny_decode_and_prefill_compile_for_v5p_with_the_serving_budget():
     from glm5_jax.config import preset
     from glm5_jax.infer.cache import cache_numbers_per_token
     d = _serve_json("--program=decode", "--batch=8", "--max_model_len=256")
-    assert d["program"] == "decode" and d["fits"] is True and d["mesh"]["expert"] == 4
+    assert d["program"] == d["program_name"] == "decode" and d["fits"] is True and d["mesh"]["expert"] == 4
     pd, b = d["per_device_bytes"], d["budget"]
     c = preset("tiny")
     import jax
@@ -324,6 +324,7 @@ def test_serving_program_the_compiler_refuses_is_a_report_with_fits_false(monkey
     assert "DOES NOT FIT" in out and "the TPU compiler refused it" in out
     r = json.loads(out.strip().splitlines()[-1])
     assert r["fits"] is False and r["program"] == "decode" and r["batch"] == 8
+    assert "decode of preset tiny" in out
     assert r["per_device_bytes"]["temporaries"] == int(101.23 * 2**30)
 
 

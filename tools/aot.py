@@ -358,7 +358,7 @@ def run_serving(program: str, preset_name: str, topology: str, *, log=None, save
         out = compile_serving(r, log=log, save_hlo=save_hlo)
     except DoesNotFit as e:
         out = _not_fit(e)
-    keys = ("program", "preset", "topology", "chip", "devices", "mesh", "batch", "max_model_len", "cache_size",
+    keys = ("program", "program_name", "preset", "topology", "chip", "devices", "mesh", "batch", "max_model_len", "cache_size",
             "num_draft", "hbm_bytes")
     return {**{k: r[k] for k in keys}, **({"prefill_width": r["prefill_width"]} if program == "prefill" else {}),
             **out, "fits": _fits(out, r["hbm_bytes"]) and out["per_device_bytes"]["engine_total"] <= r["hbm_bytes"],
@@ -377,7 +377,7 @@ def format_report(p: dict) -> str:
                 f"optimizer {p['config']['train']['optimizer']}, layers {m['num_layers']}, remat {m['remat']}, "
                 f"moe_impl {m['moe_impl']}")
     else:
-        head = (f"{p.get('program_name', p['program'])} of preset {p['preset']} on {p['topology']} ({p['devices']} "
+        head = (f"{p['program_name']} of preset {p['preset']} on {p['topology']} ({p['devices']} "
                 f"chips), mesh {mesh}, {p['batch']} cache slots x {p['cache_size']} positions"
                 + (f", {p['prefill_width']} prompt tokens a row" if p["program"] == "prefill" else "")
                 + f", layers {m['num_layers']}, attention {m['attention']}")

@@ -81,7 +81,8 @@ def resolve_serving(program: str, preset_name: str, topology: str, *, mesh: str 
         except ValueError as e:
             raise AotError(f"--speculative=mtp --num_draft={num_draft}: {e}") from e
     check_serving_mesh(cfg, abstract_mesh(sizes), batch)          # MeshError: a Glm5Error, exit 2
-    return {"program": program, "preset": preset_name, "topology": topology, "chip": kind, "devices": n_dev,
+    return {"program": program, "program_name": ("spec_" if n else "") + program, "preset": preset_name,
+            "topology": topology, "chip": kind, "devices": n_dev,
             "mesh": sizes, "model": cfg, "batch": int(batch), "max_model_len": int(max_model_len),
             # the engine's cache: the last verification writes up to n + 1 slots past the context
             "cache_size": int(max_model_len) + (n + 2 if n else 0), "num_draft": n, "shards": shards,
@@ -170,7 +171,7 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     pr = Programs(r["model"], mesh, max_batch=r["batch"], size=r["cache_size"], num_draft=n)
     cfg, b, ctx = pr.config, r["batch"], r["cache_size"]
     if r["program"] == "decode":
-        name = "spec_decode" if n else "decode"
+        name = r["program_name"]
         fn, args = (pr.spec_decode(True), pr.abstract_args("spec_decode")) if n else \
             (pr.decode(), pr.abstract_args("decode"))
         tokens, queries, rows = b * (n + 1 if n else 1), n + 1 if n else 1, b // pr.shards
@@ -179,7 +180,7 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
         name, fn, args = "prefill", pr.prefill(w, w, False), pr.abstract_args("prefill", width=w, chunk=w)
         if n:   # the engine prefills with spec_prefill: also the MTP caches, trunk hidden states and tokens
             a, state = args, pr.abstract_args("spec_decode")[1]
-            name, fn = "spec_prefill", pr.spec_prefill(w, w)
+            name, fn = r["program_name"], pr.spec_prefill(w, w)
             args = (a[0], state, a[2], a[3], a[4]) + a[6:]       # spec_prefill takes no echo targets
         tokens, queries, rows = pr.shards * w, w, 1
     log(f"{name}: {b} slots x {ctx} positions on {pr.shards} batch shards; lowering")
@@ -209,7 +210,7 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
             budget["tpot_s_all_drafts_accepted"] = step / (n + 1)
     else:
         budget.update(prefill_tokens_per_s_per_chip=tokens / r["devices"] / step if step else None)
-    return {**mem, "program_name": name, "lower_seconds": round(lower_s, 1), "compile_seconds": round(compile_s, 1),
+    return {**mem, "lower_seconds": round(lower_s, 1), "compile_seconds": round(compile_s, 1),
             "batch_shards": pr.shards, "sequences_per_shard": pr.per_shard, "budget": budget,
             "serving_config": {"moe_impl": cfg.moe_impl, "moe_capacity_factor": cfg.moe_capacity_factor}}
 
