@@ -10,7 +10,8 @@ Against the unsharded run (one device, the reference), on the mesh data:2,fsdp:2
   goes through the host), leaves every leaf in the serving layout, and the synced engine then decodes
   exactly (tokens and log-probs, bitwise) as a fresh engine built from the new weights;
 * the rollout engine on one device samples bit for bit what ``infer.generate`` samples;
-* a distillation teacher and a reward model placed on the mesh score as on one device (1e-5).
+* a distillation teacher and a reward model placed on the mesh score as on one device (1e-5), and the
+  judge's server (``RolloutServer(mesh=...)``, called as ``GenerativeJudge`` calls it) answers as on one.
 """
 
 import os
@@ -20,7 +21,7 @@ import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SCRIPT = textwrap.dedent("""
+COMMON = textwrap.dedent("""
     import dataclasses, random
     import jax, numpy as np
     from glm5_jax.config import ModelConfig
@@ -41,6 +42,9 @@ SCRIPT = textwrap.dedent("""
     params = init_params(cfg, jax.random.PRNGKey(0))
     mesh = build_mesh("data:2,fsdp:2,expert:2")
 
+""")
+
+GRPO = COMMON + textwrap.dedent("""
     @dataclasses.dataclass
     class Digits:       # reward: the completion holds the prompt's digit (varies within a group: non-zero advantages)
         prompt: str
@@ -78,6 +82,11 @@ SCRIPT = textwrap.dedent("""
     assert hm[0]["rollout_cache_bytes_per_device"] * 8 == h1[0]["rollout_cache_bytes_per_device"]
     assert all(k in hm[0] for k in ("rollout_peak_bytes_per_device", "update_resident_bytes_per_device"))
 
+    print("OK")
+""")
+
+SYNC = COMMON + textwrap.dedent("""
+    train_sh = param_shardings(cfg, mesh, LOGICAL_RULES)
     # a weight sync moves nothing through the host, and then decodes as an engine built from the new weights
     new = jax.tree.map(lambda x: x * 1.01, params)
     new_train = jax.device_put(new, train_sh)                 # the trainer's layout
@@ -121,12 +130,36 @@ SCRIPT = textwrap.dedent("""
     scores = [RewardModel(rcfg, rparams, seq_len=12, batch_size=8, mesh=m)(prompts[:6]) for m in (None, mesh)]
     np.testing.assert_allclose(scores[1], scores[0], rtol=1e-5, atol=1e-6)
     assert np.ptp(scores[0]) > 0
+
+    # the judge's server (a RolloutServer, what GenerativeJudge calls through serve_local) on the mesh
+    # answers as on one device
+    from glm5_jax.agentic.server import RolloutServer
+    from glm5_jax.rl.judge import serve_local
+    outs = []
+    for m in (None, "data:2,fsdp:2,expert:2"):
+        server = RolloutServer(cfg, params, max_batch=8, max_len=24, max_new_tokens=5, width_buckets=(19,), mesh=m)
+        gen, close = serve_local(server)
+        try:
+            outs.append(gen("t0", "t0@0", prompts[2]))
+        finally:
+            close()
+            server.close()
+    assert outs[0]["tokens"].tolist() == outs[1]["tokens"].tolist()
+    np.testing.assert_allclose(outs[1]["logprobs"], outs[0]["logprobs"], atol=1e-5)
     print("OK")
 """)
 
 
-def test_colocated_grpo_on_a_mesh_matches_one_device_and_syncs_device_to_device():
+def _run(script):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
                        check=False)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def test_colocated_grpo_on_a_mesh_matches_one_device():
+    _run(GRPO)
+
+
+def test_sync_is_device_to_device_and_scorers_on_the_mesh_match_one_device():
+    _run(SYNC)
