@@ -87,14 +87,21 @@ def test_train_stages_passes_each_stage_its_hooks_and_caches(tmp_path):
 
 
 def test_the_optimizer_table_is_printed_once_a_run(tmp_path, monkeypatch):
-    """Phases of one run share the optimizer table: the first train() logs it whole, the next (same optimizer
-    and model) one line pointing at it; another optimizer logs its own table."""
+    """A run's phases log the optimizer table once: the first train() logs it whole, every later one (same or
+    another optimizer) one line of totals pointing at the table written into its workdir."""
+    from glm5_jax.optim import optimizer_table
     from glm5_jax.train import loop
+    from glm5_jax.train.state import abstract_param_shapes, build_optimizer
     monkeypatch.setattr(loop, "_LOGGED_TABLES", set())
     logs = []
     tc = TC.replace(steps=1, eval_every=1, ckpt_every=1)
     for i, t in enumerate((tc, tc, tc.replace(optimizer="muon"))):
         train(CFG, t, Data(), tmp_path / str(i), log=logs.append, name=f"p{i}")
-    tables = [m for m in logs if "optimizer" in m and "\n" in m]
-    assert [m.split(":")[0] for m in tables] == ["[p0] optimizer adamw", "[p2] optimizer muon"]
-    assert any(m.startswith("[p1] optimizer adamw: the table above (") for m in logs)
+    lines = [m for m in logs if " optimizer " in m]
+    assert len(lines) == 3 and "\n" in lines[0] and all("\n" not in m for m in lines[1:])
+    assert lines[1].startswith("[p1] optimizer adamw (as above): adamw ") and "total" in lines[1]
+    assert lines[2].startswith("[p2] optimizer muon: ") and lines[2].endswith(str(tmp_path / "2" / "optimizer.txt"))
+    shapes = abstract_param_shapes(CFG)
+    for i, t in enumerate((tc, tc, tc.replace(optimizer="muon"))):
+        want = optimizer_table(shapes, build_optimizer(CFG, t, shapes)[1])
+        assert (tmp_path / str(i) / "optimizer.txt").read_text() == want + "\n"

@@ -145,9 +145,10 @@ class _MetricsFile:
             self._f = None
 
 
-# optimizer tables this process has printed: a run's phases (6 in a dsa_vs_mla smoke run) share one table,
-# which is printed once (issue 60); a phase with another optimizer or model prints its own
+# the optimizer tables this process has logged: a run's first phase logs its table, every later phase (6 in
+# a dsa_vs_mla smoke run) one line of totals (issue 60); each phase's table is in its workdir
 _LOGGED_TABLES: set[str] = set()
+OPTIMIZER_TABLE = "optimizer.txt"
 
 
 def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
@@ -181,11 +182,14 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
     tx, labels = build_optimizer(model_cfg, tcfg, shapes)
     if primary:
         table = optimizer_table(shapes, labels, model_cfg if tcfg.optimizer == "muon_split" else None)
-        if table in _LOGGED_TABLES:      # a later phase of the same run: one line, not the table again
-            log(f"[{name}] optimizer {tcfg.optimizer}: the table above ({table.count(chr(10)) + 1} lines)")
+        (workdir / OPTIMIZER_TABLE).write_text(table + "\n")
+        if _LOGGED_TABLES:      # a later phase of the run: its totals in one line, the table in its workdir
+            totals = "; ".join(" ".join(ln.split()) for ln in table.rsplit("\n\n", 1)[-1].splitlines())
+            same = " (as above)" if table in _LOGGED_TABLES else ""
+            log(f"[{name}] optimizer {tcfg.optimizer}{same}: {totals}; table: {workdir / OPTIMIZER_TABLE}")
         else:
-            _LOGGED_TABLES.add(table)
             log(f"[{name}] optimizer {tcfg.optimizer}:\n" + table)
+        _LOGGED_TABLES.add(table)
     step_fn = make_train_step(model_cfg, tcfg, tx, mesh, loss_fn=loss_fn)
     bsh = step_fn.batch_sharding
     batch_size = tcfg.batch_size
