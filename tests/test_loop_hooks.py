@@ -99,7 +99,7 @@ def test_the_optimizer_table_is_printed_once_a_run(tmp_path, monkeypatch):
         train(CFG, t, Data(), tmp_path / str(i), log=logs.append, name=f"p{i}")
     lines = [m for m in logs if " optimizer " in m]
     assert len(lines) == 3 and "\n" in lines[0] and all("\n" not in m for m in lines[1:])
-    assert lines[1].startswith("[p1] optimizer adamw (as above): adamw ") and "total" in lines[1]
+    assert lines[1].startswith("[p1] optimizer adamw (same as an earlier phase): adamw ") and "total" in lines[1]
     assert lines[2].startswith("[p2] optimizer muon: ") and lines[2].endswith(str(tmp_path / "2" / "optimizer.txt"))
     shapes = abstract_param_shapes(CFG)
     for i, t in enumerate((tc, tc, tc.replace(optimizer="muon"))):

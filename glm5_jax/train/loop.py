@@ -185,7 +185,7 @@ def train(model_cfg: ModelConfig, tcfg: TrainConfig, train_iter, workdir, *,
         (workdir / OPTIMIZER_TABLE).write_text(table + "\n")
         if _LOGGED_TABLES:      # a later phase of the run: its totals in one line, the table in its workdir
             totals = "; ".join(" ".join(ln.split()) for ln in table.rsplit("\n\n", 1)[-1].splitlines())
-            same = " (as above)" if table in _LOGGED_TABLES else ""
+            same = " (same as an earlier phase)" if table in _LOGGED_TABLES else ""
             log(f"[{name}] optimizer {tcfg.optimizer}{same}: {totals}; table: {workdir / OPTIMIZER_TABLE}")
         else:
             log(f"[{name}] optimizer {tcfg.optimizer}:\n" + table)
