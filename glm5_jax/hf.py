@@ -359,9 +359,10 @@ def load_checkpoint(path: str | os.PathLike, mesh=None, dtype: str | None = None
     """Read `config.json` + safetensors at `path` -> (ModelConfig, params).
 
     mesh: None -> host numpy arrays; a jax Mesh -> arrays sharded by the logical rules (`rules`: default
-    the training layout, glm5_jax.sharding.SERVE_RULES for serving), streamed shard by shard (read_params). dtype: the parameters' dtype (float32 | bfloat16 | float16); default
-    the checkpoint's `torch_dtype` (float32 if it names none), so a bfloat16 checkpoint stays bfloat16.
-    It becomes the returned config's param_dtype unless `param_dtype` is among the overrides.
+    the training layout, glm5_jax.sharding.SERVE_RULES for serving), streamed shard by shard (read_params).
+    dtype: the parameters' dtype (float32 | bfloat16 | float16); default the checkpoint's `torch_dtype` (float32 if
+    it names none), so a bfloat16 checkpoint stays bfloat16. It becomes the returned config's param_dtype unless
+    `param_dtype` is among the overrides.
     Missing MTP tensors turn MTP off (mtp_depth=0) rather than failing, since HF models do not
     carry the MTP layer; every other missing, unexpected or misshapen tensor raises CheckpointError.
     """

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import tempfile
-import threading
 import time
 
 from absl import app, flags
@@ -116,7 +115,6 @@ class _Streamer:
 
 
 def run_hf(ckpt, reqs, *, max_batch):
-    import numpy as np
     import torch
     from transformers import GlmMoeDsaForCausalLM
     torch.manual_seed(0)

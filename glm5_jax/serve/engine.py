@@ -363,11 +363,6 @@ class Engine:
         hs = [self.submit(p, params) for p in prompts]
         return [h.result(timeout) for h in hs]
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None,
-                 timeout: Optional[float] = None) -> List[RequestHandle]:
-        hs = [self.submit(p, params) for p in prompts]
-        return [h.result(timeout) for h in hs]
-
     @property
     def queue_length(self) -> int:
         return len(self._queue)
