@@ -122,12 +122,15 @@ def test_decode_step_on_8_cpu_devices_updates_the_batch_sharded_cache_in_place_w
 
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable: install the '.[tpu]' extra to compile "
                                             "for TPU topologies without a TPU")
-def test_dsa_decode_step_compiled_for_v5p_updates_the_sharded_cache_in_place_without_communicating_it():
+@pytest.mark.parametrize("attention", ["dsa", "mla"])
+def test_decode_step_compiled_for_v5p_updates_the_sharded_cache_in_place_without_communicating_it(attention):
     """The same checks, stricter, on the TPU compiler's program (v5p:2x2x1, batch over 4 chips): temporaries below
-    one layer buffer, no collective over the slot axis. There a cache row width that is not 128-lane aligned, or a
-    vmap batching dim at the stacked buffer's axis 1, made the compiler copy or transpose the whole cache every
-    step (docs/inference.md, "Cache layout and DSA decode")."""
-    _check_in_place_and_local(_compiled_summary("tpu", "dsa"), "dsa", tpu=True)
+    one layer buffer (dense MLA reads the layer's rows without copying them out), no collective over the slot
+    axis. There a cache row width that is not 128-lane aligned, or a vmap batching dim at the stacked buffer's
+    axis 1, made the compiler copy or transpose the whole cache every step; dense MLA's two score matmuls over
+    column slices of the rows made it copy each layer's rows out (docs/inference.md, "Cache layout and DSA
+    decode")."""
+    _check_in_place_and_local(_compiled_summary("tpu", attention), attention, tpu=True)
 
 
 # ----------------------------------------------------------------------------- page-level selection

@@ -279,8 +279,10 @@ def cached_mla_attention(q_nope, q_rope, cache, w_uk, w_uv, scale, r: int, *, po
     the query at p sees slots 0..p, over the layer's rows) or indices [B,T,K] (-1 = none; DSA: only the
     selected rows are gathered, per chunk of queries, straight from the cache) -> [B,T,H,dv].
     The sparse form computes what `dsa_attention` (training's sparse call) computes over the same rows, in
-    jnp for every attention_impl: a Pallas kernel would need the layer's rows sliced out of the stack."""
-    dr = q_rope.shape[-1]
+    jnp for every attention_impl: a Pallas kernel would need the layer's rows sliced out of the stack.
+    The dense form runs both matmuls over the whole padded rows (the query zero-padded to the row width, the
+    value columns past r dropped after): scores over column slices of the rows (latent, k_rope) made the TPU
+    compiler copy every layer's rows out of the stack at every step (tests/test_cache_layout.py)."""
     if indices is not None:
         q = mqa_query(q_nope, q_rope, w_uk, cache.buffers["kv"].dtype)
         dq = q.shape[-1]
@@ -288,11 +290,10 @@ def cached_mla_attention(q_nope, q_rope, cache, w_uk, w_uv, scale, r: int, *, po
                                 chunk=chunk)
         return jnp.einsum("bthr,rhd->bthd", o, w_uv.astype(o.dtype))
     kv = cache.rows("kv")
-    latent, k_rope = kv[..., :r], kv[..., r:r + dr]
-    dt = latent.dtype
-    q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk.astype(q_nope.dtype)).astype(dt)
-    logits = (jnp.einsum("bthr,bsr->bths", q_lat, latent).astype(jnp.float32)
-              + jnp.einsum("bthd,bsd->bths", q_rope.astype(dt), k_rope).astype(jnp.float32))
-    probs = masked_softmax(logits * scale, visible_slots(positions, latent.shape[1])[:, :, None, :]).astype(dt)
-    o_lat = jnp.einsum("bths,bsr->bthr", probs, latent)
+    dt = kv.dtype
+    q = mqa_query(q_nope, q_rope, w_uk, dt)
+    q = jnp.pad(q, ((0, 0),) * 3 + ((0, kv.shape[-1] - q.shape[-1]),))
+    logits = jnp.einsum("bthw,bsw->bths", q, kv, preferred_element_type=jnp.float32)
+    probs = masked_softmax(logits * scale, visible_slots(positions, kv.shape[1])[:, :, None, :]).astype(dt)
+    o_lat = jnp.einsum("bths,bsw->bthw", probs, kv)[..., :r]
     return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(dt))
