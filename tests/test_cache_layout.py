@@ -194,3 +194,26 @@ def test_dsa_decode_pages_is_validated():
     with pytest.raises(ConfigError, match=r"dsa_decode_pages=-1 is invalid: must be an integer >= 0"):
         ModelConfig(dsa_decode_pages=-1)
     assert ModelConfig(index_topk=16, dsa_decode_pages=4).dsa_decode_pages == 4
+
+
+def test_page_recall_tool_measures_the_share_of_the_exact_top_k_the_pages_hold():
+    """tools.dsa_page_recall.page_recall: pages of one slot hold all of the exact top-k (recall and mass 1); keys
+    whose best scores fill one page give recall 1 with that page size; with one good key every 4 slots, the
+    16 // 8 = 2 best 8-slot pages hold 4 of the 16 exact top-k slots (recall 4 / 16)."""
+    from tools.dsa_page_recall import RecallError, page_recall, run
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)    # the tool's layout: queries and keys of one 64-token sequence
+    q, k, w = (jax.random.normal(ks[0], (2, 64, 2, 8)), jax.random.normal(ks[1], (2, 64, 8)),
+               jax.random.normal(ks[2], (2, 64, 2)))
+    assert page_recall(q, k, w, 16, 1, 4) == (1.0, 1.0)
+    # one direction scores high: keys 16..31 (one 16-slot page) along it, the rest against it
+    d = k.shape[-1]
+    qq = jnp.ones_like(q)
+    ww = jnp.ones_like(w)
+    good = jnp.zeros((64,), bool).at[16:32].set(True)
+    kk = jnp.where(good[None, :, None], 1.0 + 0.01 * jnp.arange(64)[None, :, None], -1.0) * jnp.ones((2, 64, d))
+    assert page_recall(qq, kk, ww, 16, 16, 4)[0] == 1.0
+    spread = jnp.zeros((64,), bool).at[jnp.arange(0, 64, 4)].set(True)       # one good key in every 4-slot run
+    kk = jnp.where(spread[None, :, None], 1.0 + 0.01 * jnp.arange(64)[None, :, None], -1.0) * jnp.ones((2, 64, d))
+    assert page_recall(qq, kk, ww, 16, 8, 4)[0] == pytest.approx(4 / 16)
+    with pytest.raises(RecallError, match="divide index_topk"):
+        run(index_topk=64, pages=(3,))
