@@ -47,7 +47,7 @@ def resolve_serving(program: str, preset_name: str, topology: str, *, mesh: str 
     from glm5_jax.overrides import OverrideError, apply_overrides
     from glm5_jax.parallel.plan import abstract_mesh
     from glm5_jax.sharding import MeshError, check_serving_mesh, parse_mesh_spec, resolve_mesh_shape
-    from tools.aot import CHIPS, AotError, parse_topology
+    from tools.tpu_compile import CHIPS, AotError, parse_topology
 
     if program not in ("decode", "prefill"):
         raise AotError(f"--program={program!r}; allowed: {', '.join(PROGRAMS)}")
@@ -75,9 +75,9 @@ def resolve_serving(program: str, preset_name: str, topology: str, *, mesh: str 
         raise AotError(f"--prefill_chunk={prefill_chunk} must be >= 1")
     n = int(num_draft) if speculative == "mtp" else 0
     if n:
-        from glm5_jax.infer.speculative import _check
+        from glm5_jax.infer.speculative import check_num_draft
         try:
-            _check(cfg, n)
+            check_num_draft(cfg, n)
         except ValueError as e:
             raise AotError(f"--speculative=mtp --num_draft={num_draft}: {e}") from e
     check_serving_mesh(cfg, abstract_mesh(sizes), batch)          # MeshError: a Glm5Error, exit 2
@@ -160,7 +160,7 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
 
     from glm5_jax.serve.programs import Programs
     from glm5_jax.sharding import MESH_AXES
-    from tools.aot import compile_lowered, memory_report, topology_devices
+    from tools.tpu_compile import compile_lowered, memory_report, topology_devices
     from tools.budget import CHIP_PEAKS, step_budget
 
     log = log or (lambda msg: None)

@@ -285,7 +285,8 @@ def _spec_loop(config, n, n_new, greedy, params, samp, cache, hbuf, seq, e, out,
     return out, out_lp, count, stopped, acc, rounds
 
 
-def _check(config, num_draft):
+def check_num_draft(config, num_draft):
+    """Raise ValueError unless `config` can draft `num_draft` tokens with its MTP blocks."""
     if config.mtp_depth < 1:
         raise ValueError("speculative decoding needs MTP weights: config.mtp_depth must be >= 1")
     require("num_draft", num_draft, ValueError, integer=True, min=1)
@@ -309,7 +310,7 @@ def speculative_generate(config, params, prompts, *, max_new_tokens: int, num_dr
     acceptance_per_depth (the same / all active pairs) and verify_rows (active (row, step) pairs).
     """
     sampling.validate(temperature, top_p, top_k)
-    _check(config, num_draft)
+    check_num_draft(config, num_draft)
     tokens, lens = prepare_prompts(config, prompts)
     size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len) + num_draft + 1
     prefill_chunks(tokens.shape[1], prefill_chunk)     # a bad prefill_chunk fails before any compilation

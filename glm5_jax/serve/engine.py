@@ -60,7 +60,7 @@ from typing import Callable, List, Optional, Sequence
 import jax
 import numpy as np
 
-from glm5_jax.infer.speculative import _check as _check_speculative
+from glm5_jax.infer.speculative import check_num_draft
 from glm5_jax.serve.detok import TextStream
 from glm5_jax.serve.multihost import Broadcast, is_leader, multi_process, to_host
 from glm5_jax.serve.programs import TOP_LOGPROBS, Programs
@@ -147,7 +147,7 @@ class Engine:
                              "decoding (speculative steps run over all max_batch slots)")
         self.num_draft = int(speculative)
         if self.num_draft:
-            _check_speculative(config, self.num_draft)
+            check_num_draft(config, self.num_draft)
         # the last verification writes up to n + 1 slots past the context
         size = self.max_len + (self.num_draft + 2 if self.num_draft else 0)
         self.programs = Programs(config, mesh, max_batch=self.max_batch, size=size, num_draft=self.num_draft,
