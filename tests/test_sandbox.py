@@ -252,7 +252,7 @@ def test_codec_round_trips_plain_data_and_hands_off_everything_else():
         v = value(0)
         assert same(decode(encode(v, no_handle, [10 ** 6]), no_handle), v), v
 
-    class I(int):
+    class IntSubclass(int):
         pass
 
     seen = []
@@ -262,7 +262,7 @@ def test_codec_round_trips_plain_data_and_hands_off_everything_else():
     deep = []
     for _ in range(MAX_DEPTH + 5):
         deep = [deep]
-    for v in (I(3), len, deep):
+    for v in (IntSubclass(3), len, deep):
         seen.clear()
         encode([v], handle, [10 ** 6])
         assert len(seen) == 1 and (seen[0] is v or v is deep)

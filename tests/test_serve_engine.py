@@ -1,6 +1,8 @@
-"""The continuous-batching engine (glm5_jax.serve.engine): greedy against the static decoder, prefix reuse against a full prefill (same slot and copied from a busy slot), nothing recompiles after
-warm-up, decode row buckets equal to full-width decoding, weight push with pause / resume, static admission, the bounded queue, MTP speculation (greedy equal
-to plain decoding, a perfect drafter fully accepted, sampled rows independent of batch-mates)."""
+"""The continuous-batching engine (glm5_jax.serve.engine): greedy against the static decoder, prefix reuse
+against a full prefill (same slot and copied from a busy slot), nothing recompiles after warm-up, decode row
+buckets equal to full-width decoding, weight push with pause / resume, static admission, the bounded queue,
+MTP speculation (greedy equal to plain decoding, a perfect drafter fully accepted, sampled rows independent
+of batch-mates)."""
 
 import time
 
