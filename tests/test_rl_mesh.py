@@ -10,7 +10,8 @@ Against the unsharded run (one device, the reference), on the mesh data:2,fsdp:2
   goes through the host), leaves every leaf in the serving layout, and the synced engine then decodes
   exactly (tokens and log-probs, bitwise) as a fresh engine built from the new weights;
 * the rollout engine on one device samples bit for bit what ``infer.generate`` samples;
-* a distillation teacher and a reward model placed on the mesh score as on one device (1e-5), and the
+* a distillation teacher and a reward model placed on the mesh score as on one device (1e-5); a teacher
+  equal to the student gives advantages of exactly 0 on the mesh; the
   judge's server (``RolloutServer(mesh=...)``, called as ``GenerativeJudge`` calls it) answers as on one.
 """
 
@@ -125,6 +126,12 @@ SYNC = COMMON + textwrap.dedent("""
     adv = [make_teacher_advantage_fn(cfg, {"a": new}, lambda t: "a", mesh=m)([None] * 8, batch) for m in (None, mesh)]
     np.testing.assert_allclose(adv[1], adv[0], rtol=1e-5, atol=1e-5)
     assert np.abs(adv[0]).max() > 0.1
+    # a teacher equal to the (mesh-trained) student gives advantages of exactly 0, as on one device
+    from glm5_jax.rl.program import token_logprobs
+    student = jax.device_put(new, train_sh)
+    own = dict(batch, old_logp=np.asarray(token_logprobs(cfg, student, jax.numpy.asarray(batch["inputs"]),
+                                                         jax.numpy.asarray(batch["targets"]))))
+    assert not make_teacher_advantage_fn(cfg, {"a": new}, lambda t: "a", mesh=mesh)([None] * 8, own).any()
     rcfg = cfg.replace(reward_head=True)
     rparams = init_params(rcfg, jax.random.PRNGKey(1))
     scores = [RewardModel(rcfg, rparams, seq_len=12, batch_size=8, mesh=m)(prompts[:6]) for m in (None, mesh)]

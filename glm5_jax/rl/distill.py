@@ -19,10 +19,10 @@ Teachers share the student's ModelConfig (one compiled forward for all of them).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 from typing import Callable, Dict, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.rl.program import run_grpo, token_logprobs
@@ -60,30 +60,29 @@ def make_teacher_advantage_fn(config, teachers: Dict[str, object], skill_of: Cal
     """advantage_fn for ``run_grpo``: row b is scored by ``teachers[skill_of(task_b)]``.
 
     Every teacher scores the whole batch (fixed shapes: one compiled forward) and each row keeps the
-    log-probs of its own skill's teacher. mesh: the teachers are placed once in the serving layout on it
-    (``RolloutEngine.place``, device to device) and score with the batch split over its batch axes.
+    log-probs of its own skill's teacher. mesh: the teachers are placed once on it, device to device, in
+    the training layout (``LOGICAL_RULES``: sharded like the student's parameters, never replicated), and
+    score through the very program that computes the student's ``old_logp`` (so a teacher equal to the
+    student gives advantages of exactly 0, as on one device).
     """
     if not teachers:
         raise ValueError("teachers is empty: give at least one {skill: params}")
     if mesh is not None:
-        from glm5_jax.rl.rollout_engine import RolloutEngine
-        eng = RolloutEngine(config, mesh)
-        teachers = {k: eng.place(v) for k, v in teachers.items()}
-        score = functools.partial(eng.apply, functools.partial(token_logprobs, eng.config))
-    else:
-        score = functools.partial(token_logprobs, config)
+        import jax
+        from glm5_jax.sharding import param_shardings
+        teachers = {k: jax.device_put(v, param_shardings(config, mesh)) for k, v in teachers.items()}
 
     def advantage_fn(row_tasks: Sequence, batch: dict) -> np.ndarray:
         skills = [skill_of(t) for t in row_tasks]
         unknown = sorted(set(skills) - set(teachers))
         if unknown:
             raise ValueError(f"no teacher for skill(s) {unknown}; teachers: {sorted(teachers)}")
-        inputs, targets = np.asarray(batch["inputs"]), np.asarray(batch["targets"])
+        inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
         teacher_logp = np.zeros(batch["mask"].shape, np.float32)
         for skill, params in teachers.items():
             rows = np.array([s == skill for s in skills])
             if rows.any():
-                teacher_logp[rows] = np.asarray(score(params, inputs, targets))[rows]
+                teacher_logp[rows] = np.asarray(token_logprobs(config, params, inputs, targets))[rows]
         return distill_advantages(teacher_logp, batch["old_logp"], batch["mask"])
 
     return advantage_fn

@@ -229,13 +229,11 @@ def _jitted_rewards(model_cfg: ModelConfig):
 
 
 def reward_scores(model_cfg: ModelConfig, params, seqs: Sequence[Sequence[int]], *, seq_len: int,
-                  batch_size: int = 32, pad_id: int = 0, engine=None) -> np.ndarray:
+                  batch_size: int = 32, pad_id: int = 0, batch_sharding=None) -> np.ndarray:
     """Rewards [N] float32 of token-id sequences (left-truncated to seq_len), in fixed [batch_size, seq_len]
-    batches so the forward compiles once. engine: a ``RolloutEngine`` of ``model_cfg`` on a mesh whose
-    ``place`` laid ``params`` out; each batch then runs split over its batch axes."""
-    fn = _jitted_rewards(model_cfg if engine is None else engine.config)
-    if engine is not None:
-        fn = functools.partial(engine.apply, fn)
+    batches so the forward compiles once. batch_sharding: where each batch goes (on a mesh: split over
+    its batch axes, ``RewardModel(mesh=)``); default the default device."""
+    fn = _jitted_rewards(model_cfg)
     out = []
     for i in range(0, len(seqs), batch_size):
         chunk = [list(s)[-seq_len:] for s in seqs[i:i + batch_size]]
@@ -246,7 +244,9 @@ def reward_scores(model_cfg: ModelConfig, params, seqs: Sequence[Sequence[int]],
                 raise ValueError(f"sequence {i + j} is empty; a reward needs at least one token")
             tokens[j, :len(ids)] = ids
             last[j] = len(ids) - 1
-        out.append(np.asarray(fn(params, tokens, last))[:len(chunk)])
+        args = (jnp.asarray(tokens), jnp.asarray(last)) if batch_sharding is None else \
+            jax.device_put((tokens, last), batch_sharding)
+        out.append(np.asarray(fn(params, *args))[:len(chunk)])
     return np.concatenate(out).astype(np.float32) if out else np.zeros((0,), np.float32)
 
 
@@ -271,17 +271,24 @@ class RewardModel:
                  mesh=None):
         if not model_cfg.reward_head:
             raise ConfigError("RewardModel needs ModelConfig.reward_head=True")
-        self.engine = None
-        if mesh is not None:        # resident on the mesh in the serving layout; batches split over the batch axes
-            from glm5_jax.rl.rollout_engine import RolloutEngine
-            self.engine = RolloutEngine(model_cfg, mesh)
-            params = self.engine.place(params)
+        self.batch_sharding = None
+        if mesh is not None:        # resident on the mesh, sharded like a trainer's params; batches split over the batch axes
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from glm5_jax.batch import BATCH_AXES
+            from glm5_jax.sharding import param_shardings
+            shards = int(np.prod([dict(mesh.shape).get(a, 1) for a in BATCH_AXES]))
+            if batch_size % shards:
+                raise ValueError(f"RewardModel: batch_size={batch_size} must be a multiple of the mesh's batch shards "
+                                 f"{'*'.join(BATCH_AXES)}={shards}")
+            params = jax.device_put(params, param_shardings(model_cfg, mesh))
+            self.batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
         self.model_cfg, self.params = model_cfg, params
         self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
 
     def __call__(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         return reward_scores(self.model_cfg, self.params, seqs, seq_len=self.seq_len, batch_size=self.batch_size,
-                             pad_id=self.pad_id, engine=self.engine)
+                             pad_id=self.pad_id, batch_sharding=self.batch_sharding)
 
 
 def rm_init_params(path, model_cfg: ModelConfig, mesh=None, seed: int = 0):

@@ -102,8 +102,7 @@ class RolloutEngine:
     """Batch rollouts of ``config`` on ``mesh`` (None: one device) in the serving layout; see module doc.
 
     ``sync(params, version)`` -> the sync's report; ``generate(prompts, ...)`` -> ``GenerateResult`` (as
-    ``infer.generate``; the batch must split evenly over the batch shards); ``release()`` drops the copy.
-    ``place`` / ``apply``: resident scorers (teacher log-probs, reward-model scores) on the same layout."""
+    ``infer.generate``; the batch must split evenly over the batch shards); ``release()`` drops the copy."""
 
     def __init__(self, config, mesh=None, *, mismatch: str = "none", prefill_chunk: int = PREFILL_CHUNK):
         from glm5_jax.rl.rollout import MISMATCH_MODES
@@ -160,22 +159,6 @@ class RolloutEngine:
     def release(self) -> None:
         """Drop the rollout copy (the update then has the devices to itself; the cache is already gone)."""
         self.params = None
-
-    # ------------------------------------------------------------------ resident scorers
-    def place(self, params):
-        """Weights that stay resident (a distillation teacher, a reward model) in the serving layout on this
-        mesh: device to device from wherever they are (host arrays are copied in once)."""
-        return jax.device_put(params, self.param_shardings)
-
-    def apply(self, fn, params, *rows):
-        """``fn(params, *rows)`` on the mesh, traced under the serving rules: ``params`` as ``place`` laid them
-        out, every ``rows`` array split over the batch axes (its leading dim must divide by the shards)."""
-        for a in rows:
-            if np.shape(a)[0] % self.shards:
-                raise ValueError(f"a batch of {np.shape(a)[0]} rows does not split over the mesh's {self.shards} "
-                                 f"batch shards ({'*'.join(BATCH_AXES)}); use a multiple of {self.shards}")
-        with use_mesh(self.mesh, SERVE_RULES):
-            return fn(params, *jax.device_put(rows, self.rows))
 
     # ------------------------------------------------------------------ programs
     def _programs(self, b: int, p: int, size: int, n_new: int, greedy: bool, top_k: int, use_top_p: bool, chunk: int,
