@@ -14,7 +14,6 @@ share of the exact top-k's slots that the page selection holds, averaged over la
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,7 +21,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
+from glm5_jax import cli
 from glm5_jax.attention.indexer import Indexer, select_topk_cached
 from glm5_jax.config import PRESETS
 from glm5_jax.errors import Glm5Error
@@ -112,24 +113,29 @@ def run(preset: str = "tiny", init_from: str | None = None, seq_len: int = 2048,
             "queries": queries, "layers": len(layers), "pages": rows}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--init_from", default=None)
-    ap.add_argument("--seq_len", type=int, default=2048)
-    ap.add_argument("--index_topk", type=int, default=64)
-    ap.add_argument("--pages", default="4,16,64")
-    ap.add_argument("--queries", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("preset", "tiny", "Model preset (random init) when --init_from is not given.")
+    flags.DEFINE_string("init_from", None, "Trained weights: a HF dir, params checkpoint or run workdir.")
+    flags.DEFINE_integer("seq_len", 2048, "Cached tokens the queries select from.")
+    flags.DEFINE_integer("index_topk", 64, "Exact top-k the pages are measured against.")
+    flags.DEFINE_list("pages", ["4", "16", "64"], "Page sizes (tokens per page) to measure.")
+    flags.DEFINE_integer("queries", 64, "Query positions per layer.")
+    flags.DEFINE_integer("seed", 0, "Seed of the tokens (and of the random init).")
+    flags.DEFINE_bool("json", False, "Print one JSON object.")
+
+
+def main(argv) -> int:
+    del argv
     try:
-        pages = tuple(int(x) for x in a.pages.split(","))
-        r = run(a.preset, a.init_from, a.seq_len, a.index_topk, pages, a.queries, a.seed)
+        pages = tuple(int(x) for x in FLAGS.pages)
+        r = run(FLAGS.preset, FLAGS.init_from, FLAGS.seq_len, FLAGS.index_topk, pages, FLAGS.queries, FLAGS.seed)
     except (RecallError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.json:
+    if FLAGS.json:
         print(json.dumps(r))
     else:
         for p, v in r["pages"].items():
@@ -139,4 +145,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, define_flags)
