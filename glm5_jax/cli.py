@@ -76,9 +76,18 @@ def call(main: Callable[[list[str]], int | None], define_flags: Callable[[], Non
     (tests): its flags defined once per process, reset to their defaults, then `argv` parsed."""
     name = main.__module__
     if name not in _DEFINED:
-        define_flags()
+        try:
+            define_flags()
+        except flags.DuplicateFlagError:      # another caller in this process defined the tool's flags already
+            pass
         _DEFINED.add(name)
     flags.FLAGS.unparse_flags()
+    # other CLIs called in this process left their flags in the one registry: their required flags (a
+    # validator that refuses None) must not fail this CLI's parse, so they hold a placeholder here
+    own = {f.name for f in flags.FLAGS.flags_by_module_dict().get(name, [])}
+    for fname, flag in ((n, flags.FLAGS[n]) for n in flags.FLAGS):
+        if fname not in own and flag.value is None and flag.validators:
+            flag.value = ""
     rest = _parse([name, *argv], flags.FLAGS)
     if rest is None:
         return USAGE_EXIT
