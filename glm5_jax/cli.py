@@ -76,10 +76,7 @@ def call(main: Callable[[list[str]], int | None], define_flags: Callable[[], Non
     (tests): its flags defined once per process, reset to their defaults, then `argv` parsed."""
     name = main.__module__
     if name not in _DEFINED:
-        try:
-            define_flags()
-        except flags.DuplicateFlagError:      # another caller in this process defined the tool's flags already
-            pass
+        define_flags()
         _DEFINED.add(name)
     flags.FLAGS.unparse_flags()
     # other CLIs called in this process left their flags in the one registry: their required flags (a

@@ -2,7 +2,10 @@
 checks and the tools.train_reward_model CLI."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import chex
 import jax
@@ -12,6 +15,8 @@ import pytest
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import GLM5, init_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GOOD = ["calm", "bright", "kind", "clear", "warm", "gentle"]
 BAD = ["dull", "harsh", "cold", "vague", "rude", "grim"]
@@ -37,12 +42,12 @@ def _write(path, rows):
 
 
 def _cli(argv, capsys):
-    """tools.train_reward_model run in this process on argv (its absl flags parsed as on the command line)."""
-    from glm5_jax.cli import call
-    from tools.train_reward_model import define_flags, main
-    rc = call(main, define_flags, argv)
-    out, err = capsys.readouterr()
-    return rc, out, err
+    """`python -m tools.train_reward_model ARGV` in a subprocess (its own absl flag registry: other CLIs run in
+    this test process define flags of the same names) -> (exit status, stdout, stderr)."""
+    del capsys
+    r = subprocess.run([sys.executable, "-m", "tools.train_reward_model", *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    return r.returncode, r.stdout, r.stderr
 
 
 def test_cli_learns_heldout_preferences_and_resumes(tmp_path, capsys):
