@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = textwrap.dedent("""
@@ -75,6 +77,7 @@ def test_two_process_engine_equals_one_device_engine(tmp_path):
     assert procs[1].returncode == 0 and "FOLLOWER DONE" in outs[1], outs[1][-5000:]
 
 
+@pytest.mark.slow      # ~35 s: two tools.serve processes start jax.distributed and compile
 def test_serve_cli_over_two_processes_answers_like_the_one_device_model(tmp_path):
     """`python -m tools.serve --mesh=data:2,expert:2` started on two processes (GLM5_* environment): process 0
     answers the openai client with the greedy completion of the one-device model; process 1 follows and
