@@ -4,6 +4,7 @@ without namespaces."""
 
 import os
 import socket
+import tempfile
 import time
 
 import pytest
@@ -39,13 +40,14 @@ ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
 
 
-def test_passes_correct_solution_and_cleans_up(mode):
-    before = set(os.listdir("/tmp"))
+def test_passes_correct_solution_and_cleans_up(mode, tmp_path, monkeypatch):
+    # the run's scratch directory goes under this test's own tmp_path (other tests may run sandboxes
+    # in /tmp at the same time under xdist): it must be gone afterwards
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = run_sandboxed(ADD + "print('hello')\n", ADD_TESTS, **mode)
     assert r.passed and r.status == "passed", r
     assert r.stdout.strip() == "hello"  # nonce is stripped
-    left = {d for d in set(os.listdir("/tmp")) - before if d.startswith("glm5_sandbox_")}
-    assert not left
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("glm5_sandbox_")]
 
 
 def test_fails_wrong_solution_and_test_functions():
