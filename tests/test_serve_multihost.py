@@ -58,6 +58,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow      # ~40 s: two processes start jax.distributed and compile every engine program
 def test_two_process_engine_equals_one_device_engine(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -106,6 +106,7 @@ def _same(a, b):
 BASE = dict(batch_size=2, seq_len=24, async_checkpoints=False, log_every=1, warmup_steps=0, eval_every=100)
 
 
+@pytest.mark.slow   # three runs, each compiling the step: ~60 s (the NaN-gradient test below is the fast check)
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_overflowing_learning_rate_is_never_applied_or_checkpointed(tmp_path):
     """lr 1e39: step 1's loss is finite but its update is inf. Stop mode ends at step 1 with no checkpoint
