@@ -7,7 +7,10 @@
     python -m tools.aot --program=decode|prefill --preset=glm5 --topology=v5p:4x4x4 --batch=128
         --max_model_len=131072 [--speculative=mtp] [--set model.FIELD=V ...] --json
 
---program=decode|prefill compiles the serving engine's own programs instead (tools/aot_serve.py: the
+    python -m tools.aot --program=rl --preset=glm5 --topology=v5p:4x4x8 [--group_size=8 ...] --json
+
+--program=rl compiles the colocated RL step's phases (update, reshard, rollout prefill / decode) and
+estimates its time (tools/aot_rl.py, docs/rl.md). --program=decode|prefill compiles the serving engine's own programs instead (tools/aot_serve.py: the
 weights / cache split of the per-chip memory, the step's floor of HBM bytes, TPOT and output tokens/s a
 chip beside the HBM roofline). For --program=train (the default):
 It builds the SAME step experiments train with (glm5_jax.train.step.make_train_step on a Mesh of
@@ -168,9 +171,11 @@ def plan_estimate(model_cfg, tcfg, sizes) -> dict:
             **({"host_bytes": p["host_bytes"]} if "host_bytes" in p else {})}
 
 
-def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
+def compile_step(r: dict, *, log=None, save_hlo: str | None = None, program=None, mesh=None) -> dict:
     """Lower and compile the train step of a resolve()d config for its topology. Returns the report
-    (per_device_bytes, compile_seconds, ...) without the plan estimate."""
+    (per_device_bytes, compile_seconds, ...) without the plan estimate. program(cfg, tcfg, mesh) ->
+    (abstract state, step, abstract batch): another step of the one step factory (tools.aot_rl: the RL
+    update); mesh: the topology's Mesh when the caller built it (its devices shared with other programs)."""
     import jax
     import numpy as np
     from jax.sharding import AxisType, Mesh
@@ -181,15 +186,18 @@ def compile_step(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     from tools.budget import model_flops_per_device, step_budget
 
     log = log or (lambda msg: None)
-    devices = topology_devices(r["topology"])
     sizes = r["mesh"]
-    mesh = Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES,
-                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    if mesh is None:
+        mesh = Mesh(np.asarray(topology_devices(r["topology"])).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES,
+                    axis_types=(AxisType.Auto,) * len(MESH_AXES))
     cfg, tcfg = r["model"], r["train"]
     t = time.time()
-    state, tx = abstract_state(cfg, tcfg, mesh)
-    step = make_train_step(cfg, tcfg, tx, mesh)
-    batch = abstract_batch(tcfg.batch_size, tcfg.seq_len, mesh)
+    if program is None:
+        state, tx = abstract_state(cfg, tcfg, mesh)
+        step = make_train_step(cfg, tcfg, tx, mesh)
+        batch = abstract_batch(tcfg.batch_size, tcfg.seq_len, mesh)
+    else:
+        state, step, batch = program(cfg, tcfg, mesh)
     log(f"abstract state built ({time.time() - t:.1f}s); lowering")
     compiled, lower_s, compile_s = compile_lowered(lambda: step.lower(state, batch), log=log, save_hlo=save_hlo)
     t = time.time()
@@ -327,8 +335,9 @@ def define_flags(fv) -> None:
     from absl import flags
     from tools.aot_serve import PREFILL_CHUNK, PROGRAMS, SPECULATIVE
     S, I = flags.DEFINE_string, flags.DEFINE_integer
-    flags.DEFINE_enum("program", "train", PROGRAMS, "train: the train step; decode / prefill: the serving engine's "
-                      "programs (serve.programs.Programs)", flag_values=fv)
+    flags.DEFINE_enum("program", "train", PROGRAMS + ("rl",), "train: the train step; decode / prefill: the serving "
+                      "engine's programs (serve.programs.Programs); rl: the colocated RL step's phases (tools/aot_rl.py)",
+                      flag_values=fv)
     S("preset", None, "model preset", flag_values=fv, required=True)
     S("topology", None, "KIND:AxBxC, kinds: " + ", ".join(CHIPS), flag_values=fv, required=True)
     S("mesh", None, "AXIS:N,... over data, fsdp, expert, context, tensor (-1 = fill); decode / prefill default: "
@@ -353,6 +362,8 @@ def define_flags(fv) -> None:
       flag_values=fv)
     flags.DEFINE_bool("no_plan", False, "train: skip tools.plan's estimate", flag_values=fv)
     flags.DEFINE_bool("json", False, "last stdout line: one JSON object", flag_values=fv)
+    from tools.aot_rl import define_rl_flags
+    define_rl_flags(fv)
 
 
 _TRAIN_ONLY = ("batch_size", "seq_len", "remat", "grad_accum", "optimizer")
@@ -373,8 +384,14 @@ def main(argv=None) -> int:
     if rest:
         raise AotError(f"unexpected arguments {rest}: every setting is a --flag")
     a = fv
+    from tools.aot_rl import RL_FLAGS
+    if a.program == "rl":
+        return _main_rl(a)
     serving = a.program != "train"
-    wrong = [f for f in (_TRAIN_ONLY if serving else _SERVE_ONLY) if getattr(a, f) is not None]
+    wrong = [f for f in (_TRAIN_ONLY if serving else _SERVE_ONLY) + RL_FLAGS if getattr(a, f) is not None]
+    wrong += ["offload_optimizer"] if a.offload_optimizer else []
+    if wrong and wrong[0] in RL_FLAGS + ("offload_optimizer",):
+        raise AotError(f"--{wrong[0]} applies to --program=rl only")
     if wrong:
         raise AotError(f"--{wrong[0]} does not apply to --program={a.program}; "
                        + ("use --batch / --max_model_len" if serving else "use --batch_size / --seq_len"))
@@ -401,6 +418,25 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(report))
     return 1 if "compile_error" in report else 0     # 1: no executable (the compiler ran out of HBM)
+
+
+def _main_rl(a) -> int:
+    """--program=rl: tools.aot_rl's phases of the colocated RL step."""
+    from tools.aot_rl import RL_FLAGS, format_rl, resolve_rl, run_rl
+    wrong = [f for f in ("batch_size", "seq_len", "grad_accum", "optimizer") + _SERVE_ONLY if getattr(a, f) is not None]
+    if wrong:
+        raise AotError(f"--{wrong[0]} does not apply to --program=rl; use --prompts_per_step / --group_size / "
+                       "--prompt_len / --max_new_tokens / --minibatches")
+    t0 = time.time()
+    kw = dict(mesh=a.mesh, remat=a.remat, overrides=tuple(a.set), offload_optimizer=a.offload_optimizer,
+              **{f: getattr(a, f) for f in RL_FLAGS})
+    resolve_rl(a.preset, a.topology, **kw)         # every flag checked before the compiler
+    report = run_rl(a.preset, a.topology, log=lambda msg: _log(t0, msg), **kw)
+    report["elapsed_seconds"] = round(time.time() - t0, 1)
+    print(format_rl(report))
+    if a.json:
+        print(json.dumps(report))
+    return 1 if any("compile_error" in ph for ph in report["phases"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -124,10 +124,11 @@ decode_step = jax.jit(_decode_step, static_argnums=0)
 decode_step.__doc__ = "tok [B] at positions pos [B] -> (logits [B, V], cache). One token per row."
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames="return_cache")
 def _decode_loop(config, n_new, greedy, top_k, use_top_p, params, cache, logits0, lens, key, temperature,
-                 top_p, stops):
-    """Sample the first token from logits0, then decode n_new - 1 more inside one lax.while_loop."""
+                 top_p, stops, return_cache=False):
+    """Sample the first token from logits0, then decode n_new - 1 more inside one lax.while_loop.
+    return_cache: also return the final cache (a caller that donates the cache gets the loop in place)."""
     b = lens.shape[0]
     samp = functools.partial(sampling.sample, greedy=greedy, temperature=temperature, top_k=top_k,
                              use_top_p=use_top_p, top_p=top_p)
@@ -152,7 +153,7 @@ def _decode_loop(config, n_new, greedy, top_k, use_top_p, params, cache, logits0
         return i + 1, cache, nxt, pos + 1, toks, lps, stopped, length
 
     s = jax.lax.while_loop(cond, body, state)
-    return s[4], s[5], s[7], s[6]
+    return (s[4], s[5], s[7], s[6]) + ((s[1],) if return_cache else ())
 
 
 # ----------------------------------------------------------------------------- host side

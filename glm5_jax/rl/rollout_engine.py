@@ -73,14 +73,15 @@ def _overlap(a, b) -> int:
 
 
 def reshard_bytes(src_tree, dst_shardings) -> dict:
-    """Bytes each device must receive to hold ``src_tree`` (jax Arrays) laid out by ``dst_shardings``:
+    """Bytes each device must receive to hold ``src_tree`` (jax Arrays or sharded ShapeDtypeStructs) laid out by ``dst_shardings``:
     for every leaf and device, the bytes of its target shard minus those it already holds in the source
     layout. -> {device id: bytes} (0 where a device already holds its whole target shard)."""
     out: dict = {}
     for a, sh in zip(jax.tree.leaves(src_tree), jax.tree.leaves(dst_shardings)):
         shape, item = np.shape(a), np.dtype(a.dtype).itemsize
-        have = ({d.id: _slice_bounds(i, shape) for d, i in a.sharding.devices_indices_map(shape).items()}
-                if isinstance(a, jax.Array) else {})           # a host array: every device receives its shard
+        src = getattr(a, "sharding", None)      # a jax Array, or a ShapeDtypeStruct carrying one (tools.aot)
+        have = ({d.id: _slice_bounds(i, shape) for d, i in src.devices_indices_map(shape).items()}
+                if src is not None else {})              # a host array: every device receives its shard
         for d, idx in sh.devices_indices_map(shape).items():
             want = _slice_bounds(idx, shape)
             need = math.prod(hi - lo for lo, hi in want)
@@ -138,16 +139,12 @@ class RolloutEngine:
                              [s for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(self.param_shardings))
                               if not isinstance(a, jax.Array)])
         if self.mismatch == "none":
-            self.params = jax.device_put(params, self.param_shardings)
+            self.params = jax.device_put(params, self.param_shardings)   # jax runs this as the identity program below
         else:
-            if self._sync_program is None:     # the fake quantisation and the reshard in one program, on the mesh
-                from glm5_jax.rl.rollout import mismatch_params
-                self._sync_program = jax.jit(functools.partial(mismatch_params, mode=self.mismatch),
-                                             out_shardings=self.param_shardings)
             here = set(self.mesh.devices.flat)     # leaves elsewhere (another device set, the host) come in first
             params = jax.tree.map(lambda a, s: a if isinstance(a, jax.Array) and a.sharding.device_set == here
                                   else jax.device_put(a, s), params, self.param_shardings)
-            self.params = self._sync_program(params)
+            self.params = self.sync_program()(params)
         jax.block_until_ready(self.params)
         copy = bytes_per_device(self.params)
         self.version = int(version)
@@ -156,46 +153,80 @@ class RolloutEngine:
                           "seconds": time.perf_counter() - t0}
         return self.last_sync
 
+    def sync_program(self):
+        """The sync as one jitted program: the mismatch mode's fake quantisation (identity for "none") with the
+        serving shardings as its output shardings, so XLA reshards device to device inside it. ``sync`` runs it
+        (mode "none": ``jax.device_put``, which jax runs as this identity program); tools.aot --program=rl
+        compiles it from the training layout for a TPU topology (the ``reshard`` phase)."""
+        if self._sync_program is None:
+            from glm5_jax.rl.rollout import mismatch_params
+            self._sync_program = jax.jit(functools.partial(mismatch_params, mode=self.mismatch),
+                                         out_shardings=self.param_shardings)
+        return self._sync_program
+
     def release(self) -> None:
         """Drop the rollout copy (the update then has the devices to itself; the cache is already gone)."""
         self.params = None
 
     # ------------------------------------------------------------------ programs
-    def _programs(self, b: int, p: int, size: int, n_new: int, greedy: bool, top_k: int, use_top_p: bool, chunk: int,
-                  n_stops: int):
+    def abstract_params(self):
+        """The rollout copy's ShapeDtypeStructs carrying the serving shardings (nothing allocated)."""
+        from glm5_jax.train.checkpoint import abstract_param_shapes
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract_param_shapes(self.config), self.param_shardings)
+
+    def lower(self, which: str, b: int, p: int, size: int, n_new: int, *, greedy: bool = False, top_k: int = 0,
+              use_top_p: bool = False, chunk: int | None = None, n_stops: int = 1, params=None):
+        """The rollout's ``which`` = "prefill" | "decode" program for ``b`` prompts padded to ``p`` tokens, a
+        cache of ``size`` positions and ``n_new`` sampled tokens, lowered under the mesh from abstract arguments
+        (nothing allocated): ``generate`` compiles these; tools.aot --program=rl compiles them for a TPU topology.
+        prefill(params, tokens, lens) -> (logits0, cache): the cache allocated inside, on its shards.
+        decode(params, cache, logits0, lens, key, temperature, top_p, stops) -> (tokens, log-probs, lengths,
+        stopped, cache): ``infer.generate``'s while loop; the cache is donated and returned, so the loop
+        updates it in place (no second cache). params: the rollout copy's arrays or ShapeDtypeStructs (default
+        ``abstract_params()``)."""
         from glm5_jax.serve.programs import Programs
-        key = (b, p, size, n_new, greedy, top_k, use_top_p, chunk, n_stops)
-        if key in self._compiled:
-            return self._compiled[key]
+        if which not in ("prefill", "decode"):
+            raise ValueError(f"RolloutEngine.lower: which={which!r}; allowed: prefill, decode")
+        chunk = self.prefill_chunk if chunk is None else int(chunk)
         layout = Programs(self.config, self.mesh, max_batch=b, size=size)      # the serving engine's cache layout
         cache_sh, cfg, rows, rep = layout.state["cache"], self.config, self.rows, self.rep
-
-        def prefill_fn(params, tokens, lens):
-            cache = jax.lax.with_sharding_constraint(kv.init_cache(cfg, b, size), cache_sh)   # allocated on its shards
-            return prefill(cfg, params, cache, tokens, lens, False, chunk)
-
-        def decode_fn(params, cache, logits0, lens, key, temperature, top_p, stops):
-            return _decode_loop(cfg, n_new, greedy, top_k, use_top_p, params, cache, logits0, lens, key, temperature,
-                                top_p, stops)
-
-        tok = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows)
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              self.abstract_params() if params is None else params, self.param_shardings)
+        cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             jax.eval_shape(lambda: kv.init_cache(cfg, b, size)), cache_sh)
         lens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows)
-        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.params,
-                              self.param_shardings)
         with use_mesh(self.mesh, SERVE_RULES):
-            pre = jax.jit(prefill_fn, in_shardings=(self.param_shardings, rows, rows),
-                          out_shardings=(rows, cache_sh)).lower(params, tok, lens).compile()
-            cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                 jax.eval_shape(lambda: kv.init_cache(cfg, b, size)), cache_sh)
+            if which == "prefill":
+                def prefill_fn(params, tokens, lens):
+                    cache = jax.lax.with_sharding_constraint(kv.init_cache(cfg, b, size), cache_sh)
+                    return prefill(cfg, params, cache, tokens, lens, False, chunk)
+
+                tok = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows)
+                return jax.jit(prefill_fn, in_shardings=(self.param_shardings, rows, rows),
+                               out_shardings=(rows, cache_sh)).lower(params, tok, lens)
+
+            def decode_fn(params, cache, logits0, lens, key, temperature, top_p, stops):
+                return _decode_loop(cfg, n_new, greedy, top_k, use_top_p, params, cache, logits0, lens, key,
+                                    temperature, top_p, stops, return_cache=True)
+
             logits = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32, sharding=rows)
             f32 = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-            dec = jax.jit(decode_fn, in_shardings=(self.param_shardings, cache_sh, rows, rows, rep, rep, rep, rep),
-                          out_shardings=(rows, rows, rows, rows)).lower(
+            return jax.jit(decode_fn, in_shardings=(self.param_shardings, cache_sh, rows, rows, rep, rep, rep, rep),
+                           out_shardings=(rows, rows, rows, rows, cache_sh), donate_argnums=(1,)).lower(
                 params, cache, logits, lens, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), f32, f32,
-                jax.ShapeDtypeStruct((n_stops,), jnp.int32, sharding=rep)).compile()
-        cache_bytes = int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))) // self.shards
-        temp = max(_temp_bytes(pre), _temp_bytes(dec))
-        self._compiled[key] = (pre, dec, cache_bytes, temp)
+                jax.ShapeDtypeStruct((n_stops,), jnp.int32, sharding=rep))
+
+    def _programs(self, b: int, p: int, size: int, n_new: int, greedy: bool, top_k: int, use_top_p: bool, chunk: int,
+                  n_stops: int):
+        key = (b, p, size, n_new, greedy, top_k, use_top_p, chunk, n_stops)
+        if key not in self._compiled:
+            kw = dict(greedy=greedy, top_k=top_k, use_top_p=use_top_p, chunk=chunk, n_stops=n_stops, params=self.params)
+            pre = self.lower("prefill", b, p, size, n_new, **kw).compile()
+            dec = self.lower("decode", b, p, size, n_new, **kw).compile()
+            cache = jax.eval_shape(lambda: kv.init_cache(self.config, b, size))
+            cache_bytes = int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))) // self.shards
+            self._compiled[key] = (pre, dec, cache_bytes, max(_temp_bytes(pre), _temp_bytes(dec)))
         return self._compiled[key]
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -223,7 +254,7 @@ class RolloutEngine:
         t1 = time.perf_counter()
         scalars = jax.device_put((jax.random.PRNGKey(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stops),
                                  self.rep)
-        toks, lps, length, stopped = dec(self.params, cache, logits0, lens_d, *scalars)
+        toks, lps, length, stopped, cache = dec(self.params, cache, logits0, lens_d, *scalars)
         del cache, logits0                  # the cache lives only while the rollout runs
         toks, lps, length, stopped = jax.device_get((toks, lps, length, stopped))
         t2 = time.perf_counter()
