@@ -292,6 +292,28 @@ def test_tiny_decode_and_prefill_compile_for_v5p_with_the_serving_budget():
     assert p["per_device_bytes"]["cache"] == pd["cache"]
 
 
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
+def test_tiny_decode_for_v5p_reads_the_scanned_layer_weights_in_place(tmp_path):
+    """The decode step compiled for v5p (tiny preset, expert:4, 2 sequences a chip) copies no layer's weights
+    out of the scanned stacks into another layout: the routed experts run as dense matmuls (the unsorted
+    dropless round, parallel.ep._token_round) that read the stack in place, the q_b / indexer wq_b outputs are
+    pinned row-major (attention.core.row_major) and kv_b is held kv_lora-minor (Programs.param_formats). The
+    one weight slice that may still be materialised is kv_b's, into on-chip memory (layout S(1)), one a
+    scanned stack.
+    At d1fab0b..281de10 q_b, wq_b, kv_b and the experts' weights were each sliced and copied every layer."""
+    import re
+    from glm5_jax.config import preset
+    hlo = tmp_path / "decode.hlo"
+    _serve_json("--program=decode", "--batch=8", "--max_model_len=256", f"--save_hlo={hlo}")
+    text = hlo.read_text()
+    assert not re.findall(r"= \S+ copy\(%\S*dynamic.slice\S*\)", text)        # no relaid layer slice
+    slices = re.findall(r"%\S*dynamic.slice\S* = (\w+)\[([\d,]+)\](\{[^}]*\}) fusion\(", text)
+    c = preset("tiny")
+    kv_b = f"1,{c.kv_lora_rank},{c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)}"
+    assert all(dims == kv_b and "S(1)" in lay for _, dims, lay in slices), slices
+    assert len(slices) <= sum(s.repeats > 1 for s in c.layer_stacks)
+
+
 def test_serving_flags_are_checked_before_compiling(capsys):
     import tools.aot as aot
     assert aot.main(["--program=decode", "--preset=tiny", "--topology=v5p:2x2x1", "--seq_len=64"]) == 2

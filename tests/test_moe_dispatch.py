@@ -86,3 +86,23 @@ def test_chunked_a2a_dispatch_equals_one_dispatch_when_dropless():
         g2 = jax.jit(jax.grad(loss(dispatch_chunked, token_chunk=chunk), argnums=(0, 1, 2, 3, 4)))(x, w, gate, up, down)
         for a, b in zip(g2, g1):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_unsorted_dropless_round_matches_per_token():
+    """The dropless one-round dispatch with el = E / ep <= k local experts (ep.dispatch_local's unsorted
+    `_token_round`: a fixed place per (expert, token), dense matmuls) equals the per-token reference,
+    values and gradients, and takes no sort (its program has no argsort of the slots: the sorted round's
+    `_plan`). One device, so el = E = k: every token on every expert, in a different order per token;
+    routed subsets over an expert axis: tests/test_moe_dropless.py's worst_case (data:2,expert:4, el = k = 2)."""
+    from glm5_jax.parallel.ep import dispatch_local
+    x, _, (gate, up, down) = _case(n=9, e=4, k=4, seed=3)
+    ids = jnp.asarray(np.argsort(np.random.default_rng(1).random((9, 4)), axis=1), jnp.int32)
+    w = jnp.asarray(np.random.default_rng(2).uniform(0.2, 1.0, (9, 4)), jnp.float32)
+    kw = dict(num_experts=4, capacity_factor=0.0, round_factor=0.0)
+    run = lambda x, w, g, u, d: dispatch_local(x, w, ids, g, u, d, **kw)[0]
+    ref = lambda x, w, g, u, d: jnp.einsum("nkd,nk->nd", _per_token(x, ids, g, u, d), w)
+    np.testing.assert_allclose(run(x, w, gate, up, down), ref(x, w, gate, up, down), rtol=2e-5, atol=2e-5)
+    loss = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2, 3, 4))
+    for a, b in zip(loss(run)(x, w, gate, up, down), loss(ref)(x, w, gate, up, down)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    assert "sort" not in str(jax.make_jaxpr(run)(x, w, gate, up, down))

@@ -182,6 +182,26 @@ class LayerCache(NamedTuple):
         return self.buffers[name].shape[(1 if self.layer is None else 2) + (self.slot is not None)]
 
 
+def row_major(x, axes):
+    """x [B, T, F] with its default row-major layout required, and its logical sharding `axes` on both sides
+    (under a mesh the constraint is applied per device, inside a shard_map over those axes: the partitioner
+    cannot split a layout constraint and all-gathered the batch-sharded projection over every chip). For a
+    projection's output over a cache (decode: a few tokens
+    a chip): left free, the TPU compiler lays out a head-split output (q_b, the indexer's wq_b) for the
+    per-head einsums that read it, and to produce that layout it copies the projection's weight out of the
+    scanned layer stack into a transposed layout at every layer of every step (35 GB a glm5 step,
+    docs/inference.md); pinned, the weight is read in place and only the small output is relaid."""
+    import flax.linen as nn
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    pin = lambda a: with_layout_constraint(a, Layout(tuple(range(a.ndim))))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return pin(x)
+    spec = nn.logical_to_mesh_axes(tuple(axes))
+    return jax.shard_map(pin, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
+
+
 def visible_slots(positions, size: int):
     """[B, T, S] bool: cache slot s is visible from a query at position p iff s <= p (slot == position)."""
     return jnp.arange(size)[None, None, :] <= positions[..., None]

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.attention.core import visible_slots
+from glm5_jax.attention.core import row_major, visible_slots
 from glm5_jax.utils import NEG_INF
 from glm5_jax.layers.common import Dense, LayerNorm, dtype_of
 from glm5_jax.layers.rope import apply_rope
@@ -20,6 +20,7 @@ from pallas_kernels import dsa_xla as ref
 
 class Indexer(nn.Module):
     cfg: "ModelConfig"  # noqa: F821
+    cached: bool = False      # over a cache (decode / prefill): wq_b's output in row-major layout (core.row_major)
 
     @nn.compact
     def __call__(self, x, q_latent, cos, sin):
@@ -29,7 +30,8 @@ class Indexer(nn.Module):
         b, t, _ = x.shape
         hi, di, r = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
         kw = dict(stddev=c.initializer_range, dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype))
-        q = Dense(hi * di, ("q_lora", "index_heads"), name="wq_b", **kw)(q_latent).reshape(b, t, hi, di)
+        q = Dense(hi * di, ("q_lora", "index_heads"), name="wq_b", **kw)(q_latent)
+        q = (row_major(q, ("activation_batch", "activation_seq", None)) if self.cached else q).reshape(b, t, hi, di)
         k = LayerNorm(1e-6, dtype_of(c.param_dtype), name="k_norm")(Dense(di, ("embed", "index_dim"), name="wk", **kw)(x))
         q = jnp.concatenate([apply_rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
         k = jnp.concatenate([apply_rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)

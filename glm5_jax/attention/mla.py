@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from glm5_jax.attention.context import context_size, over_context
-from glm5_jax.attention.core import LayerCache, causal_attention, masked_softmax, visible_slots
+from glm5_jax.attention.core import LayerCache, causal_attention, masked_softmax, row_major, visible_slots
 from glm5_jax.attention.indexer import (Indexer, indexer_kl_dense, indexer_kl_sparse, oracle_topk, select_topk_cached,
                                         selection_stats)
 from glm5_jax.attention.kernels import indexer_topk, mqa_sparse_attention
@@ -64,7 +64,9 @@ class MLAttention(nn.Module):
         norm = lambda name: RMSNorm(1e-6, dtype_of(c.param_dtype), name=name)
 
         q_latent = norm("q_a_norm")(Dense(c.q_lora_rank, ("embed", "q_lora"), name="q_a_proj", **kw)(x))
-        q = Dense(h * (dn + dr), ("q_lora", "heads"), name="q_b_proj", **kw)(q_latent).reshape(b, t, h, dn + dr)
+        q = Dense(h * (dn + dr), ("q_lora", "heads"), name="q_b_proj", **kw)(q_latent)
+        q = (q if cache is None else row_major(q, ("activation_batch", "activation_seq", "activation_heads"))
+             ).reshape(b, t, h, dn + dr)
         q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], cos, sin)], axis=-1)
         q = checkpoint_name(constrain(q, ("activation_batch", "activation_seq", "activation_heads", None)), ATTN_Q)
 
@@ -219,7 +221,7 @@ class MLAttention(nn.Module):
             raise NotImplementedError(f"dsa_topk_source={c.dsa_topk_source!r} is an evaluation of the training / "
                                       "prefill forward (no cache); decoding over a cache selects with the indexer")
         if self.indexer_type == "full":
-            q_idx, k_idx, w = Indexer(c, name="indexer")(x, q_latent, cos, sin)
+            q_idx, k_idx, w = Indexer(c, cached=True, name="indexer")(x, q_latent, cos, sin)
             view = view.write("k_idx", wpos, k_idx)
             indices = select_topk_cached(q_idx, view.rows("k_idx"), w, c.index_topk, positions,
                                          page=c.dsa_decode_pages)

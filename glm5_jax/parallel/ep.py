@@ -122,6 +122,42 @@ def _round(x, weights, gate, up, down, plan, lo, *, c: int, el: int, ep: int, ex
     return jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32), mode="drop")
 
 
+def _token_round(x, weights, ids, gate, up, down, *, el: int, ep: int, expert_axis, tensor_axis):
+    """The dropless one-round dispatch without sorting, for el <= k local experts a device: every local
+    token is sent to each (device, local expert) it routes to, at the fixed place [device, expert, token]
+    of a send buffer [ep, el, n, D] (a token picks an expert at most once: no place is contested, nothing
+    is ever dropped). The receiving device holds [ep, el, n, D], ep * n rows for each local expert (zero
+    where not routed), and runs its experts as batched dense matmuls, router weight applied before the
+    down projection as in `_swiglu`. Why: at decode (n = 2 tokens a chip) the sorted round's worst-case
+    buffer is ep * n * k rows padded to the grouped matmul's tiles and moved ~10 times, and the grouped
+    matmul (a custom call) takes its expert weights as a materialised copy sliced out of the scanned layer
+    stack, every layer; a dense dot reads them in place (the slice fuses into the dot). el * ep * n rows
+    (el <= k) is never more than the sorted round's ep * n * k.
+    Returns the [n, D] output (float32)."""
+    n, d = x.shape
+    hit = ids[:, :, None] == jnp.arange(el * ep, dtype=ids.dtype)                  # [n, k, E]
+    w_e = jnp.sum(jnp.where(hit, weights.astype(jnp.float32)[..., None], 0.0), axis=1)   # [n, E]
+    sel = jnp.any(hit, axis=1).T.reshape(ep, el, n)
+    send = jnp.where(sel[..., None], x[None, None], 0).astype(x.dtype)               # [ep, el, n, D]
+    send_w = w_e.T.reshape(ep, el, n)
+    if expert_axis is not None and ep > 1:
+        recv = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)              # [source, el, n, D]
+        recv_w = jax.lax.all_to_all(send_w, expert_axis, 0, 0, tiled=True)
+    else:
+        recv, recv_w = send, send_w
+    dot = lambda spec, a, w: jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+    xs = checkpoint_name(recv, EXPERT_IN)
+    g = checkpoint_name(dot("send,edf->senf", xs, gate), EXPERT_GATE)
+    u = checkpoint_name(dot("send,edf->senf", xs, up), EXPERT_UP)
+    h = jax.nn.silu(g) * u
+    ys = dot("senf,efd->send", (h.astype(jnp.float32) * recv_w[..., None]).astype(h.dtype), down)
+    if tensor_axis is not None:
+        ys = jax.lax.psum(ys, tensor_axis)                               # F was sharded: sum the partial products
+    if expert_axis is not None and ep > 1:
+        ys = jax.lax.all_to_all(ys, expert_axis, 0, 0, tiled=True)          # [device, el, n, D], back at the source
+    return jnp.sum(ys, axis=(0, 1), dtype=jnp.float32)
+
+
 def _overflow_rounds(plan, *, c0: int, c1: int, sync_axes):
     """Overflow rounds a dropless dispatch needs after its first round of c0 slots a pair:
     ceil(max(max pair load - c0, 0) / c1), the max taken over every device whose collectives meet this
@@ -188,7 +224,8 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
     capacity_factor <= 0 (dropless): a first round of C0 = capacity(n*k, ep, round_factor) slots per pair,
     then overflow rounds of C1 = capacity(n*k, ep, overflow_factor) until every slot is sent
     (ceil(max(max pair load - C0, 0) / C1) of them, the max over `sync_axes`); round_factor <= 0 gives
-    C = n*k, one round sized for the worst case.
+    C = n*k, one round sized for the worst case, or, with el = E/ep <= k local experts, the unsorted round
+    `_token_round` (el * ep * n rows a device, dense matmuls; `kernel` unused).
 
     Returns (out [n, D], dropped slots, total slots, rounds) for this device (int32 scalars).
     """
@@ -196,9 +233,13 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
     k = ids.shape[-1]
     el = num_experts // ep
     s = n * k
+    total = jnp.asarray(s, jnp.int32)
+    if capacity_factor <= 0 and round_factor <= 0 and el <= k:   # dropless, one round, unsorted
+        out = _token_round(x, weights, ids, gate, up, down, el=el, ep=ep, expert_axis=expert_axis,
+                           tensor_axis=tensor_axis)
+        return out.astype(x.dtype), jnp.int32(0), total, jnp.int32(1)
     plan = _plan(ids, el, ep)
     kw = dict(el=el, ep=ep, expert_axis=expert_axis, tensor_axis=tensor_axis, kernel=kernel)
-    total = jnp.asarray(s, jnp.int32)
     if capacity_factor > 0 or round_factor <= 0:    # one round: finite capacity, or dropless worst case
         c = capacity(s, ep, capacity_factor)
         out = _round(x, weights, gate, up, down, plan, jnp.int32(0), c=c, **kw)

@@ -51,6 +51,28 @@ def serving_config(config, mesh):
     return config
 
 
+def kv_b_layouts(config, shardings, mesh):
+    """The parameters' shardings for the programs' inputs: on TPU, MLA's kv_b kernels ([layers,] kv_lora,
+    H (dn + dv)) as `Format`s with kv_lora minor, the layout the absorbed attention's two per-head matmuls
+    (W_UK, W_UV) read them in; anything else, and every parameter off TPU, keeps its default layout. Left
+    in the default layout, the TPU compiler copies each layer's kv_b out of the scanned stack into that
+    layout at every decode step (a copy and a relaid copy: 4 x 29 MB a layer for glm5, docs/inference.md)."""
+    dev = mesh.devices.flat[0]
+    if getattr(dev, "platform", "cpu") != "tpu" or not config.is_mla:
+        return shardings
+    from jax.experimental.layout import Format, Layout
+    from glm5_jax.model import abstract_params
+    import flax.linen as nn
+    shapes = nn.unbox(abstract_params(config))
+
+    def one(path, s, a):
+        keys = [getattr(k, "key", None) for k in path]
+        if keys[-2:] != ["kv_b_proj", "kernel"]:
+            return s
+        return Format(Layout(tuple(range(a.ndim - 2)) + (a.ndim - 1, a.ndim - 2)), s)
+    return jax.tree_util.tree_map_with_path(one, shardings, shapes)
+
+
 def _row_keys(seeds, counts):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, counts)
 
@@ -74,6 +96,7 @@ class Programs:
         self.max_batch, self.size, self.num_draft = int(max_batch), int(size), int(num_draft)
         self.per_shard = self.max_batch // self.shards
         self.params = param_shardings(self.config, self.mesh, rules)
+        self.param_formats = kv_b_layouts(self.config, self.params, self.mesh)   # the programs' parameter inputs
         self.rep = NamedSharding(self.mesh, P())
         self.rows = NamedSharding(self.mesh, P(BATCH_AXES))      # any per-slot / per-row array: axis 0 over the batch
         # stacked layer buffers [repeats, B, S, ...]: B over the batch axes; mtp caches, hbuf, seq [B, ...]
@@ -111,8 +134,8 @@ class Programs:
             raise Glm5Error(f"params do not match the model's parameter tree: missing {missing[:4]}, unexpected "
                             f"{extra[:4]} ({len(missing)} missing, {len(extra)} unexpected)")
         if not multi_process(self.mesh):
-            return jax.device_put(params, self.params)
-        return jax.tree.map(to_global, params, self.params)
+            return jax.device_put(params, self.param_formats)
+        return jax.device_put(jax.tree.map(to_global, params, self.params), self.param_formats)
 
     def per_device_bytes(self, state) -> dict:
         """Bytes of each state array on one device (its addressable shard) and in total."""
@@ -197,7 +220,7 @@ class Programs:
             return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, layers
 
         lay = self.state["cache"]["layers"]
-        return self._jit("decode", fn, (self.params, lay) + (self.rows,) * 8, (self.rows,) * 5 + (lay,), (1,))
+        return self._jit("decode", fn, (self.param_formats, lay) + (self.rows,) * 8, (self.rows,) * 5 + (lay,), (1,))
 
     def _trunk_rows(self, cfg, width, chunk, params, rows, tokens, start, length, slots=None):
         """The trunk over tokens [n, width] (the first length[i] real) at positions start[i].. of each row,
@@ -242,7 +265,7 @@ class Programs:
 
         lay = self.state["cache"]["layers"]
         ech = (self.rows,) * 3 if echo else None
-        return self._jit(("prefill", width, chunk, echo), fn, (self.params, lay) + (self.rows,) * 10,
+        return self._jit(("prefill", width, chunk, echo), fn, (self.param_formats, lay) + (self.rows,) * 10,
                          (self.rows,) * 5 + (ech, lay), (1,))
 
     def spec_prefill(self, width: int, chunk: int):
@@ -280,7 +303,7 @@ class Programs:
                    "hbuf": self.put_rows(hbuf, hrow, lslot, axis=0), "seq": self.put_rows(seq, srow, lslot, axis=0)}
             return tok, lp_s, lp_m, ti, tv, new
 
-        return self._jit(("spec_prefill", width, chunk), fn, (self.params, self.state) + (self.rows,) * 9,
+        return self._jit(("spec_prefill", width, chunk), fn, (self.param_formats, self.state) + (self.rows,) * 9,
                          (self.rows,) * 5 + (self.state,), (1,))
 
     def spec_decode(self, greedy: bool):
@@ -294,7 +317,7 @@ class Programs:
                                                              temp, top_k, top_p, greedy=greedy)
             return {"cache": cache, "hbuf": hbuf, "seq": seq}, g, lp, a
 
-        return self._jit(("spec_decode", greedy), fn, (self.params, self.state) + (self.rows,) * 7,
+        return self._jit(("spec_decode", greedy), fn, (self.param_formats, self.state) + (self.rows,) * 7,
                          (self.state,) + (self.rows,) * 3, (1,))
 
     def move_row(self):
@@ -328,7 +351,7 @@ class Programs:
             return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, layers
 
         lay = self.state["cache"]["layers"]
-        return self._jit(("decode", rows), fn, (self.params, lay) + (self.rep,) * 8, (self.rep,) * 5 + (lay,), (1,))
+        return self._jit(("decode", rows), fn, (self.param_formats, lay) + (self.rep,) * 8, (self.rep,) * 5 + (lay,), (1,))
 
     # ------------------------------------------------------------------ AOT
     def abstract_args(self, program: str, *, width: int = 0, chunk: int = 0, echo: bool = False, greedy: bool = True):
@@ -336,7 +359,7 @@ class Programs:
         sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
         from glm5_jax.model import abstract_params
         import flax.linen as nn
-        params = jax.tree.map(sds, nn.unbox(abstract_params(self.config)), self.params)
+        params = jax.tree.map(sds, nn.unbox(abstract_params(self.config)), self.param_formats)
         state = jax.tree.map(sds, self.abstract_state(), self.state)
         b, n = self.max_batch, self.shards
         vec = lambda m, dt: jax.ShapeDtypeStruct((m,), dt, sharding=self.rows)
