@@ -389,8 +389,7 @@ def main(argv=None) -> int:
         return _main_rl(a)
     serving = a.program != "train"
     wrong = [f for f in (_TRAIN_ONLY if serving else _SERVE_ONLY) + RL_FLAGS if getattr(a, f) is not None]
-    wrong += ["offload_optimizer"] if a.offload_optimizer else []
-    if wrong and wrong[0] in RL_FLAGS + ("offload_optimizer",):
+    if wrong and wrong[0] in RL_FLAGS:
         raise AotError(f"--{wrong[0]} applies to --program=rl only")
     if wrong:
         raise AotError(f"--{wrong[0]} does not apply to --program={a.program}; "
@@ -428,8 +427,7 @@ def _main_rl(a) -> int:
         raise AotError(f"--{wrong[0]} does not apply to --program=rl; use --prompts_per_step / --group_size / "
                        "--prompt_len / --max_new_tokens / --minibatches")
     t0 = time.time()
-    kw = dict(mesh=a.mesh, remat=a.remat, overrides=tuple(a.set), offload_optimizer=a.offload_optimizer,
-              **{f: getattr(a, f) for f in RL_FLAGS})
+    kw = dict(mesh=a.mesh, remat=a.remat, overrides=tuple(a.set), **{f: getattr(a, f) for f in RL_FLAGS})
     resolve_rl(a.preset, a.topology, **kw)         # every flag checked before the compiler
     report = run_rl(a.preset, a.topology, log=lambda msg: _log(t0, msg), **kw)
     report["elapsed_seconds"] = round(time.time() - t0, 1)

@@ -43,9 +43,12 @@ from tools.tpu_compile import AotError, DoesNotFit, compile_lowered, memory_repo
 # come from tools.aot.DEFAULTS (the train step measured to fit), with the minibatch and sequence below
 RL_DEFAULTS: dict[tuple, dict] = {
     ("glm5", "v5p:4x4x8"): {"prompts_per_step": 128, "group_size": 8, "prompt_len": 1024, "max_new_tokens": 3072,
-                            "minibatches": 8, "rollout_prefill_chunk": 128},
+                            # the optimizer state on the host during reshard and rollouts: the rollout phases
+                            # need 96.7 / 104.1 GiB a chip with it on the chips (docs/rl.md)
+                            "minibatches": 8, "rollout_prefill_chunk": 128, "offload_optimizer": True},
 }
-GENERIC = {"rollout_prefill_chunk": None, "prompts_per_step": None, "group_size": 8, "prompt_len": 1024, "max_new_tokens": 3072, "minibatches": 1,
+GENERIC = {"offload_optimizer": False, "rollout_prefill_chunk": None, "prompts_per_step": None, "group_size": 8,
+           "prompt_len": 1024, "max_new_tokens": 3072, "minibatches": 1,
            "response_len_median": 1024, "response_len_sigma": 0.8, "mismatch": "none"}
 # host <-> chip bytes/s assumed for moving the optimizer state (v5p PCIe Gen4 x16 per chip, ~32 GB/s a
 # direction nominal; a stated assumption, not a measurement)
@@ -65,7 +68,7 @@ def response_length_stats(rows: int, cap: int, median: float, sigma: float) -> d
 
 def resolve_rl(preset_name: str, topology: str, *, mesh=None, rollout_mesh=None, remat=None, overrides=(),
                prompts_per_step=None, group_size=None, prompt_len=None, max_new_tokens=None, minibatches=None,
-               response_len_median=None, response_len_sigma=None, mismatch=None, offload_optimizer=False,
+               response_len_median=None, response_len_sigma=None, mismatch=None, offload_optimizer=None,
                rollout_prefill_chunk=None, phases=None) -> dict:
     """The RL step to compile: the update's config through tools.aot.resolve (DEFAULTS), the rollout's
     settings; every check that needs no compiler (AotError)."""
@@ -76,7 +79,8 @@ def resolve_rl(preset_name: str, topology: str, *, mesh=None, rollout_mesh=None,
     n_dev = math.prod(shape)
     given = dict(prompts_per_step=prompts_per_step, group_size=group_size, prompt_len=prompt_len,
                  max_new_tokens=max_new_tokens, minibatches=minibatches, response_len_median=response_len_median,
-                 response_len_sigma=response_len_sigma, mismatch=mismatch, rollout_prefill_chunk=rollout_prefill_chunk)
+                 response_len_sigma=response_len_sigma, mismatch=mismatch, rollout_prefill_chunk=rollout_prefill_chunk,
+                 offload_optimizer=offload_optimizer)
     d = {**GENERIC, **RL_DEFAULTS.get((preset_name, topology), {})}
     s = {k: (v if v is not None else d[k]) for k, v in given.items()}
     rollout_mesh = rollout_mesh or f"expert:{n_dev}"
@@ -108,7 +112,7 @@ def resolve_rl(preset_name: str, topology: str, *, mesh=None, rollout_mesh=None,
     r = resolve(preset_name, topology, mesh=mesh, batch_size=rows // s["minibatches"], seq_len=seq, remat=remat,
                 overrides=tuple(overrides))
     return {**r, **s, "rollout_mesh": rsizes, "rollouts_per_step": rows, "update_seq_len": seq,
-            "offload_optimizer": bool(offload_optimizer), "phases": phases,
+            "offload_optimizer": bool(s["offload_optimizer"]), "phases": phases,
             "lengths": response_length_stats(rows, s["max_new_tokens"], s["response_len_median"],
                                              s["response_len_sigma"])}
 
@@ -307,9 +311,10 @@ def define_rl_flags(fv) -> None:
       "glm5 v5p:4x4x8 128, else the engine's)", flag_values=fv)
     flags.DEFINE_list("phases", None, "rl: compile only these of " + ", ".join(PHASES) + " (default all; the step "
                       "estimate needs all)", flag_values=fv)
-    flags.DEFINE_bool("offload_optimizer", False, "rl: the optimizer state on the host during reshard and rollouts",
-                      flag_values=fv)
+    flags.DEFINE_bool("offload_optimizer", None, "rl: the optimizer state on the host during reshard and rollouts "
+                      "(default: glm5 v5p:4x4x8 yes, else no)", flag_values=fv)
 
 
 RL_FLAGS = ("rollout_mesh", "prompts_per_step", "group_size", "prompt_len", "max_new_tokens", "minibatches",
-            "response_len_median", "response_len_sigma", "mismatch", "rollout_prefill_chunk", "phases")
+            "response_len_median", "response_len_sigma", "mismatch", "rollout_prefill_chunk", "phases",
+            "offload_optimizer")
