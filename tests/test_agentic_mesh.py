@@ -5,7 +5,8 @@ server is a Ray actor whose engine owns a data:2 mesh of its own process's 2 dev
 run with a worker killed after step 1: the run finishes, every issued trajectory id ends exactly once
 (trained / dropped / unused / warm-up: 0 lost, 0 duplicated), the trained samples' staleness (trainer
 version - the oldest token's version, per-token versions from the servers) stays within tau, and every
-step reports the bytes of its weight push (the policy's float32 bytes).
+step reports the bytes of its weight push (the policy's float32 bytes), pulled by each server from the
+trainer's 8 devices over the JAX transfer server (the default ``weight_transport``).
 """
 
 import os
@@ -48,6 +49,8 @@ SCRIPT = textwrap.dedent("""
     assert r["staleness"] and all(0 <= s <= acfg.tau for s in r["staleness"]), r["staleness"]
     full = sum(a.size * 4 for a in jax.tree.leaves(params))
     assert all(h["push_bytes"] == full for h in r["history"] if not h.get("skipped")), [h["push_bytes"] for h in r["history"]]
+    # the pushes went trainer devices -> server devices over the JAX transfer server (no object store)
+    assert all(h["push_transport"] == "transfer" for h in r["history"] if h["push_bytes"]), r["history"]
     ray.shutdown()
     print("OK")
 """)

@@ -132,16 +132,23 @@ class Coordinator:
             self.deregister(name, f"request failed ({type(e).__name__})")
             raise WorkerLost(name) from e
 
-    def push_weights(self, version: int, params, wait: bool = True) -> List[str]:
-        """Send ``params`` (host arrays) as ``version`` to every live worker; a worker that fails is
-        deregistered. Returns the names that loaded it. ``wait=False`` (the asynchronous trainer): return
-        at once with the names it was sent to; the replies are checked at the next push or ``settle()``
-        (a worker applies its pushes in order, and every token carries the version that made it, so
-        the trainer need not wait for a busy server to swap weights)."""
+    def push_weights(self, version: int, params, wait: bool = True, publisher=None) -> List[str]:
+        """Send ``params`` as ``version`` to every live worker; a worker that fails is deregistered. Returns
+        the names that loaded it. ``wait=False`` (the asynchronous trainer): return at once with the names
+        it was sent to; the replies are checked at the next push or ``settle()`` (a worker applies its
+        pushes in order, and every token carries the version that made it, so the trainer need not wait
+        for a busy server to swap weights). Without ``publisher``: ``params`` are host arrays, put once into
+        the object store. With a ``glm5_jax.agentic.weights.WeightPublisher``: ``params`` are the trainer's
+        device arrays, offered on its transfer server; each worker gets a ticket and pulls them."""
         import ray
         self.settle()
-        ref = ray.put(params)
-        refs = {n: h.load_weights.remote(version, ref) for n, h in self.live().items()}
+        live = self.live()
+        if publisher is not None:
+            tickets = dict(zip(live, publisher.offer(params, len(live))))
+            refs = {n: h.pull_weights.remote(version, tickets[n]) for n, h in live.items()}
+        else:
+            ref = ray.put(params)
+            refs = {n: h.load_weights.remote(version, ref) for n, h in live.items()}
         if not wait:
             self._unsettled = refs
             return sorted(refs)

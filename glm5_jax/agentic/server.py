@@ -148,6 +148,17 @@ class RolloutServer:
         self.version = int(version)
         return self.version
 
+    def pull_weights(self, version: int, ticket: dict) -> int:
+        """``load_weights`` for a transfer ticket (glm5_jax.agentic.weights): the arrays come from the trainer's
+        devices into this process's over the JAX transfer server (no object store, no pickled arrays)."""
+        import jax
+
+        from glm5_jax.agentic.weights import receive
+        params = receive(ticket, jax.tree.structure(self.engine.params))
+        self.engine.update_weights(params, int(version))
+        self.version = int(version)
+        return self.version
+
     def pause(self) -> None:
         """Hold the engine at a step boundary (requests in flight wait; new ones queue)."""
         self.engine.pause()

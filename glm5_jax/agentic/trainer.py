@@ -62,6 +62,9 @@ class AgenticConfig:
     trainer_cpus: Tuple[int, ...] = ()
     server_cpus: Tuple[int, ...] = ()
     server_mesh: str = ""            # each rollout server's engine on a mesh of its own devices ("data:2,expert:2")
+    # how a push reaches the servers: "transfer" (the trainer's device arrays pulled by each server over JAX's
+    # transfer server, glm5_jax.agentic.weights) | "object_store" (host gather + one ray.put)
+    weight_transport: str = "transfer"
     max_len: int = 48
     max_new_tokens: int = 10
     max_turns: int = 3
@@ -84,6 +87,8 @@ class AgenticConfig:
         for f in ("steps", "groups_per_step", "group_size", "servers", "push_every", "agent_threads"):
             if getattr(self, f) < 1:
                 raise ValueError(f"AgenticConfig.{f}={getattr(self, f)!r} must be >= 1")
+        if self.weight_transport not in ("transfer", "object_store"):
+            raise ValueError(f"AgenticConfig.weight_transport={self.weight_transport!r}: choose transfer | object_store")
         if self.tau < 0:
             raise ValueError(f"AgenticConfig.tau={self.tau} must be >= 0")
         if self.agent_threads < self.in_flight_groups * self.group_size:
@@ -130,10 +135,12 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
     "wall_s", "trained_tokens", "trainer_idle_s", "dead", "requeued", "server_busy_s" (decode seconds in
     the timed region per server still alive at the end), "snapshot" ({"step", "params"}, or None)}.
     mesh: where the trainer's state lives and its update runs (default one device); the servers own
-    their devices (``cfg.server_mesh``). A push is one gather of the policy to the trainer's host
-    (``push_bytes`` in the row), one ``ray.put`` into the object store (shared memory: the servers on
-    this node map it, nothing is pickled per server) and, in each server, a copy straight into its
-    engine's serving shards (docs/agentic_rl.md, "On a mesh").
+    their devices (``cfg.server_mesh``). A push (``push_bytes`` in the row: the policy's bytes), with
+    ``cfg.weight_transport="transfer"``: the policy's device arrays offered on the trainer's JAX transfer
+    server and pulled by each server into its devices (glm5_jax.agentic.weights: no host gather, no
+    object store); with "object_store": one gather to the trainer's host and one ``ray.put`` (shared
+    memory: the servers on this node map it); in each server then a copy into its engine's serving
+    shards (docs/agentic_rl.md, "On a mesh").
 
     ckpt_dir: checkpoints inside the stage (glm5_jax.train.checkpoint.Checkpointer) every ``ckpt_every``
     steps, at the last step and on SIGTERM (then ``Preempted``, exit 143): the train state (params,
@@ -179,6 +186,13 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                                 cpus=cfg.server_cpus or None, width_buckets=cfg.width_buckets,
                                 mesh=cfg.server_mesh or None)
     coord = Coordinator(workers, heartbeat_s=cfg.heartbeat_s, log=log)
+    publisher = None
+    if cfg.weight_transport == "transfer":
+        from glm5_jax.agentic.weights import WeightPublisher, transfer_available
+        if not transfer_available():
+            raise RuntimeError("AgenticConfig.weight_transport='transfer' needs jax.experimental.transfer (not in "
+                               f"jax {jax.__version__}); use weight_transport='object_store'")
+        publisher = WeightPublisher()
     coord.check_health()                                  # waits for every actor to be up
     ray.get([h.warmup.remote() for h in coord.live().values()])   # every decode shape compiled, untimed
     coord.start_heartbeats()
@@ -274,9 +288,13 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
             if not skipped and (cfg.mode == "sync" or step % cfg.push_every == 0):
                 # sync: the next rollouts must use the new weights, so wait; async: don't block the
                 # trainer on busy servers (replies checked at the next push)
-                host = jax.device_get(state["params"])
-                push_bytes = int(sum(a.nbytes for a in jax.tree.leaves(host)))
-                coord.push_weights(version, host, wait=cfg.mode == "sync")
+                if publisher is not None:     # the servers pull from the trainer's devices: no host copy
+                    push_bytes = int(sum(a.nbytes for a in jax.tree.leaves(state["params"])))
+                    coord.push_weights(version, state["params"], wait=cfg.mode == "sync", publisher=publisher)
+                else:
+                    host = jax.device_get(state["params"])
+                    push_bytes = int(sum(a.nbytes for a in jax.tree.leaves(host)))
+                    coord.push_weights(version, host, wait=cfg.mode == "sync")
             trained += [r.traj_id for r in batch_recs if r.refill_of is None]
             ntok = int(batch["mask"].sum())
             trained_tokens += ntok
@@ -285,7 +303,7 @@ def run_agentic(model_cfg, params, cfg: AgenticConfig, vocab, sample_task: Calla
                    "update_s": t_push - t_train, "push_s": time.time() - t_push,
                    "loss": float(met["loss"]), "masked_frac": float(met["masked_frac"]),
                    "abs_logratio": float(met["abs_logratio"]), "live_workers": len(coord.live()),
-                   "push_bytes": push_bytes,
+                   "push_bytes": push_bytes, "push_transport": cfg.weight_transport if push_bytes else "",
                    "skipped_updates": skipped_total, **info_sum}
             history.append(row)
             if snapshot is not None and row["wall_s"] <= snapshot_wall_s:   # a copy: the next update reuses buffers
