@@ -170,3 +170,36 @@ def test_colocated_grpo_on_a_mesh_matches_one_device():
 
 def test_sync_is_device_to_device_and_scorers_on_the_mesh_match_one_device():
     _run(SYNC)
+
+
+def test_optimizer_state_offloaded_during_rollouts_gives_the_same_run():
+    """RLConfig.offload_optimizer (in this process, one device): the optimizer state sits in host memory
+    (pinned_host) from the sync to the update and comes back in its own layout, so every row but the
+    rollout phase's memory equals the run without it, bitwise, and that phase holds exactly the
+    optimizer state's bytes less."""
+    import jax
+    import numpy as np
+
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.model import init_params
+    from glm5_jax.rl.program import TIMING_KEYS, RLConfig, make_rl_optimizer, run_grpo
+    from glm5_jax.rl.sft import CharVocab
+    from glm5_jax.rl.tasks import arithmetic_task
+    from glm5_jax.train.state import per_device_bytes
+    vocab = CharVocab()
+    cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=2, num_heads=2, q_lora_rank=16,
+                      kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=4, v_head_dim=16, ffn_dim=64,
+                      attention="mla", num_experts=0, mtp_depth=0, attn_chunk=16, initializer_range=0.1)
+    rl = RLConfig(steps=2, prompts_per_step=2, group_size=2, minibatches=2, max_new_tokens=4, max_prompt_len=8,
+                  learning_rate=3e-3, mismatch="int8", seed=1)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    runs = [run_grpo(cfg, params, rl.replace(offload_optimizer=o), lambda r: arithmetic_task(r, 1), vocab,
+                     log=lambda m: None) for o in (False, True)]
+    peak = "rollout_peak_bytes_per_device"
+    opt = per_device_bytes(make_rl_optimizer(params, rl, cfg)[0].init(params))
+    for a, b in zip(runs[0]["history"], runs[1]["history"]):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS + (peak,)} == \
+            {k: v for k, v in b.items() if k not in TIMING_KEYS + (peak,)}
+        assert a[peak] - b[peak] == opt > 0
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(runs[0]["params"])),
+                                                    jax.tree.leaves(jax.device_get(runs[1]["params"]))))

@@ -80,6 +80,9 @@ class RLConfig:
     eps_high: float = 0.28
     frozen_patterns: tuple = ("indexer",)
     seed: int = 0
+    # the optimizer state in host memory (memory kind pinned_host) from before the weight sync until the
+    # update, so the rollout copy and the KV cache have its device memory (tools.aot --program=rl)
+    offload_optimizer: bool = False
 
     def __post_init__(self):
         get_loss(self.loss)
@@ -195,17 +198,19 @@ def evaluate_accuracy(config, params, tasks: Sequence, vocab, *, max_new_tokens:
     return {"accuracy": agg["reward_mean"], "statuses": agg, "n": len(prompts)}
 
 
-def rollout_memory(state, engine) -> dict:
+def rollout_memory(state, engine, offloaded: bool = False) -> dict:
     """Per-device bytes of a colocated RL step (the most loaded device): the training state (params +
     optimizer state), the rollout copy and KV cache of the last rollout, the rollout programs' scratch,
-    ``rollout_peak_bytes_per_device`` = their sum (the rollout phase holds all four; the update only the
-    state, ``update_resident_bytes_per_device``), and the allocator's measured peak where the backend
-    reports one (``device_peak_bytes``; CPU does not)."""
+    ``rollout_peak_bytes_per_device`` = their sum (the rollout phase holds all four, or all but the
+    optimizer state when it was ``offloaded`` to host memory; the update only the state,
+    ``update_resident_bytes_per_device``), and the allocator's measured peak where the backend reports one
+    (``device_peak_bytes``; CPU does not)."""
     st = max(bytes_per_device(state).values())
+    held = max(bytes_per_device({k: v for k, v in state.items() if k != "opt_state"}).values()) if offloaded else st
     m = engine.last_memory
     out = {"update_resident_bytes_per_device": st, "rollout_copy_bytes_per_device": m["copy_bytes_per_device"],
            "rollout_cache_bytes_per_device": m["cache_bytes_per_device"],
-           "rollout_peak_bytes_per_device": st + m["copy_bytes_per_device"] + m["cache_bytes_per_device"]
+           "rollout_peak_bytes_per_device": held + m["copy_bytes_per_device"] + m["cache_bytes_per_device"]
            + m["program_temp_bytes_per_device"]}
     stats = [d.memory_stats() for d in engine.mesh.devices.flat]
     if all(s and "peak_bytes_in_use" in s for s in stats):
@@ -306,12 +311,18 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             tasks = [sample_task(rng) for _ in range(rl.prompts_per_step)]
             t_roll = time.time()
             params = state["params"]
+            if rl.offload_optimizer:                  # host memory until the update: the rollout has the devices
+                opt_sh = jax.tree.map(lambda a: a.sharding, state["opt_state"])
+                state = dict(state, opt_state=jax.device_put(state["opt_state"], jax.tree.map(
+                    lambda s: s.with_memory_kind("pinned_host"), opt_sh)))
             sync = engine.sync(params, step)          # the rollout copy, device to device, in the serving layout
             ro = collect_rollouts(config, None, tasks, vocab, group_size=rl.group_size,
                                   max_new_tokens=rl.max_new_tokens, seed=rl.seed * 100_003 + step,
                                   temperature=rl.temperature, mismatch=rl.mismatch, engine=engine)
             engine.release()                          # the update runs with the training state alone
-            memory = rollout_memory(state, engine)
+            memory = rollout_memory(state, engine, rl.offload_optimizer)
+            if rl.offload_optimizer:
+                state = dict(state, opt_state=jax.device_put(state["opt_state"], opt_sh))
             if on_rollout is not None:
                 on_rollout(step, ro)
             adv = np.asarray(group_advantages(jnp.asarray(ro.rewards), rl.group_size))
