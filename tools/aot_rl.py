@@ -187,7 +187,7 @@ def compile_rl(r: dict, *, log=None) -> dict:
     train_mesh, roll_mesh = _meshes(r)
     rl = RLConfig(steps=1, prompts_per_step=r["prompts_per_step"], group_size=r["group_size"],
                   max_new_tokens=r["max_new_tokens"], max_prompt_len=r["prompt_len"], minibatches=r["minibatches"],
-                  mismatch=r["mismatch"])
+                  mismatch=r["mismatch"], offload_optimizer=r["offload_optimizer"])
     phases, want = {}, r["phases"]
     # update: the one train step with the RL loss, through tools.aot's compile path
     if "update" in want:
