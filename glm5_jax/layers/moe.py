@@ -18,7 +18,10 @@ def route(x, router_kernel, bias, *, experts_per_tok: int, n_group: int, topk_gr
 
     The bias only decides which experts are chosen; the weights come from the pre-bias sigmoid scores.
     """
-    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+    # HIGHEST: float32 logits on TPU too. At the default precision the TPU compiler runs this dot in bf16
+    # and, in a layer scan, converts the whole [layers, D, E] float32 kernel stack to bf16 at every call
+    # (0.7 GB read and written a glm5 decode step, to then read the bf16 copy); HIGHEST reads it in place.
+    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
     choice = scores + bias.astype(jnp.float32)
     n, e = choice.shape

@@ -123,39 +123,38 @@ def _round(x, weights, gate, up, down, plan, lo, *, c: int, el: int, ep: int, ex
 
 
 def _token_round(x, weights, ids, gate, up, down, *, el: int, ep: int, expert_axis, tensor_axis):
-    """The dropless one-round dispatch without sorting, for el <= k local experts a device: every local
-    token is sent to each (device, local expert) it routes to, at the fixed place [device, expert, token]
-    of a send buffer [ep, el, n, D] (a token picks an expert at most once: no place is contested, nothing
-    is ever dropped). The receiving device holds [ep, el, n, D], ep * n rows for each local expert (zero
-    where not routed), and runs its experts as batched dense matmuls, router weight applied before the
-    down projection as in `_swiglu`. Why: at decode (n = 2 tokens a chip) the sorted round's worst-case
-    buffer is ep * n * k rows padded to the grouped matmul's tiles and moved ~10 times, and the grouped
-    matmul (a custom call) takes its expert weights as a materialised copy sliced out of the scanned layer
-    stack, every layer; a dense dot reads them in place (the slice fuses into the dot). el * ep * n rows
-    (el <= k) is never more than the sorted round's ep * n * k.
+    """The dropless one-round dispatch without sorting, for el <= k local experts a device: every device
+    gathers all ep * n tokens of the expert axis (an all-gather of [n, D]) and each token's router weight
+    for each of its el local experts (0 where the token does not route there: an all-to-all of [ep, el, n]),
+    runs each local expert over all ep * n rows as dense matmuls (router weight applied before the down
+    projection, as in `_swiglu`: a row that does not route there contributes exactly 0), sums its el experts
+    inside the down projection's contraction, and sends each source device its rows back ([ep, n, D]).
+    Nothing is ever dropped, whatever the routing. Why: at decode (n = 2 tokens a chip) the sorted round's
+    worst-case buffer is ep * n * k rows padded to the grouped matmul's tiles and moved ~10 times, and the
+    grouped matmul (a custom call) takes its expert weights as a copy sliced out of the scanned layer stack,
+    every layer; a dense dot reads them in place (the slice fuses into the dot). el * ep * n rows (el <= k)
+    is never more than the sorted round's ep * n * k.
     Returns the [n, D] output (float32)."""
     n, d = x.shape
     hit = ids[:, :, None] == jnp.arange(el * ep, dtype=ids.dtype)                  # [n, k, E]
     w_e = jnp.sum(jnp.where(hit, weights.astype(jnp.float32)[..., None], 0.0), axis=1)   # [n, E]
-    sel = jnp.any(hit, axis=1).T.reshape(ep, el, n)
-    send = jnp.where(sel[..., None], x[None, None], 0).astype(x.dtype)               # [ep, el, n, D]
     send_w = w_e.T.reshape(ep, el, n)
     if expert_axis is not None and ep > 1:
-        recv = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)              # [source, el, n, D]
-        recv_w = jax.lax.all_to_all(send_w, expert_axis, 0, 0, tiled=True)
+        xs = jax.lax.all_gather(x, expert_axis, axis=0)                          # [source, n, D]
+        scale = jax.lax.all_to_all(send_w, expert_axis, 0, 0, tiled=True)       # [source, el, n]
     else:
-        recv, recv_w = send, send_w
+        xs, scale = x[None], send_w
     dot = lambda spec, a, w: jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
-    xs = checkpoint_name(recv, EXPERT_IN)
+    xs = checkpoint_name(jnp.broadcast_to(xs[:, None], (ep, el, n, d)), EXPERT_IN)
     g = checkpoint_name(dot("send,edf->senf", xs, gate), EXPERT_GATE)
     u = checkpoint_name(dot("send,edf->senf", xs, up), EXPERT_UP)
-    h = jax.nn.silu(g) * u
-    ys = dot("senf,efd->send", (h.astype(jnp.float32) * recv_w[..., None]).astype(h.dtype), down)
+    h = (jax.nn.silu(g) * u).astype(jnp.float32) * scale[..., None]
+    ys = dot("senf,efd->snd", h.astype(g.dtype), down)                           # [source, n, D], el summed
     if tensor_axis is not None:
         ys = jax.lax.psum(ys, tensor_axis)                               # F was sharded: sum the partial products
     if expert_axis is not None and ep > 1:
-        ys = jax.lax.all_to_all(ys, expert_axis, 0, 0, tiled=True)          # [device, el, n, D], back at the source
-    return jnp.sum(ys, axis=(0, 1), dtype=jnp.float32)
+        ys = jax.lax.all_to_all(ys, expert_axis, 0, 0, tiled=True)          # [device, n, D], back at the source
+    return jnp.sum(ys, axis=0, dtype=jnp.float32)
 
 
 def _overflow_rounds(plan, *, c0: int, c1: int, sync_axes):

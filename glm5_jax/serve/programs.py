@@ -57,8 +57,8 @@ def kv_b_layouts(config, shardings, mesh):
     (W_UK, W_UV) read them in; anything else, and every parameter off TPU, keeps its default layout. Left
     in the default layout, the TPU compiler copies each layer's kv_b out of the scanned stack into that
     layout at every decode step (a copy and a relaid copy: 4 x 29 MB a layer for glm5, docs/inference.md)."""
-    dev = mesh.devices.flat[0]
-    if getattr(dev, "platform", "cpu") != "tpu" or not config.is_mla:
+    concrete = isinstance(mesh, jax.sharding.Mesh)              # an AbstractMesh has no devices
+    if not concrete or getattr(mesh.devices.flat[0], "platform", "cpu") != "tpu" or not config.is_mla:
         return shardings
     from jax.experimental.layout import Format, Layout
     from glm5_jax.model import abstract_params
