@@ -180,18 +180,13 @@ def test_optimizer_state_offloaded_during_rollouts_gives_the_same_run():
     import jax
     import numpy as np
 
-    from glm5_jax.config import ModelConfig
     from glm5_jax.model import init_params
-    from glm5_jax.rl.program import TIMING_KEYS, RLConfig, make_rl_optimizer, run_grpo
-    from glm5_jax.rl.sft import CharVocab
+    from glm5_jax.rl.program import TIMING_KEYS, make_rl_optimizer, run_grpo
     from glm5_jax.rl.tasks import arithmetic_task
     from glm5_jax.train.state import per_device_bytes
-    vocab = CharVocab()
-    cfg = ModelConfig(vocab_size=vocab.padded_size(), d_model=32, num_layers=2, num_heads=2, q_lora_rank=16,
-                      kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=4, v_head_dim=16, ffn_dim=64,
-                      attention="mla", num_experts=0, mtp_depth=0, attn_chunk=16, initializer_range=0.1)
-    rl = RLConfig(steps=2, prompts_per_step=2, group_size=2, minibatches=2, max_new_tokens=4, max_prompt_len=8,
-                  learning_rate=3e-3, mismatch="int8", seed=1)
+    from tests.test_rl_faults import CFG as cfg
+    from tests.test_rl_faults import RL, VOCAB as vocab
+    rl = RL.replace(steps=2, mismatch="int8")
     params = init_params(cfg, jax.random.PRNGKey(0))
     runs = [run_grpo(cfg, params, rl.replace(offload_optimizer=o), lambda r: arithmetic_task(r, 1), vocab,
                      log=lambda m: None) for o in (False, True)]

@@ -3,7 +3,11 @@
     python -m tools.aot --program=rl --preset=glm5 --topology=v5p:4x4x8 [--mesh=fsdp:4,expert:32]
         [--rollout_mesh=expert:128] [--prompts_per_step=128] [--group_size=8] [--prompt_len=1024]
         [--max_new_tokens=3072] [--minibatches=8] [--response_len_median=1024] [--response_len_sigma=0.8]
-        [--offload_optimizer] [--set model.FIELD=V ...] --json
+        [--rollout_prefill_chunk=128] [--[no]offload_optimizer] [--mismatch=none]
+        [--phases=update,reshard,rollout_prefill,rollout] [--set model.FIELD=V ...] --json
+
+Defaults for (glm5, v5p:4x4x8) in RL_DEFAULTS (the figures in docs/rl.md): the values in brackets, with
+the optimizer state on the host during the reshard and the rollouts.
 
 One colocated GRPO / IcePop step (``glm5_jax.rl.program.run_grpo``) on one slice, its phases compiled by
 the TPU compiler from abstract arguments (nothing allocated), each through the machinery the other
@@ -21,7 +25,7 @@ The training state and the rollout engine share the chips; the rollout engine ha
 same devices (default: every chip on ``expert``, the serving layout). Each phase's ``per_device_bytes``
 is its program's (``memory_report``) plus ``resident``, what the other phase keeps on the chip meanwhile:
 during the reshard and the rollout the training state (params + optimizer state; the optimizer state is
-on the host with ``--offload_optimizer``), during the update nothing (the rollout copy and the cache are
+on the host with ``--offload_optimizer``, ``RLConfig.offload_optimizer`` in the run), during the update nothing (the rollout copy and the cache are
 released); ``total`` = program total + resident, ``program_total`` the program's alone.
 
 ``estimated_rl_step_seconds`` (ESTIMATES, from the compiled programs' rooflines, perfect overlap):
