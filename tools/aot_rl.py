@@ -47,8 +47,8 @@ from tools.tpu_compile import AotError, DoesNotFit, compile_lowered, memory_repo
 # come from tools.aot.DEFAULTS (the train step measured to fit), with the minibatch and sequence below
 RL_DEFAULTS: dict[tuple, dict] = {
     ("glm5", "v5p:4x4x8"): {"prompts_per_step": 128, "group_size": 8, "prompt_len": 1024, "max_new_tokens": 3072,
-                            # the optimizer state on the host during reshard and rollouts: the rollout phases
-                            # need 96.7 / 104.1 GiB a chip with it on the chips (docs/rl.md)
+                            # the optimizer state on the host during reshard and rollouts: with it on the
+                            # chips the rollout prefill needs 97.4 GiB a chip (3fe4b39, docs/rl.md)
                             "minibatches": 8, "rollout_prefill_chunk": 128, "offload_optimizer": True},
 }
 GENERIC = {"offload_optimizer": False, "rollout_prefill_chunk": None, "prompts_per_step": None, "group_size": 8,
