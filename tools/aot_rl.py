@@ -78,7 +78,7 @@ def resolve_rl(preset_name: str, topology: str, *, mesh=None, rollout_mesh=None,
     settings; every check that needs no compiler (AotError)."""
     from glm5_jax.rl.rollout import MISMATCH_MODES
     from glm5_jax.sharding import MeshError, parse_mesh_spec, resolve_mesh_shape
-    from tools.aot import resolve
+    from tools.aot_train import resolve
     kind, shape = parse_topology(topology)
     n_dev = math.prod(shape)
     given = dict(prompts_per_step=prompts_per_step, group_size=group_size, prompt_len=prompt_len,
@@ -155,7 +155,7 @@ def _update_program(rl):
 def _phase(compiled_or_error, resident: int, budget=None, **extra) -> dict:
     """One phase's entry: the program's memory + what stays resident beside it, and its budget."""
     if isinstance(compiled_or_error, DoesNotFit):
-        from tools.aot import _not_fit
+        from tools.aot_train import _not_fit
         out = _not_fit(compiled_or_error)
         out["per_device_bytes"]["resident"] = resident
         return {**out, **extra}
@@ -182,7 +182,7 @@ def compile_rl(r: dict, *, log=None) -> dict:
     from glm5_jax.rl.program import RLConfig
     from glm5_jax.rl.rollout_engine import RolloutEngine, reshard_bytes
     from glm5_jax.train.state import per_device_bytes
-    from tools.aot import compile_step
+    from tools.aot_train import compile_step
     from tools.aot_serve import forward_flops_per_token
     from tools.budget import CHIP_PEAKS, step_budget
 
