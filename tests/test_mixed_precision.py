@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from glm5_jax import hf
 from glm5_jax.config import ModelConfig
@@ -29,6 +30,7 @@ def _batch(tc):
             "segment_ids": jnp.ones_like(tok), "loss_mask": jnp.ones(tok.shape, jnp.float32)}
 
 
+@pytest.mark.slow   # ~35 s: trains, checkpoints and resumes; test_muon_momentum_float32_and_hf_export_bf16 is the fast check
 def test_float32_master_state_bf16_compute_and_exact_checkpoint(tmp_path):
     """AdamW: params and moments float32 after a step, the step's dots run in bf16, a checkpoint round trip is exact."""
     tc = TrainConfig(batch_size=2, seq_len=16, steps=2, optimizer="adamw")

@@ -154,6 +154,7 @@ SERVER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # ~30-50 s: two tools.serve processes compile on 8 fake devices (the engine test above is the fast check)
 def test_serve_cli_on_a_mesh_answers_the_openai_client_like_the_unsharded_server(tmp_path):
     """`python -m tools.serve --mesh=expert:4,tensor:2 --speculative=mtp` on 8 fake devices: the official
     openai client gets the unsharded server's completion text and log-probs (1e-5), plain and chat."""
