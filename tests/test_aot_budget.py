@@ -167,6 +167,35 @@ def test_a_kernel_written_over_two_lines_with_sorted_cost_keys_is_counted():
     assert b["bytes_accessed"] == a["bytes_accessed"] and b["unknown_cost_kernels"] == ["mystery.2"]
 
 
+# the TPU compiler's own ragged_dot kernels as libtpu 0.0.42 writes them (tests/test_aot.py's tiny step): a
+# `ragged-dot-metadata` Mosaic kernel turns the 4 group sizes into tile offsets in scalar memory (no pallas_call, so
+# no cost estimate), and the grouped matmul `ragged-dot-none` reads them: 512 rows of 16 x 4 groups' [16, 32]
+RAGGED = """HloModule r, entry_computation_layout={()->f32[512,32]{1,0}}
+
+ENTRY %main (g: s32[4], rows: f32[512,16], w: f32[4,16,32]) -> f32[512,32] {
+  %g = s32[4]{0} parameter(0)
+  %rows = f32[512,16]{1,0} parameter(1)
+  %w = f32[4,16,32]{2,1,0} parameter(2)
+  %ragged-dot-metadata.1 = (s32[5]{0:T(128)}, s32[7]{0:T(128)}, s32[7]{0:T(128)}, s32[1]{0:T(128)}) custom-call(%g), custom_call_target="tpu_custom_call", operand_layout_constraints={s32[4]{0}}, metadata={op_name="ragged-dot-metadata"}, backend_config={"custom_call_config":{"body":"TUxJ"}}
+  %n = s32[1]{0} get-tuple-element(%ragged-dot-metadata.1), index=3
+  %o = s32[5]{0} get-tuple-element(%ragged-dot-metadata.1), index=0
+  %t = s32[7]{0} get-tuple-element(%ragged-dot-metadata.1), index=1
+  %e = s32[7]{0} get-tuple-element(%ragged-dot-metadata.1), index=2
+  ROOT %ragged-dot-none.7 = f32[512,32]{1,0:T(8,128)} custom-call(%n, %o, %t, %e, %n, %rows, %w), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/moe/experts/ragged_dot_general"}
+}
+"""
+
+
+def test_the_compilers_ragged_dot_metadata_kernel_is_not_an_unknown_cost_kernel():
+    """The ragged-dot metadata kernel is the compiler's own (it multiplies nothing): 0 FLOPs and not listed in
+    unknown_cost_kernels, which names pallas_calls without a cost estimate; the grouped matmul after it counts
+    2 M K N. (Listed as unknown, it failed test_aot's Pallas DSA step, whose tiny MoE runs ragged_dot.)"""
+    h = hlo_budget(RAGGED)
+    assert h["unknown_cost_kernels"] == []
+    assert h["flops"] == 2 * 512 * 16 * 32
+    assert hlo_budget(RAGGED.replace("ragged-dot-metadata.1", "my-kernel.1"))["unknown_cost_kernels"] == ["my-kernel.1"]
+
+
 def _tpu_devices():
     pytest.importorskip("libtpu", reason="the TPU compiler (jax[tpu] / libtpu) is not installed")
     from jax.experimental import topologies

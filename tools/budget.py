@@ -17,9 +17,10 @@ instruction by the trip counts of the while loops around it:
   such as the dropless a2a rounds) counts once and is listed in `unknown_trip_loops`.
 - FLOPs: 2 x output elements x contracted elements of every dot and convolution (also those inside
   fusions), and 2 M K N of each `ragged-dot` custom call (the TPU compiler's kernel for the forward
-  and dX of `ragged_dot`, [M, K] rows x [G, K, N] groups): matmul FLOPs, what MFU counts. A Pallas TPU
-  kernel (`tpu_custom_call`, e.g. megablox gmm / tgmm) counts the FLOPs and bytes of the cost estimate
-  its pallas_call carries; one without an estimate counts 0 and is listed in `unknown_cost_kernels`.
+  and dX of `ragged_dot`, [M, K] rows x [G, K, N] groups; its `ragged-dot-metadata` kernel, 0): matmul
+  FLOPs, what MFU counts. A Pallas TPU kernel (`tpu_custom_call`, e.g. megablox gmm / tgmm) counts the
+  FLOPs and bytes of the cost estimate its pallas_call carries; one without an estimate counts 0 and is
+  listed in `unknown_cost_kernels`.
   Elementwise work and other custom calls are left out.
 - bytes accessed: operands + outputs of every instruction that runs as a kernel (not the fused
   computations' insides, nor tuples, parameters, get-tuple-element, bitcasts, constants); a fusion
@@ -223,10 +224,13 @@ def hlo_budget(text: str, top: int = 16) -> dict:
                 f = m * 2 * math.prod(_dims(ins["shape"])) * k
             elif op == "convolution" and len(ins["operands"]) == 2:
                 f = m * _conv_flops(ins, shapes)
-            elif op == "custom-call" and ins["name"].startswith("ragged-dot") and len(ins["operands"]) >= 2:
-                # the TPU compiler's ragged_dot kernel (forward and dX of the routed experts): every
-                # row [M, K] meets one group's [K, N] -> 2 M K N; invisible to XLA's cost analysis
-                lhs, out = _dims(shapes.get(ins["operands"][-2], "")), _dims(ins["shape"])
+            elif op == "custom-call" and _is_ragged_dot(ins):
+                # the TPU compiler's own ragged_dot kernels (Mosaic, but no pallas_call: no cost estimate to
+                # read). The grouped matmul (forward and dX of the routed experts): every row [M, K] meets one
+                # group's [K, N] -> 2 M K N, invisible to XLA's cost analysis. Its `ragged-dot-metadata`
+                # kernel (one operand, the group sizes -> tile offsets in scalar memory) does no matmul: 0.
+                rows = ins["operands"][-2] if len(ins["operands"]) >= 2 else None
+                lhs, out = _dims(shapes.get(rows, "")), _dims(ins["shape"])
                 f = m * 2 * math.prod(out) * lhs[-1] if len(lhs) == 2 and len(out) == 2 else 0.0
             elif op == "custom-call" and _is_mosaic(ins):
                 # a Pallas TPU kernel: its own cost estimate (pl.CostEstimate, in the backend config)
@@ -247,8 +251,7 @@ def hlo_budget(text: str, top: int = 16) -> dict:
                 coll[base] = coll.get(base, 0) + m * shape_bytes(ins["shape"])
             if op in _NO_KERNEL or op.endswith("-start") or op.endswith("-done"):
                 continue
-            est = mosaic_cost(ins) if op == "custom-call" and _is_mosaic(ins) and not ins["name"].startswith("ragged-dot") \
-                else None
+            est = mosaic_cost(ins) if op == "custom-call" and _is_mosaic(ins) and not _is_ragged_dot(ins) else None
             nb = m * (est["bytes_accessed"] if est else _kernel_bytes(ins, shapes, comps))
             bytes_ += nb
             key = f"{flops_source(ins)} [{op}]"
@@ -266,6 +269,12 @@ _COST = re.compile(r'"cost_estimate":\{([^}]*)\}')     # its keys in any order (
 
 def _is_mosaic(ins: dict) -> bool:
     return 'custom_call_target="tpu_custom_call"' in ins["rest"]
+
+
+def _is_ragged_dot(ins: dict) -> bool:
+    """One of the TPU compiler's ragged_dot kernels (`ragged-dot-none.N` the grouped matmul, `ragged-dot-metadata.N`
+    its group offsets), named by the compiler, not a user's pallas_call."""
+    return ins["name"].startswith("ragged-dot")
 
 
 def mosaic_cost(ins: dict) -> dict | None:
