@@ -10,6 +10,10 @@ Against the unsharded run (one device, the reference), on the mesh data:2,fsdp:2
   goes through the host), leaves every leaf in the serving layout, and the synced engine then decodes
   exactly (tokens and log-probs, bitwise) as a fresh engine built from the new weights;
 * the rollout engine on one device samples bit for bit what ``infer.generate`` samples;
+* a chunked sync (``reshard_chunk_bytes``: whole leaves grouped, layer stacks cut into slices) of a MoE
+  policy gives every leaf of the one-program sync bitwise, in the serving layout, with the transfer guard
+  on; each of its programs makes at most one chunk of a device's shards (or one layer where a layer is
+  larger) and its scratch is at most twice that, where the one-program sync's scratch is larger;
 * a distillation teacher and a reward model placed on the mesh score as on one device (1e-5); a teacher
   equal to the student gives advantages of exactly 0 on the mesh; the
   judge's server (``RolloutServer(mesh=...)``, called as ``GenerativeJudge`` calls it) answers as on one.
@@ -157,6 +161,60 @@ SYNC = COMMON + textwrap.dedent("""
 """)
 
 
+CHUNKED = COMMON + textwrap.dedent("""
+    from glm5_jax.rl.rollout_engine import sync_plan
+    # a MoE policy: expert stacks [layers, experts, in, out] with experts split over `expert` in serving
+    moe = cfg.replace(num_layers=5, num_experts=4, first_k_dense=1, moe_ffn_dim=32)
+    src = jax.device_put(init_params(moe, jax.random.PRNGKey(3)), param_shardings(moe, mesh, LOGICAL_RULES))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), src)
+    bound = 3000                               # bytes of a device's shards per program
+    for mode in ("int8",):                     # the mode with the quantiser in the programs ("none": identity)
+        whole = RolloutEngine(moe, mesh, mismatch=mode)
+        chunked = RolloutEngine(moe, mesh, mismatch=mode, reshard_chunk_bytes=bound)
+        a = whole.sync(src, 0)
+        with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
+            b = chunked.sync(src, 0)
+        assert a["programs"] == 1 and b["programs"] > 10, (a, b)
+        assert {k: v for k, v in a.items() if k not in ("programs", "seconds")} == \
+            {k: v for k, v in b.items() if k not in ("programs", "seconds")}
+        for x, y, sh in zip(jax.tree.leaves(whole.params), jax.tree.leaves(chunked.params),
+                            jax.tree.leaves(chunked.param_shardings)):
+            assert y.sharding.is_equivalent_to(sh, y.ndim), (y.sharding, sh)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        # each program's share of a device's copy, from the shapes: a leaf group's shards, or `rows` of a
+        # stack's leading axis (never split in serving) of one leaf's shard
+        shardings = jax.tree.leaves(chunked.param_shardings)
+        def dev_bytes(j):
+            leaf = jax.tree.leaves(abstract)[j]
+            return int(np.prod(shardings[j].shard_shape(leaf.shape))) * leaf.dtype.itemsize
+        plan = sync_plan(jax.tree.leaves(abstract), shardings, bound)
+        assert sorted(j for c in plan for j in (c[1] if c[0] == "leaves" else [c[1]])) == list(range(len(shardings)))
+        assert sum(1 if c[0] == "leaves" else jax.tree.leaves(abstract)[c[1]].shape[0] // c[2] for c in plan) == \
+            b["programs"]
+        lowered = chunked.lower_sync(abstract)
+        assert [c for c, _, _ in lowered] == plan
+        temps = []
+        for c, low, runs in lowered:
+            if c[0] == "leaves":
+                share = sum(dev_bytes(j) for j in c[1])
+                assert share <= bound or len(c[1]) == 1, (c, share)
+            else:
+                layer = dev_bytes(c[1]) // jax.tree.leaves(abstract)[c[1]].shape[0]
+                share = c[2] * layer
+                assert share <= max(bound, layer) and runs * c[2] == jax.tree.leaves(abstract)[c[1]].shape[0]
+            temp = low.compile().memory_analysis().temp_size_in_bytes
+            assert temp <= 2 * share + 64, (c, temp, share)       # gathered inputs + the quantiser's scratch
+            temps.append(temp)
+        print("programs", b["programs"], "distinct", len(plan), "max temp", max(temps))
+        one = whole.lower_sync(abstract)
+        assert len(one) == 1 and one[0][0] is None
+        whole_temp = one[0][1].compile().memory_analysis().temp_size_in_bytes
+        print("one-program temp", whole_temp)
+        assert whole_temp > 4 * max(temps)
+    print("OK")
+""")
+
+
 def _run(script):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -170,6 +228,10 @@ def test_colocated_grpo_on_a_mesh_matches_one_device():
 
 def test_sync_is_device_to_device_and_scorers_on_the_mesh_match_one_device():
     _run(SYNC)
+
+
+def test_chunked_sync_equals_the_one_program_sync_and_bounds_each_program():
+    _run(CHUNKED)
 
 
 def test_optimizer_state_offloaded_during_rollouts_gives_the_same_run():

@@ -43,7 +43,7 @@ from glm5_jax.model import forward, layer_slice_paths
 from glm5_jax.optim import make_optimizer, partition_params, scale_slices, slice_masks
 from glm5_jax.rl.losses import get_loss, group_advantages
 from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
-from glm5_jax.rl.rollout_engine import RolloutEngine, bytes_per_device
+from glm5_jax.rl.rollout_engine import RESHARD_CHUNK_BYTES, RolloutEngine, bytes_per_device
 from glm5_jax.rl.tasks import aggregate_statuses
 from glm5_jax.train.config import TrainConfig
 from glm5_jax.train.observe import fmt_eta
@@ -83,9 +83,14 @@ class RLConfig:
     # the optimizer state in host memory (memory kind pinned_host) from before the weight sync until the
     # update, so the rollout copy and the KV cache have its device memory (tools.aot --program=rl)
     offload_optimizer: bool = False
+    # the weight sync's chunk: at most this many bytes of each device's rollout copy per program, so the
+    # reshard's transient is bounded by a chunk, not the policy (RolloutEngine, sync_plan); a policy within
+    # one chunk syncs in one program
+    reshard_chunk_bytes: int = RESHARD_CHUNK_BYTES
 
     def __post_init__(self):
         get_loss(self.loss)
+        require("RLConfig.reshard_chunk_bytes", self.reshard_chunk_bytes, integer=True, min=1)
         if self.mismatch not in MISMATCH_MODES:
             raise ValueError(f"RLConfig.mismatch={self.mismatch!r}: choose from {MISMATCH_MODES}")
         if self.optimizer not in ("adamw", "sgd"):
@@ -276,7 +281,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     from glm5_jax.train.state import abstract_state
     tx, _ = make_rl_optimizer(params, rl, config)
     update = make_update_step(config, rl, tx, mesh)
-    engine = RolloutEngine(config, mesh, mismatch=rl.mismatch)
+    engine = RolloutEngine(config, mesh, mismatch=rl.mismatch, reshard_chunk_bytes=rl.reshard_chunk_bytes)
     history, evals = [], []
     first, ckpt = 1, None
     if ckpt_dir is not None:

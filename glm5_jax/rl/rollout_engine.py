@@ -23,6 +23,16 @@ rollouts (and every RL figure measured so far) would change; and it prefills one
 per loop step, which for RL's many short prompts costs a full decode step per prompt. The agentic
 rollout servers (``glm5_jax.agentic.server``), the judge and the multi-turn environments use it.
 
+Chunked (``reshard_chunk_bytes``, per device): the sync is a sequence of programs, each making at most that
+many bytes of every device's serving shards (``sync_plan``): whole leaves grouped in tree order, and a
+leaf larger than the bound that is a stack over a leading axis (a scanned layer stack [L, ...], ndim >= 3)
+cut along that axis into slices of whole layers written in place into its serving buffer (donated to each
+slice's program), so the gathers and the quantisation's scratch of one program cover one chunk, never the
+whole policy (at glm5 size the one-program sync held 14 GiB of temporaries beside the copy). Every
+mismatch mode treats each index of a >= 3-D leaf's leading axis on its own (scales reduce over the
+matrix's input axis only), so a sliced leaf's copy is bit for bit the whole leaf's. A policy within one
+chunk (every CPU run) runs the one-program sync as before.
+
 Each sync reports the bytes it moves between devices (``reshard_bytes``: per device, the bytes of its
 serving shards that it did not already hold in the training layout; the host moves none) and the
 per-device memory of the rollout phase (``memory``).
@@ -61,7 +71,11 @@ from glm5_jax.sharding import (
     use_mesh,
 )
 
-__all__ = ["RolloutEngine", "bytes_per_device", "reshard_bytes"]
+__all__ = ["RESHARD_CHUNK_BYTES", "RolloutEngine", "bytes_per_device", "reshard_bytes", "sync_plan"]
+
+# the default bound on one sync program's output per device: the transient of a chunk (its gathered
+# inputs, the quantiser's scratch) is a few times this, small beside a glm5 chip's 47 GiB rollout copy
+RESHARD_CHUNK_BYTES = 1 << 30
 
 
 def _slice_bounds(idx, shape):
@@ -90,6 +104,37 @@ def reshard_bytes(src_tree, dst_shardings) -> dict:
     return out
 
 
+def _device_bytes(leaf, sharding) -> int:
+    """Bytes of ``leaf``'s largest shard under ``sharding`` (what one device holds)."""
+    return math.prod(sharding.shard_shape(tuple(leaf.shape))) * np.dtype(leaf.dtype).itemsize
+
+
+def sync_plan(leaves, shardings, chunk_bytes: int) -> list:
+    """The sync's programs for ``leaves`` (arrays or ShapeDtypeStructs) placed by ``shardings`` (the serving
+    ones), each making at most ``chunk_bytes`` of every device's shards where a leaf allows it: a list of
+    chunks, a chunk either ("leaves", [leaf indices]) (whole leaves in tree order, greedily grouped) or
+    ("rows", index, rows) (a leaf larger than the bound, ndim >= 3, leading axis unsharded in serving: cut
+    into slices of ``rows`` indices of that axis, the largest divisor of its length that fits, so one program
+    serves every slice). A 2-D leaf or one whose leading axis is split is never cut (2-D: the int modes
+    reduce a matrix over its rows), so a chunk exceeds the bound only by one such leaf."""
+    plan, group, size = [], [], 0
+    for i, (a, sh) in enumerate(zip(leaves, shardings)):
+        b = _device_bytes(a, sh)
+        n = a.shape[0] if len(a.shape) >= 3 else 0
+        if b > chunk_bytes and n > 1 and sh.spec[:1] in ((), (None,)):
+            rows = max(r for r in range(1, n + 1) if n % r == 0 and b // n * r <= max(chunk_bytes, b // n))
+            if rows < n:
+                plan.append(("rows", i, rows))
+                continue
+        if group and size + b > chunk_bytes:
+            plan.append(("leaves", group))
+            group, size = [], 0
+        group, size = group + [i], size + b
+    if group:
+        plan.append(("leaves", group))
+    return plan
+
+
 def bytes_per_device(tree) -> dict:
     """{device id: bytes} of the shards of every jax Array in ``tree`` held by each device."""
     out: dict = {}
@@ -105,10 +150,13 @@ class RolloutEngine:
     ``sync(params, version)`` -> the sync's report; ``generate(prompts, ...)`` -> ``GenerateResult`` (as
     ``infer.generate``; the batch must split evenly over the batch shards); ``release()`` drops the copy."""
 
-    def __init__(self, config, mesh=None, *, mismatch: str = "none", prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, config, mesh=None, *, mismatch: str = "none", prefill_chunk: int = PREFILL_CHUNK,
+                 reshard_chunk_bytes: int = RESHARD_CHUNK_BYTES):
+        from glm5_jax.fields import require
         from glm5_jax.rl.rollout import MISMATCH_MODES
         from glm5_jax.serve.programs import serving_config
         from glm5_jax.sharding import param_shardings
+        require("RolloutEngine: reshard_chunk_bytes", reshard_chunk_bytes, integer=True, min=1)
         if mismatch not in MISMATCH_MODES:
             raise ValueError(f"unknown mismatch mode {mismatch!r}; choose from {MISMATCH_MODES}")
         self.mesh = single_device_mesh() if mesh is None else mesh
@@ -116,6 +164,7 @@ class RolloutEngine:
         check_serving_mesh(config, self.mesh, self.shards)
         self.config = serving_config(config, self.mesh)
         self.mismatch, self.prefill_chunk = mismatch, int(prefill_chunk)
+        self.reshard_chunk_bytes = int(reshard_chunk_bytes)
         self.param_shardings = param_shardings(self.config, self.mesh, SERVE_RULES)
         self.rows = NamedSharding(self.mesh, P(BATCH_AXES))
         self.rep = NamedSharding(self.mesh, P())
@@ -124,13 +173,15 @@ class RolloutEngine:
         self.last_memory: dict = {}
         self._compiled: dict = {}
         self._sync_program = None
+        self._chunk_programs: dict = {}
 
     # ------------------------------------------------------------------ weights
     def sync(self, params, version: int = 0) -> dict:
         """The rollout copy of ``params`` (jax Arrays in any layout on this mesh's devices) in the serving
-        layout, under the mismatch mode, device to device. Returns {"bytes_moved" (all devices),
-        "bytes_moved_per_device" (the most any device receives), "host_bytes" (bytes copied in from host
-        arrays among ``params``; 0 for device arrays: no array leaves the devices), "copy_bytes_per_device",
+        layout, under the mismatch mode, device to device, in the chunks of ``sync_plan``. Returns
+        {"bytes_moved" (all devices), "bytes_moved_per_device" (the most any device receives), "host_bytes"
+        (bytes copied in from host arrays among ``params``; 0 for device arrays: no array leaves the devices),
+        "copy_bytes_per_device", "programs" (the programs run: chunks, a sliced leaf's slices each one),
         "seconds"}."""
         t0 = time.perf_counter()
         self.params = None                  # the old copy goes first: at most one rollout copy at a time
@@ -138,31 +189,122 @@ class RolloutEngine:
         host = reshard_bytes([a for a in jax.tree.leaves(params) if not isinstance(a, jax.Array)],
                              [s for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(self.param_shardings))
                               if not isinstance(a, jax.Array)])
-        if self.mismatch == "none":
-            self.params = jax.device_put(params, self.param_shardings)   # jax runs this as the identity program below
+        leaves, treedef = jax.tree.flatten(params)
+        shardings = jax.tree.leaves(self.param_shardings)
+        plan = sync_plan(leaves, shardings, self.reshard_chunk_bytes)
+        whole = len(plan) == 1 and plan[0][0] == "leaves"     # within one chunk: the one-program sync
+        if whole and self.mismatch == "none":
+            self.params, runs = jax.device_put(params, self.param_shardings), 1   # jax runs this as sync_program()
         else:
             here = set(self.mesh.devices.flat)     # leaves elsewhere (another device set, the host) come in first
-            params = jax.tree.map(lambda a, s: a if isinstance(a, jax.Array) and a.sharding.device_set == here
-                                  else jax.device_put(a, s), params, self.param_shardings)
-            self.params = self.sync_program()(params)
+            leaves = [a if isinstance(a, jax.Array) and a.sharding.device_set == here else jax.device_put(a, s)
+                      for a, s in zip(leaves, shardings)]
+            if whole:
+                self.params, runs = self.sync_program()(treedef.unflatten(leaves)), 1
+            else:
+                out, runs = self._run_plan(plan, leaves, treedef)
+                self.params = treedef.unflatten(out)
         jax.block_until_ready(self.params)
         copy = bytes_per_device(self.params)
         self.version = int(version)
         self.last_sync = {"bytes_moved": int(sum(moved.values())), "bytes_moved_per_device": int(max(moved.values())),
                           "host_bytes": int(sum(host.values())), "copy_bytes_per_device": int(max(copy.values())),
-                          "seconds": time.perf_counter() - t0}
+                          "programs": runs, "seconds": time.perf_counter() - t0}
         return self.last_sync
 
     def sync_program(self):
         """The sync as one jitted program: the mismatch mode's fake quantisation (identity for "none") with the
         serving shardings as its output shardings, so XLA reshards device to device inside it. ``sync`` runs it
-        (mode "none": ``jax.device_put``, which jax runs as this identity program); tools.aot --program=rl
-        compiles it from the training layout for a TPU topology (the ``reshard`` phase)."""
+        when the policy fits one chunk (mode "none": ``jax.device_put``, which jax runs as this identity
+        program); ``lower_sync`` gives the chunked sync's programs."""
         if self._sync_program is None:
             from glm5_jax.rl.rollout import mismatch_params
             self._sync_program = jax.jit(functools.partial(mismatch_params, mode=self.mismatch),
                                          out_shardings=self.param_shardings)
         return self._sync_program
+
+    def _chunk_program(self, chunk, treedef, src=None):
+        """The jitted program of one ``sync_plan`` chunk. ("leaves", idx): [leaves] -> their serving copies.
+        ("rows", i, rows): (buffer, leaf, start) -> (the buffer with rows [start, start + rows) of leaf i's copy
+        written in, start + rows) (the buffer donated: the slices fill the one serving buffer in place; the
+        offset stays on the devices, so no scalar crosses from the host). ``src``: leaf i's sharding, kept by
+        its slice (sliced where it lies, so only the slice is gathered, never the whole leaf)."""
+        from glm5_jax.rl.rollout import mismatch_params
+        key = (chunk[0], tuple(chunk[1]) if chunk[0] == "leaves" else chunk[1:], treedef, src)
+        if key in self._chunk_programs:
+            return self._chunk_programs[key]
+        shardings, n = jax.tree.leaves(self.param_shardings), treedef.num_leaves
+
+        def quantised(pos: dict, xs):       # the mode on these leaves under their own tree paths
+            sub = treedef.unflatten([xs[pos[j]] if j in pos else None for j in range(n)])
+            return jax.tree.leaves(mismatch_params(sub, self.mismatch))
+
+        if chunk[0] == "leaves":
+            idx = list(chunk[1])
+            prog = jax.jit(lambda xs: quantised({j: k for k, j in enumerate(idx)}, xs),
+                           out_shardings=[shardings[j] for j in idx])
+        else:
+            i, rows = chunk[1], chunk[2]
+
+            def write(buf, x, start):
+                piece = jax.lax.dynamic_slice_in_dim(x, start, rows, 0)
+                if isinstance(src, NamedSharding):    # else XLA gathers the whole leaf, then slices it
+                    piece = jax.lax.with_sharding_constraint(piece, src)
+                # resharded into the serving layout before the write: left free, XLA writes in the source
+                # layout and then gathers the whole buffer (the full leaf, every slice)
+                piece = jax.lax.with_sharding_constraint(quantised({i: 0}, [piece])[0], shardings[i])
+                return jax.lax.dynamic_update_slice_in_dim(buf, piece, start, 0), start + rows
+
+            prog = jax.jit(write, out_shardings=(shardings[i], self.rep), donate_argnums=0)
+        self._chunk_programs[key] = prog
+        return prog
+
+    def _run_plan(self, plan, leaves, treedef):
+        """Run ``plan``'s programs in order on the placed ``leaves`` -> (the serving copies, programs run)."""
+        shardings, out, runs = jax.tree.leaves(self.param_shardings), [None] * len(leaves), 0
+        for chunk in plan:
+            prog = self._chunk_program(chunk, treedef, None if chunk[0] == "leaves" else leaves[chunk[1]].sharding)
+            if chunk[0] == "leaves":
+                for j, y in zip(chunk[1], prog([leaves[j] for j in chunk[1]])):
+                    out[j] = y
+                runs += 1
+                continue
+            i, rows = chunk[1], chunk[2]
+            a, sh = leaves[i], shardings[i]
+            key = ("buffer", a.shape, np.dtype(a.dtype).name, sh)      # the leaf's serving buffer and offset 0
+            if key not in self._chunk_programs:
+                self._chunk_programs[key] = jax.jit(functools.partial(_buffer, a.shape, a.dtype),
+                                                    out_shardings=(sh, self.rep))
+            buf, start = self._chunk_programs[key]()
+            for _ in range(a.shape[0] // rows):
+                buf, start = prog(buf, a, start)
+                runs += 1
+            out[i] = buf
+        return out, runs
+
+    def lower_sync(self, params) -> list:
+        """The sync's programs lowered from ``params`` (ShapeDtypeStructs carrying the training shardings, or
+        arrays): [(chunk, lowered, runs)], one entry per distinct program of ``sync_plan`` (``runs``: how many
+        times a sync runs it; a sliced leaf's one program runs once per slice). A policy within one chunk:
+        [(None, sync_program() lowered, 1)]. tools.aot --program=rl can compile these for a TPU topology: the
+        chunked reshard's transient is the largest program's temporaries."""
+        leaves, treedef = jax.tree.flatten(params)
+        shardings = jax.tree.leaves(self.param_shardings)
+        plan = sync_plan(leaves, shardings, self.reshard_chunk_bytes)
+        if len(plan) == 1 and plan[0][0] == "leaves":
+            return [(None, self.sync_program().lower(params), 1)]
+        out = []
+        for chunk in plan:
+            src = None if chunk[0] == "leaves" else getattr(leaves[chunk[1]], "sharding", None)
+            prog = self._chunk_program(chunk, treedef, src)
+            if chunk[0] == "leaves":
+                out.append((chunk, prog.lower([leaves[j] for j in chunk[1]]), 1))
+            else:
+                a, sh = leaves[chunk[1]], shardings[chunk[1]]
+                buf = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                start = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
+                out.append((chunk, prog.lower(buf, a, start), a.shape[0] // chunk[2]))
+        return out
 
     def release(self) -> None:
         """Drop the rollout copy (the update then has the devices to itself; the cache is already gone)."""
@@ -264,6 +406,11 @@ class RolloutEngine:
                               finish_reasons=_reasons(stopped),
                               stats={"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tokens": int(lens.sum()),
                                      "generated_tokens": int(np.asarray(length).sum())})
+
+
+def _buffer(shape, dtype):
+    """A sliced leaf's serving buffer (its slices are written in) and the first slice's offset."""
+    return jnp.zeros(shape, dtype), jnp.int32(0)
 
 
 def _temp_bytes(compiled) -> int:
