@@ -270,6 +270,7 @@ def test_decode_floor_is_the_closed_form_by_hand():
     assert g["min_bytes_by_part"]["cache_rows"] == 4 * 2 * c.num_layers * 65 * (c.kv_lora_rank + c.qk_rope_head_dim)
 
 
+@pytest.mark.slow   # ~23 s: two TPU compiles (the scanned-weights decode compile below stays in the default run)
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
 def test_tiny_decode_and_prefill_compile_for_v5p_with_the_serving_budget():
     """--program=decode and --program=prefill compile the engine's programs for v5p:2x2x1 on the default

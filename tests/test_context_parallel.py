@@ -167,7 +167,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("case", ["mla", pytest.param("dsa_dense", marks=pytest.mark.slow), "dsa_sparse"])  # dsa_dense ~25 s: slow
+@pytest.mark.parametrize("case", [pytest.param("mla", marks=pytest.mark.slow), pytest.param("dsa_dense", marks=pytest.mark.slow),
+                                  "dsa_sparse"])  # mla / dsa_dense ~20-25 s each: slow; dsa_sparse covers the split
 def test_context_parallel_train_step_equals_unsharded_and_splits_the_sequence(case):
     """On 8 CPU devices, data:2,context:4: the LM loss's value, metrics (CE, MTP, indexer KL and
     recall) and gradients equal the unsharded ones (float32, rtol 1e-5) for MLA, DSA's dense warm-up

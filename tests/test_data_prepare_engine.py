@@ -59,6 +59,7 @@ def reference(corpus, tmp_path_factory):
     return _result(out)
 
 
+@pytest.mark.slow   # ~25 s on a Ray cluster (the killed-run test below also runs the Ray workers against the one-process output)
 def test_ray_workers_give_what_one_process_gives(corpus, reference, ray_cluster, tmp_path):
     out = tmp_path / "w2"
     assert prepare_data.main(_flags(corpus, out, 2) + ["--json"]) == 0

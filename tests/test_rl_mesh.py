@@ -24,6 +24,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COMMON = textwrap.dedent("""
@@ -222,10 +224,12 @@ def _run(script):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
+@pytest.mark.slow   # ~55 s: a GRPO run on 8 fake devices and on one (the chunked-sync test below is the fast mesh check)
 def test_colocated_grpo_on_a_mesh_matches_one_device():
     _run(GRPO)
 
 
+@pytest.mark.slow   # ~45 s: sync under the transfer guard, teacher / reward model / judge on 8 fake devices
 def test_sync_is_device_to_device_and_scorers_on_the_mesh_match_one_device():
     _run(SYNC)
 

@@ -255,6 +255,7 @@ def _run_rows(config, params, prompts, temps, n_new, num_draft, seed=0):
     return np.asarray(out)[:, :n_new], np.asarray(out_lp)[:, :n_new], np.asarray(acc)
 
 
+@pytest.mark.slow   # ~23 s of decoding (the rejection-sampler tests above are the fast checks)
 def test_greedy_rows_of_a_sampled_batch_equal_plain_greedy_and_rows_are_independent():
     params, n_new = _tiny_params(), 8
     prompts = [PROMPT, [5, 1, 2, 0], PROMPT]

@@ -80,6 +80,7 @@ def _flat(params):
     return {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(jax.device_get(params)).items()}
 
 
+@pytest.mark.slow   # ~33 s: three staged runs (test_rl_faults' killed GRPO stage resume stays in the default run)
 def test_staged_run_killed_in_and_between_stages_resumes_to_uninterrupted_losses(data, tmp_path):
     """One programme checks (a) exact resume, (b) the RoPE stage keeps the params pytree, (c) adding DSA
     carries every shared parameter bit-exactly and adds a freshly initialised indexer."""

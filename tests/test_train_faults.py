@@ -211,6 +211,7 @@ def test_sigterm_checkpoints_the_step_reached_and_resumes_bitwise(tmp_path):
     assert _rows(tmp_path / "cut") == _rows(tmp_path / "full")
 
 
+@pytest.mark.slow   # ~27 s: two runs compiling the step (the SIGTERM and NaN tests stay in the default run)
 def test_damaged_latest_checkpoint_and_partial_metrics_line_resume_from_previous_step(tmp_path):
     """Checkpoints 2 and 4 kept; step 4's state files are damaged and metrics.jsonl ends in a half-written
     line: the resume warns naming step 4 and step 2, recomputes steps 3-4 to the same losses and goes on.
