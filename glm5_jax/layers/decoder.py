@@ -45,7 +45,8 @@ class DecoderLayer(nn.Module):
                       c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, c.moe_impl,
                       c.initializer_range, dt, pdt, capacity_factor=c.moe_capacity_factor,
                       token_chunk=c.moe_token_chunk, round_factor=c.moe_round_capacity_factor,
-                      kernel=c.moe_kernel, overflow_factor=c.moe_overflow_capacity_factor, name="moe")(h)
+                      kernel=c.moe_kernel, overflow_factor=c.moe_overflow_capacity_factor, cached=cache is not None,
+                      name="moe")(h)
         else:
             mlp = SwiGLU(c.ffn_dim, c.initializer_range, dt, pdt, name="mlp")(h)
         return constrain(x + mlp, ACT), indices, cache

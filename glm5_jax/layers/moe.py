@@ -13,15 +13,17 @@ from glm5_jax.utils import NEG_INF
 
 
 def route(x, router_kernel, bias, *, experts_per_tok: int, n_group: int, topk_group: int,
-          norm_topk_prob: bool, routed_scaling_factor: float):
+          norm_topk_prob: bool, routed_scaling_factor: float, precision=None):
     """x [N, D] -> (weights [N, k] float32, expert ids [N, k] int32, scores [N, E]).
 
     The bias only decides which experts are chosen; the weights come from the pre-bias sigmoid scores.
     """
-    # HIGHEST: float32 logits on TPU too. At the default precision the TPU compiler runs this dot in bf16
-    # and, in a layer scan, converts the whole [layers, D, E] float32 kernel stack to bf16 at every call
-    # (0.7 GB read and written a glm5 decode step, to then read the bf16 copy); HIGHEST reads it in place.
-    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    # precision: HIGHEST over a cache (MoE.cached: decode / prefill) gives float32 logits on TPU too. At the
+    # default precision the TPU compiler runs this dot in bf16 and, in a layer scan, converts the whole
+    # [layers, D, E] float32 kernel stack to bf16 at every call (0.7 GB read and written a glm5 decode step,
+    # to then read the bf16 copy); HIGHEST reads it in place. Not in training: the glm5 4K train step's
+    # temporaries grew 54.57 -> 61.78 GiB with it (docs/scaleout.md), for the same FLOPs and bytes.
+    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=precision)
     scores = jax.nn.sigmoid(logits)
     choice = scores + bias.astype(jnp.float32)
     n, e = choice.shape
@@ -98,6 +100,7 @@ class Router(nn.Module):
     num_experts: int
     cfg: dict
     stddev: float = 0.02
+    cached: bool = False      # over a cache (decode / prefill): logits at HIGHEST precision (route)
 
     @nn.compact
     def __call__(self, x):
@@ -107,7 +110,8 @@ class Router(nn.Module):
         # Updated by the train step from expert load (aux-loss-free balancing), never by gradients.
         bias = self.param("e_score_correction_bias",
                           nn.with_logical_partitioning(nn.initializers.zeros, ("experts_router",)), (e,), jnp.float32)
-        return route(x, kernel, jax.lax.stop_gradient(bias), **self.cfg)
+        return route(x, kernel, jax.lax.stop_gradient(bias), **self.cfg,
+                     precision=jax.lax.Precision.HIGHEST if self.cached else None)
 
 
 class Experts(nn.Module):
@@ -172,6 +176,7 @@ class MoE(nn.Module):
     round_factor: float = 1.25
     kernel: str = "auto"
     overflow_factor: float = 0.125
+    cached: bool = False      # over a cache (decode / prefill): the router's logits at HIGHEST precision
 
     @nn.compact
     def __call__(self, x):
@@ -180,7 +185,7 @@ class MoE(nn.Module):
         router_cfg = dict(experts_per_tok=self.experts_per_tok, n_group=self.n_group,
                           topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
                           routed_scaling_factor=self.routed_scaling_factor)
-        weights, ids, _ = Router(self.num_experts, router_cfg, self.stddev, name="router")(xf)
+        weights, ids, _ = Router(self.num_experts, router_cfg, self.stddev, self.cached, name="router")(xf)
         self.sow("intermediates", "expert_load", jnp.bincount(ids.reshape(-1), length=self.num_experts))
         out = Experts(self.num_experts, self.moe_ffn_dim, self.impl, self.stddev, self.dtype, self.param_dtype,
                       self.capacity_factor, self.token_chunk, self.round_factor, self.kernel,
