@@ -43,7 +43,9 @@ def _write_model(d, tok, cfg, params):
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     tok = train_hf_tokenizer(CORPUS, 320, str(d / "tokenizer.json"))
-    cfg = ModelConfig(vocab_size=tok.vocab_size, num_layers=2, mtp_depth=0)
+    # 3 layers: a dense prefix of 1 and an MoE body of 2, stacks of unequal depth (a prefix copy once
+    # copied only the first layer of each stack)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, num_layers=3, mtp_depth=0)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     _write_model(str(d), tok, cfg, params)
     return str(d), tok, cfg, params
@@ -143,6 +145,35 @@ def test_concurrent_requests_equal_each_alone(server, tiny):
         together = [f.result().choices[0].glm5["token_ids"] for f in [ex.submit(one, i) for i in range(len(prompts))]]
     assert together == alone
     assert srv.engine.stats["steps"] > 0
+
+
+def test_requests_sharing_a_prompt_or_its_prefix_get_what_they_get_alone(server, tiny):
+    """18 concurrent completions (4 slots) whose prompts are equal, prefixes of one another or extensions
+    of one another, greedy and seeded, some with n = 3: every choice's tokens equal that request sent
+    alone, and the greedy ones equal the static decoder (glm5_jax.infer.generate), so a prefix taken from
+    a busy slot holds exactly the keys the request would compute itself."""
+    srv, url, client = server
+    path, tok, cfg, params = tiny
+    rng = np.random.default_rng(65)
+    base = rng.integers(1, cfg.vocab_size, 48).tolist()
+    prompts = [base, base, base[:30], base[:30] + rng.integers(1, cfg.vocab_size, 8).tolist(), base + [7, 8, 9],
+               base[:47], base[:20], base + [7], base[:12] + [5] * 6]
+    reqs = [(p, 0.0, None, 1) for p in prompts] + [(p, 0.9, 40 + i, 3 if i % 3 == 0 else 1)
+                                                  for i, p in enumerate(prompts)]
+
+    def one(i):
+        p, temp, seed, n = reqs[i]
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=temp, seed=seed, n=n,
+                                      extra_body={"ignore_eos": True})
+        return [c.glm5["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)]
+    with concurrent.futures.ThreadPoolExecutor(len(reqs)) as ex:
+        together = [f.result() for f in [ex.submit(one, i) for i in range(len(reqs))]]
+    alone = [one(i) for i in range(len(reqs))]
+    assert together == alone
+    for (p, temp, _, _), got in zip(reqs, together):
+        if temp == 0.0:
+            assert got[0] == _greedy_ref(cfg, params, p, 8).tokens[0].tolist()
+    assert srv.engine.stats["reused_tokens"] > 0
 
 
 # ----------------------------------------------------------------------------- chat

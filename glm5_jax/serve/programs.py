@@ -184,14 +184,13 @@ class Programs:
 
     def copy_rows(self, layers, lsrc, lslot):
         """Stacked layer buffers with shard i's local slot lsrc[i] copied into its slot lslot[i] (a prefix
-        reused from another slot of the shard), one layer at a time (the transient is one layer's row), in
-        place; nothing where lsrc[i] == lslot[i]."""
+        reused from another slot of the shard), one layer of one leaf at a time (the transient is one layer's
+        row), in place, every layer of every stack; nothing where lsrc[i] == lslot[i]."""
         def f(t, src, dst):
-            def copy(t):
-                def one(l, t):
-                    return jax.tree.map(lambda a: a.at[l, dst[0]].set(a[l, src[0]]), t)
-                return jax.lax.fori_loop(0, jax.tree.leaves(t)[0].shape[0], one, t)
-            return jax.lax.cond(src[0] != dst[0], copy, lambda t: t, t)
+            def copy_leaf(a):        # every leaf over its own layer count (the dense prefix and the MoE body differ)
+                return jax.lax.fori_loop(0, a.shape[0], lambda l, a: a.at[l, dst[0]].set(a[l, src[0]]), a)
+
+            return jax.lax.cond(src[0] != dst[0], lambda t: jax.tree.map(copy_leaf, t), lambda t: t, t)
         specs = self._specs(layers, 1)
         return jax.shard_map(f, mesh=self.mesh, in_specs=(specs, P(BATCH_AXES), P(BATCH_AXES)), out_specs=specs,
                              check_vma=False)(layers, lsrc, lslot)
