@@ -30,7 +30,9 @@ FLAGS = flags.FLAGS   # --config, --workdir, --preset, --steps, --set, --mesh, -
 
 
 def define_flags() -> None:
-    """Define this CLI's flags (only when run as a program, so modules import side-effect free)."""
+    """Define this CLI's flags (only when run as a program, so modules import side-effect free): its own
+    --sweep and the ones it borrows from experiments.run."""
+    run_flags()
     flags.DEFINE_string("sweep", None, "section.field=v1,v2,... : the config key to sweep and its values.")
 
 
@@ -95,5 +97,4 @@ def main(argv):
 
 if __name__ == "__main__":
     hugepages.ensure()
-    run_flags()
     run_cli(main, define_flags)

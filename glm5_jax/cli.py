@@ -2,7 +2,11 @@
 `define_flags()` (called only when run as a program, so importing a tool has no side effect) and starts
 with `run(main, define_flags)`.
 
-Errors: a bad flag value (a non-integer for an integer flag, a value outside an enum, a failed flag
+Help: `--help` (or -h, --helpshort, --helpfull) prints every flag the command accepts, the ones it borrows
+from another CLI included (experiments.sweep takes experiments.run's), on stdout and exits 0; absl's own
+flags (logging, debugging) are named on one line at the end.
+
+Errors: an unknown flag, a bad flag value (a non-integer for an integer flag, a value outside an enum, a failed flag
 validator, a required flag left out), a Glm5Error raised by `main` (glm5_jax.errors: a setting, input
 or checkpoint the user can fix) and absl's `app.UsageError` raised by `main` all become one line, "error: MESSAGE", on stderr and exit status 2,
 instead of a traceback. Anything else (a bug, a failing device, a diverged run) keeps its traceback.
@@ -20,6 +24,7 @@ instead of a traceback. Anything else (a bug, a failing device, a diverged run) 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -44,6 +49,30 @@ def main_wrapper(fn: Callable | None = None, *, also: tuple[type[BaseException],
     return wrap(fn) if fn is not None else wrap
 
 
+HELP_ARGS = ("--help", "-h", "--helpshort", "--helpfull", "-?")
+
+
+def help_text(fv: flags.FlagValues, prog: str, usage: str = "[flags]") -> str:
+    """Every flag in fv, grouped by the module that defines it (this command's and the ones it borrows);
+    absl's own flags (logging, debugging) by name on one line."""
+    own, absl_names = [], []
+    for module, fl in sorted(fv.flags_by_module_dict().items()):
+        if module.startswith("absl."):
+            absl_names += [f"--{f.name}" for f in fl]
+        else:
+            body = fv.module_help(module).strip().split("\n", 1)
+            name = _prog(module) if module.endswith(".py") else module
+            own.append(f"{name}:\n{body[1] if len(body) > 1 else ''}")
+    text = f"usage: python -m {prog} {usage}\n\n" + ("\n\n".join(own) if own else "(no flags of its own)")
+    if absl_names:
+        text += "\n\nabsl's flags, also accepted: " + " ".join(sorted(set(absl_names)))
+    return text
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    return any(a in HELP_ARGS for a in argv)
+
+
 def _parse(argv: Sequence[str], fv: flags.FlagValues) -> list[str] | None:
     """argv parsed into fv; None (after one "error: ..." line on stderr) when a flag is bad."""
     try:
@@ -53,7 +82,16 @@ def _parse(argv: Sequence[str], fv: flags.FlagValues) -> list[str] | None:
         return None
 
 
+def _prog(argv0: str) -> str:
+    """`experiments.run` from sys.argv[0] (.../experiments/run.py)."""
+    path = os.path.relpath(os.path.abspath(argv0)) if argv0 else "?"
+    return path[:-3].replace(os.sep, ".") if path.endswith(".py") and not path.startswith("..") else argv0
+
+
 def _parse_or_exit(argv: Sequence[str]) -> list[str]:
+    if wants_help(argv[1:]):
+        print(help_text(flags.FLAGS, _prog(argv[0])), flush=True)
+        sys.exit(0)
     rest = _parse(argv, flags.FLAGS)
     if rest is None:
         sys.exit(USAGE_EXIT)
@@ -62,7 +100,7 @@ def _parse_or_exit(argv: Sequence[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], int | None], define_flags: Callable[[], None] | None = None) -> None:
     """`python -m tool ...`: define the flags, parse sys.argv (a bad flag: "error: ..." and exit 2; --help
-    prints the flags), then exit with main's return value (absl's app.run)."""
+    prints every flag and exits 0), then exit with main's return value (absl's app.run)."""
     if define_flags is not None:
         define_flags()
     app.run(main, flags_parser=_parse_or_exit)
@@ -85,10 +123,13 @@ def call(main: Callable[[list[str]], int | None], define_flags: Callable[[], Non
     for fname, flag in ((n, flags.FLAGS[n]) for n in flags.FLAGS):
         if fname not in own and flag.value is None and flag.validators:
             flag.value = ""
+    if wants_help(argv):
+        print(help_text(flags.FLAGS, name), flush=True)
+        return 0
     rest = _parse([name, *argv], flags.FLAGS)
     if rest is None:
         return USAGE_EXIT
     return int(main(rest) or 0)
 
 
-__all__ = ["USAGE_EXIT", "call", "main_wrapper", "run"]
+__all__ = ["HELP_ARGS", "USAGE_EXIT", "call", "help_text", "main_wrapper", "run", "wants_help"]

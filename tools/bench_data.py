@@ -24,6 +24,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from glm5_jax.cli import main_wrapper, run
+
 FLAGS = flags.FLAGS
 
 
@@ -68,7 +70,12 @@ def _counts(spec: str) -> list[int]:
     n = os.cpu_count() or 1
     out = []
     for x in spec.split(","):
-        v = n if x.strip() == "N" else int(x)
+        try:
+            v = n if x.strip() == "N" else int(x)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise app.UsageError(f"--workers={spec}: expected a comma list of worker counts >= 1 or N (this machine's cores)")
         if v not in out:
             out.append(v)
     return out
@@ -121,6 +128,7 @@ def run_bench(docs: int, words: int, shard_docs: int, workers: list[int], dedup:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@main_wrapper      # a Glm5Error / UsageError: one line on stderr, exit 2 (glm5_jax.cli)
 def main(argv):
     del argv
     res = run_bench(FLAGS.docs, FLAGS.words, FLAGS.shard_docs, _counts(FLAGS.workers), FLAGS.dedup, FLAGS.filters)
@@ -139,5 +147,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    run(main, define_flags)

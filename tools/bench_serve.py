@@ -28,6 +28,8 @@ import time
 
 from absl import app, flags
 
+from glm5_jax.cli import main_wrapper, run
+
 FLAGS = flags.FLAGS
 
 
@@ -153,6 +155,7 @@ def run_hf(ckpt, reqs, *, max_batch):
     return summarize(recs, t0)
 
 
+@main_wrapper      # a Glm5Error / UsageError: one line on stderr, exit 2 (glm5_jax.cli)
 def main(argv):
     del argv
     import jax
@@ -205,5 +208,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    run(main, define_flags)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from absl import flags
 
-from glm5_jax.cli import USAGE_EXIT
+from glm5_jax.cli import USAGE_EXIT, help_text, wants_help
 
 
 def parse(fv: flags.FlagValues, prog: str, argv: Sequence[str] | None, usage: str = "[flags]") -> list[str] | int:
@@ -19,8 +19,8 @@ def parse(fv: flags.FlagValues, prog: str, argv: Sequence[str] | None, usage: st
     --help / -h: the flags' help on stdout and 0; a bad flag (unknown, wrong type, a value outside an enum,
     a required one missing): one "error: ..." line on stderr and USAGE_EXIT (2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("--help", "-h", "--helpfull") for a in argv):
-        print(f"python -m {prog} {usage}\n\n{fv.get_help()}")
+    if wants_help(argv):
+        print(help_text(fv, prog, usage))
         return 0
     try:
         return fv([prog, *argv])[1:]

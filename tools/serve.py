@@ -15,16 +15,23 @@ PATH: a Hugging Face folder (config.json + safetensors [+ tokenizer.json]), an e
 or a params checkpoint (tools.convert_hf's config.json + params/); give --tokenizer when PATH has no
 tokenizer.json / *.model. Endpoints: GET /health, /v1/models, /metrics; POST /v1/completions,
 /v1/chat/completions (docs/inference.md, "Serving").
+
+Progress (loading the tokenizer and weights, building the engine, the warm-up's compiles with a heartbeat)
+goes to stderr; then one line on stdout, `serving MODEL on http://HOST:PORT`, with the port the server
+bound (the free one it was given with --port=0), once it accepts connections.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 
 import jax
 from absl import app, flags, logging
 
-from glm5_jax.cli import main_wrapper
+from glm5_jax import progress
+from glm5_jax.cli import main_wrapper, run
 
 FLAGS = flags.FLAGS
 
@@ -57,9 +64,11 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     from glm5_jax.serve.openai_api import OpenAIServer
     from glm5_jax.sharding import make_mesh
 
+    progress.note(f"loading the tokenizer of {model}")
     tok = load_serving_tokenizer(model, tokenizer)
     mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
-    config, params = load_model(model, dtype=dtype, mesh=mesh)
+    with progress.heartbeat(f"loading the weights of {model}"):
+        config, params = load_model(model, dtype=dtype, mesh=mesh)
     if tok.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {config.vocab_size}")
     try:
@@ -70,10 +79,12 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     kw = {}
     if speculative == "mtp":
         kw["speculative"] = int(num_draft)
+    progress.note(f"starting the engine (max_batch {max_batch}, max_model_len {max_model_len})")
     engine = Engine(config, params, max_batch=max_batch, max_model_len=max_model_len, tokenizer=tok,
                     stop_token_ids=stop, max_queue=max_queue, metrics=EngineMetrics(name), mesh=mesh, **kw)
     if warmup and engine.programs.mesh.devices.flat[0].process_index == jax.process_index():
-        engine.warmup()           # on process 0 only: the other processes of the mesh follow its operations
+        with progress.heartbeat("warm-up: compiling every prefill bucket and the decode step"):
+            engine.warmup()       # on process 0 only: the other processes of the mesh follow its operations
     return OpenAIServer(engine, tok, model_name=name, chat_mode=chat_mode)
 
 
@@ -87,7 +98,6 @@ def main(argv):
     # or auto on a TPU VM): process 0 serves HTTP and schedules, the others run its device operations
     from glm5_jax.parallel.distributed import maybe_initialize
     maybe_initialize()
-    from aiohttp import web
     server = build(FLAGS.model, tokenizer=FLAGS.tokenizer, served_model_name=FLAGS.served_model_name,
                    max_batch=FLAGS.max_batch, max_model_len=FLAGS.max_model_len, max_queue=FLAGS.max_queue,
                    speculative=FLAGS.speculative, num_draft=FLAGS.num_draft, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
@@ -95,14 +105,31 @@ def main(argv):
     if jax.process_index() > 0:
         server.engine.follow()
         return
-    print(f"serving {server.model_name} on http://{FLAGS.host}:{FLAGS.port} (max_batch {FLAGS.max_batch}, "
-          f"max_model_len {FLAGS.max_model_len})", flush=True)
     try:
-        web.run_app(server.app(), host=FLAGS.host, port=FLAGS.port, access_log=None, print=None)
+        asyncio.run(serve_forever(server, FLAGS.host, FLAGS.port,
+                                  f"(max_batch {FLAGS.max_batch}, max_model_len {FLAGS.max_model_len})"))
     finally:
         server.engine.shutdown()
 
 
+async def serve_forever(server, host: str, port: int, extra: str = "") -> None:
+    """Listen on host:port, print `serving MODEL on http://HOST:PORT` with the bound port (--port=0 asks the
+    OS for a free one), then serve until SIGINT / SIGTERM."""
+    from aiohttp import web
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    print(f"serving {server.model_name} on http://{bound_host}:{bound_port} {extra}".rstrip(), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    run(main, define_flags)

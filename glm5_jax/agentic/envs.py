@@ -52,11 +52,11 @@ import urllib.error
 import urllib.request
 from typing import Annotated, Any, Dict, Optional, Union
 
-from absl import app as absl_app
 from absl import flags
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, create_model
 
+from glm5_jax.cli import run
 from glm5_jax.post.tooldata import TOOL_ARGS as _POST_TOOL_ARGS
 from glm5_jax.post.tooldata import execute_tool
 from glm5_jax.rl.sandbox import run_sandboxed
@@ -401,5 +401,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
-    absl_app.run(main)
+    run(main, define_flags)

@@ -1,0 +1,84 @@
+"""Progress of long commands, on stderr (stdout stays for results: a command's --json stays parseable).
+
+Three shapes, one library (tqdm, pinned in requirements.txt: a counted loop gets done/total, rate and ETA
+without code of ours; BUILD_NOTES.md says why tqdm):
+
+    bar = progress.bar(total=n, desc="shards", unit="shard")   # tqdm on stderr: done/total, rate, ETA
+    bar.update(1); bar.close()
+
+    with progress.heartbeat("compiling train_step"):          # one line every `every` s with the elapsed time
+        compiled = lowered.compile()                           # (a call that reports nothing itself)
+
+    progress.note("loading weights")                           # one line, with the time since the first note
+
+`quiet=True` (or GLM5_QUIET=1 in the environment) turns all three off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+from tqdm import tqdm
+
+_T0 = time.monotonic()
+
+
+def _quiet(quiet: bool) -> bool:
+    return quiet or os.environ.get("GLM5_QUIET", "") not in ("", "0")
+
+
+def elapsed(seconds: float) -> str:
+    """`7s`, `2m05s`, `1h02m`."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def note(msg: str, *, quiet: bool = False) -> None:
+    """One progress line on stderr, prefixed with the time since this process imported the module."""
+    if not _quiet(quiet):
+        print(f"[{elapsed(time.monotonic() - _T0):>6}] {msg}", file=sys.stderr, flush=True)
+
+
+def bar(total: int | float | None = None, *, desc: str = "", unit: str = "it", quiet: bool = False,
+        unit_scale: bool = False, **kw) -> tqdm:
+    """A tqdm progress bar on stderr (done/total, rate, ETA); a no-op bar when quiet. When stderr is not a
+    terminal (a log file) it writes a line at most every 30 s instead of redrawing."""
+    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
+                disable=_quiet(quiet), mininterval=0.5 if tty else 30.0, dynamic_ncols=tty, **kw)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, *, every: float = 30.0, quiet: bool = False):
+    """While the block runs, print `WHAT: still running, ELAPSED` every `every` seconds; then one line with
+    the total time. For calls that report nothing themselves (an XLA compile, a warm-up)."""
+    if _quiet(quiet):
+        yield
+        return
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(every):
+            note(f"{what}: still running, {elapsed(time.monotonic() - t0)} elapsed")
+
+    note(f"{what} ...")
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    note(f"{what}: done in {elapsed(time.monotonic() - t0)}")
+
+
+__all__ = ["bar", "elapsed", "heartbeat", "note"]
