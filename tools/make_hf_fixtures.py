@@ -30,16 +30,19 @@ import os
 import shutil
 
 import numpy as np
-from absl import flags
+from absl import app, flags
 
-from glm5_jax.cli import run
+from glm5_jax.cli import main_wrapper, run
 
 # Keep the shared CPU machine usable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch
-
-torch.set_num_threads(1)
+try:
+    import torch
+except ImportError:      # the `fixtures` extra: `--help` and the import work without it, main says what to install
+    torch = None
+else:
+    torch.set_num_threads(1)
 
 BATCH = 2
 # Minimal tie margins accepted for discrete choices. Index scores are O(0.3) and router scores are
@@ -434,8 +437,11 @@ def define_flags() -> None:
     flags.register_validator("only", lambda v: set(v) <= set(FIXTURES), f"allowed: a comma list of {', '.join(sorted(FIXTURES))}")
 
 
+@main_wrapper      # no torch: one line on stderr, exit 2 (glm5_jax.cli)
 def main(argv):
     del argv
+    if torch is None:
+        raise app.UsageError("tools.make_hf_fixtures needs torch and transformers: pip install -e '.[fixtures]'")
     args = FLAGS
     names = args.only or list(FIXTURES)
     os.makedirs(args.out, exist_ok=True)

@@ -1,11 +1,11 @@
 """Where one train step's time goes: a jax.profiler trace of the project's train step, per HLO op,
 summed by the op's source scope (its `op_name` metadata) and split into forward (F) and backward (B).
 
-    python -m tools.profile_step [--shape=4x1024] [--threads=1] [--depth=4] [--top=30] [--set field=value ...]
+    python -m tools.profile_step [--shape=4x1024] [--threads=1] [--depth=4] [--top=30] [--set model.FIELD=value ...]
 
 Model: tools.bench_vs_hf's tiny GLM-5 (vocab 8192, d 256, 4 layers, DSA top-128, 8 experts top-2) with
 its AdamW step, so the shares explain that benchmark's train-step ratio; `--set` overrides model
-config fields (e.g. `--set dsa_short_dense=0`). The process is pinned to the first `--threads`
+config fields (e.g. `--set model.dsa_short_dense=0`, the `section.field=value` of every `--set`). The process is pinned to the first `--threads`
 cores. Prints the untraced step time, then the `--top` scopes (op_name cut to `--depth` levels
 after the jit / jvp / while wrappers, digits folded to #) with seconds and share of the traced XLA
 op time, then the same time by HLO op kind (dot fusions with their dot FLOPs and GFLOP/s beside a
@@ -141,8 +141,23 @@ def define_flags() -> None:
     flags.DEFINE_integer("threads", 1, "pin to this many cores", lower_bound=1, upper_bound=os.cpu_count())
     flags.DEFINE_integer("depth", 4, "op_name levels per scope", lower_bound=1)
     flags.DEFINE_integer("top", 30, "scopes printed", lower_bound=1)
-    flags.DEFINE_multi_string("set", [], "model config override FIELD=VALUE (repeatable; glm5_jax.overrides)")
+    flags.DEFINE_multi_string("set", [], "model config override model.FIELD=VALUE (repeatable; glm5_jax.overrides)")
     flags.register_validator("shape", lambda v: _shape(v) is not None, "expected BxT, e.g. 4x1024")
+
+
+def model_config(sets=()):
+    """tools.bench_vs_hf's model with `--set model.FIELD=V` overrides (the one `section.field=value` syntax)."""
+    import dataclasses
+
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.overrides import apply_overrides
+    from tools import bench_vs_hf as bv
+
+    @dataclasses.dataclass(frozen=True)
+    class Settable:
+        model: ModelConfig
+
+    return apply_overrides(Settable(ModelConfig(**bv.MODEL)), sets).model
 
 
 @main_wrapper      # a bad --set (OverrideError, ConfigError): one line on stderr, exit 2
@@ -155,7 +170,6 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from glm5_jax.config import ModelConfig
     from glm5_jax.model import init_params
     from glm5_jax.optim import make_optimizer
     from glm5_jax.train.config import TrainConfig
@@ -163,8 +177,7 @@ def main(argv):
     from glm5_jax.train.step import make_train_step
     from tools import bench_vs_hf as bv
 
-    from glm5_jax.overrides import apply_overrides
-    cfg = apply_overrides(ModelConfig(**bv.MODEL), args.set)
+    cfg = model_config(args.set)
     over = " ".join(args.set)
     tcfg = TrainConfig(batch_size=b, seq_len=t, optimizer="adamw", learning_rate=bv.LR, weight_decay=bv.WD,
                        grad_clip=0.0, mtp_weight=0.0, indexer_loss=None)
