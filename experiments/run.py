@@ -156,6 +156,8 @@ def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), s
     every fresh train state of the run starts from (with_init_from: TrainConfig.init_from)."""
     exp = registry.get(name)
     cfg = registry.resolve_config(exp, scale, overrides, steps)
+    from glm5_jax.rl.sandbox import require_isolation_for
+    require_isolation_for(cfg)      # an RL config's reward path runs code: fail closed here (issue 66)
     takers = 0
     if init_from:
         check_init_from(init_from, cfg)

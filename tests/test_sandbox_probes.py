@@ -166,6 +166,9 @@ def test_isolation_is_reported_and_never_silent(monkeypatch):
     monkeypatch.setattr(sandbox, "isolation_available", lambda: "unavailable: probe")
     r = run_sandboxed("def add(a, b):\n    return a + b\n", ADD_TESTS, isolate=True)
     assert r.status == "sandbox_error" and not r.passed and "unavailable: probe" in r.stderr
+    r = run_sandboxed("def add(a, b):\n    return a + b\n", ADD_TESTS)     # fail closed (issue 66)
+    assert r.status == "sandbox_error" and not r.passed and "unavailable: probe" in r.stderr
+    monkeypatch.setenv(sandbox.POLICY_ENV, "off")                              # the explicit opt-out
     r = run_sandboxed("def add(a, b):\n    return a + b\n", ADD_TESTS)
     assert r.passed and r.isolation["namespaces"] == "unavailable: probe" and not r.isolated
 

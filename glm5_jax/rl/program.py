@@ -87,9 +87,15 @@ class RLConfig:
     # reshard's transient is bounded by a chunk, not the policy (RolloutEngine, sync_plan); a policy within
     # one chunk syncs in one program
     reshard_chunk_bytes: int = RESHARD_CHUNK_BYTES
+    # the reward path runs model-written code (function tasks, tool calls) only in the sandbox's namespaces:
+    # "required" = the run refuses to start where none work (glm5_jax.rl.sandbox.require_isolation);
+    # "off" = the development opt-out (logged loudly): such code may then run without isolation
+    sandbox_isolation: str = "required"
 
     def __post_init__(self):
         get_loss(self.loss)
+        if self.sandbox_isolation not in ("required", "off"):
+            raise ValueError(f"RLConfig.sandbox_isolation={self.sandbox_isolation!r}: required | off")
         require("RLConfig.reshard_chunk_bytes", self.reshard_chunk_bytes, integer=True, min=1)
         if self.mismatch not in MISMATCH_MODES:
             raise ValueError(f"RLConfig.mismatch={self.mismatch!r}: choose from {MISMATCH_MODES}")
@@ -278,7 +284,9 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     """
     from glm5_jax.train.checkpoint import Checkpointer
     from glm5_jax.train.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
+    from glm5_jax.rl.sandbox import require_isolation
     from glm5_jax.train.state import abstract_state
+    require_isolation(rl.sandbox_isolation)     # fail closed before anything compiles (issue 66)
     tx, _ = make_rl_optimizer(params, rl, config)
     update = make_update_step(config, rl, tx, mesh)
     engine = RolloutEngine(config, mesh, mismatch=rl.mismatch, reshard_chunk_bytes=rl.reshard_chunk_bytes)

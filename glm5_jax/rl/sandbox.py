@@ -16,9 +16,13 @@ working, else util-linux ``unshare``; a read-only root of the runtime, the box a
 /work; a fresh uid with no capabilities), ``network`` (a network namespace with only a down loopback),
 ``seccomp`` and ``rlimits`` (sandbox_child/limits.py), ``python_guard`` (an audit hook in the solution
 process, sandbox_child/solution.py), and the wall clock (``timeout_s``, then SIGKILL to both process
-groups and with them both pid namespaces). Without namespaces (not root, no CAP_SYS_ADMIN,
-``isolate=False``) the two processes still run apart with rlimits, the Python guard and process-group
-kills; the solution can then read what the parent's user can. docs/rl.md has the layer table.
+groups and with them both pid namespaces). Fail closed: when no backend works here (not root, no
+CAP_SYS_ADMIN, no ``unshare``), a run is ``sandbox_error`` (never ``passed``) and a run's start
+(:func:`require_isolation`, ``rl.sandbox_isolation``) refuses with one line naming the fix. Only an
+explicit opt-out runs without namespaces: ``isolate=False``, or the policy "off" (``$GLM5_SANDBOX_ISOLATION``,
+``rl.sandbox_isolation=off``, logged loudly); the two processes then still run apart with rlimits, the
+Python guard and process-group kills, and the solution can read what the parent's user can. docs/rl.md
+has the layer table.
 
 Statuses (:data:`STATUSES`): ``passed`` | ``failed`` (a test raised) | ``error`` (the solution raised while
 loading, does not compile, or exited / died mid-run) | ``timeout`` (wall clock or CPU limit) | ``memory``
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import select
@@ -64,6 +69,9 @@ __all__ = [
     "SandboxResult",
     "classify",
     "isolation_available",
+    "isolation_policy",
+    "require_isolation",
+    "require_isolation_for",
     "netns_available",
     "run_sandboxed",
 ]
@@ -74,6 +82,56 @@ LAYERS = ("namespaces", "filesystem", "uid", "network", "seccomp", "rlimits", "p
 CHILD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child")
 MAX_VERDICT = 1 << 16
 ROLES = ("solution", "judge")
+POLICY_ENV = "GLM5_SANDBOX_ISOLATION"     # "required" (default) | "off": the process's (and its children's) policy
+POLICIES = ("required", "off")
+FIX = ("run as root or with CAP_SYS_ADMIN, with util-linux unshare, mount, chroot and setpriv installed, or "
+       "install bubblewrap (apt-get install bubblewrap)")
+
+
+def isolation_policy() -> str:
+    """``$GLM5_SANDBOX_ISOLATION``: "required" (default: a run without namespaces is a ``sandbox_error``)
+    or "off" (the development opt-out, set by :func:`require_isolation`: runs go un-isolated when no backend works)."""
+    v = os.environ.get(POLICY_ENV, "required").strip() or "required"
+    if v not in POLICIES:
+        raise Glm5Error(f"{POLICY_ENV}={v!r} is not a sandbox isolation policy: use required or off")
+    return v
+
+
+def require_isolation(policy: str = "required", *, setting: str = "rl.sandbox_isolation") -> str:
+    """A run's start: with ``policy`` "required", Glm5Error (one line: why, and what fixes it) unless a
+    namespace backend works here; "off" sets the process's policy to off (inherited by child processes)
+    and logs loudly that model-written code may run without isolation. Returns the isolation state."""
+    if policy not in POLICIES:
+        raise Glm5Error(f"{setting}={policy!r} is invalid: use required or off")
+    state = isolation_available()
+    if policy == "off":
+        os.environ[POLICY_ENV] = "off"
+        if state != "on":
+            logging.getLogger(__name__).warning(
+                "%s=off: MODEL-WRITTEN CODE RUNS WITHOUT ISOLATION (it can read and write what this user can): %s",
+                setting, state)
+        return state
+    if state != "on":
+        raise Glm5Error(f"model-written code runs only in the sandbox's namespaces and none work here ({state}); "
+                        f"to fix: {FIX}; or set {setting}=off (development only: the code then runs un-isolated)")
+    return state
+
+
+def require_isolation_for(cfg, *, path: str = "") -> list[str]:
+    """:func:`require_isolation` for every ``sandbox_isolation`` field in the (nested dataclass) config
+    ``cfg``: the check a run makes before anything else. Returns the settings checked."""
+    checked = []
+    if not dataclasses.is_dataclass(cfg):
+        return checked
+    if hasattr(cfg, "sandbox_isolation"):
+        name = (path + "." if path else "") + "sandbox_isolation"
+        require_isolation(cfg.sandbox_isolation, setting=name)
+        checked.append(name)
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name, None)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            checked += require_isolation_for(v, path=(path + "." if path else "") + f.name)
+    return checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +172,18 @@ def _check_text(code: str, tests: str) -> None:
 
 def plan_isolation(isolate: bool | None, netns: bool | None, seccomp: bool,
                    python_guard: bool) -> _Plan | SandboxResult:
-    """Which layers a run gets, or the ``sandbox_error`` result when a required one is unavailable."""
+    """Which layers a run gets, or the ``sandbox_error`` result when a required one is unavailable.
+    Namespaces are required unless ``isolate`` is False or the process's policy is "off"
+    (:func:`isolation_policy`); with neither, a run that cannot have them never starts (fail closed)."""
     iso_state = isolation_available()
-    use_ns = (iso_state == "on") if isolate is None else bool(isolate)
+    if isolate is None:
+        use_ns = iso_state == "on" or isolation_policy() == "required"
+    else:
+        use_ns = bool(isolate)
     if use_ns and iso_state != "on":
-        return SandboxResult(False, "sandbox_error", "", f"isolation required but {iso_state}",
+        return SandboxResult(False, "sandbox_error", "",
+                             f"isolation required but {iso_state}; to fix: {FIX} (or set {POLICY_ENV}=off / "
+                             "rl.sandbox_isolation=off for development: the code then runs un-isolated)",
                              isolation={"namespaces": iso_state})
     net_ok = netns_available()
     use_net = net_ok if netns is None else bool(netns)
@@ -282,11 +347,12 @@ def run_sandboxed(
     """Execute ``code`` in one sandboxed process and ``tests`` (plain asserts, ``test_*`` functions,
     any Python) in another that decides the verdict; see the module docstring.
 
-    ``isolate``: None = namespaces + read-only root + uid drop when available (``isolation`` says
-    which layers held), True = require them (``sandbox_error`` when unavailable), False = do not use
-    them. ``netns``: None = a network namespace when available, True = require it, False = host
-    network namespace (Python-level blocking only). ``seccomp``: install the syscall filter when
-    libseccomp is present. ``scratch_mb``: size of the writable /work tmpfs (namespaced runs).
+    ``isolate``: None = namespaces + read-only root + uid drop, required unless the process's policy is
+    "off" (:func:`isolation_policy`; then used when available, ``isolation`` says which layers held),
+    True = required (``sandbox_error`` when unavailable), False = do not use them (explicit opt-out).
+    ``netns``: None = a network namespace when available, True = require it, False = host network
+    namespace (Python-level blocking only). ``seccomp``: install the syscall filter when libseccomp is
+    present. ``scratch_mb``: size of the writable /work tmpfs (namespaced runs).
     ``_python_guard=False`` disables the audit hook (tests of the OS layers only).
     """
     _check_text(code, tests)

@@ -75,9 +75,29 @@ def ro_paths() -> list[str]:
     return paths
 
 
+SCRATCH = "/work"                        # the writable tmpfs; /tmp is a symlink to it
+OWN_DESTS = ("/box", SCRATCH, "/tmp", "/dev")   # the plan's own places in the new root
+
+
+def runtime_dest(p: str) -> str:
+    """Where the interpreter prefix ``p`` (a real path of the host) is bound in the child's root so that
+    the same path resolves there: at ``p`` itself, except under /tmp (a symlink to the scratch there),
+    which lands at the same place under the scratch, mounted on top of it (after it, :func:`mount_plan`).
+    A prefix that is one of the plan's own places (/box, /work, /tmp, /dev) or under /box or /dev
+    cannot be placed: Glm5Error naming it."""
+    if p in OWN_DESTS or p.startswith(("/box/", "/dev/")):
+        raise Glm5Error(f"the Python runtime at {p} cannot be bound into the sandbox (/box, /work, /tmp and "
+                        "/dev are its own places there): use a Python installed elsewhere")
+    return SCRATCH + p[len("/tmp"):] if p.startswith("/tmp/") else p
+
+
 def mount_plan(box: str, scratch_mb: int) -> list[Mount]:
     """The child's root: the runtime read-only, 4 device nodes, ``box`` read-only at /box, a scratch
-    tmpfs /work (also /tmp) as the only writable place. Nothing else of the host (no /proc, /etc, /home)."""
+    tmpfs /work (also /tmp) as the only writable place. Nothing else of the host (no /proc, /etc, /home).
+
+    The interpreter's own prefixes (a venv, pyenv, conda, anywhere: :func:`ro_paths`) come last, each at
+    :func:`runtime_dest`, so one under /tmp or /work is a read-only bind on top of the scratch tmpfs, at
+    the path the child's interpreter is started by; mounts apply in this order on both backends."""
     plan, bound = [], []
     for p in RUNTIME_DIRS:
         if os.path.islink(p):
@@ -85,12 +105,12 @@ def mount_plan(box: str, scratch_mb: int) -> list[Mount]:
         elif os.path.isdir(p):
             plan.append(Mount("ro", p, p))
             bound.append(p)
+    plan += [Mount("dev", "/dev/" + d, "/dev/" + d) for d in DEVICES]
+    plan += [Mount("ro", box, "/box"), Mount("tmpfs", "", SCRATCH, int(scratch_mb)), Mount("symlink", "work", "/tmp")]
     for p in ro_paths():
         if not any(p == b or p.startswith(b + "/") for b in bound):
-            plan.append(Mount("ro", p, p))
+            plan.append(Mount("ro", p, runtime_dest(p)))
             bound.append(p)
-    plan += [Mount("dev", "/dev/" + d, "/dev/" + d) for d in DEVICES]
-    plan += [Mount("ro", box, "/box"), Mount("tmpfs", "", "/work", int(scratch_mb)), Mount("symlink", "work", "/tmp")]
     return plan
 
 
@@ -159,7 +179,7 @@ def probe(backend: str) -> str:
         argv = namespaced_argv(backend, work, box, PROBE_UID, 1, True) + [
             python(), "-I", "-S", "-c", "import os; print(os.getuid())"]
         r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=20, check=False)
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError, Glm5Error) as e:
         return f"unavailable: {type(e).__name__}: {e}"
     finally:
         shutil.rmtree(work, ignore_errors=True)
