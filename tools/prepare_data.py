@@ -36,8 +36,10 @@ documents_in, exact_duplicates, near_duplicates, semantic_duplicates, filtered (
 documents_out, tokens_out and documents_per_second; OUT/cleaning.json holds it too, and
 OUT/dropped.jsonl one line per dropped document (key, reason, the kept document it duplicates).
 
-The summary (documents, tokens, bytes/token per split) is printed at the end (with --json: one JSON
-object on stdout). A bad input or flag gives one error line naming what is wrong, and exit status 2.
+Progress goes to stderr while it works (glm5_jax.progress): per stage, documents and shards done, the rate
+and an ETA (dedup: partitions done); with --json it is off, so stdout holds only the JSON. The summary
+(documents, tokens, bytes/token per split) is printed at the end (with --json: one JSON object on stdout).
+A bad input or flag gives one error line naming what is wrong, and exit status 2.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ import sys
 
 from absl import flags
 
-from glm5_jax.cli import USAGE_EXIT, main_wrapper
+from glm5_jax.cli import main_wrapper
 from glm5_jax.data.clean import FILTERS, CleanConfig
 from glm5_jax.data.prep.driver import DEFAULT_SHARD_DOCS, prepare
 from glm5_jax.data.token_cache import summary_line
+from tools.flagparse import parse
 
 __all__ = ["define_flags", "main", "prepare"]
 
@@ -109,15 +112,9 @@ def main(argv=None) -> int:
     """argv: the flags (without the program name; default sys.argv[1:])."""
     fv = flags.FlagValues()
     define_flags(fv)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if {"--help", "-h", "--helpfull"} & set(argv):
-        print(__doc__ + "\nflags:\n" + fv.get_help())
-        return 0
-    try:
-        fv(["prepare_data", *argv])
-    except flags.Error as e:
-        print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
-        return USAGE_EXIT
+    rest = parse(fv, "tools.prepare_data", argv)
+    if isinstance(rest, int):          # --help (0) or a bad flag (2)
+        return rest
     a = fv
     clean = CleanConfig(dedup=_split(a.dedup), filters=_split(a.filters), near_threshold=a.near_threshold,
                         shingle_words=a.shingle_words, num_perm=a.num_perm, min_words=a.min_words,
@@ -131,7 +128,7 @@ def main(argv=None) -> int:
     index = prepare(a.input, a.tokenizer, a.out, vocab_size=a.vocab_size, text_field=a.text_field,
                     messages_field=a.messages_field, eval_fraction=a.eval_fraction, max_files=a.max_files,
                     max_bytes=a.max_bytes, cache_dir=a.cache_dir, clean=clean, workers=a.workers,
-                    ray_address=a.ray_address, shard_docs=a.shard_docs)
+                    ray_address=a.ray_address, shard_docs=a.shard_docs, quiet=a.json)
     if a.json:
         print(json.dumps(index))
     else:

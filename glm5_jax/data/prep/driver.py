@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from glm5_jax import progress
 from glm5_jax.data._cache import settings_key
 from glm5_jax.data.clean import DROP_REASONS, FILTERS, CleanConfig
 from glm5_jax.data.config import DataConfig
@@ -103,18 +104,19 @@ def _semantic(ex, work, shards, clean: CleanConfig, prior, partitions) -> np.nda
     return dedup.merge_partitions(work, "semantic", partitions)
 
 
-def _dedup_stage(ex, work, shards, clean: CleanConfig, stage: str, done: tuple, partitions: int) -> np.ndarray:
+def _dedup_stage(ex, work, shards, clean: CleanConfig, stage: str, done: tuple, partitions: int,
+                 quiet: bool = False) -> np.ndarray:
     """Run one dedup stage over what the `done` stages kept (unless finished); its removal list."""
     path = dedup.removed_path(work, stage)
     if not os.path.exists(path):
-        if stage == "exact":
-            ex.map(dedup.exact_partition, [(work, shards, r, done) for r in range(partitions)])
-            pairs = dedup.merge_partitions(work, stage, partitions)
-        elif stage == "near":
-            ex.map(dedup.near_partition, [(work, shards, r, done, clean.near_threshold) for r in range(partitions)])
+        if stage in ("exact", "near"):
+            fn, extra = (dedup.exact_partition, ()) if stage == "exact" else (dedup.near_partition, (clean.near_threshold,))
+            with progress.bar(partitions, desc=f"prepare_data: {stage} dedup", unit="partition", quiet=quiet) as bar:
+                ex.map(fn, [(work, shards, r, done, *extra) for r in range(partitions)], lambda i: bar.update(1))
             pairs = dedup.merge_partitions(work, stage, partitions)
         else:
-            pairs = _semantic(ex, work, shards, clean, done, partitions)
+            with progress.heartbeat("prepare_data: semantic dedup (embed, k-means, assign)", quiet=quiet):
+                pairs = _semantic(ex, work, shards, clean, done, partitions)
         dedup.save_atomic(path, pairs)
     return np.load(path)
 
@@ -122,6 +124,20 @@ def _dedup_stage(ex, work, shards, clean: CleanConfig, stage: str, done: tuple, 
 def _log(quiet: bool, msg: str) -> None:
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
+
+
+def _progress(quiet: bool, desc: str, shards) -> tuple:
+    """A bar over the documents of `shards` (done / total, documents/s, ETA on stderr) and the on_done(i)
+    that advances it by shard i's documents -> (bar, on_done)."""
+    bar = progress.bar(total=sum(s.num_docs for s in shards), desc=f"prepare_data: {desc}", unit="doc",
+                       quiet=quiet, postfix=f"0/{len(shards)} shards")
+    done = [0]
+
+    def on_done(i: int) -> None:
+        done[0] += 1
+        bar.set_postfix_str(f"{done[0]}/{len(shards)} shards", refresh=False)
+        bar.update(shards[i].num_docs)
+    return bar, on_done
 
 
 def prepare(input: str, tokenizer: str, out: str, *, vocab_size: int | None = None, text_field: str = "text",
@@ -170,19 +186,23 @@ def prepare(input: str, tokenizer: str, out: str, *, vocab_size: int | None = No
     try:
         if clean.active:
             t = time.perf_counter()
-            for counts in ex.map(scan_shard, [(work, s, clean, partitions) for s in shards]):
+            bar, on_done = _progress(quiet, "scan", shards)
+            for counts in ex.map(scan_shard, [(work, s, clean, partitions) for s in shards], on_done):
                 for f in clean.filters:
                     filtered[f] += counts[f]
+            bar.close()
             seconds["scan"] = round(time.perf_counter() - t, 3)
         done: list[str] = []
         for stage in clean.dedup:
             t = time.perf_counter()
-            removed[stage] = _dedup_stage(ex, work, shards, clean, stage, tuple(done), partitions)
+            removed[stage] = _dedup_stage(ex, work, shards, clean, stage, tuple(done), partitions, quiet)
             done.append(stage)
             seconds[stage] = round(time.perf_counter() - t, 3)
             _log(quiet, f"prepare_data: {stage} dedup removed {len(removed[stage])} documents ({seconds[stage]} s)")
         t = time.perf_counter()
-        stats = ex.map(tokenize_shard, [(out, work, s, tok_copy, tuple(done), clean.active) for s in shards])
+        bar, on_done = _progress(quiet, "tokenize", shards)
+        stats = ex.map(tokenize_shard, [(out, work, s, tok_copy, tuple(done), clean.active) for s in shards], on_done)
+        bar.close()
         seconds["tokenize"] = round(time.perf_counter() - t, 3)
     finally:
         ex.close()

@@ -46,7 +46,8 @@ class Executor:
             self.peak_rss_mb[pid] = max(rss, self.peak_rss_mb.get(pid, 0.0))
         return [r for r, _, _ in results]
 
-    def map(self, fn: Callable, args: Sequence[tuple]) -> list[Any]:
+    def map(self, fn: Callable, args: Sequence[tuple], on_done: Callable[[int], None] | None = None) -> list[Any]:
+        """fn(*a) for each a in args, results in args' order; on_done(i) as task i finishes (progress)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -56,8 +57,13 @@ class Executor:
 class SerialExecutor(Executor):
     """Every task in this process, in order."""
 
-    def map(self, fn, args):
-        return self._record([run_task(fn, a) for a in args])
+    def map(self, fn, args, on_done=None):
+        results = []
+        for i, a in enumerate(args):
+            results.append(run_task(fn, a))
+            if on_done:
+                on_done(i)
+        return self._record(results)
 
 
 class RayExecutor(Executor):
@@ -80,7 +86,7 @@ class RayExecutor(Executor):
         self.workers = workers
         self._remote = ray.remote(num_cpus=1, max_retries=0)(run_task)
 
-    def map(self, fn, args):
+    def map(self, fn, args, on_done=None):
         ray = self._ray
         fn_ref = ray.put(fn)
         pending, results = {}, [None] * len(args)
@@ -91,12 +97,15 @@ class RayExecutor(Executor):
                 pending[self._remote.remote(fn_ref, a)] = i
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
+                i = pending.pop(ref)
                 try:
-                    results[pending.pop(ref)] = ray.get(ref)
+                    results[i] = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:     # a bad input in a task: its own one-line error
                     if isinstance(e.cause, Glm5Error):
                         raise e.cause from None
                     raise
+                if on_done:
+                    on_done(i)
         return self._record(results)
 
     def close(self) -> None:
