@@ -78,9 +78,9 @@ class Block(nn.Module):
     def __call__(self, carry, cos, sin, segment_ids, positions, write_positions, indexer_loss, monitor_logits):
         x, indices, *cached = carry
         x = checkpoint_name(x, LAYER_INPUT)
-        cache, r, slots = cached if cached else (None, None, None)
+        cache, r, slots, pages = cached if cached else (None, None, None, None)
         for j, itype in enumerate(self.stack.indexer_types):
-            lc = None if cache is None else LayerCache(cache[f"layer_{j}"], r, slots)
+            lc = None if cache is None else LayerCache(cache[f"layer_{j}"], r, slots, pages)
             x, idx, lc = DecoderLayer(self.cfg, self.stack.moe, itype, name=f"layer_{j}")(
                 x, cos, sin, segment_ids, indices, indexer_loss, monitor_logits,
                 positions=positions, cache=lc, write_positions=write_positions)
@@ -88,7 +88,7 @@ class Block(nn.Module):
                 indices = idx
             if cache is not None:
                 cache = dict(cache, **{f"layer_{j}": lc.buffers})
-        return ((x, indices) if cache is None else (x, indices, cache, r + 1, slots)), None
+        return ((x, indices) if cache is None else (x, indices, cache, r + 1, slots, pages)), None
 
 
 def stack_module(cfg: ModelConfig, stack: LayerStack):
@@ -164,7 +164,8 @@ class GLM5(nn.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, indexer_loss=None, mtp: bool = False,
                  return_hidden: bool = False, monitor_logits: bool = False, cache=None, write_positions=None,
-                 logits: bool = True, mtp_tokens=None, reward: bool = False, cache_slots=None) -> dict[str, Any]:
+                 logits: bool = True, mtp_tokens=None, reward: bool = False, cache_slots=None,
+                 cache_pages=None) -> dict[str, Any]:
         """tokens [B, T] int -> {"logits": [B, T, V] float32, "mtp_logits": [depth, B, T, V] if mtp,
         "hidden": [B, T, D] final-normed and "trunk": [B, T, D] before the final norm if return_hidden,
         "mtp_hidden": [depth, B, T, D] final-normed MTP states instead of mtp_logits if mtp and not logits,
@@ -178,6 +179,8 @@ class GLM5(nn.Module):
         and a query at position p attends the cache slots 0..p. logits=False skips the head.
         cache_slots [B] int32: the cache buffers are [repeats, B, P, S, ...] and batch row b reads and writes
         its row cache_slots[b] of P in place (the serving engine's per-shard prefill, glm5_jax.serve.programs).
+        cache_pages [B, n] int32: the cache buffers are page pools [repeats, num_pages, page_size, ...] and
+        batch row b's position p is at page cache_pages[b, p // page_size] (the paged serving runtime).
         mtp_tokens [depth, B, T]: the input token k steps ahead for MTP depth k (default: tokens shifted
         left by k); needed under context parallelism, where the sequence is in the context layout
         (glm5_jax.mtp.mtp_batch builds it).
@@ -207,11 +210,13 @@ class GLM5(nn.Module):
         # int32 array is saved per layer for the backward (9.75 GiB per chip for glm5 at 128K, tools.aot)
         if c.attention == "dsa" and "shared" in c.layer_indexer_types:
             leaf = None if cache is None else next(iter(next(iter(next(iter(cache.values())).values())).values()))
-            size = None if cache is None else leaf.shape[2 + (cache_slots is not None)]
+            size = None if cache is None else (leaf.shape[2 + (cache_slots is not None)] if cache_pages is None
+                                               else cache_pages.shape[1] * leaf.shape[2])
             indices = jnp.full((b, t, num_indices(c, size)), -1, jnp.int32)
         new_cache = {} if cache is not None else None
         for stack, mod in zip(c.layer_stacks, self.stacks):
-            carry = (x, indices) if cache is None else (x, indices, cache[stack.name], jnp.int32(0), cache_slots)
+            carry = (x, indices) if cache is None else (x, indices, cache[stack.name], jnp.int32(0), cache_slots,
+                                                                       cache_pages)
             carry, _ = mod(carry, cos, sin, segment_ids, positions, write_positions, indexer_loss, monitor_logits)
             x, indices = carry[:2]
             if new_cache is not None:

@@ -152,33 +152,68 @@ def gather_slots(buf, idx, layer=None, slot=None):
     return buf.at[lead + (rows,) + sub + (idx,)].get(mode="promise_in_bounds")
 
 
+def write_pages(buf, pages, wpos, new, layer=None):
+    """A page pool buf [num_pages, page_size, ...] (a stack [L, num_pages, page_size, ...] with `layer`) with
+    new [B, T, ...] written at positions wpos [B, T] of each batch row, through its page table pages [B, n]
+    (position p: page pages[b, p // page_size], offset p % page_size); wpos < 0 or past the table is
+    dropped. One scatter, in place where the pool is donated or carried by a loop."""
+    lead = () if layer is None else (layer,)
+    ps, n = buf.shape[len(lead) + 1], pages.shape[1]
+    ok = (wpos >= 0) & (wpos < n * ps)
+    page = jnp.take_along_axis(pages, jnp.clip(wpos // ps, 0, n - 1), axis=1)
+    page = jnp.where(ok, page, buf.shape[len(lead)])                  # out of range: dropped
+    return buf.at[lead + (page, wpos % ps)].set(new.astype(buf.dtype), mode="drop")
+
+
 class LayerCache(NamedTuple):
     """One attention layer's cache as the attention modules see it: `buffers` {name: [B, S, ...]} (an MTP
     depth's), or the buffers of a whole layer stack {name: [L, B, S, ...]} with `layer` the row of this layer
     (the layer scan carries the stacks and the layer index, so a step writes its new rows into the stack in
-    place and reads only what it needs: `rows` for every slot, `gather` for selected slots)."""
+    place and reads only what it needs: `rows` for every slot, `gather` for selected slots).
+
+    Paged (`pages` [B, n] int32, the serving runtime's page tables): the buffers are a pool of pages
+    {name: [L, num_pages, page_size, ...]} and batch row b's position p lives in page pages[b, p // page_size]
+    at offset p % page_size, so a row sees S = n * page_size positions; rows share pages by reference."""
     buffers: dict
     layer: Any = None
     slot: Any = None          # [B] int32: the buffers hold P rows per batch row ([.., B, P, S, ...]); b uses slot[b]
+    pages: Any = None         # [B, n] int32 page table per batch row (the buffers are a page pool)
 
     def write(self, name: str, wpos, new) -> "LayerCache":
         """This call's rows new [B, T, ...] at slots wpos [B, T] (< 0: not written)."""
-        return self._replace(buffers=dict(self.buffers, **{name: write_cache(self.buffers[name], wpos, new,
-                                                                             self.layer, self.slot)}))
+        buf = self.buffers[name]
+        if self.pages is not None:
+            buf = write_pages(buf, self.pages, wpos, new, self.layer)
+        else:
+            buf = write_cache(buf, wpos, new, self.layer, self.slot)
+        return self._replace(buffers=dict(self.buffers, **{name: buf}))
 
     def rows(self, name: str):
         """The layer's whole buffer [B, S, ...] (for a stack, an index of its layer row: XLA fuses that
-        dynamic slice into its consumers on TPU; with `slot`, each batch row's own row)."""
+        dynamic slice into its consumers on TPU; with `slot`, each batch row's own row; paged, each batch
+        row's pages in position order)."""
         buf = self.buffers[name]
         buf = buf if self.layer is None else buf[self.layer]
+        if self.pages is not None:
+            g = buf[self.pages]                                            # [B, n, page_size, ...]
+            return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
         return buf if self.slot is None else buf[jnp.arange(buf.shape[0]), self.slot]
 
     def gather(self, name: str, idx):
         """The rows at slots idx [B, T, K] (in range) -> [B, T, K, ...]."""
+        if self.pages is not None:
+            lead = () if self.layer is None else (self.layer,)
+            buf = self.buffers[name]
+            ps, b = buf.shape[len(lead) + 1], idx.shape[0]
+            page = jnp.take_along_axis(self.pages, (idx // ps).reshape(b, -1), axis=1).reshape(idx.shape)
+            return buf.at[lead + (page, idx % ps)].get(mode="promise_in_bounds")
         return gather_slots(self.buffers[name], idx, self.layer, self.slot)
 
     def size(self, name: str) -> int:
-        """S, the number of slots."""
+        """S, the number of slots (positions a batch row sees)."""
+        if self.pages is not None:
+            buf = self.buffers[name]
+            return self.pages.shape[1] * buf.shape[1 + (self.layer is not None)]
         return self.buffers[name].shape[(1 if self.layer is None else 2) + (self.slot is not None)]
 
 

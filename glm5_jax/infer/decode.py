@@ -56,12 +56,13 @@ def final_norm(config, params, x):
     return _apply(config, params, x, method=lambda m, h: m.final_norm(h))
 
 
-def model_step(config, params, layer_caches, tokens, pos, wpos=None, slots=None):
+def model_step(config, params, layer_caches, tokens, pos, wpos=None, slots=None, pages=None):
     """Main trunk over new tokens [B, T] at positions pos [B, T] (written to slots wpos, default pos).
     slots [B]: the caches hold P rows per batch row ([repeats, B, P, S, ...]; GLM5's cache_slots).
+    pages [B, n]: the caches are page pools, each row's page table (GLM5's cache_pages).
     Returns (pre-final-norm hidden [B, T, D], new layer caches)."""
     out = _apply(config, params, tokens, pos, cache=layer_caches, write_positions=wpos, return_hidden=True,
-                 logits=False, cache_slots=slots)
+                 logits=False, cache_slots=slots, cache_pages=pages)
     return out["trunk"], out["cache"]
 
 
