@@ -312,19 +312,45 @@ def _read_leaf(reader: _Reader, entries, shape, dtype, index=None) -> np.ndarray
     return out
 
 
-def read_params(path: str | os.PathLike, config: ModelConfig, mesh=None, rules=None):
+class _bytes_bar:
+    """Progress over tensors: bytes done / total, rate and ETA, and tensors done, on stderr (glm5_jax.progress)."""
+
+    def __init__(self, what: str, shapes, unit: str, quiet: bool):
+        from glm5_jax.progress import bar
+        self.n, self.total, self.unit = 0, len(shapes), unit
+        self.bar = bar(sum(_nbytes(s, d) for s, d in shapes), desc=what, unit="B", unit_scale=True, quiet=quiet)
+
+    def step(self, shape, dtype) -> None:
+        self.n += 1
+        self.bar.set_postfix_str(f"{self.n}/{self.total} {self.unit}", refresh=False)
+        self.bar.update(_nbytes(shape, dtype))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def read_params(path: str | os.PathLike, config: ModelConfig, mesh=None, rules=None, progress: bool = False):
     """The params of `config` from the safetensors at `path`: host numpy arrays (mesh None) or jax
     arrays laid out on `mesh` by logical sharding rules (glm5_jax.sharding.param_shardings; `rules`
     default LOGICAL_RULES, the training layout; SERVE_RULES for serving), each device's shard read
     straight from the files. Leaves take the dtypes of abstract_params(config)
-    (config.param_dtype); FP8 tensors are dequantised on the way."""
+    (config.param_dtype); FP8 tensors are dequantised on the way. progress: bytes and arrays done, rate and
+    ETA on stderr."""
     path = os.fspath(path)
     reader = _Reader(path, _block_size(read_hf_config(path)))
     try:
         plan = _plan(reader, config, path)
+        bar = _bytes_bar("reading", [(tuple(leaf.shape), leaf.dtype) for leaf, _ in plan.values()], "arrays",
+                         quiet=not progress)
         if mesh is None:
-            params = {p: _read_leaf(reader, entries, tuple(leaf.shape), leaf.dtype)
-                      for p, (leaf, entries) in plan.items()}
+            params = {}
+            for p, (leaf, entries) in plan.items():
+                params[p] = _read_leaf(reader, entries, tuple(leaf.shape), leaf.dtype)
+                bar.step(tuple(leaf.shape), leaf.dtype)
         else:
             from glm5_jax.sharding import LOGICAL_RULES, param_shardings
             shardings = traverse_util.flatten_dict(param_shardings(config, mesh, rules or LOGICAL_RULES))
@@ -333,6 +359,8 @@ def read_params(path: str | os.PathLike, config: ModelConfig, mesh=None, rules=N
                 shape, dtype = tuple(leaf.shape), leaf.dtype
                 params[p] = jax.make_array_from_callback(
                     shape, shardings[p], lambda idx, e=entries, s=shape, d=dtype: _read_leaf(reader, e, s, d, idx))
+                bar.step(shape, dtype)
+        bar.close()
     finally:
         reader.close()
     return traverse_util.unflatten_dict(params)
@@ -354,7 +382,7 @@ def checkpoint_config(path: str | os.PathLike, dtype: str | None = None, **confi
     return config
 
 
-def load_checkpoint(path: str | os.PathLike, mesh=None, dtype: str | None = None, rules=None,
+def load_checkpoint(path: str | os.PathLike, mesh=None, dtype: str | None = None, rules=None, progress: bool = False,
                     **config_overrides) -> tuple[ModelConfig, dict]:
     """Read `config.json` + safetensors at `path` -> (ModelConfig, params).
 
@@ -367,7 +395,7 @@ def load_checkpoint(path: str | os.PathLike, mesh=None, dtype: str | None = None
     carry the MTP layer; every other missing, unexpected or misshapen tensor raises CheckpointError.
     """
     config = checkpoint_config(path, dtype, **config_overrides)
-    return config, read_params(path, config, mesh, rules)
+    return config, read_params(path, config, mesh, rules, progress=progress)
 
 
 def _host_slicer(value):
@@ -380,7 +408,7 @@ def _host_slicer(value):
     return lambda index: np.asarray(take(value, np.asarray(index, np.int32))) if index else np.asarray(value)
 
 
-def _write_safetensors(file: str, items: list[tuple[str, tuple, np.dtype, object]]) -> None:
+def _write_safetensors(file: str, items: list[tuple[str, tuple, np.dtype, object]], bar=None) -> None:
     """Write (key, shape, dtype, produce) tensors to `file`, calling each produce() only when its bytes
     are written, so one tensor at a time is in memory."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -398,6 +426,8 @@ def _write_safetensors(file: str, items: list[tuple[str, tuple, np.dtype, object
             if arr.shape != tuple(shape):
                 raise CheckpointError(f"tensor {key!r} came out with shape {arr.shape}; expected {shape}")
             f.write(arr.tobytes())
+            if bar is not None:
+                bar.step(shape, dtype)
 
 
 _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -417,11 +447,12 @@ def export_dtype(config: ModelConfig, dtype: str | None = "auto") -> str | None:
 
 
 def save_checkpoint(config: ModelConfig, params, path: str | os.PathLike, *, max_shard_bytes: int | None = None,
-                    dtype: str | None = "auto") -> None:
+                    dtype: str | None = "auto", progress: bool = False) -> None:
     """Write `config.json` and safetensors (one file, or shards + index when max_shard_bytes is set),
     one HF tensor at a time: params may be host arrays or (sharded) jax arrays. `dtype` (export_dtype):
     float32 masters of a bf16-compute run are written in bf16 (rounded to nearest even) by default, and
-    config.json's torch_dtype names what was written."""
+    config.json's torch_dtype names what was written. progress: bytes and tensors written, rate and ETA on
+    stderr."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     out_dtype = export_dtype(config, dtype)
@@ -447,9 +478,11 @@ def save_checkpoint(config: ModelConfig, params, path: str | os.PathLike, *, max
             items[f"{base}.shared_head.head.weight"] = (f"{base}.shared_head.head.weight",) + items["lm_head.weight"][1:]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config.to_hf(), f, indent=2)
-    nbytes = lambda it: int(np.prod(it[1], dtype=np.int64)) * it[2].itemsize
+    nbytes = lambda it: _nbytes(it[1], it[2])
+    bar = _bytes_bar("writing", [(it[1], it[2]) for it in items.values()], "tensors", quiet=not progress)
     if max_shard_bytes is None:
-        _write_safetensors(os.path.join(path, "model.safetensors"), [items[k] for k in sorted(items)])
+        _write_safetensors(os.path.join(path, "model.safetensors"), [items[k] for k in sorted(items)], bar)
+        bar.close()
         return
     shards, cur, size = [], [], 0
     for k in sorted(items):
@@ -462,8 +495,9 @@ def save_checkpoint(config: ModelConfig, params, path: str | os.PathLike, *, max
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(os.path.join(path, name), shard)
+        _write_safetensors(os.path.join(path, name), shard, bar)
         weight_map.update({it[0]: name for it in shard})
+    bar.close()
     with open(os.path.join(path, _INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": sum(nbytes(it) for it in items.values())}, "weight_map": weight_map},
                   f, indent=2)

@@ -57,9 +57,11 @@ def bar(total: int | float | None = None, *, desc: str = "", unit: str = "it", q
 
 
 @contextlib.contextmanager
-def heartbeat(what: str, *, every: float = 30.0, quiet: bool = False):
+def heartbeat(what: str, *, every: float = 30.0, quiet: bool = False, say=None, bookends: bool = True):
     """While the block runs, print `WHAT: still running, ELAPSED` every `every` seconds; then one line with
-    the total time. For calls that report nothing themselves (an XLA compile, a warm-up)."""
+    the total time. For calls that report nothing themselves (an XLA compile, a warm-up). `say`: the
+    function that prints a line (default `note`); bookends=False: no start and end lines, only the beats."""
+    say = say or note
     if _quiet(quiet):
         yield
         return
@@ -68,9 +70,10 @@ def heartbeat(what: str, *, every: float = 30.0, quiet: bool = False):
 
     def beat():
         while not done.wait(every):
-            note(f"{what}: still running, {elapsed(time.monotonic() - t0)} elapsed")
+            say(f"{what}: still running, {elapsed(time.monotonic() - t0)} elapsed")
 
-    note(f"{what} ...")
+    if bookends:
+        say(f"{what} ...")
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
     thread.start()
     try:
@@ -78,7 +81,8 @@ def heartbeat(what: str, *, every: float = 30.0, quiet: bool = False):
     finally:
         done.set()
         thread.join()
-    note(f"{what}: done in {elapsed(time.monotonic() - t0)}")
+    if bookends:
+        say(f"{what}: done in {elapsed(time.monotonic() - t0)}")
 
 
 __all__ = ["bar", "elapsed", "heartbeat", "note"]

@@ -6,7 +6,8 @@ The safetensors are streamed onto the mesh (default: one device) shard by shard 
 read_params; FP8 tensors are dequantised) and written by orbax, each device its own shards.
 DIR gets `params/` (an orbax StandardCheckpointer tree) and `config.json` (ModelConfig.to_hf(), its
 torch_dtype the params' dtype). `restore(DIR)` reads it back as (ModelConfig, params);
-`python -m tools.export_hf` writes it back to safetensors; `experiments.run --init_from=DIR` trains from it.
+Progress (bytes and arrays read, rate, ETA) goes to stderr. `python -m tools.export_hf` writes it back
+to safetensors; `experiments.run --init_from=DIR` trains from it.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... to read onto (default: one device).")
 
 
-def convert(hf_dir: str, out: str, dtype: str | None = None, mesh=None) -> str:
+def convert(hf_dir: str, out: str, dtype: str | None = None, mesh=None, progress: bool = False) -> str:
+    """progress: bytes and arrays read (rate, ETA) on stderr, then a heartbeat while orbax writes."""
     from glm5_jax import hf
     from glm5_jax.sharding import make_mesh, single_device_mesh
     from glm5_jax.train.checkpoint import save_params
 
     mesh = make_mesh(mesh) if isinstance(mesh, str) else (mesh or single_device_mesh())
-    config, params = hf.load_checkpoint(hf_dir, mesh=mesh, dtype=dtype)
-    return save_params(out, config, params)
+    config, params = hf.load_checkpoint(hf_dir, mesh=mesh, dtype=dtype, progress=progress)
+    from glm5_jax.progress import heartbeat
+    with heartbeat(f"writing the orbax checkpoint {out}", quiet=not progress):
+        return save_params(out, config, params)
 
 
 def restore(path: str, mesh=None):
@@ -50,7 +54,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.hf_dir or not FLAGS.out:
         raise app.UsageError("--hf_dir and --out are required")
-    out = convert(FLAGS.hf_dir, FLAGS.out, FLAGS.dtype, FLAGS.mesh)
+    out = convert(FLAGS.hf_dir, FLAGS.out, FLAGS.dtype, FLAGS.mesh, progress=True)
     print(f"wrote {out}")
 
 

@@ -32,7 +32,8 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", None, "Device mesh AXIS:N,... to restore onto (default: one device).")
 
 
-def export(checkpoint: str, out: str, max_shard_bytes: int | None = 5 * 10**9, mesh=None) -> str:
+def export(checkpoint: str, out: str, max_shard_bytes: int | None = 5 * 10**9, mesh=None, progress: bool = False) -> str:
+    """progress: a heartbeat while orbax restores, then bytes and tensors written (rate, ETA) on stderr."""
     from glm5_jax import hf
     from glm5_jax.sharding import make_mesh
     from tools.convert_hf import restore
@@ -40,8 +41,10 @@ def export(checkpoint: str, out: str, max_shard_bytes: int | None = 5 * 10**9, m
     out = os.path.abspath(out)
     if os.path.exists(os.path.join(out, "config.json")):
         raise FileExistsError(f"{out} already holds a checkpoint (config.json); choose another --out")
-    config, params = restore(checkpoint, make_mesh(mesh) if isinstance(mesh, str) else mesh)
-    hf.save_checkpoint(config, params, out, max_shard_bytes=max_shard_bytes or None)
+    from glm5_jax.progress import heartbeat
+    with heartbeat(f"restoring {checkpoint}", quiet=not progress):
+        config, params = restore(checkpoint, make_mesh(mesh) if isinstance(mesh, str) else mesh)
+    hf.save_checkpoint(config, params, out, max_shard_bytes=max_shard_bytes or None, progress=progress)
     return out
 
 
@@ -51,7 +54,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.checkpoint or not FLAGS.out:
         raise app.UsageError("--checkpoint and --out are required")
-    print(f"wrote {export(FLAGS.checkpoint, FLAGS.out, FLAGS.max_shard_bytes, FLAGS.mesh)}")
+    print(f"wrote {export(FLAGS.checkpoint, FLAGS.out, FLAGS.max_shard_bytes, FLAGS.mesh, progress=True)}")
 
 
 if __name__ == "__main__":

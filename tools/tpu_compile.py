@@ -72,15 +72,20 @@ class DoesNotFit(Exception):
 
 def compile_lowered(lower, *, log=None, save_hlo: str | None = None):
     """lower() -> (compiled, lower seconds, compile seconds) by the TPU compiler; DoesNotFit when it refuses
-    the program for memory. save_hlo: the compiled module's text, for tools.budget to re-read."""
+    the program for memory. save_hlo: the compiled module's text, for tools.budget to re-read. With a `log`,
+    a heartbeat line every 30 s while lowering and compiling (the compile of a glm5 step takes minutes)."""
+    from glm5_jax.progress import heartbeat
+    quiet = log is None
     log = log or (lambda msg: None)
     t = time.time()
-    lowered = lower()
+    with heartbeat("lowering", say=log, quiet=quiet, bookends=False):
+        lowered = lower()
     lower_s = time.time() - t
     log(f"lowered in {lower_s:.1f}s; compiling with the TPU compiler")
     t = time.time()
     try:
-        compiled = lowered.compile()
+        with heartbeat("compiling", say=log, quiet=quiet, bookends=False):
+            compiled = lowered.compile()
     except Exception as e:          # jax.errors.JaxRuntimeError; only the compiler's out-of-memory is a result
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
