@@ -352,6 +352,53 @@ class Programs:
         lay = self.state["cache"]["layers"]
         return self._jit(("decode", rows), fn, (self.param_formats, lay) + (self.rep,) * 8, (self.rep,) * 5 + (lay,), (1,))
 
+    # ------------------------------------------------------------------ the paged runtime
+    def pool_sharding(self, num_pages: int, page_size: int):
+        """Shardings of a page pool {stack: {"layer_j": [repeats, num_pages, page_size, ...]}}: pages over
+        the batch axes (each batch shard holds num_pages / shards of them)."""
+        spec = jax.eval_shape(lambda: kv.init_cache(self.config, num_pages, page_size)["layers"])
+        return spec, jax.tree.map(lambda a: NamedSharding(self.mesh, P(None, BATCH_AXES)), spec)
+
+    def alloc_pool(self, num_pages: int, page_size: int):
+        """The zeroed page pool, allocated in place on its shards."""
+        spec, sh = self.pool_sharding(num_pages, page_size)
+        return self._jit(("pool", num_pages, page_size),
+                         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec), (), sh)()
+
+    def paged_step(self, num_pages: int, page_size: int, width: int, echo: bool):
+        """One step of the paged runtime (glm5_jax.serve.runtime): `width` token rows, each one token of a
+        running sequence (a decode token or one token of a prefill chunk) with its sequence's page table,
+        so decodes and prefill chunks share one program, one weight read and one compile per width.
+
+        (params, pool, cow_src [C], cow_dst [C], tokens [K], pos [K], wpos [K], seq [K], tables [R, n],
+        out_rows [R], temp, top_k, top_p, seeds, counts [R], targets [K]) -> (next token, its sampling lp,
+        its model lp, top ids, top lps [R], echo (lp of targets [K], top ids, top lps) or None, pool).
+        First every page cow_dst[c] >= 0 becomes a copy of page cow_src[c] (copy-on-write of a shared
+        partial page); then row k writes its keys at position wpos[k] (< 0: nothing) through the table of
+        sequence seq[k] and attends its positions 0..pos[k] (every row of a layer writes before any reads,
+        so a prefill chunk's rows see each other); sequence r samples from row out_rows[r]."""
+        cfg = self.config
+
+        def fn(params, pool, cow_src, cow_dst, tokens, pos, wpos, seq, tables, out_rows, temp, top_k, top_p,
+               seeds, counts, targets):
+            dst = jnp.where(cow_dst >= 0, cow_dst, num_pages)
+            pool = jax.tree.map(lambda a: a.at[:, dst].set(a[:, jnp.maximum(cow_src, 0)], mode="drop"), pool)
+            x, pool = model_step(cfg, params, pool, tokens[:, None], pos[:, None], wpos[:, None], pages=tables[seq])
+            x = x[:, 0]
+            logits = head(cfg, params, final_norm(cfg, params, x[out_rows]))
+            nxt, lp_s, model_lp = sample_rows(_row_keys(seeds, counts), logits, temp, top_k, top_p)
+            ti, tv = _top(model_lp, TOP_LOGPROBS)
+            ech = None
+            if echo:
+                all_lp = jax.nn.log_softmax(head(cfg, params, final_norm(cfg, params, x)), axis=-1)   # [K, V]
+                ech = (jnp.take_along_axis(all_lp, targets[:, None], axis=-1)[:, 0],) + _top(all_lp, TOP_LOGPROBS)
+            return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, ech, pool
+
+        _, pool = self.pool_sharding(num_pages, page_size)
+        ech = (self.rep,) * 3 if echo else None
+        return self._jit(("paged_step", num_pages, page_size, width, echo), fn,
+                         (self.param_formats, pool) + (self.rep,) * 14, (self.rep,) * 5 + (ech, pool), (1,))
+
     # ------------------------------------------------------------------ AOT
     def abstract_args(self, program: str, *, width: int = 0, chunk: int = 0, echo: bool = False, greedy: bool = True):
         """ShapeDtypeStructs (with shardings) of a program's arguments, for `.lower(*args)` (tools.aot)."""

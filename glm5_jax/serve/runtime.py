@@ -1,0 +1,301 @@
+"""The paged generation runtime: one jitted step over a pool of KV pages, scheduled by host Python.
+
+Device side (`Programs.paged_step`): the cache is a pool of pages per layer ([repeats, num_pages,
+page_size, ...], glm5_jax.infer.cache's buffers with pages for rows); each running sequence has a page
+table. A step takes up to `max_num_batched_tokens` token rows: one per decoding sequence and the next
+chunk of each sequence still prefilling, every row with its sequence's table and position, so prefill
+and decode share one program and one read of the weights, and one compile per row-count bucket.
+
+Host side (`PagedRuntime`, no device state but the pool it hands to the program): admission, page
+accounting (glm5_jax.serve.pages: reference-counted pages, a radix tree of cached prefixes shared by
+reference, copy-on-write of a partial last page, least-recently-used eviction), the token budget
+(decodes first, then prefill chunks in admission order) and preemption by recompute when pages run out
+(the newest running sequence gives its pages back and is prefilled again later over its prompt and
+the tokens it has generated).
+
+A sequence's context is its prompt followed by its generated tokens; the runtime feeds the context's
+tokens whose keys are not cached yet, and the output of the last one is the sequence's next token,
+sampled with `fold_in(PRNGKey(seed), i)` for its i-th token: a decode step is a prefill of one token, and
+a request's tokens never depend on its batch-mates, its pages or whether its prefix came from the radix.
+
+Status: the runtime, its step program and page accounting are built and tested
+(tests/test_serve_runtime.py); the serving engine (glm5_jax.serve.engine) does not run on it yet
+(docs/inference.md, "The paged runtime").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+from glm5_jax.serve.pages import PagePool, RadixCache
+from glm5_jax.serve.programs import Programs
+from glm5_jax.sharding import SERVE_RULES
+
+__all__ = ["PagedRuntime", "Seq"]
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    """One sequence: its prompt and sampling settings, then the runtime's state of it."""
+    prompt: list
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 16
+    stop_ids: tuple = ()
+    prefix: bool = True                  # may take a cached prefix (and leave its own in the radix)
+    tokens: list = dataclasses.field(default_factory=list)      # generated
+    logprobs: list = dataclasses.field(default_factory=list)    # model log-prob of each generated token
+    pages: list = dataclasses.field(default_factory=list)       # its page table (one reference each)
+    cached: int = 0                      # context tokens whose keys are in its pages
+    reused: int = 0                      # prompt tokens taken from the radix at its last admission
+    epoch: int = 0
+    finish: Optional[str] = None         # "stop" | "length" | "aborted" once done
+
+    @property
+    def context(self) -> list:
+        return self.prompt + self.tokens
+
+
+def _widths(budget: int, smallest: int = 8) -> tuple:
+    out, w = [], smallest
+    while w < budget:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (budget,)
+
+
+class PagedRuntime:
+    """Sequences over a pool of `kv_cache_tokens // page_size` pages; `step()` runs one scheduled step.
+
+    max_running: sequences running at once (rows of the page-table array); max_model_len: positions a
+    sequence may reach; max_num_batched_tokens: token rows a step runs (decodes first); prefill_chunk:
+    the most prompt tokens one sequence feeds per step; prefix_cache: "radix" (share cached prefixes by
+    reference) or "none". page_size = max_model_len with prefix_cache="none" is the one-row-per-slot
+    policy (each sequence owns a whole row of the cache), for comparison."""
+
+    def __init__(self, config, params, *, max_running: int = 8, max_model_len: int = 256, page_size: int = 16,
+                 kv_cache_tokens: Optional[int] = None, max_num_batched_tokens: int = 256,
+                 prefill_chunk: Optional[int] = None, prefix_cache: str = "radix", mesh=None, rules=SERVE_RULES):
+        if prefix_cache not in ("radix", "none"):
+            raise ValueError(f"prefix_cache={prefix_cache!r}: radix | none")
+        if min(max_running, page_size, max_num_batched_tokens) < 1 or max_model_len < 2:
+            raise ValueError(f"max_running={max_running}, page_size={page_size}, max_num_batched_tokens="
+                             f"{max_num_batched_tokens} must be >= 1 and max_model_len={max_model_len} >= 2")
+        self.max_running, self.max_len, self.page_size = int(max_running), int(max_model_len), int(page_size)
+        self.table_len = -(-self.max_len // self.page_size)
+        tokens = kv_cache_tokens if kv_cache_tokens is not None else self.max_running * self.max_len
+        self.programs = Programs(config, mesh, max_batch=self.max_running, size=self.page_size, rules=rules)
+        shards = self.programs.shards                       # the pool's pages are split over the batch shards
+        self.num_pages = int(tokens) // self.page_size // shards * shards
+        if self.num_pages < self.table_len:
+            raise ValueError(f"kv_cache_tokens={tokens} holds {self.num_pages} pages of {self.page_size}; one "
+                             f"sequence of max_model_len={self.max_len} needs {self.table_len}")
+        self.budget = int(max_num_batched_tokens)
+        if self.budget < self.max_running:
+            raise ValueError(f"max_num_batched_tokens={self.budget} must be >= max_running={self.max_running} "
+                             "(every running sequence decodes one token a step)")
+        self.chunk = int(prefill_chunk or self.budget)
+        self.widths = _widths(self.budget)
+        self.config = self.programs.config
+        self.params = self.programs.place_params(params)
+        self.pool = self.programs.alloc_pool(self.num_pages, self.page_size)
+        self.pages = PagePool(self.num_pages, self.page_size)
+        self.radix = RadixCache(self.pages) if prefix_cache == "radix" else None
+        self.waiting: list = []
+        self.running: list = []
+        self.epoch = 0
+        self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "preempted": 0,
+                      "reused_tokens": 0, "peak_running": 0}
+
+    # ------------------------------------------------------------------ requests
+    def add(self, seq: Seq) -> Seq:
+        if not seq.prompt or len(seq.prompt) >= self.max_len:
+            raise ValueError(f"the prompt has {len(seq.prompt)} tokens; it needs 1 .. {self.max_len - 1} "
+                             f"(max_model_len={self.max_len})")
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Seq) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self._free(seq, keep=False)
+        seq.finish = seq.finish or "aborted"
+
+    def new_weights(self, params) -> None:
+        """Weights for the next steps; cached prefixes of older weights are never reused."""
+        self.params = self.programs.place_params(params)
+        self.epoch += 1
+        if self.radix is not None:
+            self.radix.clear()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ------------------------------------------------------------------ pages
+    def _alloc(self, n: int):
+        return self.radix.alloc(n) if self.radix is not None else self.pages.alloc(n)
+
+    def _free(self, seq: Seq, keep: bool) -> None:
+        """seq leaves the running set; with keep its whole pages go into the radix (same weights only)."""
+        if keep and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
+            self.radix.insert(seq.context[:seq.cached], seq.pages[:seq.cached // self.page_size])
+        self.pages.release(seq.pages)
+        seq.pages, seq.cached = [], 0
+        self.running.remove(seq)
+
+    def _admit(self, cow: list) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            ctx = seq.context
+            pages, cached, partial = [], 0, None
+            if self.radix is not None and seq.prefix:
+                m = self.radix.match(ctx, limit=len(ctx) - 1)
+                pages, cached, partial = list(m.pages), m.tokens, m.partial
+            if partial is not None:
+                self.pages.retain([partial[0]])          # not evicted before the step copies it
+                new = self._alloc(1)
+                if new is None:
+                    self.pages.release([partial[0]])
+                else:
+                    cow.append((partial[0], new[0]))
+                    pages, cached = pages + new, cached + partial[1]
+            if len(pages) * self.page_size <= cached:    # room for its first token
+                new = self._alloc(1)
+                if new is None:
+                    self.pages.release(pages)
+                    return
+                pages += new
+            self.waiting.pop(0)
+            seq.pages, seq.cached, seq.epoch = pages, cached, self.epoch
+            seq.reused = cached if not seq.tokens else seq.reused
+            self.stats["reused_tokens"] += cached
+            self.running.append(seq)
+
+    def _grow(self, seq: Seq, upto: int) -> bool:
+        """Pages for positions < upto; False if the pool cannot give them even after eviction."""
+        need = -(-upto // self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        new = self._alloc(need)
+        if new is None:
+            return False
+        seq.pages += new
+        return True
+
+    def _preempt(self, protect) -> bool:
+        """The newest running sequence not in `protect` gives its pages back and waits to be recomputed."""
+        for seq in reversed(self.running):
+            if seq not in protect:
+                self._free(seq, keep=True)          # its whole pages stay cached (evictable) for the recompute
+                self.waiting.insert(0, seq)
+                self.stats["preempted"] += 1
+                return True
+        return False
+
+    # ------------------------------------------------------------------ one step
+    def _schedule(self, cow: list) -> list:
+        """[(seq, number of context tokens it feeds this step)]: decodes first, then prefill chunks."""
+        plan, left = [], self.budget
+        for want_decode in (True, False):
+            for seq in list(self.running):
+                if seq not in self.running:                      # preempted meanwhile
+                    continue
+                rem = len(seq.context) - seq.cached
+                if (rem == 1) != want_decode or left <= 0:
+                    continue
+                take = min(rem, left, self.chunk)
+                while not self._grow(seq, seq.cached + take):
+                    if want_decode and self._preempt({s for s, _ in plan} | {seq}):
+                        continue
+                    take = len(seq.pages) * self.page_size - seq.cached     # what its pages hold already
+                    break
+                if take > 0:
+                    plan.append((seq, take))
+                    left -= take
+        return plan
+
+    def step(self) -> list:
+        """Admit, schedule, run one step. Returns the sequences that sampled a token this step (each token
+        is appended to seq.tokens; a sequence that reaches max_tokens, a stop id or max_model_len is
+        finished and leaves, its pages cached or freed)."""
+        cow = []
+        self._admit(cow)
+        plan = self._schedule(cow)
+        if not plan:
+            if self.running or self.waiting:
+                raise RuntimeError("no sequence could be scheduled: the page pool is too small for one step")
+            return []
+        n = sum(t for _, t in plan)
+        width = next(w for w in self.widths if w >= n)
+        r, tl = self.max_running, self.table_len
+        tok, pos, wpos, seqi = (np.zeros((width,), np.int32) for _ in range(4))
+        wpos[:] = -1
+        tables = np.zeros((r, tl), np.int32)
+        out_rows, counts, top_k = (np.zeros((r,), np.int32) for _ in range(3))
+        temp, top_p, seeds = np.zeros((r,), np.float32), np.ones((r,), np.float32), np.zeros((r,), np.uint32)
+        slot = {seq: i for i, seq in enumerate(self.running)}
+        k = 0
+        for seq, take in plan:
+            i, ctx = slot[seq], seq.context
+            tables[i, :len(seq.pages)] = seq.pages
+            p = np.arange(seq.cached, seq.cached + take, dtype=np.int32)
+            tok[k:k + take], pos[k:k + take], wpos[k:k + take], seqi[k:k + take] = ctx[seq.cached:seq.cached + take], p, p, i
+            out_rows[i] = k + take - 1
+            temp[i], top_k[i], top_p[i], seeds[i], counts[i] = (seq.temperature, seq.top_k, seq.top_p,
+                                                                 seq.seed % 2 ** 32, len(seq.tokens))
+            k += take
+        c = self.max_running
+        cs, cd = np.zeros((c,), np.int32), np.full((c,), -1, np.int32)
+        for j, (s_, d_) in enumerate(cow):
+            cs[j], cd[j] = s_, d_
+        prog = self.programs.paged_step(self.num_pages, self.page_size, width, False)
+        nxt, lp_s, lp_m, _, _, _, self.pool = self.programs.call(
+            prog, self.params, self.pool, cs, cd, tok, pos, wpos, seqi, tables, out_rows, temp, top_k, top_p,
+            seeds, counts, np.zeros((width,), np.int32))
+        nxt, lp_m = np.asarray(nxt), np.asarray(lp_m)
+        if cow:
+            self.pages.release([s_ for s_, _ in cow])
+        self.stats["steps"] += 1
+        self.stats["tokens"] += n
+        self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
+        done = []
+        for seq, take in plan:
+            decode = len(seq.context) - seq.cached == 1
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += take
+            seq.cached += take
+            if seq.cached < len(seq.context):
+                continue
+            i = slot[seq]
+            t = int(nxt[i])
+            seq.tokens.append(t)
+            seq.logprobs.append(float(lp_m[i]))
+            done.append(seq)
+            if t in seq.stop_ids:
+                seq.finish = "stop"
+            elif len(seq.tokens) >= seq.max_tokens or len(seq.context) >= self.max_len:
+                seq.finish = "length"
+            if seq.finish:
+                self._free(seq, keep=True)
+        return done
+
+    def run(self, seqs) -> list:
+        """Add `seqs` and step until every one has finished (a blocking convenience for tests and tools)."""
+        for s in seqs:
+            self.add(s)
+        while not all(s.finish for s in seqs):
+            self.step()
+        return seqs
+
+    def pages_in_use(self) -> dict[str, Any]:
+        """{"free", "cached" (held by the radix only), "running"} pages: their sum is num_pages."""
+        cached = self.radix.cached_pages if self.radix is not None else 0
+        free = self.pages.free
+        return {"free": free, "cached": cached, "total": self.num_pages,
+                "running": self.num_pages - free - (self.radix.evictable_pages if self.radix is not None else 0)}
