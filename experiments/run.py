@@ -29,13 +29,19 @@ experiment's model must be the checkpoint's (else exit 2 naming the `--set model
 
 Every run writes settings.json (the full resolved config), metrics.jsonl (per phase), report.json
 (with the resolved config under "config"), report.md and PNG plots into its workdir (default
-runs/<config>). Re-running the same command resumes from the checkpoints there. Compiled programs go
+runs/<config>), run.log (everything the run printed on stdout and stderr, appended by each invocation) and
+TensorBoard events for every phase (`tensorboard --logdir WORKDIR`): the train loop's in PHASE/tensorboard,
+an RL or distillation stage's in tensorboard/STAGE as it runs, and any other phase that wrote per-step rows
+(NAME.jsonl) exported to tensorboard/NAME when the run ends (glm5_jax.train.observe). `--list` prints every
+experiment with its CPU-default wall time and headline figure as last measured (docs/results.md, the one
+place those figures live). Re-running the same command resumes from the checkpoints there. Compiled programs go
 to JAX's persistent cache in WORKDIR/jax_cache (`--compile_cache=DIR|none`), so seeds and resumed
 runs do not compile the same step again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -76,6 +82,75 @@ def define_flags() -> None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class _Tee:
+    """A text stream that writes to `stream` and to `copy` (run.log); asks `stream` whether it is a terminal."""
+
+    def __init__(self, stream, copy):
+        self.stream, self.copy = stream, copy
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.copy.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):          # isatty, fileno, encoding, ...: the real stream's
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def run_log(workdir: str, primary: bool = True):
+    """While the block runs, what this process prints (sys.stdout and sys.stderr: progress, tables, errors)
+    also goes to WORKDIR/run.log, appended (a resumed run adds to it). Local workdirs, primary process."""
+    if not primary or "://" in workdir:
+        yield None
+        return
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "run.log")
+    with open(path, "a", buffering=1) as f:
+        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n")
+        old = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(old[0], f), _Tee(old[1], f)
+        try:
+            yield path
+        finally:
+            sys.stdout, sys.stderr = old
+
+
+def measured() -> dict[str, dict[str, str]]:
+    """{experiment: {"wall", "headline", "source"}} from the table of docs/results.md (the one place the
+    CPU-default wall times and headline figures live); {} where the docs are not beside the code."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results.md")
+    if not os.path.exists(path):
+        return {}
+    out, inside = {}, False
+    with open(path) as f:
+        for line in f:
+            if line.startswith("<!-- experiments table"):
+                inside = True
+            elif line.startswith("<!-- end experiments table"):
+                break
+            elif inside and line.startswith("| `"):
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                out[cells[0].strip("`")] = {"wall": cells[1], "headline": cells[2], "source": cells[3]}
+    return out
+
+
+def list_table() -> str:
+    """`--list`: every registered experiment, its CPU-default wall time and headline figure as last measured."""
+    from experiments.report import md_table
+    got = measured()
+    rows = []
+    for name, exp in sorted(registry.load_all().items()):
+        m = got.get(name, {})
+        rows.append([name, m.get("wall", "not measured"), m.get("headline", "-"), exp.description])
+    return (md_table(["experiment", "CPU default wall", "headline (last measured)", "what it runs"], rows)
+            + "\n\nFigures: docs/results.md (command, commit and machine of each); scales: "
+            + ", ".join(sorted({s for e in registry.load_all().values() for s in e.scales})))
 
 
 def start_distributed(coordinator: str | None = None, num_processes: int | None = None,
@@ -173,25 +248,30 @@ def run_experiment(name: str, workdir: str, scale: str = "tiny", overrides=(), s
         (root / "settings.json").write_text(json.dumps(
             {"experiment": name, "scale": scale, "mesh": mesh_spec, "init_from": init_from, "config": resolved},
             indent=2))
-    t0 = time.time()
-    say = log if primary else (lambda msg: None)      # one process tells the story
-    say(f"== {name} ({scale}) -> {workdir}" + (f" on mesh {mesh_spec}" if mesh is not None else ""))
-    if init_from:
-        say(f"== starting from the weights at {init_from}")
-    if init_from and not takers:
-        say(f"warning: {name}'s config holds no TrainConfig, so --init_from {init_from} is not used")
-    report = exp.run(cfg, workdir, say, mesh=mesh)
-    report["config"] = resolved
-    if init_from:
-        report["init_from"] = init_from
-    if primary:
-        path = root / "report.json"
-        on_disk = json.loads(path.read_text()) if path.exists() else dict(report)
-        on_disk["config"] = resolved
+    with run_log(workdir, primary):      # what the run prints also goes to WORKDIR/run.log
+        t0 = time.time()
+        say = log if primary else (lambda msg: None)      # one process tells the story
+        say(f"== {name} ({scale}) -> {workdir}" + (f" on mesh {mesh_spec}" if mesh is not None else ""))
         if init_from:
-            on_disk["init_from"] = init_from
-        path.write_text(json.dumps(on_disk, indent=2, sort_keys=True))
-    say(f"== {name} finished in {time.time() - t0:.0f} s; report: {root / 'report.md'}")
+            say(f"== starting from the weights at {init_from}")
+        if init_from and not takers:
+            say(f"warning: {name}'s config holds no TrainConfig, so --init_from {init_from} is not used")
+        report = exp.run(cfg, workdir, say, mesh=mesh)
+        if primary and "://" not in workdir:
+            from glm5_jax.train.observe import export_phases
+            for d in export_phases(workdir):
+                say(f"== TensorBoard events of {os.path.relpath(d, workdir)} written from its per-step rows")
+        report["config"] = resolved
+        if init_from:
+            report["init_from"] = init_from
+        if primary:
+            path = root / "report.json"
+            on_disk = json.loads(path.read_text()) if path.exists() else dict(report)
+            on_disk["config"] = resolved
+            if init_from:
+                on_disk["init_from"] = init_from
+            path.write_text(json.dumps(on_disk, indent=2, sort_keys=True))
+        say(f"== {name} finished in {time.time() - t0:.0f} s; report: {root / 'report.md'}")
     return report
 
 
@@ -216,8 +296,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     start_from_flags()
     if FLAGS.list:
-        for name, exp in sorted(registry.load_all().items()):
-            print(f"{name:14s} {exp.description}  (scales: {', '.join(exp.scales)})")
+        print(list_table())
         return
     if not FLAGS.config:
         raise app.UsageError("--config is required; registered: " + ", ".join(sorted(registry.load_all())))

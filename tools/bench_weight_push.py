@@ -74,17 +74,23 @@ def bench(mb: float, servers: int, leaves: int, repeats: int) -> dict:
         ray.shutdown()
 
 
+def define_flags(fv) -> None:
+    """This CLI's flags, defined into `fv` (its own FlagValues, tools.flagparse)."""
+    from absl import flags
+    flags.DEFINE_float("mb", 256, "policy size, MB", flag_values=fv)
+    flags.DEFINE_integer("servers", 2, "receiving actors", flag_values=fv)
+    flags.DEFINE_integer("leaves", 16, "policy leaves", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed pushes a transport (after one warm-up)", flag_values=fv)
+    flags.DEFINE_bool("json", False, "last stdout line: one JSON object", flag_values=fv)
+
+
 def main(argv=None) -> int:
     from absl import flags
 
     from glm5_jax.cli import USAGE_EXIT
     from tools.flagparse import parse
     fv = flags.FlagValues()
-    flags.DEFINE_float("mb", 256, "policy size, MB", flag_values=fv)
-    flags.DEFINE_integer("servers", 2, "receiving actors", flag_values=fv)
-    flags.DEFINE_integer("leaves", 16, "policy leaves", flag_values=fv)
-    flags.DEFINE_integer("repeats", 3, "timed pushes a transport (after one warm-up)", flag_values=fv)
-    flags.DEFINE_bool("json", False, "last stdout line: one JSON object", flag_values=fv)
+    define_flags(fv)
     rest = parse(fv, "tools.bench_weight_push", argv)
     if isinstance(rest, int):
         return rest

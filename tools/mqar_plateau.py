@@ -28,18 +28,23 @@ from glm5_jax.eval import RetrievalAccuracy, evaluate
 from glm5_jax.train import TrainConfig, train
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("pairs", 4, "records per window (every probe holds this many)")
-flags.DEFINE_integer("min_pairs", None, "train windows draw their record count from [min_pairs, pairs]")
-flags.DEFINE_integer("seq", 32, "window length T")
-flags.DEFINE_integer("min_distance", 0, "queries start more than this many tokens after the record block")
-flags.DEFINE_integer("batch", 64, "windows per step")
-flags.DEFINE_integer("steps", 1000, "optimizer steps")
-flags.DEFINE_float("lr", 3e-3, "peak AdamW learning rate (warm-up 50 steps, cosine to 0.1x)")
-flags.DEFINE_integer("eval_every", 50, "steps between probe scores")
-flags.DEFINE_integer("probes", 256, "held-out probe windows")
-flags.DEFINE_enum("attention", "mla", ["mla", "mha", "dsa"], "arm of dsa_vs_mla tiny (its model_configs) to train")
-flags.DEFINE_string("workdir", None, "run folder (default: a fresh temporary folder)")
-flags.DEFINE_bool("json", False, "print the curve as one JSON object on the last line")
+
+
+def define_flags() -> None:
+    """This CLI's flags (defined only when run as a program, so importing the module has no side effect)."""
+    flags.DEFINE_integer("pairs", 4, "records per window (every probe holds this many)")
+    flags.DEFINE_integer("min_pairs", None, "train windows draw their record count from [min_pairs, pairs]")
+    flags.DEFINE_integer("seq", 32, "window length T")
+    flags.DEFINE_integer("min_distance", 0, "queries start more than this many tokens after the record block")
+    flags.DEFINE_integer("batch", 64, "windows per step")
+    flags.DEFINE_integer("steps", 1000, "optimizer steps")
+    flags.DEFINE_float("lr", 3e-3, "peak AdamW learning rate (warm-up 50 steps, cosine to 0.1x)")
+    flags.DEFINE_integer("eval_every", 50, "steps between probe scores")
+    flags.DEFINE_integer("probes", 256, "held-out probe windows")
+    flags.DEFINE_enum("attention", "mla", ["mla", "mha", "dsa"], "arm of dsa_vs_mla tiny (its model_configs) to train")
+    flags.DEFINE_string("workdir", None, "run folder (default: a fresh temporary folder)")
+    flags.DEFINE_bool("json", False, "print the curve as one JSON object on the last line")
+
 
 VOCAB = 128
 N_DIGITS, N_KEYS = 10, len(KEY_LETTERS)
@@ -107,4 +112,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, define_flags)

@@ -46,7 +46,7 @@ from glm5_jax.rl.rollout import MISMATCH_MODES, build_batch, collect_rollouts
 from glm5_jax.rl.rollout_engine import RESHARD_CHUNK_BYTES, RolloutEngine, bytes_per_device
 from glm5_jax.rl.tasks import aggregate_statuses
 from glm5_jax.train.config import TrainConfig
-from glm5_jax.train.observe import fmt_eta
+from glm5_jax.train.observe import ScalarLog, fmt_eta, phase_logdir
 from glm5_jax.train.state import init_train_state
 from glm5_jax.train.step import make_train_step
 
@@ -259,6 +259,8 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     """GRPO for ``rl.steps`` steps from ``params``. ``sample_task(rng) -> Task`` draws training prompts.
 
     Returns {"params", "history": per-step rows, "evals": [{"step", ...eval_fn(params)}], "stopped_at"}.
+    metrics_path: DIR/NAME.jsonl gets every row as it is made, and DIR/tensorboard/NAME its scalars
+    (glm5_jax.train.observe.ScalarLog).
     mesh: where the training state lives and the update runs (default: one device).
     advantage_fn(row_tasks, batch) -> [B, S] per-token advantages replacing the group advantages (the
     batch already holds old_logp; row_tasks[b] is row b's task). On-policy distillation plugs in here
@@ -309,6 +311,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
     else:
         state, _ = init_train_state(config, rl_train_config(rl), mesh, tx=tx, params=params)
     mf = open(metrics_path, "w") if metrics_path else None
+    tb = ScalarLog(phase_logdir(metrics_path), purge_step=first) if metrics_path else None   # DIR/tensorboard/NAME
     if mf:
         for row in history:
             mf.write(json.dumps(row) + "\n")
@@ -387,6 +390,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             if mf:
                 mf.write(json.dumps(row) + "\n")
                 mf.flush()
+                tb.write(row)
             if step == 1 or step % 5 == 0 or step == rl.steps:
                 ev = f" eval_acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
                 log(f"[{name}] step {step}/{rl.steps} reward {row['reward_mean']:.3f} pop {row['pop_frac']:.4f} "
@@ -412,6 +416,7 @@ def run_grpo(config, params, rl: RLConfig, sample_task: Callable[[random.Random]
             watch.close()
         if mf:
             mf.close()
+            tb.close()
         if ckpt is not None:
             ckpt.close()
     return {"params": state["params"], "history": history, "evals": evals, "stopped_at": stopped_at}

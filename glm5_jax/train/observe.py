@@ -175,3 +175,78 @@ class RunObserver:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class ScalarLog:
+    """TensorBoard scalars of a phase outside the train loop (an RL or distillation stage): every numeric
+    field of each row at the row's step, into `logdir` (primary process only). purge_step: a resumed
+    stage's first step, so TensorBoard hides what a crashed run logged past it."""
+
+    def __init__(self, logdir: str, *, purge_step: int | None = None, primary: bool | None = None):
+        self.logdir, self.purge_step = logdir, purge_step
+        self.primary = jax.process_index() == 0 if primary is None else bool(primary)
+        self._writer = None
+
+    def write(self, row: dict, step: int | None = None) -> None:
+        if not self.primary:
+            return
+        step = int(row["step"] if step is None else step)
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+            self._writer = SummaryWriter(self.logdir, purge_step=self.purge_step, flush_secs=30)
+        for key, value in row.items():
+            v = None if key == "step" else _scalar(value)
+            if v is not None:
+                self._writer.add_scalar(key, v, global_step=step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def has_events(logdir: str) -> bool:
+    """Whether `logdir` holds a TensorBoard event file (directly, not in a subfolder)."""
+    return os.path.isdir(logdir) and any(n.startswith("events.out.tfevents") for n in os.listdir(logdir))
+
+
+def phase_logdir(jsonl_path: str) -> str:
+    """Where a phase's TensorBoard events go: the train loop's DIR/tensorboard for DIR/metrics.jsonl, and
+    DIR/tensorboard/NAME for another phase's DIR/NAME.jsonl (an RL stage's rl_b.jsonl)."""
+    d, name = os.path.split(jsonl_path)
+    stem = name[:-len(".jsonl")] if name.endswith(".jsonl") else name
+    return os.path.join(d, "tensorboard") if stem == "metrics" else os.path.join(d, "tensorboard", stem)
+
+
+def export_phases(workdir: str) -> list[str]:
+    """TensorBoard events for every phase of a run that wrote per-step rows (a *.jsonl whose rows carry a
+    numeric "step") but no events of its own (an agentic stage that writes its history at the end):
+    -> the log dirs written. Files whose first row has no step (corpora, dropped documents) are skipped."""
+    import json
+    written = []
+    for root, dirs, files in os.walk(workdir):
+        dirs[:] = [x for x in dirs if x not in ("tensorboard", "jax_cache", "checkpoints", "profile")]
+        for name in sorted(files):
+            if not name.endswith(".jsonl"):
+                continue
+            path = os.path.join(root, name)
+            logdir = phase_logdir(path)
+            if has_events(logdir):
+                continue
+            rows = []
+            with open(path) as f:
+                for i, line in enumerate(f):
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        break                     # a line cut short by a crash: the rows before it
+                    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                        break
+                    rows.append(row)
+            if rows:
+                log = ScalarLog(logdir, primary=True)
+                for row in rows:
+                    log.write(row)
+                log.close()
+                written.append(logdir)
+    return written
