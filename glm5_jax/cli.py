@@ -90,7 +90,10 @@ def _prog(argv0: str) -> str:
 
 def _parse_or_exit(argv: Sequence[str]) -> list[str]:
     if wants_help(argv[1:]):
-        print(help_text(flags.FLAGS, _prog(argv[0])), flush=True)
+        try:
+            print(help_text(flags.FLAGS, _prog(argv[0])), flush=True)
+        except BrokenPipeError:             # `--help | head`: the reader left; not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     rest = _parse(argv, flags.FLAGS)
     if rest is None:
