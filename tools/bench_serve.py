@@ -43,7 +43,16 @@ def define_flags() -> None:
     flags.DEFINE_float("out_sigma", 1.3, "Log-normal sigma of the output length (the tail).")
     flags.DEFINE_integer("out_max", 256, "Output lengths are clipped to [2, out_max].")
     flags.DEFINE_integer("seed", 0, "Workload and weights seed.")
-    flags.DEFINE_list("policies", ["continuous", "static", "continuous_mtp", "hf_generate"], "Policies to run.")
+    flags.DEFINE_list("policies", ["paged", "continuous", "static", "continuous_mtp", "hf_generate"], "Policies to run.")
+    # the paged runtime vs its one-row-per-slot policy (glm5_jax.serve.runtime_bench), on one cache size
+    flags.DEFINE_integer("kv_cache_tokens", 8192, "paged: cache positions both policies share (slots: kv_cache_tokens // max_model_len rows).")
+    flags.DEFINE_integer("page_size", 16, "paged: tokens a page.")
+    flags.DEFINE_integer("max_running", 32, "paged: sequences running at once.")
+    flags.DEFINE_integer("max_num_batched_tokens", 256, "paged: token rows a step (decodes first, then prefill chunks).")
+    flags.DEFINE_integer("chat_requests", 96, "paged: requests of the chat workload.")
+    flags.DEFINE_integer("grpo_groups", 4, "paged: GRPO groups (n=8 samples of one prompt each).")
+    flags.DEFINE_integer("grpo_prompt", 1000, "paged: prompt tokens of a GRPO group.")
+    flags.DEFINE_integer("grpo_out", 32, "paged: tokens sampled per GRPO sample.")
 
 
 def workload(n: int, rate: float, vocab: int, seed: int, median: float = 24.0, sigma: float = 1.3, out_max: int = 256):
@@ -177,7 +186,15 @@ def main(argv):
     for pol in FLAGS.policies:
         if not FLAGS.json:
             print(f"running {pol} ...", flush=True)
-        if pol == "continuous":
+        if pol == "paged":
+            from glm5_jax.serve import runtime_bench as rb
+            cfg = config
+            result[pol] = rb.compare(
+                cfg, params, cache_tokens=FLAGS.kv_cache_tokens, max_model_len=FLAGS.grpo_prompt + FLAGS.grpo_out + 1,
+                page_size=FLAGS.page_size, budget=FLAGS.max_num_batched_tokens, max_running=FLAGS.max_running,
+                chat=rb.chat_workload(FLAGS.chat_requests, cfg.vocab_size, FLAGS.seed, 256),
+                grpo=rb.grpo_workload(FLAGS.grpo_groups, 8, FLAGS.grpo_prompt, FLAGS.grpo_out, cfg.vocab_size, FLAGS.seed))
+        elif pol == "continuous":
             result[pol] = run_engine(config, params, reqs, batching="continuous", **kw)
         elif pol == "static":
             result[pol] = run_engine(config, params, reqs, batching="static", **kw)

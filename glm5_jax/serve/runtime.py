@@ -150,9 +150,30 @@ class PagedRuntime:
         seq.pages, seq.cached = [], 0
         self.running.remove(seq)
 
+    def _shares_unfilled(self, seq: Seq) -> bool:
+        """Whether a running sequence is still prefilling a whole page that seq's context shares (seq then
+        waits for those pages to reach the radix instead of computing them a second time)."""
+        if self.radix is None or not seq.prefix:
+            return False
+        ctx, ps = seq.context, self.page_size
+        for r in self.running:
+            if not r.prefix or r.cached >= len(r.context) - 1:
+                continue
+            common = 0
+            for a, b in zip(ctx, r.context):
+                if a != b:
+                    break
+                common += 1
+            if common - common % ps > r.cached - r.cached % ps and common >= ps:
+                return True
+        return False
+
     def _admit(self, cow: list) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_running:
+                return
+            if self._shares_unfilled(seq):
+                continue
             ctx = seq.context
             pages, cached, partial = [], 0, None
             if self.radix is not None and seq.prefix:
@@ -172,7 +193,7 @@ class PagedRuntime:
                     self.pages.release(pages)
                     return
                 pages += new
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.pages, seq.cached, seq.epoch = pages, cached, self.epoch
             seq.reused = cached if not seq.tokens else seq.reused
             self.stats["reused_tokens"] += cached
@@ -270,6 +291,9 @@ class PagedRuntime:
             decode = len(seq.context) - seq.cached == 1
             self.stats["decode_tokens" if decode else "prefill_tokens"] += take
             seq.cached += take
+            if not decode and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
+                # its prefilled whole pages are shared from now on (the n samples of one prompt)
+                self.radix.insert(seq.context[:seq.cached], seq.pages[:seq.cached // self.page_size])
             if seq.cached < len(seq.context):
                 continue
             i = slot[seq]
