@@ -41,7 +41,6 @@ runs do not compile the same step again.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -54,6 +53,7 @@ from etils import epath
 from experiments import registry
 from glm5_jax.overrides import as_dict, flat_items
 from glm5_jax import hugepages
+from glm5_jax.progress import run_log
 from glm5_jax.cli import main_wrapper, run as run_cli
 
 FLAGS = flags.FLAGS
@@ -82,43 +82,6 @@ def define_flags() -> None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-class _Tee:
-    """A text stream that writes to `stream` and to `copy` (run.log); asks `stream` whether it is a terminal."""
-
-    def __init__(self, stream, copy):
-        self.stream, self.copy = stream, copy
-
-    def write(self, text: str) -> int:
-        self.copy.write(text)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.copy.flush()
-        self.stream.flush()
-
-    def __getattr__(self, name):          # isatty, fileno, encoding, ...: the real stream's
-        return getattr(self.stream, name)
-
-
-@contextlib.contextmanager
-def run_log(workdir: str, primary: bool = True):
-    """While the block runs, what this process prints (sys.stdout and sys.stderr: progress, tables, errors)
-    also goes to WORKDIR/run.log, appended (a resumed run adds to it). Local workdirs, primary process."""
-    if not primary or "://" in workdir:
-        yield None
-        return
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "run.log")
-    with open(path, "a", buffering=1) as f:
-        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n")
-        old = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(old[0], f), _Tee(old[1], f)
-        try:
-            yield path
-        finally:
-            sys.stdout, sys.stderr = old
 
 
 def measured() -> dict[str, dict[str, str]]:

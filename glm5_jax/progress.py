@@ -11,6 +11,9 @@ without code of ours; BUILD_NOTES.md says why tqdm):
 
     progress.note("loading weights")                           # one line, with the time since the first note
 
+    with progress.run_log(workdir):                            # what the block prints also goes to WORKDIR/run.log
+        ...
+
 `quiet=True` (or GLM5_QUIET=1 in the environment) turns all three off.
 """
 
@@ -85,4 +88,42 @@ def heartbeat(what: str, *, every: float = 30.0, quiet: bool = False, say=None, 
         say(f"{what}: done in {elapsed(time.monotonic() - t0)}")
 
 
-__all__ = ["bar", "elapsed", "heartbeat", "note"]
+class _Tee:
+    """A text stream that writes to `stream` and to `copy` (run.log); asks `stream` whether it is a terminal."""
+
+    def __init__(self, stream, copy):
+        self.stream, self.copy = stream, copy
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.copy.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):          # isatty, fileno, encoding, ...: the real stream's
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def run_log(workdir: str, primary: bool = True):
+    """While the block runs, what this process prints (sys.stdout and sys.stderr: progress, tables, errors)
+    also goes to WORKDIR/run.log, appended (a resumed run adds to it). Local workdirs, primary process
+    (experiments.run). Output written below Python (XLA's C++ logging) does not pass through it."""
+    if not primary or "://" in workdir:
+        yield None
+        return
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "run.log")
+    with open(path, "a", buffering=1) as f:
+        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n")
+        old = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(old[0], f), _Tee(old[1], f)
+        try:
+            yield path
+        finally:
+            sys.stdout, sys.stderr = old
+
+
+__all__ = ["bar", "elapsed", "heartbeat", "note", "run_log"]

@@ -239,7 +239,7 @@ def test_heartbeat_beats_while_a_block_runs_and_is_silent_when_quiet():
 
 
 def test_run_log_keeps_what_the_run_printed(tmp_path, capsys):
-    from experiments.run import run_log
+    from glm5_jax.progress import run_log
     with run_log(str(tmp_path)) as path:
         print("to stdout")
         print("to stderr", file=sys.stderr)
