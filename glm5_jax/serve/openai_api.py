@@ -47,6 +47,7 @@ from glm5_jax.data.hf_chat_template import load_chat_template
 from glm5_jax.serve.engine import EngineError, QueueFull, SamplingParams
 from glm5_jax.serve.http import HTTPError, error_middleware, parse_as, read_json, serve_in_thread
 from glm5_jax.serve.metrics import CONTENT_TYPE_LATEST
+from glm5_jax.serve.multihost import lost, multi_process
 from glm5_jax.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["OpenAIServer", "render_error", "run_in_thread"]
@@ -90,6 +91,8 @@ class OpenAIServer:
         return app
 
     async def health(self, request):
+        if lost():        # a multi-process mesh lost a host: unhealthy until the process exits (serve.multihost)
+            return web.json_response({"status": "unavailable", "error": lost(), "model": self.model_name}, status=503)
         return web.json_response({"status": "ok", "model": self.model_name, "running": self.engine.active,
                                   "waiting": self.engine.queue_length, "version": self.engine.version})
 
@@ -176,7 +179,31 @@ class OpenAIServer:
         return out
 
     # ---------------------------------------------------------------- engine bridge
+    @staticmethod
+    def _check_mesh():
+        """503 with the reason once the mesh lost a host (serve.multihost.lost): no request is answered after."""
+        if lost():
+            raise HTTPError(503, f"the server lost a host and is shutting down: {lost()}", code="host_lost", close=True)
+
+    async def _next_event(self, q):
+        """The next (handle, event) of a stream; 503 (HTTPError) once the mesh lost a host."""
+        while True:
+            self._check_mesh()
+            try:
+                return await asyncio.wait_for(q.get(), 0.25)
+            except asyncio.TimeoutError:
+                continue
+
+    async def _stream_lost(self, resp, handles, e: HTTPError):
+        """A stream cut by a lost host: its handles cancelled, the 503 body as the last event."""
+        for h in handles:
+            h.cancel()
+        await self._sse(resp, render_error(e))
+        return resp
+
     def _submit(self, ids, sp, loop, q, rid):
+        self._check_mesh()
+
         def on_event(h, ev):
             loop.call_soon_threadsafe(q.put_nowait, (h, ev))
         try:
@@ -194,6 +221,7 @@ class OpenAIServer:
                 try:
                     h, ev = await asyncio.wait_for(q.get(), 0.25)
                 except asyncio.TimeoutError:
+                    self._check_mesh()
                     tr = request.transport
                     if tr is None or tr.is_closing():
                         raise ConnectionResetError("client went away")
@@ -207,6 +235,9 @@ class OpenAIServer:
 
     def _error_of(self, h):
         if h.finish_reason == "error":
+            if lost() or multi_process():     # a failed step of a multi-process mesh: a peer died or hangs
+                raise HTTPError(503, f"generation failed on the multi-process mesh (a host lost?): {h.error}"
+                                + (f"; {lost()}" if lost() else ""), code="host_lost", close=True)
             raise HTTPError(500, f"generation failed: {h.error}", code="internal_error")
 
     def _piece(self, t: int) -> str:
@@ -318,7 +349,7 @@ class OpenAIServer:
                     await self._sse(resp, {**base, "choices": [{"index": k, "text": ptext, "logprobs": None,
                                                                 "finish_reason": None}]})
             while left:
-                h, ev = await q.get()
+                h, ev = await self._next_event(q)
                 k = by_id[h.id]
                 mt = jobs[k][4]
                 if isinstance(ev, str):
@@ -347,6 +378,12 @@ class OpenAIServer:
                 await self._sse(resp, {**base, "choices": [],
                                        "usage": self._usage(n_prompt, handles, [j[4] > 0 for j in jobs])})
             await self._sse(resp, b"[DONE]")
+        except HTTPError as e:
+            if e.code != "host_lost":
+                for h in handles:
+                    h.cancel()
+                raise
+            return await self._stream_lost(resp, handles, e)
         except BaseException:
             for h in handles:
                 h.cancel()
@@ -512,7 +549,7 @@ class OpenAIServer:
                     for d in p.feed(ctx["forced"]):
                         await self._sse(resp, chunk(j, d))
             while left:
-                h, ev = await q.get()
+                h, ev = await self._next_event(q)
                 j = by_id[h.id]
                 p = parsers[j]
                 if isinstance(ev, str):
@@ -540,6 +577,12 @@ class OpenAIServer:
             if include_usage:
                 await self._sse(resp, {**base, "choices": [], "usage": self._usage(ctx["n_prompt"], handles)})
             await self._sse(resp, b"[DONE]")
+        except HTTPError as e:
+            if e.code != "host_lost":
+                for h in handles:
+                    h.cancel()
+                raise
+            return await self._stream_lost(resp, handles, e)
         except BaseException:
             for h in handles:
                 h.cancel()
