@@ -49,6 +49,7 @@ from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.rl.sft import CharVocab, SFTIterator, char_policy
 from glm5_jax.rl.tasks import distinct_tasks, draw_excluding
 from glm5_jax.train import TrainConfig, train
+from glm5_jax.train.observe import write_scalars
 
 # async first: its wall time is the clock point at which the sync arm's policy is kept for the matched
 # comparison (the async arm, at >= 1.5x the throughput, is the shorter one)
@@ -164,6 +165,7 @@ def run(cfg: AsyncVsSyncConfig, workdir: str, log, mesh=None) -> dict:
         t_match = arms["async"]["wall_s"] if arm == "sync" else None
         r = run_agentic(cfg.model, sft_params, acfg, vocab, sample_task, log=log, workers=workers,
                         snapshot_wall_s=t_match, mesh=mesh)
+        write_scalars(os.path.join(workdir, "tensorboard", f"rl_{arm}"), r["history"])     # TensorBoard: the arm's steps
         evaluate_on_test = functools.partial(evaluate, workers, vocab, test, max_turns=acfg.max_turns,
                                              max_len=acfg.max_len, max_new_tokens=acfg.max_new_tokens)
         after = evaluate_on_test(r["params"])

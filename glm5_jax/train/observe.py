@@ -205,6 +205,15 @@ class ScalarLog:
             self._writer = None
 
 
+def write_scalars(logdir: str, rows) -> None:
+    """A finished phase's per-step rows (each with its "step") as TensorBoard scalars in `logdir`
+    (primary process only): for a stage that hands back its history instead of writing as it runs."""
+    log = ScalarLog(logdir)
+    for row in rows:
+        log.write(row)
+    log.close()
+
+
 def has_events(logdir: str) -> bool:
     """Whether `logdir` holds a TensorBoard event file (directly, not in a subfolder)."""
     return os.path.isdir(logdir) and any(n.startswith("events.out.tfevents") for n in os.listdir(logdir))
@@ -244,9 +253,6 @@ def export_phases(workdir: str) -> list[str]:
                         break
                     rows.append(row)
             if rows:
-                log = ScalarLog(logdir, primary=True)
-                for row in rows:
-                    log.write(row)
-                log.close()
+                write_scalars(logdir, rows)
                 written.append(logdir)
     return written
