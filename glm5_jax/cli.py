@@ -73,12 +73,26 @@ def wants_help(argv: Sequence[str]) -> bool:
     return any(a in HELP_ARGS for a in argv)
 
 
+def flag_error(e: flags.Error, fv: flags.FlagValues) -> str:
+    """One line for a bad flag: absl's message (it names the flag and value), what the flag takes where
+    absl leaves that out ("a non-negative integer", "true or false"), and where the flags are listed."""
+    import re
+    msg = " ".join(str(e).split())
+    m = re.match(r"flag --(\w+)=", msg)
+    if m and m.group(1) in fv:
+        flag = fv[m.group(1)]
+        takes = "true or false" if flag.boolean else flag.parser.syntactic_help
+        if takes and takes not in msg:
+            msg += f"; --{flag.name} takes {takes}"
+    return f"error: {msg} (--help lists the flags)"
+
+
 def _parse(argv: Sequence[str], fv: flags.FlagValues) -> list[str] | None:
     """argv parsed into fv; None (after one "error: ..." line on stderr) when a flag is bad."""
     try:
         return fv(list(argv))
     except flags.Error as e:
-        print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
+        print(flag_error(e, fv), file=sys.stderr, flush=True)
         return None
 
 
@@ -135,4 +149,4 @@ def call(main: Callable[[list[str]], int | None], define_flags: Callable[[], Non
     return int(main(rest) or 0)
 
 
-__all__ = ["HELP_ARGS", "USAGE_EXIT", "call", "help_text", "main_wrapper", "run", "wants_help"]
+__all__ = ["HELP_ARGS", "USAGE_EXIT", "call", "flag_error", "help_text", "main_wrapper", "run", "wants_help"]

@@ -43,3 +43,8 @@ def test_async_vs_sync_micro_run_writes_complete_report(tmp_path):
         n = sum(0 < w <= t_common for w, _ in rep["arms"][a]["curve"])
         assert sum(w[a]["n"] for w in rep["reward_windows"] if w[a]) == n == rep["train_reward_time_avg"][a]["n"]
     assert (tmp_path / "report.md").exists() and (tmp_path / "reward_vs_wall.png").exists()
+    # every phase's TensorBoard events and what the run printed (issue 67)
+    from glm5_jax.train.observe import has_events
+    for phase in ("sft/tensorboard", "tensorboard/rl_sync", "tensorboard/rl_async"):
+        assert has_events(str(tmp_path / phase)), phase
+    assert "[sft] TEST sampled reward" in (tmp_path / "run.log").read_text()

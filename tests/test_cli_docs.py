@@ -23,23 +23,33 @@ NOT_CLIS = {"pytest", "pip"}            # other programs' `python -m`
 
 # Run in a child: import each CLI, define its flags alone, report them and its --help text.
 _COLLECT = r"""
-import importlib, inspect, json, sys
+import contextlib, importlib, inspect, io, json, sys
 from absl import flags
 from glm5_jax import cli
 out = {}
 for name in sys.argv[1:]:
-    define = importlib.import_module(name).define_flags
+    mod = importlib.import_module(name)
+    define = mod.define_flags
+    printed = io.StringIO()
     if inspect.signature(define).parameters:          # tools.flagparse style: its own FlagValues
         fv = flags.FlagValues()
         define(fv)
         own = list(fv)
+        with contextlib.redirect_stdout(printed):
+            code = mod.main(["--help"])               # what `python -m NAME --help` returns
     else:                                             # cli.run style: the global registry, alone
         fv = flags.FLAGS
         before = set(fv)
         define()
         own = [n for n in fv if n not in before]
-    out[name] = {"flags": own, "bools": [n for n in own if fv[n].boolean], "help": cli.help_text(fv, name),
-                 "absl": [n for n in fv if n not in own]}
+        try:
+            with contextlib.redirect_stdout(printed):
+                cli._parse_or_exit([name, "--help"])  # what cli.run does with `python -m NAME --help`
+            code = None
+        except SystemExit as e:
+            code = e.code
+    out[name] = {"flags": own, "bools": [n for n in own if fv[n].boolean], "help": printed.getvalue(),
+                 "absl": [n for n in fv if n not in own], "help_exit": code}
     if fv is flags.FLAGS:
         for n in own:
             delattr(fv, n)
@@ -78,10 +88,11 @@ def test_every_cli_goes_through_glm5_jax_cli_and_has_define_flags():
             assert "flagparse" in src, name
 
 
-def test_help_of_every_cli_lists_every_flag_it_accepts(clis):
+def test_help_of_every_cli_exits_0_and_lists_every_flag_it_accepts(clis):
     assert len(clis) >= 25
     for name, c in clis.items():
         assert c["flags"], f"{name} defines no flags"
+        assert c["help_exit"] == 0, f"{name} --help exits {c['help_exit']}"
         for f in c["flags"]:
             listed = f"--{f}:" in c["help"] or f"--[no]{f}:" in c["help"]
             assert listed, f"{name} --help does not list --{f}"
@@ -262,6 +273,52 @@ def test_export_phases_writes_events_for_step_rows_and_skips_other_jsonl(tmp_pat
     rows = [(step, round(v, 3)) for tag, step, v in read_events(written[0]) if tag == "reward_mean"]
     assert rows == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert export_phases(str(tmp_path)) == []          # events there already: nothing written twice
+
+
+@pytest.mark.slow      # ~60 s: an SFT, an RL and a distillation stage at smoke size
+def test_distill_recovery_workdir_holds_run_log_and_events_of_every_phase(tmp_path):
+    from experiments.run import run_experiment
+    from glm5_jax.train.observe import has_events
+    smoke = {"train.steps": 4, "train.batch_size": 8, "rl_b.steps": 2, "rl_b.prompts_per_step": 4,
+             "rl_b.group_size": 2, "distill.steps": 2, "distill.prompts_per_step": 8, "eval_every": 1,
+             "test_tasks": 16, "val_tasks": 16, "test_tasks_b": 16, "val_tasks_b": 16}
+    run_experiment("distill_recovery", str(tmp_path), "tiny", [f"{k}={v}" for k, v in smoke.items()])
+    for phase in ("sft_a/tensorboard", "tensorboard/rl_b", "tensorboard/distill"):
+        assert has_events(str(tmp_path / phase)), phase
+    log = (tmp_path / "run.log").read_text()
+    assert "[distill] step 2/2" in log and "distill_recovery finished" in log
+
+
+@pytest.mark.slow      # ~20 s: a tiny checkpoint served by the real command
+def test_serve_prints_progress_then_the_bound_port_for_port_0(tmp_path):
+    import signal
+    import urllib.request
+
+    import jax
+
+    from glm5_jax import hf, model
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.data.tokenizer import train_hf_tokenizer
+    tok = train_hf_tokenizer(["Hello world, this is a tiny model answering questions.\n"] * 40, 320,
+                             str(tmp_path / "tokenizer.json"))
+    cfg = ModelConfig(vocab_size=tok.vocab_size, num_layers=2, mtp_depth=0)
+    hf.save_checkpoint(cfg, model.init_params(cfg, jax.random.PRNGKey(0)), str(tmp_path))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, "-m", "tools.serve", f"--model={tmp_path}", "--port=0", "--max_batch=2",
+                          "--max_model_len=64", "--served_model_name=tiny"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()                      # blocks until the server listens
+        m = re.match(r"serving tiny on http://127\.0\.0\.1:(\d+) ", line)
+        assert m and int(m.group(1)) > 0, line
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/health", timeout=30).read())
+        assert health["model"] == "tiny"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        err = p.stderr.read()
+        assert "loading the weights" in err and "warm-up" in err and "done in" in err, err[-2000:]
+    finally:
+        p.kill()
 
 
 def test_progress_bar_reports_rate_and_eta_on_stderr_and_nothing_when_quiet(capsys):

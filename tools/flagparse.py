@@ -11,7 +11,7 @@ from typing import Sequence
 
 from absl import flags
 
-from glm5_jax.cli import USAGE_EXIT, help_text, wants_help
+from glm5_jax.cli import USAGE_EXIT, flag_error, help_text, wants_help
 
 
 def parse(fv: flags.FlagValues, prog: str, argv: Sequence[str] | None, usage: str = "[flags]") -> list[str] | int:
@@ -25,5 +25,5 @@ def parse(fv: flags.FlagValues, prog: str, argv: Sequence[str] | None, usage: st
     try:
         return fv([prog, *argv])[1:]
     except flags.Error as e:
-        print(f"error: {e} (--help lists the flags)", file=sys.stderr, flush=True)
+        print(flag_error(e, fv), file=sys.stderr, flush=True)
         return USAGE_EXIT
