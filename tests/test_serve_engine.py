@@ -84,12 +84,12 @@ def test_no_recompiles_after_warmup_and_seeded_sampling_is_slot_independent(para
 
 
 def test_decode_buckets_equal_full_width_decoding_and_nothing_recompiles(params):
-    """decode_buckets=(2, 4): a step runs over the first 2 slots whenever they hold every busy request (new
+    """The slot cache (kv_cache="slots"), decode_buckets=(2, 4): a step runs over the first 2 slots whenever they hold every busy request (new
     requests take the lowest slots, a draining batch is compacted into them). For a mix of concurrent
     greedy requests (joining and leaving the batch, later turns reusing a prefix) the tokens and log-probs
     are exactly those of decode_buckets=(4,) (every step over all 4 slots), and nothing compiles after
     warm-up."""
-    kw = dict(max_batch=4, max_model_len=48, prefill_buckets=(8, 16, 48))
+    kw = dict(max_batch=4, max_model_len=48, prefill_buckets=(8, 16, 48), kv_cache="slots")
     small = Engine(CFG, params, decode_buckets=(2, 4), **kw)
     full = Engine(CFG, params, decode_buckets=(4,), **kw)
     rng = np.random.default_rng(3)

@@ -133,9 +133,9 @@ def test_copy_on_write_partial_page_and_limit():
     cache = RadixCache(pool)
     s = list(range(1, 11))                                    # 2.5 pages
     s_pages = pool.alloc(3)
-    with pytest.raises(ValueError, match="3 pages need 12 tokens, got 10"):
-        cache.insert(s, s_pages)
-    assert cache.insert(s, s_pages[:2]) == 2                  # the partial third page is not cached
+    with pytest.raises(ValueError, match="4 pages need more than 12 tokens, got 10"):
+        cache.insert(s, s_pages + [7])
+    assert cache.insert(s, s_pages[:2]) == 2                  # the caller may leave the partial third page out
     pool.release(s_pages)
     assert cache.match(s).pages == s_pages[:2] and cache.match(s).partial is None
     pool.release(s_pages[:2] * 2)
@@ -349,3 +349,26 @@ def test_page_accounting_random_scheduler_run():
     cached = cache.cached_pages
     assert cache.evict(N) == cached
     assert cache.cached_pages == 0 and pool.free == N
+
+
+def test_a_partial_last_page_is_a_leaf_that_later_prompts_copy():
+    """A finished sequence of 2.5 pages caches its partial third page as a leaf keyed by its 2 tokens: a later
+    turn that extends it matches 2 pages plus (that page, 2) to copy; a whole-page lookup never lands on it."""
+    P = 4
+    pool = PagePool(6, P)
+    cache = RadixCache(pool)
+    s = list(range(1, 11))
+    pages = pool.alloc(3)
+    assert cache.insert(s, pages) == 3
+    pool.release(pages)
+    m = cache.match(s + [50, 51, 52])
+    assert m == Match(pages[:2], 8, (pages[2], 2))
+    pool.release(m.pages)
+    m = cache.match(s[:8] + [9, 99, 98, 97])                # one token of the partial page, then differs
+    assert m == Match(pages[:2], 8, (pages[2], 1))
+    pool.release(m.pages)
+    whole = s[:8] + [9, 10, 11, 12]
+    extra = pool.alloc(1)
+    assert cache.insert(whole, pages[:2] + extra) == 1       # a whole third page beside the partial leaf
+    pool.release(extra)
+    assert cache.match(whole + [1]).pages == pages[:2] + extra

@@ -65,6 +65,7 @@ from glm5_jax.serve.detok import TextStream
 from glm5_jax.serve.multihost import Broadcast, is_leader, multi_process, to_host
 from glm5_jax.serve.programs import TOP_LOGPROBS, Programs
 from glm5_jax.serve.request import EngineError, QueueFull, RequestHandle, SamplingParams, TokenEvent
+from glm5_jax.serve.runtime import PagedRuntime, Seq
 from glm5_jax.sharding import SERVE_RULES
 
 __all__ = ["Engine", "EngineError", "QueueFull", "RequestHandle", "SamplingParams", "TOP_LOGPROBS", "TokenEvent"]
@@ -121,9 +122,14 @@ class Engine:
                  min_reuse: int = 4, batching: str = "continuous", version: int = 0, seed: int = 0,
                  metrics=None, start: bool = True, speculative: int = 0,
                  decode_buckets: Optional[Sequence[int]] = None, max_prompt_len: Optional[int] = None,
-                 mesh=None, rules=SERVE_RULES):
+                 mesh=None, rules=SERVE_RULES, kv_cache: str = "paged", page_size: int = 16,
+                 kv_cache_tokens: Optional[int] = None, max_num_batched_tokens: Optional[int] = None):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r}: continuous | static")
+        if kv_cache not in ("paged", "slots"):
+            raise ValueError(f"kv_cache={kv_cache!r}: paged | slots")
+        if speculative:
+            kv_cache = "slots"            # MTP speculation runs on the slot cache until it moves onto pages
         if max_batch < 1 or max_model_len < 2:
             raise ValueError(f"max_batch={max_batch} must be >= 1 and max_model_len={max_model_len} >= 2")
         if prefill_chunk < 1:
@@ -148,10 +154,22 @@ class Engine:
         self.num_draft = int(speculative)
         if self.num_draft:
             check_num_draft(config, self.num_draft)
-        # the last verification writes up to n + 1 slots past the context
-        size = self.max_len + (self.num_draft + 2 if self.num_draft else 0)
-        self.programs = Programs(config, mesh, max_batch=self.max_batch, size=size, num_draft=self.num_draft,
-                                 rules=rules)
+        self.runtime = None
+        if kv_cache == "paged":
+            if len(self.decode_buckets) > 1:
+                self.decode_buckets = (self.max_batch,)    # a paged step runs as many rows as it has tokens
+            budget = max_num_batched_tokens or self.max_batch + self.piece
+            self.runtime = PagedRuntime(config, params, max_running=self.max_batch, max_model_len=self.max_len,
+                                        page_size=page_size, kv_cache_tokens=kv_cache_tokens,
+                                        max_num_batched_tokens=budget, prefill_chunk=self.piece,
+                                        prefix_cache="radix" if prefix_reuse else "none", mesh=mesh, rules=rules)
+            self.programs = self.runtime.programs
+            self.buckets = self.runtime.widths
+        else:
+            # the last verification writes up to n + 1 slots past the context
+            size = self.max_len + (self.num_draft + 2 if self.num_draft else 0)
+            self.programs = Programs(config, mesh, max_batch=self.max_batch, size=size, num_draft=self.num_draft,
+                                     rules=rules)
         self.config = self.programs.config
         if len(self.decode_buckets) > 1 and self.programs.shards > 1:
             raise ValueError(f"decode_buckets={self.decode_buckets}: row buckets need a single batch shard; this "
@@ -159,12 +177,16 @@ class Engine:
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.max_queue, self.prefix_reuse, self.min_reuse = int(max_queue), bool(prefix_reuse), int(min_reuse)
         self.batching = batching
-        self.params, self.version = self.programs.place_params(params), int(version)
+        self.params = self.runtime.params if self.runtime else self.programs.place_params(params)
+        self.version = int(version)
         self._pending_weights = None          # a version waiting to be swapped in (its params in self._weights)
         self._weights: dict = {}              # version -> params handed to update_weights, not yet swapped in
         self._bcast = Broadcast() if multi_process(self.programs.mesh) else None
         self._epoch = 0                       # weight swaps so far: rows of older epochs are never reused
-        self._reset_cache()
+        if self.runtime is None:
+            self._reset_cache()
+        else:
+            self.state = None                 # the runtime holds the page pool
         self.acceptance = {"length": 1.0, "per_depth": [], "steps": 0}
         self._acc = np.zeros((2 + self.num_draft,), np.int64)
         per = self.programs.per_shard
@@ -187,7 +209,11 @@ class Engine:
         return self.programs.mesh
 
     def _reset_cache(self):
-        self.state = self.programs.alloc()
+        if self.runtime is not None:
+            self.runtime.reset()
+            self.state = None
+        else:
+            self.state = self.programs.alloc()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -238,6 +264,16 @@ class Engine:
         n, r = self.programs.shards, self.max_batch
         done = []
         self.pause()
+        if self.runtime is not None:
+            try:
+                for w in self.buckets:
+                    for e in ((False, True) if echo else (False,)):
+                        self._op("paged_step", w, e, self.runtime.idle_args(w))
+                        done.append((w, e))
+                jax.block_until_ready(self.runtime.pool)
+            finally:
+                self.resume()
+            return done
         try:
             z, zf, zu = np.zeros((n,), np.int32), np.zeros((n,), np.float32), np.zeros((n,), np.uint32)
             for b in self.buckets:
@@ -273,6 +309,8 @@ class Engine:
 
     def _run(self, op: str, args):
         pr = self.programs
+        if op == "paged_step":
+            return to_host(self.runtime.run_program(*args))
         if op == "prefill":
             return to_host(self._prefill_call(*args))
         if op == "decode":
@@ -291,7 +329,11 @@ class Engine:
             self._reset_cache()
             return None
         if op == "weights":
-            self.params = pr.place_params(self._take_weights(args[0]))
+            if self.runtime is not None:
+                self.runtime.new_weights(self._take_weights(args[0]))
+                self.params = self.runtime.params
+            else:
+                self.params = pr.place_params(self._take_weights(args[0]))
             return None
         raise ValueError(f"unknown engine operation {op!r}")
 
@@ -365,10 +407,12 @@ class Engine:
 
     @property
     def queue_length(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + (len(self.runtime.waiting) if self.runtime is not None else 0)
 
     @property
     def active(self) -> int:
+        if self.runtime is not None:
+            return len(self.runtime.running)
         return sum(s.handle is not None for s in self.slots)
 
     def compiled_programs(self) -> int:
@@ -396,15 +440,21 @@ class Engine:
                     self.version = swap
                     self._epoch += 1
                 self._cancel_requests()
-                self._admit()
-                if any(s.fill is not None for s in self.slots):
-                    self._prefill_step()
-                filling = any(s.fill is not None for s in self.slots)
-                if not (filling and self.batching == "static"):     # static: the whole batch is prefilled first
-                    self._step()
+                if self.runtime is not None:
+                    self._paged_step()
+                else:
+                    self._admit()
+                    if any(s.fill is not None for s in self.slots):
+                        self._prefill_step()
+                    filling = any(s.fill is not None for s in self.slots)
+                    if not (filling and self.batching == "static"):     # static: the whole batch is prefilled first
+                        self._step()
             except Exception as e:            # a failing step fails its requests, never the engine
                 msg = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
+                if self.runtime is not None:
+                    for seq in self.runtime.running + self.runtime.waiting:
+                        seq.handle._finish("error", msg)
                 for s in self.slots:
                     if s.handle is not None:
                         s.handle._finish("error", msg)
@@ -414,6 +464,11 @@ class Engine:
                 self.metrics.observe_engine(self)
 
     def _cancel_requests(self):
+        if self.runtime is not None:
+            for seq in self.runtime.running + self.runtime.waiting:
+                if seq.handle._cancel:
+                    self._release(seq, "cancelled")
+            return
         for s in self.slots:
             if s.handle is not None and s.handle._cancel:
                 self._release(s, "cancelled")
@@ -615,8 +670,54 @@ class Engine:
                 if s.handle is None:
                     break
 
+    # ---------------------------------------------------------------- the paged runtime
+    def _paged_step(self):
+        """Queued requests into the runtime (as many as may run; static: only into an empty batch), then one
+        runtime step (decodes and prefill chunks in one program) and its tokens delivered."""
+        rt = self.runtime
+        with self._cv:
+            room = self.max_batch - len(rt.running) - len(rt.waiting)
+            if self.batching == "static" and (rt.running or rt.waiting):
+                room = 0
+            new = [self._queue.popleft() for _ in range(max(0, min(room, len(self._queue))))]
+        for h in new:
+            if h._cancel:
+                h._finish("cancelled")
+                continue
+            sp = h.params
+            stops = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else self.stop_token_ids)
+            rt.add(Seq(list(h.prompt), sp.temperature, sp.top_k, sp.top_p, h._seed, sp.max_tokens, stops,
+                       prefix=h._prefix_ok, echo=[] if sp.prompt_logprobs else None, handle=h))
+        plan = rt.plan()
+        if plan is None:
+            return
+        for seq, *_ in plan.rows:
+            if not seq.tokens:
+                seq.handle.reused_tokens = seq.reused
+        t0 = time.perf_counter()
+        out = self._op("paged_step", plan.width, plan.echo, plan.args)
+        dt = time.perf_counter() - t0
+        decodes = sum(len(seq.context) - seq.cached == 1 for seq, *_ in plan.rows)
+        self.stats["steps"] += 1
+        self.stats["slot_steps"] += decodes
+        self.stats["decode_rows"] += plan.width
+        self.stats["prefill_tokens"] += plan.tokens - decodes
+        self.stats["decode_s"] += dt
+        before = {seq: seq.cached for seq, *_ in plan.rows}
+        events = rt.commit(plan, out)
+        self.stats["reused_tokens"] = rt.stats["reused_tokens"]
+        for seq, tok, lp_m, lp_s, ti, tv in events:
+            h = seq.handle
+            if len(seq.tokens) == 1:
+                self.stats["prefills"] += int(before[seq] < len(seq.prompt))
+                if seq.echo is not None:
+                    h.prompt_logprobs = [None] + [lp for lp, _, _ in seq.echo]
+                    h.prompt_top_logprobs = [None] + [list(zip(np.asarray(i).tolist(), np.asarray(v).tolist()))
+                                                      for _, i, v in seq.echo]
+            self._deliver(seq, tok, lp_m, lp_s, ti, tv)
+
     # ---------------------------------------------------------------- outputs
-    def _deliver(self, s: _Slot, tok: int, lp_m: float, lp_s: float, ti, tv):
+    def _deliver(self, s, tok: int, lp_m: float, lp_s: float, ti, tv):
         h = s.handle
         now = time.perf_counter()
         if h.first_token_at is None:
@@ -651,12 +752,15 @@ class Engine:
         else:
             s.next_token = tok
 
-    def _release(self, s: _Slot, reason: str):
+    def _release(self, s, reason: str):
         h = s.handle
         if h._stream is not None:
             h.text = h._stream.text
-        s.handle, s.fill = None, None
-        s.last_used = time.perf_counter()
+        if isinstance(s, Seq):
+            self.runtime.finish(s, reason)
+        else:
+            s.handle, s.fill = None, None
+            s.last_used = time.perf_counter()
         self.stats["finished"] += 1
         h._finish(reason)
         if self.metrics is not None:

@@ -140,7 +140,7 @@ class RadixCache:
         best, best_node = 0, None
         for child in node.children.values():   # insertion order: the first among equal m wins
             m = 0
-            while m < len(rest) and child.key[m] == rest[m]:
+            while m < len(rest) and m < len(child.key) and child.key[m] == rest[m]:
                 m += 1
             if m > best:
                 best, best_node = m, child
@@ -153,12 +153,14 @@ class RadixCache:
         return Match(pages, start, partial)
 
     def insert(self, tokens, pages) -> int:
-        """Cache a sequence's whole pages: pages[i] holds tokens[i*P:(i+1)*P] (len(tokens) >= len(pages)*P).
+        """Cache a sequence's pages: pages[i] holds tokens[i*P:(i+1)*P]; the last page may be partial (a leaf keyed
+        by its fewer tokens, only ever copied: `match`'s partial), so len(tokens) > (len(pages) - 1) * P.
         Where the tree already has an equal chunk at that place it keeps its own page (the caller releases its
         duplicate as usual); pages it adopts are retained. Returns the number of pages newly adopted."""
         toks, P, pages = _ids(tokens), self.page_size, [int(p) for p in pages]
-        if len(toks) < len(pages) * P:
-            raise ValueError(f"RadixCache.insert: {len(pages)} pages need {len(pages) * P} tokens, got {len(toks)}")
+        if pages and len(toks) <= (len(pages) - 1) * P:
+            raise ValueError(f"RadixCache.insert: {len(pages)} pages need more than {(len(pages) - 1) * P} tokens, "
+                             f"got {len(toks)}")
         now, node, i = self._tick(), self._root, 0
         while i < len(pages) and (child := node.children.get(tuple(toks[i * P:(i + 1) * P]))) is not None:
             child.last = now

@@ -26,15 +26,27 @@ Status: the runtime, its step program and page accounting are built and tested
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
+import jax
 import numpy as np
 
 from glm5_jax.serve.pages import PagePool, RadixCache
 from glm5_jax.serve.programs import Programs
 from glm5_jax.sharding import SERVE_RULES
 
-__all__ = ["PagedRuntime", "Seq"]
+__all__ = ["PagedRuntime", "Plan", "Seq"]
+
+
+class Plan(NamedTuple):
+    """One scheduled step: the program's width and echo variant, its host arguments, and per planned
+    sequence (seq, its row in the tables, its first token row, tokens fed)."""
+    width: int
+    echo: bool
+    args: tuple
+    rows: list
+    cow_holds: list                      # partial pages retained until the step has copied them
+    tokens: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,10 +67,17 @@ class Seq:
     reused: int = 0                      # prompt tokens taken from the radix at its last admission
     epoch: int = 0
     finish: Optional[str] = None         # "stop" | "length" | "aborted" once done
+    echo: Optional[list] = None          # [] to collect (lp, top ids, top lps) of each prompt token after the first
+    handle: Any = None                   # the serving engine's request
 
     @property
     def context(self) -> list:
         return self.prompt + self.tokens
+
+    @property
+    def pos(self) -> int:
+        """Position of the next token to feed (its last token's): a sequence may feed up to max_model_len - 1."""
+        return len(self.prompt) + len(self.tokens) - 1
 
 
 def _widths(budget: int, smallest: int = 8) -> tuple:
@@ -144,8 +163,8 @@ class PagedRuntime:
 
     def _free(self, seq: Seq, keep: bool) -> None:
         """seq leaves the running set; with keep its whole pages go into the radix (same weights only)."""
-        if keep and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
-            self.radix.insert(seq.context[:seq.cached], seq.pages[:seq.cached // self.page_size])
+        if keep and self.radix is not None and seq.prefix and seq.epoch == self.epoch:   # partial last page too
+            self.radix.insert(seq.context[:seq.cached], seq.pages[:-(-seq.cached // self.page_size)])
         self.pages.release(seq.pages)
         seq.pages, seq.cached = [], 0
         self.running.remove(seq)
@@ -242,72 +261,115 @@ class PagedRuntime:
                     left -= take
         return plan
 
-    def step(self) -> list:
-        """Admit, schedule, run one step. Returns the sequences that sampled a token this step (each token
-        is appended to seq.tokens; a sequence that reaches max_tokens, a stop id or max_model_len is
-        finished and leaves, its pages cached or freed)."""
+    def plan(self) -> Optional["Plan"]:
+        """Admit and schedule one step (host only) -> its program arguments, or None when nothing runs."""
         cow = []
         self._admit(cow)
-        plan = self._schedule(cow)
-        if not plan:
+        work = self._schedule(cow)
+        if not work:
             if self.running or self.waiting:
                 raise RuntimeError("no sequence could be scheduled: the page pool is too small for one step")
-            return []
-        n = sum(t for _, t in plan)
+            return None
+        n = sum(t for _, t in work)
         width = next(w for w in self.widths if w >= n)
         r, tl = self.max_running, self.table_len
-        tok, pos, wpos, seqi = (np.zeros((width,), np.int32) for _ in range(4))
+        tok, pos, wpos, seqi, targets = (np.zeros((width,), np.int32) for _ in range(5))
         wpos[:] = -1
         tables = np.zeros((r, tl), np.int32)
         out_rows, counts, top_k = (np.zeros((r,), np.int32) for _ in range(3))
         temp, top_p, seeds = np.zeros((r,), np.float32), np.ones((r,), np.float32), np.zeros((r,), np.uint32)
         slot = {seq: i for i, seq in enumerate(self.running)}
-        k = 0
-        for seq, take in plan:
+        rows, k = [], 0
+        for seq, take in work:
             i, ctx = slot[seq], seq.context
             tables[i, :len(seq.pages)] = seq.pages
             p = np.arange(seq.cached, seq.cached + take, dtype=np.int32)
             tok[k:k + take], pos[k:k + take], wpos[k:k + take], seqi[k:k + take] = ctx[seq.cached:seq.cached + take], p, p, i
+            nxt = ctx[seq.cached + 1:seq.cached + take + 1]
+            targets[k:k + len(nxt)] = nxt
             out_rows[i] = k + take - 1
             temp[i], top_k[i], top_p[i], seeds[i], counts[i] = (seq.temperature, seq.top_k, seq.top_p,
                                                                  seq.seed % 2 ** 32, len(seq.tokens))
+            rows.append((seq, i, k, take))
             k += take
         c = self.max_running
         cs, cd = np.zeros((c,), np.int32), np.full((c,), -1, np.int32)
         for j, (s_, d_) in enumerate(cow):
             cs[j], cd[j] = s_, d_
-        prog = self.programs.paged_step(self.num_pages, self.page_size, width, False)
-        nxt, lp_s, lp_m, _, _, _, self.pool = self.programs.call(
-            prog, self.params, self.pool, cs, cd, tok, pos, wpos, seqi, tables, out_rows, temp, top_k, top_p,
-            seeds, counts, np.zeros((width,), np.int32))
-        nxt, lp_m = np.asarray(nxt), np.asarray(lp_m)
-        if cow:
-            self.pages.release([s_ for s_, _ in cow])
+        echo = any(seq.echo is not None and seq.cached < len(seq.prompt) for seq, _ in work)
+        args = (cs, cd, tok, pos, wpos, seqi, tables, out_rows, temp, top_k, top_p, seeds, counts, targets)
+        return Plan(width, echo, args, rows, [s_ for s_, _ in cow], n)
+
+    def run_program(self, width: int, echo: bool, args) -> tuple:
+        """The step's device program over the pool (every process of a multi-process mesh runs it)."""
+        prog = self.programs.paged_step(self.num_pages, self.page_size, width, echo)
+        *out, self.pool = self.programs.call(prog, self.params, self.pool, *args)
+        return tuple(out)
+
+    def commit(self, plan: "Plan", out) -> list:
+        """Apply a step's outputs (host numpy): -> [(seq, token, model lp, sampling lp, top ids, top lps)] for
+        the sequences that sampled a token (appended to seq.tokens). A sequence that reaches max_tokens, one
+        of its stop ids or max_model_len is finished (its pages cached or freed)."""
+        nxt, lp_s, lp_m, ti, tv, ech = out
+        if plan.cow_holds:
+            self.pages.release(plan.cow_holds)
         self.stats["steps"] += 1
-        self.stats["tokens"] += n
+        self.stats["tokens"] += plan.tokens
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
-        done = []
-        for seq, take in plan:
+        events = []
+        for seq, i, k, take in plan.rows:
             decode = len(seq.context) - seq.cached == 1
             self.stats["decode_tokens" if decode else "prefill_tokens"] += take
+            if seq.echo is not None and seq.cached < len(seq.prompt):
+                m = min(take, len(seq.prompt) - 1 - seq.cached)
+                seq.echo += [(float(ech[0][k + j]), ech[1][k + j], ech[2][k + j]) for j in range(max(m, 0))]
             seq.cached += take
             if not decode and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
                 # its prefilled whole pages are shared from now on (the n samples of one prompt)
                 self.radix.insert(seq.context[:seq.cached], seq.pages[:seq.cached // self.page_size])
             if seq.cached < len(seq.context):
                 continue
-            i = slot[seq]
             t = int(nxt[i])
             seq.tokens.append(t)
             seq.logprobs.append(float(lp_m[i]))
-            done.append(seq)
+            events.append((seq, t, float(lp_m[i]), float(lp_s[i]), ti[i], tv[i]))
             if t in seq.stop_ids:
-                seq.finish = "stop"
-            elif len(seq.tokens) >= seq.max_tokens or len(seq.context) >= self.max_len:
-                seq.finish = "length"
-            if seq.finish:
-                self._free(seq, keep=True)
-        return done
+                self.finish(seq, "stop")
+            elif len(seq.tokens) >= seq.max_tokens or seq.pos >= self.max_len:
+                self.finish(seq, "length")
+        return events
+
+    def step(self) -> list:
+        """plan + run_program + commit on this process -> commit's events."""
+        plan = self.plan()
+        if plan is None:
+            return []
+        return self.commit(plan, jax.tree.map(np.asarray, self.run_program(plan.width, plan.echo, plan.args)))
+
+    def finish(self, seq: Seq, reason: str) -> None:
+        """seq is done (its pages go to the radix or back to the pool); a no-op for a finished sequence."""
+        if seq.finish is None:
+            seq.finish = reason
+        if seq in self.running:
+            self._free(seq, keep=True)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def idle_args(self, width: int) -> tuple:
+        """Program arguments of a step that writes and copies nothing (compiling a width: warm-up)."""
+        r, c = self.max_running, self.max_running
+        z, zr = np.zeros((width,), np.int32), np.zeros((r,), np.int32)
+        return (np.zeros((c,), np.int32), np.full((c,), -1, np.int32), z, z, z - 1, z, np.zeros((r, self.table_len), np.int32),
+                zr, np.zeros((r,), np.float32), zr, np.ones((r,), np.float32), np.zeros((r,), np.uint32), zr, z)
+
+    def reset(self) -> None:
+        """Every sequence dropped, every page free, the pool zeroed (after a failed step)."""
+        for seq in self.running + self.waiting:
+            seq.finish = seq.finish or "aborted"
+        self.running, self.waiting = [], []
+        self.pages = PagePool(self.num_pages, self.page_size)
+        self.radix = RadixCache(self.pages) if self.radix is not None else None
+        self.pool = self.programs.alloc_pool(self.num_pages, self.page_size)
 
     def run(self, seqs) -> list:
         """Add `seqs` and step until every one has finished (a blocking convenience for tests and tools)."""
