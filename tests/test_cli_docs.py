@@ -224,8 +224,8 @@ def test_list_table_has_a_measured_row_for_every_experiment_and_only_those():
     from experiments import registry
     from experiments.run import list_table, measured
     got = measured()
-    names = set(registry.load_all())
-    assert set(got) == names
+    names = {n for n, e in registry.load_all().items() if e.run.__module__ in registry.MODULES}   # not tests' own
+    assert len(names) >= 11 and set(got) == names
     table = list_table()
     for name, m in got.items():
         row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
