@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -76,7 +77,6 @@ def wants_help(argv: Sequence[str]) -> bool:
 def flag_error(e: flags.Error, fv: flags.FlagValues) -> str:
     """One line for a bad flag: absl's message (it names the flag and value), what the flag takes where
     absl leaves that out ("a non-negative integer", "true or false"), and where the flags are listed."""
-    import re
     msg = " ".join(str(e).split())
     m = re.match(r"flag --(\w+)=", msg)
     if m and m.group(1) in fv:
