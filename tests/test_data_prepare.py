@@ -25,9 +25,19 @@ def test_prepare_then_train_from_the_directory(tmp_path, docs_parquet, capsys):
                             f"--cache_dir={small_cache_dir()}", "--eval_fraction=0.1", "--json", "--workers=1",
                             "--shard_docs=7"])
     assert rc == 0
-    index = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cap = capsys.readouterr()
+    index = json.loads(cap.out.strip().splitlines()[-1])
     assert index["dtype"] == "uint16" and os.path.isfile(os.path.join(out, index["tokenizer_file"]))
     assert len(index["shards"]) > 3
+    assert "prepare_data: tokenize" not in cap.err           # --json: no progress, stdout is the JSON
+    # without --json: per-stage progress on stderr with documents and shards done, rate and ETA (issue 67)
+    assert prepare_data.main([f"--input={docs_parquet}", "--tokenizer=spm", "--vocab_size=500",
+                              f"--out={tmp_path / 'again'}", f"--cache_dir={small_cache_dir()}",
+                              "--eval_fraction=0.1", "--workers=1", "--shard_docs=7"]) == 0
+    err = capsys.readouterr().err
+    n = len(index["shards"])
+    assert "prepare_data: tokenize: 100%" in err and f"{n}/{n} shards" in err and "doc/s" in err, err[-2000:]
+    assert "<" in err                                        # tqdm's elapsed<remaining: the ETA
     # the same corpus and tokenizer through the training pipeline's own cache gives the same tokens (the
     # shards read back to back in shard order are the corpus in order)
     raw = build_lm_data(DataConfig(path=docs_parquet, tokenizer="spm", vocab_size=500, eval_fraction=0.1,
