@@ -249,6 +249,24 @@ def test_heartbeat_beats_while_a_block_runs_and_is_silent_when_quiet():
     assert quiet == []
 
 
+def test_aot_compile_beats_while_the_compiler_runs(monkeypatch):
+    import time
+
+    from tools import tpu_compile
+
+    class Lowered:
+        def compile(self):
+            time.sleep(0.3)
+            return "compiled"
+    assert tpu_compile.HEARTBEAT_S <= 60                  # the bound: a line at least once a minute
+    monkeypatch.setattr(tpu_compile, "HEARTBEAT_S", 0.05)
+    said = []
+    compiled, _, compile_s = tpu_compile.compile_lowered(Lowered, log=said.append)
+    assert compiled == "compiled" and compile_s >= 0.3
+    beats = [s for s in said if s.startswith("compiling: still running")]
+    assert len(beats) >= 3 and "elapsed" in beats[0]
+
+
 def test_run_log_keeps_what_the_run_printed(tmp_path, capsys):
     from glm5_jax.progress import run_log
     with run_log(str(tmp_path)) as path:

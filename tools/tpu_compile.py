@@ -57,6 +57,9 @@ def topology_devices(topology: str):
     return list(desc.devices)
 
 
+HEARTBEAT_S = 30.0     # compile_lowered's progress line while lowering / compiling (at least one a minute)
+
+
 class DoesNotFit(Exception):
     """The TPU compiler refused the program: its buffers exceed the chip's HBM (RESOURCE_EXHAUSTED)."""
 
@@ -78,13 +81,13 @@ def compile_lowered(lower, *, log=None, save_hlo: str | None = None):
     quiet = log is None
     log = log or (lambda msg: None)
     t = time.time()
-    with heartbeat("lowering", say=log, quiet=quiet, bookends=False):
+    with heartbeat("lowering", every=HEARTBEAT_S, say=log, quiet=quiet, bookends=False):
         lowered = lower()
     lower_s = time.time() - t
     log(f"lowered in {lower_s:.1f}s; compiling with the TPU compiler")
     t = time.time()
     try:
-        with heartbeat("compiling", say=log, quiet=quiet, bookends=False):
+        with heartbeat("compiling", every=HEARTBEAT_S, say=log, quiet=quiet, bookends=False):
             compiled = lowered.compile()
     except Exception as e:          # jax.errors.JaxRuntimeError; only the compiler's out-of-memory is a result
         if "RESOURCE_EXHAUSTED" not in str(e):
