@@ -93,8 +93,12 @@ class OpenAIServer:
     async def health(self, request):
         if lost():        # a multi-process mesh lost a host: unhealthy until the process exits (serve.multihost)
             return web.json_response({"status": "unavailable", "error": lost(), "model": self.model_name}, status=503)
-        return web.json_response({"status": "ok", "model": self.model_name, "running": self.engine.active,
-                                  "waiting": self.engine.queue_length, "version": self.engine.version})
+        body = {"status": "ok", "model": self.model_name, "running": self.engine.active,
+                "waiting": self.engine.queue_length, "version": self.engine.version}
+        rt = getattr(self.engine, "runtime", None)
+        if rt is not None:      # the paged runtime: {"free", "cached", "total", "running"} pages (a leak shows in running)
+            body["pages"] = rt.pages_in_use()
+        return web.json_response(body)
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [
