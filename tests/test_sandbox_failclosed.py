@@ -168,6 +168,7 @@ def test_run_start_refuses_without_isolation_in_one_line_naming_the_fix(no_isola
     with caplog.at_level(logging.WARNING):
         assert require_isolation("off").startswith("unavailable")
     assert os.environ[POLICY_ENV] == "off" and "WITHOUT ISOLATION" in caplog.text
+    assert require_isolation("required").startswith("unavailable")    # the process's policy is off now
 
 
 def test_experiment_configs_with_rl_are_checked(no_isolation):

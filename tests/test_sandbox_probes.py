@@ -164,6 +164,7 @@ def test_isolation_is_reported_and_never_silent(monkeypatch):
     assert r.passed and r.isolation["namespaces"] == "off" and r.isolation["seccomp"] == "off"
     assert not r.isolated
     monkeypatch.setattr(sandbox, "isolation_available", lambda: "unavailable: probe")
+    monkeypatch.delenv(sandbox.POLICY_ENV, raising=False)                     # the default policy: required
     r = run_sandboxed("def add(a, b):\n    return a + b\n", ADD_TESTS, isolate=True)
     assert r.status == "sandbox_error" and not r.passed and "unavailable: probe" in r.stderr
     r = run_sandboxed("def add(a, b):\n    return a + b\n", ADD_TESTS)     # fail closed (issue 66)

@@ -99,12 +99,14 @@ def isolation_policy() -> str:
 
 def require_isolation(policy: str = "required", *, setting: str = "rl.sandbox_isolation") -> str:
     """A run's start: with ``policy`` "required", Glm5Error (one line: why, and what fixes it) unless a
-    namespace backend works here; "off" sets the process's policy to off (inherited by child processes)
-    and logs loudly that model-written code may run without isolation. Returns the isolation state."""
+    namespace backend works here; "off" (or the process's policy already off: ``$GLM5_SANDBOX_ISOLATION``)
+    sets the process's policy to off (inherited by child processes) and logs loudly that model-written
+    code may run without isolation. Returns the isolation state."""
     if policy not in POLICIES:
         raise Glm5Error(f"{setting}={policy!r} is invalid: use required or off")
     state = isolation_available()
-    if policy == "off":
+    if policy == "off" or isolation_policy() == "off":
+        setting = setting if policy == "off" else POLICY_ENV
         os.environ[POLICY_ENV] = "off"
         if state != "on":
             logging.getLogger(__name__).warning(
