@@ -151,12 +151,13 @@ class Programs:
             self._jits[key] = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         return self._jits[key]
 
-    def call(self, fn, *args):
+    def call(self, fn, *args, replicated: bool = False):
         """fn(*args) traced under the mesh. Over several processes, host arguments (identical on every
-        process) become global arrays: per-slot / per-row arrays split over the batch axes, scalars replicated."""
+        process) become global arrays: per-slot / per-row arrays split over the batch axes (every one
+        replicated with `replicated`, as the paged step takes them), scalars replicated."""
         if multi_process(self.mesh):
-            args = tuple(to_global(a, self.rows if np.ndim(a) else self.rep) if isinstance(a, (np.ndarray, np.generic))
-                         else a for a in args)
+            args = tuple(to_global(a, self.rows if np.ndim(a) and not replicated else self.rep)
+                         if isinstance(a, (np.ndarray, np.generic)) else a for a in args)
         with use_mesh(self.mesh, self.rules):
             return fn(*args)
 

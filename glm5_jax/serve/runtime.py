@@ -303,7 +303,7 @@ class PagedRuntime:
     def run_program(self, width: int, echo: bool, args) -> tuple:
         """The step's device program over the pool (every process of a multi-process mesh runs it)."""
         prog = self.programs.paged_step(self.num_pages, self.page_size, width, echo)
-        *out, self.pool = self.programs.call(prog, self.params, self.pool, *args)
+        *out, self.pool = self.programs.call(prog, self.params, self.pool, *args, replicated=True)
         return tuple(out)
 
     def commit(self, plan: "Plan", out) -> list:
