@@ -80,12 +80,14 @@ class Seq:
         return len(self.prompt) + len(self.tokens) - 1
 
 
-def _widths(budget: int, smallest: int = 8) -> tuple:
+def _widths(budget: int, multiple: int = 1, smallest: int = 8) -> tuple:
+    """Token-row counts a step compiles for: powers of two from `smallest`, then `budget`, each rounded up to
+    a multiple of the batch shards (the rows are split over them)."""
     out, w = [], smallest
     while w < budget:
         out.append(w)
         w *= 2
-    return tuple(out) + (budget,)
+    return tuple(sorted({-(-x // multiple) * multiple for x in out + [budget]}))
 
 
 class PagedRuntime:
@@ -119,7 +121,7 @@ class PagedRuntime:
             raise ValueError(f"max_num_batched_tokens={self.budget} must be >= max_running={self.max_running} "
                              "(every running sequence decodes one token a step)")
         self.chunk = int(prefill_chunk or self.budget)
-        self.widths = _widths(self.budget)
+        self.widths = _widths(self.budget, shards)
         self.config = self.programs.config
         self.params = self.programs.place_params(params)
         self.pool = self.programs.alloc_pool(self.num_pages, self.page_size)
