@@ -1,7 +1,9 @@
 """OpenAI-compatible server for a checkpoint (glm5_jax.serve).
 
     python -m tools.serve --model=PATH [--tokenizer=PATH] [--host=127.0.0.1] [--port=8000]
-        [--served_model_name=NAME] [--max_batch=8] [--max_model_len=2048] [--speculative=none|mtp]
+        [--served_model_name=NAME] [--max_running=8] [--max_model_len=2048] [--speculative=none|mtp]
+        [--kv_cache_tokens=N] [--memory_fraction=0.9] [--page_size=16] [--max_num_batched_tokens=K]
+        [--prefix_cache=radix|none]
         [--dtype=auto|float32|bfloat16] [--mesh=AXIS:N,...]
 
 --mesh serves on a device mesh (a pod slice, or 8 fake CPU devices with
@@ -42,7 +44,15 @@ def define_flags() -> None:
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
     flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port).")
     flags.DEFINE_string("served_model_name", None, "Model name in the API (default: the folder's name).")
-    flags.DEFINE_integer("max_batch", 8, "Cache slots: requests decoded together.")
+    flags.DEFINE_integer("max_batch", 8, "Requests running at once (alias of --max_running).")
+    flags.DEFINE_integer("max_running", None, "Requests running at once (default --max_batch).")
+    flags.DEFINE_integer("kv_cache_tokens", None, "Positions of the paged KV cache (default: what fits in "
+                         "--memory_fraction of device memory after the weights; on CPU max_running x max_model_len).")
+    flags.DEFINE_float("memory_fraction", 0.9, "Share of device memory the weights and the page pool may take.")
+    flags.DEFINE_integer("page_size", 16, "Tokens a KV page.")
+    flags.DEFINE_integer("max_num_batched_tokens", None, "Token rows a step runs: decodes first, then prefill "
+                         "chunks (default max_running + one prefill chunk).")
+    flags.DEFINE_enum("prefix_cache", "radix", ["radix", "none"], "Share cached prompt prefixes by reference.")
     flags.DEFINE_integer("max_model_len", 2048, "Context length (prompt + generated) per request.")
     flags.DEFINE_integer("max_queue", 256, "Requests waiting for a slot before 429.")
     flags.DEFINE_enum("speculative", "none", ["none", "mtp"], "MTP self-speculative decoding.")
@@ -55,7 +65,8 @@ def define_flags() -> None:
 
 
 def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, max_model_len=2048, max_queue=256,
-          speculative="none", num_draft=2, dtype="auto", mesh=None, chat_mode="interleaved", warmup=False):
+          speculative="none", num_draft=2, dtype="auto", mesh=None, chat_mode="interleaved", warmup=False,
+          page_size=16, kv_cache_tokens=None, memory_fraction=0.9, max_num_batched_tokens=None, prefix_cache="radix"):
     """-> OpenAIServer (engine started) for a checkpoint path."""
     from glm5_jax.data.chat import ChatFormatError, ChatTemplate
     from glm5_jax.serve.engine import Engine
@@ -76,7 +87,11 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     except ChatFormatError:
         stop = (tok.eos_id,)
     name = served_model_name or os.path.basename(os.path.normpath(model))
-    kw = {}
+    from glm5_jax.serve.runtime import cache_tokens_that_fit
+    if kv_cache_tokens is None:
+        kv_cache_tokens = cache_tokens_that_fit(config, mesh, memory_fraction)
+    kw = dict(page_size=page_size, kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=max_num_batched_tokens,
+              prefix_reuse=prefix_cache == "radix")
     if speculative == "mtp":
         kw["speculative"] = int(num_draft)
     progress.note(f"starting the engine (max_batch {max_batch}, max_model_len {max_model_len})")
@@ -99,7 +114,10 @@ def main(argv):
     from glm5_jax.parallel.distributed import maybe_initialize
     maybe_initialize()
     server = build(FLAGS.model, tokenizer=FLAGS.tokenizer, served_model_name=FLAGS.served_model_name,
-                   max_batch=FLAGS.max_batch, max_model_len=FLAGS.max_model_len, max_queue=FLAGS.max_queue,
+                   max_batch=FLAGS.max_running or FLAGS.max_batch, max_model_len=FLAGS.max_model_len,
+                   max_queue=FLAGS.max_queue, page_size=FLAGS.page_size, kv_cache_tokens=FLAGS.kv_cache_tokens,
+                   memory_fraction=FLAGS.memory_fraction, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                   prefix_cache=FLAGS.prefix_cache,
                    speculative=FLAGS.speculative, num_draft=FLAGS.num_draft, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
                    chat_mode=FLAGS.chat_mode, warmup=FLAGS.warmup)
     if jax.process_index() > 0:

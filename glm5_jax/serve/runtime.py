@@ -90,6 +90,21 @@ def _widths(budget: int, multiple: int = 1, smallest: int = 8) -> tuple:
     return tuple(sorted({-(-x // multiple) * multiple for x in out + [budget]}))
 
 
+def cache_tokens_that_fit(config, mesh, fraction: float) -> Optional[int]:
+    """Cache positions (over the whole mesh) that fit in `fraction` of each device's memory after what is
+    already held there (the weights), or None where the device reports no memory statistics (CPU)."""
+    from glm5_jax.infer import cache as kv
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    stats = [d.memory_stats() for d in devices]
+    if not all(st and st.get("bytes_limit") for st in stats):
+        return None
+    free = min(fraction * st["bytes_limit"] - st.get("bytes_in_use", 0) for st in stats)
+    one = jax.eval_shape(lambda: kv.init_cache(config, 1, 1)["layers"])
+    per_token = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(one))
+    shards = PagedRuntime.batch_shards(mesh)
+    return max(0, int(free // per_token)) * shards
+
+
 class PagedRuntime:
     """Sequences over a pool of `kv_cache_tokens // page_size` pages; `step()` runs one scheduled step.
 
@@ -98,6 +113,11 @@ class PagedRuntime:
     the most prompt tokens one sequence feeds per step; prefix_cache: "radix" (share cached prefixes by
     reference) or "none". page_size = max_model_len with prefix_cache="none" is the one-row-per-slot
     policy (each sequence owns a whole row of the cache), for comparison."""
+
+    @staticmethod
+    def batch_shards(mesh) -> int:
+        from glm5_jax.batch import BATCH_AXES
+        return 1 if mesh is None else int(np.prod([dict(mesh.shape).get(a, 1) for a in BATCH_AXES]))
 
     def __init__(self, config, params, *, max_running: int = 8, max_model_len: int = 256, page_size: int = 16,
                  kv_cache_tokens: Optional[int] = None, max_num_batched_tokens: int = 256,
