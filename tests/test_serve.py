@@ -368,7 +368,7 @@ def test_fuzzed_bodies_never_5xx(server):
     assert _post(url, "/health", method="GET")[0] == 200
 
 
-def test_disconnect_mid_stream_frees_slot_and_metrics(server, tiny):
+def test_disconnect_mid_stream_frees_slot_pages_and_metrics(server, tiny):
     srv, url, client = server
     host, port = url.split("//")[1].split(":")
     body = json.dumps({"prompt": "Hello", "max_tokens": MAX_LEN - 4, "stream": True, "ignore_eos": True}).encode()
@@ -392,6 +392,11 @@ def test_disconnect_mid_stream_frees_slot_and_metrics(server, tiny):
                  "glm5_spec_acceptance_length"):
         assert name in text
     assert 'finish_reason="cancelled"' in text
+    # the hung-up stream's pages came back: none held by a running request, free + cached = the pool
+    pages = {line.split('state="')[1].split('"')[0]: float(line.split()[-1])
+             for line in text.splitlines() if line.startswith("glm5_kv_pages{")}
+    assert pages["running"] == 0 and pages["free"] + pages["cached"] == pages["total"] > 0
+    assert "glm5_prefix_cache_hit_rate" in text
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
 

@@ -37,6 +37,10 @@ class EngineMetrics:
                                 "verification (1 without speculation)", lab, registry=r)
         self.accept_rate = Gauge("glm5_spec_acceptance_rate", "Speculative decoding: acceptance rate per draft depth",
                                  lab + ["depth"], registry=r)
+        self.pages = Gauge("glm5_kv_pages", "Paged KV cache pages by state: free, cached (held only by the prefix "
+                           "tree, evictable), running (held by running requests), total", lab + ["state"], registry=r)
+        self.prefix_hit = Gauge("glm5_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens "
+                                "looked up", lab, registry=r)
         self.acceptance.labels(model_name).set(1.0)
         self.name, self.window = model_name, window_s
         self._times = collections.deque()
@@ -65,6 +69,12 @@ class EngineMetrics:
         self.queue.labels(n).set(engine.queue_length)
         self.running.labels(n).set(engine.active)
         self.occupancy.labels(n).set(engine.active / engine.max_batch)
+        rt = getattr(engine, "runtime", None)
+        if rt is not None:
+            for state, v in rt.pages_in_use().items():
+                self.pages.labels(n, state).set(v)
+            if rt.radix is not None and rt.radix.queried_tokens:
+                self.prefix_hit.labels(n).set(rt.radix.hit_tokens / rt.radix.queried_tokens)
         acc = getattr(engine, "acceptance", None)
         if acc:
             self.acceptance.labels(n).set(acc["length"])
