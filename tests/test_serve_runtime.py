@@ -72,3 +72,30 @@ def test_slot_policy_equals_paged_and_a_small_pool_preempts_without_leaking(para
     assert small.stats["preempted"] > 0
     assert [s.tokens for s in got] == [s.tokens for s in paged]
     _assert_no_page_leaked(small)
+
+
+def test_a_step_runs_every_decode_first_then_prefill_chunks_within_the_budget(params):
+    """Three sequences decoding and a 40-token prompt arriving: every step gives each decoding sequence its
+    token (a long prompt delays the decodes by no step), the prompt is fed in chunks of at most
+    prefill_chunk tokens that fill what the budget leaves, and no step exceeds max_num_batched_tokens."""
+    rt = PagedRuntime(CFG, params, max_running=4, max_model_len=MAX_LEN, page_size=4, max_num_batched_tokens=12,
+                      prefill_chunk=8)
+    rng = np.random.default_rng(5)
+    short = [rt.add(Seq(rng.integers(1, CFG.vocab_size, 3).tolist(), max_tokens=30)) for _ in range(3)]
+    while any(not s.tokens for s in short):
+        rt.step()
+    long = rt.add(Seq(rng.integers(1, CFG.vocab_size, 40).tolist(), max_tokens=2))
+    fed = []
+    while not long.tokens:
+        before = {s: len(s.tokens) for s in short}
+        plan = rt.plan()
+        assert plan.tokens <= 12
+        decodes = [take for seq, _, _, take in plan.rows if seq in short]
+        assert decodes == [1, 1, 1]                       # every decoding sequence, first
+        assert [seq for seq, *_ in plan.rows][:3] == short
+        chunk = [take for seq, _, _, take in plan.rows if seq is long]
+        assert chunk and chunk[0] <= min(8, 12 - 3)
+        fed.append(chunk[0])
+        rt.commit(plan, jax.tree.map(np.asarray, rt.run_program(plan.width, plan.echo, plan.args)))
+        assert all(len(s.tokens) == before[s] + 1 for s in short)
+    assert sum(fed) == 40 and max(fed) == 8
