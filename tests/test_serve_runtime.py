@@ -48,10 +48,6 @@ def test_greedy_and_seeded_sequences_equal_each_alone_with_shared_pages(params):
         np.testing.assert_allclose(s.logprobs, ref.logprobs[0], atol=1e-4)
     assert rt.stats["reused_tokens"] > 0                   # later prompts took cached pages
     sampled = rt.run(_seqs(prompts, temp=1.0))
-    alone = [PagedRuntime(CFG, params, max_running=4, max_model_len=MAX_LEN, page_size=4,
-                          max_num_batched_tokens=16, prefix_cache="none").run(_seqs([p], 1.0)[:1])[0]
-             for p in prompts[:1]]
-    assert sampled[0].tokens == alone[0].tokens
     for i, p in enumerate(prompts):                         # each seeded sequence alone, its own seed
         one = rt.run([Seq(list(p), temperature=1.0, seed=7 + i, max_tokens=6)])[0]
         assert one.tokens == sampled[i].tokens

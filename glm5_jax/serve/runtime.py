@@ -95,14 +95,17 @@ def cache_tokens_that_fit(config, mesh, fraction: float) -> Optional[int]:
     already held there (the weights), or None where the device reports no memory statistics (CPU)."""
     from glm5_jax.infer import cache as kv
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    stats = [d.memory_stats() for d in devices]
-    if not all(st and st.get("bytes_limit") for st in stats):
-        return None
-    free = min(fraction * st["bytes_limit"] - st.get("bytes_in_use", 0) for st in stats)
-    one = jax.eval_shape(lambda: kv.init_cache(config, 1, 1)["layers"])
-    per_token = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(one))
-    shards = PagedRuntime.batch_shards(mesh)
-    return max(0, int(free // per_token)) * shards
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
+    out = -1
+    if stats and all(st and st.get("bytes_limit") for st in stats):
+        free = min(fraction * st["bytes_limit"] - st.get("bytes_in_use", 0) for st in stats)
+        one = jax.eval_shape(lambda: kv.init_cache(config, 1, 1)["layers"])
+        per_token = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(one))
+        out = max(0, int(free // per_token)) * PagedRuntime.batch_shards(mesh)
+    if jax.process_count() > 1:          # every process must build the same pool: process 0's figure
+        from jax.experimental import multihost_utils
+        out = int(multihost_utils.broadcast_one_to_all(np.int64(out)))
+    return None if out < 0 else out
 
 
 class PagedRuntime:
