@@ -53,8 +53,8 @@ def measure(rt: PagedRuntime, seqs: list) -> dict:
     first = {}
     t0 = time.perf_counter()
     while not all(s.finish for s in seqs):
-        for s in rt.step():
-            first.setdefault(id(s), time.perf_counter() - t0)
+        for seq, *_ in rt.step():
+            first.setdefault(id(seq), time.perf_counter() - t0)
     wall = time.perf_counter() - t0
     ttft = np.array([first[id(s)] for s in seqs])
     out = sum(len(s.tokens) for s in seqs)
