@@ -145,6 +145,15 @@ class PagedRuntime:
                              "(every running sequence decodes one token a step)")
         self.chunk = int(prefill_chunk or self.budget)
         self.widths = _widths(self.budget, shards)
+        # page-table widths a step compiles for (x4 apart, then the whole table): a step reads the pages of the
+        # longest sequence it runs, not max_model_len for every row. A row's result must not depend on the
+        # width its batch-mates chose: with DSA every width holds index_topk positions, so each row attends the
+        # same index_topk selected keys (the top-k over more -inf-masked slots is the same selection); dense
+        # attention (mla / mha / gqa) reduces over every slot, so it keeps the whole table.
+        least = -(-config.index_topk // self.page_size) if config.attention == "dsa" else self.table_len
+        least = min(least, self.table_len)
+        self.table_widths = tuple(sorted({least, self.table_len} | {4 ** i for i in range(32)
+                                                                   if least < 4 ** i and 2 * 4 ** i <= self.table_len}))
         self.config = self.programs.config
         self.params = self.programs.place_params(params)
         self.pool = self.programs.alloc_pool(self.num_pages, self.page_size)
@@ -297,7 +306,8 @@ class PagedRuntime:
             return None
         n = sum(t for _, t in work)
         width = next(w for w in self.widths if w >= n)
-        r, tl = self.max_running, self.table_len
+        need = max(-(-(seq.cached + take) // self.page_size) for seq, take in work)
+        r, tl = self.max_running, next(t for t in self.table_widths if t >= need)
         tok, pos, wpos, seqi, targets = (np.zeros((width,), np.int32) for _ in range(5))
         wpos[:] = -1
         tables = np.zeros((r, tl), np.int32)
@@ -307,7 +317,7 @@ class PagedRuntime:
         rows, k = [], 0
         for seq, take in work:
             i, ctx = slot[seq], seq.context
-            tables[i, :len(seq.pages)] = seq.pages
+            tables[i, :min(len(seq.pages), tl)] = seq.pages[:tl]
             p = np.arange(seq.cached, seq.cached + take, dtype=np.int32)
             tok[k:k + take], pos[k:k + take], wpos[k:k + take], seqi[k:k + take] = ctx[seq.cached:seq.cached + take], p, p, i
             nxt = ctx[seq.cached + 1:seq.cached + take + 1]
@@ -380,11 +390,12 @@ class PagedRuntime:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def idle_args(self, width: int) -> tuple:
+    def idle_args(self, width: int, table: Optional[int] = None) -> tuple:
         """Program arguments of a step that writes and copies nothing (compiling a width: warm-up)."""
         r, c = self.max_running, self.max_running
+        table = table or self.table_len
         z, zr = np.zeros((width,), np.int32), np.zeros((r,), np.int32)
-        return (np.zeros((c,), np.int32), np.full((c,), -1, np.int32), z, z, z - 1, z, np.zeros((r, self.table_len), np.int32),
+        return (np.zeros((c,), np.int32), np.full((c,), -1, np.int32), z, z, z - 1, z, np.zeros((r, table), np.int32),
                 zr, np.zeros((r,), np.float32), zr, np.ones((r,), np.float32), np.zeros((r,), np.uint32), zr, z)
 
     def reset(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
 from glm5_jax.serve.runtime import PagedRuntime, Seq
@@ -42,8 +43,10 @@ def _fresh(seqs):
 
 
 def measure(rt: PagedRuntime, seqs: list) -> dict:
-    """Run seqs to completion on rt (compiled first on a copy of the first few) -> the policy's figures."""
-    rt.run(_fresh(seqs[:2]))                                  # compile the widths this workload reaches first
+    """Run seqs to completion on rt (every step program compiled first) -> the policy's figures."""
+    for w in rt.widths:                                       # every program compiled before the clock starts
+        for tw in rt.table_widths:
+            jax.block_until_ready(rt.run_program(w, False, rt.idle_args(w, tw)))
     if rt.radix is not None:
         rt.radix.evict(rt.num_pages)
     for k in ("steps", "tokens", "prefill_tokens", "decode_tokens", "preempted", "peak_running"):
