@@ -18,9 +18,8 @@ tokens whose keys are not cached yet, and the output of the last one is the sequ
 sampled with `fold_in(PRNGKey(seed), i)` for its i-th token: a decode step is a prefill of one token, and
 a request's tokens never depend on its batch-mates, its pages or whether its prefix came from the radix.
 
-Status: the runtime, its step program and page accounting are built and tested
-(tests/test_serve_runtime.py); the serving engine (glm5_jax.serve.engine) does not run on it yet
-(docs/inference.md, "The paged runtime").
+The serving engine (glm5_jax.serve.engine) runs on it by default; MTP speculation, the RL rollout engine,
+the judge, the teacher and `infer.generate` do not yet (docs/inference.md, "Known gaps (serving)").
 """
 
 from __future__ import annotations
