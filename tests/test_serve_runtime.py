@@ -96,3 +96,19 @@ def test_a_step_runs_every_decode_first_then_prefill_chunks_within_the_budget(pa
         rt.commit(plan, jax.tree.map(np.asarray, rt.run_program(plan.width, plan.echo, plan.args)))
         assert all(len(s.tokens) == before[s] + 1 for s in short)
     assert sum(fed) == 40 and max(fed) == 8
+
+
+def test_long_prompts_that_overfill_the_pool_preempt_younger_ones_and_all_finish(params):
+    """Four 40..56-token prompts into a pool of one max_model_len (16 pages of 4), prefilled in chunks: a
+    prefill that runs out of pages takes them from younger sequences (never older ones), so every sequence
+    finishes with the tokens it gets alone and no page is leaked."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, CFG.vocab_size, n).tolist() for n in (40, 48, 56, 44)]
+    rt = PagedRuntime(CFG, params, max_running=4, max_model_len=MAX_LEN, page_size=4, kv_cache_tokens=64,
+                      max_num_batched_tokens=16, prefill_chunk=8, prefix_cache="none")
+    got = rt.run(_seqs(prompts))
+    assert rt.stats["preempted"] > 0
+    for p, s in zip(prompts, got):
+        alone = rt.run(_seqs([p]))[0]
+        assert s.tokens == alone.tokens
+    _assert_no_page_leaked(rt)

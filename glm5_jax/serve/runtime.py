@@ -262,11 +262,16 @@ class PagedRuntime:
         seq.pages += new
         return True
 
-    def _preempt(self, protect) -> bool:
-        """The newest running sequence not in `protect` gives its pages back and waits to be recomputed."""
-        for seq in reversed(self.running):
+    def _preempt(self, protect, newer_than: Optional[Seq] = None) -> bool:
+        """The newest running sequence not in `protect` (and admitted after `newer_than`, if given: a prefill
+        takes pages only from younger sequences, so the oldest always progresses) gives its pages back and
+        waits to be recomputed."""
+        order = self.running if newer_than is None else self.running[self.running.index(newer_than) + 1:]
+        for seq in reversed(order):
             if seq not in protect:
                 self._free(seq, keep=True)          # its whole pages stay cached (evictable) for the recompute
+                if seq.echo is not None:
+                    seq.echo = []                   # its prompt's log-probs are computed again
                 self.waiting.insert(0, seq)
                 self.stats["preempted"] += 1
                 return True
@@ -285,7 +290,7 @@ class PagedRuntime:
                     continue
                 take = min(rem, left, self.chunk)
                 while not self._grow(seq, seq.cached + take):
-                    if want_decode and self._preempt({s for s, _ in plan} | {seq}):
+                    if self._preempt({s for s, _ in plan} | {seq}, None if want_decode else seq):
                         continue
                     take = len(seq.pages) * self.page_size - seq.cached     # what its pages hold already
                     break
