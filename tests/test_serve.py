@@ -396,7 +396,8 @@ def test_disconnect_mid_stream_frees_slot_pages_and_metrics(server, tiny):
     pages = {line.split('state="')[1].split('"')[0]: float(line.split()[-1])
              for line in text.splitlines() if line.startswith("glm5_kv_pages{")}
     assert pages["running"] == 0 and pages["free"] + pages["cached"] == pages["total"] > 0
-    assert "glm5_prefix_cache_hit_rate" in text
+    assert "glm5_prefix_cache_hit_rate" in text and "glm5_step_host_gap_seconds_count" in text
+    assert srv.engine.stats["host_gaps"] > 0 and srv.engine.stats["host_gap_s"] > 0
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
 

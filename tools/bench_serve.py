@@ -102,8 +102,11 @@ def run_engine(config, params, reqs, *, batching, max_batch, max_model_len, spec
         out = summarize(recs, t0)
         out["recompiles"] = eng.compiled_programs() - n0
         st = {k: eng.stats[k] - s0.get(k, 0) for k in eng.stats}
-        out.update(prefill_calls=int(st["prefills"]), decode_steps=int(st["steps"]),
-                   prefill_s_total=float(st["prefill_s"]), decode_s_total=float(st["decode_s"]))
+        out.update(prefill_calls=int(st.get("prefills", 0)), decode_steps=int(st.get("steps", 0)),
+                   prefill_s_total=float(st.get("prefill_s", 0)), decode_s_total=float(st.get("decode_s", 0)))
+        if st.get("host_gaps"):          # the paged engine: host time between back-to-back steps
+            out["host_gap_ms_mean"] = 1e3 * st["host_gap_s"] / st["host_gaps"]
+            out["step_ms_mean"] = 1e3 * st["decode_s"] / max(st["steps"], 1)
         if speculative:
             out["acceptance_length"] = eng.acceptance["length"]
             out["acceptance_per_depth"] = eng.acceptance["per_depth"]

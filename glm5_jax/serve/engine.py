@@ -200,6 +200,7 @@ class Engine:
         self._rng = np.random.default_rng(seed)
         self.metrics = metrics
         self.stats = collections.Counter()
+        self._step_done: Optional[float] = None     # when the last paged step's outputs reached the host
         self._thread: Optional[threading.Thread] = None
         if start and (self._bcast is None or is_leader()):     # other processes of a multi-process mesh run follow()
             self.start()
@@ -691,13 +692,21 @@ class Engine:
                        prefix=h._prefix_ok, echo=[] if sp.prompt_logprobs else None, handle=h))
         plan = rt.plan()
         if plan is None:
+            self._step_done = None
             return
         for seq, *_ in plan.rows:
             if not seq.tokens:
                 seq.handle.reused_tokens = seq.reused
         t0 = time.perf_counter()
+        if self._step_done is not None:      # back to back: the host's time between two steps (not overlapped)
+            gap = t0 - self._step_done
+            self.stats["host_gap_s"] += gap
+            self.stats["host_gaps"] += 1
+            if self.metrics is not None:
+                self.metrics.observe_host_gap(gap)
         out = self._op("paged_step", plan.width, plan.echo, plan.args)
-        dt = time.perf_counter() - t0
+        self._step_done = time.perf_counter()
+        dt = self._step_done - t0
         decodes = sum(len(seq.context) - seq.cached == 1 for seq, *_ in plan.rows)
         self.stats["steps"] += 1
         self.stats["slot_steps"] += decodes

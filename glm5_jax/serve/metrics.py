@@ -37,6 +37,9 @@ class EngineMetrics:
                                 "verification (1 without speculation)", lab, registry=r)
         self.accept_rate = Gauge("glm5_spec_acceptance_rate", "Speculative decoding: acceptance rate per draft depth",
                                  lab + ["depth"], registry=r)
+        self.host_gap = Histogram("glm5_step_host_gap_seconds", "Host time between two back-to-back steps (outputs "
+                                  "back, tokens delivered, next step planned and dispatched)", lab, registry=r,
+                                  buckets=_LAT)
         self.pages = Gauge("glm5_kv_pages", "Paged KV cache pages by state: free, cached (held only by the prefix "
                            "tree, evictable), running (held by running requests), total", lab + ["state"], registry=r)
         self.prefix_hit = Gauge("glm5_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens "
@@ -60,6 +63,9 @@ class EngineMetrics:
         self.prompt.labels(n).inc(len(h.prompt))
         self.reused.labels(n).inc(h.reused_tokens)
         self.finished.labels(n, h.finish_reason or "unknown").inc()
+
+    def observe_host_gap(self, seconds: float) -> None:
+        self.host_gap.labels(self.name).observe(seconds)
 
     def observe_engine(self, engine) -> None:
         n, now = self.name, time.perf_counter()
