@@ -702,8 +702,9 @@ class Engine:
             gap = t0 - self._step_done
             self.stats["host_gap_s"] += gap
             self.stats["host_gaps"] += 1
-            if self.metrics is not None:
-                self.metrics.observe_host_gap(gap)
+            hook = getattr(self.metrics, "observe_host_gap", None)      # optional in a metrics object
+            if hook is not None:
+                hook(gap)
         out = self._op("paged_step", plan.width, plan.echo, plan.args)
         self._step_done = time.perf_counter()
         dt = self._step_done - t0
