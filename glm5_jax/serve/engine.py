@@ -268,10 +268,10 @@ class Engine:
         if self.runtime is not None:
             try:
                 for w in self.buckets:
-                    for tw in self.runtime.table_widths:
-                        for e in ((False, True) if echo else (False,)):
+                    for e in ((False, True) if echo else (False,)):
+                        for tw in self.runtime.table_widths:
                             self._op("paged_step", w, e, self.runtime.idle_args(w, tw))
-                            done.append((w, e))
+                        done.append((w, e))
                 jax.block_until_ready(self.runtime.pool)
             finally:
                 self.resume()

@@ -186,18 +186,15 @@ class PagedRuntime:
         if self.radix is not None:
             self.radix.clear()
 
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and not self.running
-
     # ------------------------------------------------------------------ pages
     def _alloc(self, n: int):
         return self.radix.alloc(n) if self.radix is not None else self.pages.alloc(n)
 
     def _free(self, seq: Seq, keep: bool) -> None:
-        """seq leaves the running set; with keep its whole pages go into the radix (same weights only)."""
-        if keep and self.radix is not None and seq.prefix and seq.epoch == self.epoch:   # partial last page too
-            self.radix.insert(seq.context[:seq.cached], seq.pages[:-(-seq.cached // self.page_size)])
+        """seq leaves the running set; with keep its pages (a partial last one as a leaf) go into the radix
+        (same weights only)."""
+        if keep and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
+            self.radix.insert(seq.context[:seq.cached], seq.pages[:self.pages.pages_for(seq.cached)])
         self.pages.release(seq.pages)
         seq.pages, seq.cached = [], 0
         self.running.remove(seq)
@@ -253,7 +250,7 @@ class PagedRuntime:
 
     def _grow(self, seq: Seq, upto: int) -> bool:
         """Pages for positions < upto; False if the pool cannot give them even after eviction."""
-        need = -(-upto // self.page_size) - len(seq.pages)
+        need = self.pages.pages_for(upto) - len(seq.pages)
         if need <= 0:
             return True
         new = self._alloc(need)
