@@ -178,7 +178,7 @@ class GLM5(nn.Module):
         "layers", carried through each stack's scan: `Block`); this call's keys are written at write_positions (default positions; < 0 = not written)
         and a query at position p attends the cache slots 0..p. logits=False skips the head.
         cache_slots [B] int32: the cache buffers are [repeats, B, P, S, ...] and batch row b reads and writes
-        its row cache_slots[b] of P in place (the serving engine's per-shard prefill, glm5_jax.serve.programs).
+        its row cache_slots[b] of P in place (the serving engine's per-shard prefill, glm5_jax.infer.programs).
         cache_pages [B, n] int32: the cache buffers are page pools [repeats, num_pages, page_size, ...] and
         batch row b's position p is at page cache_pages[b, p // page_size] (the paged serving runtime).
         mtp_tokens [depth, B, T]: the input token k steps ahead for MTP depth k (default: tokens shifted

@@ -246,12 +246,12 @@ def _tiny_decode_floor(batch, chips, context):
 
 
 def test_decode_floor_is_the_closed_form_by_hand():
-    """tools.aot_serve.min_step_bytes on the engine's own abstract arguments (serve.programs on an abstract
+    """tools.aot_serve.min_step_bytes on the engine's own abstract arguments (infer.programs on an abstract
     expert:4 mesh: the shardings' shard shapes, nothing allocated) equals the hand-derived floor of
     docs/inference.md, and its parts add up."""
     from glm5_jax.config import preset
     from glm5_jax.parallel.plan import abstract_mesh
-    from glm5_jax.serve.programs import Programs
+    from glm5_jax.infer.programs import Programs
     from tools.aot_serve import min_step_bytes
 
     mesh = abstract_mesh({"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 1})

@@ -1,4 +1,4 @@
-"""Host-side page bookkeeping of the paged KV cache (glm5_jax.serve.pages): pool refcounts, radix prefix
+"""Host-side page bookkeeping of the paged KV cache (glm5_jax.infer.pages): pool refcounts, radix prefix
 matching against a brute-force reference, copy-on-write partial pages, LRU eviction, a random scheduler run."""
 import random
 from collections import Counter, deque
@@ -6,7 +6,7 @@ from collections import Counter, deque
 import numpy as np
 import pytest
 
-from glm5_jax.serve.pages import Match, PagePool, RadixCache
+from glm5_jax.infer.pages import Match, PagePool, RadixCache
 
 
 def test_pool_refcounts_and_errors():

@@ -1,4 +1,4 @@
-"""The paged generation runtime (glm5_jax.serve.runtime): concurrent sequences sharing prompts and
+"""The paged generation runtime (glm5_jax.infer.runtime): concurrent sequences sharing prompts and
 prefixes (radix pages by reference, copy-on-write of a partial page), decodes and prefill chunks mixed in
 one step, against the static decoder (glm5_jax.infer.generate) for greedy and against each sequence run
 alone for seeded sampling; the one-row-per-slot policy (page_size = max_model_len, no sharing) gives the
@@ -11,7 +11,7 @@ import pytest
 from glm5_jax import model
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer import generate
-from glm5_jax.serve.runtime import PagedRuntime, Seq
+from glm5_jax.infer.runtime import PagedRuntime, Seq
 
 CFG = ModelConfig(num_layers=3, mtp_depth=0, index_topk=8)      # DSA, dense prefix 1 + MoE body 2
 MAX_LEN = 64

@@ -162,7 +162,7 @@ def define_flags(fv) -> None:
     from tools.aot_serve import PREFILL_CHUNK, PROGRAMS, SPECULATIVE
     S, I = flags.DEFINE_string, flags.DEFINE_integer
     flags.DEFINE_enum("program", "train", PROGRAMS + ("rl",), "train: the train step; decode / prefill: the serving "
-                      "engine's programs (serve.programs.Programs); rl: the colocated RL step's phases (tools/aot_rl.py)",
+                      "engine's programs (infer.programs.Programs); rl: the colocated RL step's phases (tools/aot_rl.py)",
                       flag_values=fv)
     S("preset", None, "model preset", flag_values=fv, required=True)
     S("topology", None, "KIND:AxBxC, kinds: " + ", ".join(CHIPS), flag_values=fv, required=True)

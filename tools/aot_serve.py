@@ -3,7 +3,7 @@
     python -m tools.aot --program=decode --preset=glm5 --topology=v5p:4x4x4 --batch=128 --max_model_len=131072
         [--mesh=expert:64] [--speculative=mtp [--num_draft=2]] [--prefill_chunk=512] [--set model.FIELD=V] --json
 
-The programs are `glm5_jax.serve.programs.Programs`'s (what `serve.Engine` runs): `decode()` (one token for
+The programs are `glm5_jax.infer.programs.Programs`'s (what `serve.Engine` runs): `decode()` (one token for
 each of the `--batch` cache slots), `spec_decode(greedy)` with `--speculative=mtp`, and `prefill(width,
 chunk, echo=False)` (one row of `--prefill_chunk` prompt tokens per batch shard, the engine's default
 piece; `spec_prefill` with `--speculative=mtp`). Each is lowered with `Programs.abstract_args` (ShapeDtypeStructs carrying the serving shardings)
@@ -158,7 +158,7 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     import numpy as np
     from jax.sharding import AxisType, Mesh
 
-    from glm5_jax.serve.programs import Programs
+    from glm5_jax.infer.programs import Programs
     from glm5_jax.sharding import MESH_AXES
     from tools.tpu_compile import compile_lowered, memory_report, topology_devices
     from tools.budget import CHIP_PEAKS, step_budget

@@ -87,7 +87,7 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     except ChatFormatError:
         stop = (tok.eos_id,)
     name = served_model_name or os.path.basename(os.path.normpath(model))
-    from glm5_jax.serve.runtime import cache_tokens_that_fit
+    from glm5_jax.infer.runtime import cache_tokens_that_fit
     if kv_cache_tokens is None:
         kv_cache_tokens = cache_tokens_that_fit(config, mesh, memory_fraction)
     kw = dict(page_size=page_size, kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=max_num_batched_tokens,

@@ -19,6 +19,8 @@ import threading
 from typing import Callable, Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.errors import Glm5Error
@@ -213,3 +215,29 @@ def build_mesh(spec: str | Mapping[str, int] | None = None, *, scope: str = "glo
     if model_cfg is not None:
         check_model_fits_mesh(model_cfg, sizes, batch_size)
     return make_mesh(sizes, devices)
+
+
+# ----------------------------------------------------------------------------- values across processes
+def multi_process(mesh=None) -> bool:
+    """Whether `mesh` (default: every device) spans several processes."""
+    if mesh is None:
+        return jax.process_count() > 1
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def to_global(value, sharding):
+    """A host value that every process holds identically -> a global array with `sharding`; a global jax
+    array is resharded on the devices (device to device)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_host(tree):
+    """Device outputs -> numpy on this process (all-gathered where other processes hold shards)."""
+    def get(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(a)
+    return jax.tree.map(get, tree)

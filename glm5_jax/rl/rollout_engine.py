@@ -2,7 +2,7 @@
 
 Colocated RL (docs/rl.md, "RL on a mesh"): the training state and the rollouts share the devices. Before
 each rollout ``sync(params, version)`` makes the rollout copy of the policy in the serving engine's
-layout (``glm5_jax.serve.programs.Programs``: ``SERVE_RULES`` weights, the MoE's dropless all-to-all over
+layout (``glm5_jax.infer.programs.Programs``: ``SERVE_RULES`` weights, the MoE's dropless all-to-all over
 ``expert``) straight from the training layout, device to device: one jitted program whose input is the
 training arrays and whose output sharding is the serving one, so XLA moves the shards between devices
 (an all-gather where the training layout splits what serving replicates) and nothing goes through the
@@ -154,7 +154,7 @@ class RolloutEngine:
                  reshard_chunk_bytes: int = RESHARD_CHUNK_BYTES):
         from glm5_jax.fields import require
         from glm5_jax.rl.rollout import MISMATCH_MODES
-        from glm5_jax.serve.programs import serving_config
+        from glm5_jax.infer.programs import serving_config
         from glm5_jax.sharding import param_shardings
         require("RolloutEngine: reshard_chunk_bytes", reshard_chunk_bytes, integer=True, min=1)
         if mismatch not in MISMATCH_MODES:
@@ -327,7 +327,7 @@ class RolloutEngine:
         stopped, cache): ``infer.generate``'s while loop; the cache is donated and returned, so the loop
         updates it in place (no second cache). params: the rollout copy's arrays or ShapeDtypeStructs (default
         ``abstract_params()``)."""
-        from glm5_jax.serve.programs import Programs
+        from glm5_jax.infer.programs import Programs
         if which not in ("prefill", "decode"):
             raise ValueError(f"RolloutEngine.lower: which={which!r}; allowed: prefill, decode")
         chunk = self.prefill_chunk if chunk is None else int(chunk)

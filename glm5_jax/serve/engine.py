@@ -1,7 +1,7 @@
 """Continuous-batching generation engine on the model's own modules and KV cache, on one device or a mesh.
 
 One cache of ``max_batch`` rows ("slots") x ``max_model_len`` positions (``glm5_jax.infer.cache``), laid
-out by ``glm5_jax.serve.programs.Programs``: on a mesh the slots are split evenly over the batch shards
+out by ``glm5_jax.infer.programs.Programs``: on a mesh the slots are split evenly over the batch shards
 (data x fsdp x expert; attention data-parallel, experts expert-parallel, docs/inference.md "Sharding for
 serving") and a slot's cache row never leaves its shard. Every decode step runs all slots (or, on one
 batch shard, a decode bucket, below) through the model's forward with ``cache=``, one token per slot at
@@ -62,10 +62,11 @@ import numpy as np
 
 from glm5_jax.infer.speculative import check_num_draft
 from glm5_jax.serve.detok import TextStream
-from glm5_jax.serve.multihost import Broadcast, is_leader, multi_process, to_host
-from glm5_jax.serve.programs import TOP_LOGPROBS, Programs
+from glm5_jax.parallel.distributed import multi_process, to_host
+from glm5_jax.serve.multihost import Broadcast, is_leader
+from glm5_jax.infer.programs import TOP_LOGPROBS, Programs
 from glm5_jax.serve.request import EngineError, QueueFull, RequestHandle, SamplingParams, TokenEvent
-from glm5_jax.serve.runtime import PagedRuntime, Seq
+from glm5_jax.infer.runtime import PagedRuntime, Seq
 from glm5_jax.sharding import SERVE_RULES
 
 __all__ = ["Engine", "EngineError", "QueueFull", "RequestHandle", "SamplingParams", "TOP_LOGPROBS", "TokenEvent"]

@@ -5,8 +5,8 @@ Process 0 runs the scheduler (and the HTTP server); before each device operation
 operation and its host arguments (`Broadcast.exchange`), and every other process (`Engine.follow`)
 receives it and runs the same operation, so every process issues the same programs with the same
 arguments in the same order (a jitted program over a multi-process mesh needs exactly that). Host
-inputs become global arrays from the identical copies every process holds (`to_global`); outputs come
-back to every process whole (`to_host`, an all-gather of the few per-slot values a step returns).
+inputs become global arrays from the identical copies every process holds (`glm5_jax.parallel.distributed.to_global`); outputs come
+back to every process whole (`glm5_jax.parallel.distributed.to_host`, an all-gather of the few per-slot values a step returns).
 
 A lost host (`PeerWatch`, started with the engine's `Broadcast`): every process writes a heartbeat to
 jax's coordination service each second and reads its peers' (process 0 all others', the others process
@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["Broadcast", "LOST_EXIT_CODE", "PeerWatch", "is_leader", "lost", "multi_process", "to_global", "to_host"]
+__all__ = ["Broadcast", "LOST_EXIT_CODE", "PeerWatch", "is_leader", "lost"]
 
 LOST_EXIT_CODE = 3
 LOST_GRACE_S = 2.0                  # process 0: time for in-flight requests to get their 503 before it exits
@@ -127,11 +127,6 @@ def _exit_lost(reason: str) -> None:
     os._exit(LOST_EXIT_CODE)
 
 
-def multi_process(mesh=None) -> bool:
-    """Whether `mesh` (default: every device) spans several processes."""
-    if mesh is None:
-        return jax.process_count() > 1
-    return len({d.process_index for d in mesh.devices.flat}) > 1
 
 
 def is_leader() -> bool:
@@ -159,21 +154,3 @@ class Broadcast:
         if self.watch is not None and isinstance(obj, tuple) and obj[:1] == ("stop",):
             self.watch.stand_down()
         return obj
-
-
-def to_global(value, sharding):
-    """A host value that every process holds identically -> a global array with `sharding`; a global jax
-    array is resharded on the devices (device to device)."""
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def to_host(tree):
-    """Device outputs -> numpy on this process (all-gathered where other processes hold shards)."""
-    def get(a):
-        if isinstance(a, jax.Array) and not a.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return np.asarray(a)
-    return jax.tree.map(get, tree)

@@ -47,7 +47,8 @@ from glm5_jax.data.hf_chat_template import load_chat_template
 from glm5_jax.serve.engine import EngineError, QueueFull, SamplingParams
 from glm5_jax.serve.http import HTTPError, error_middleware, parse_as, read_json, serve_in_thread
 from glm5_jax.serve.metrics import CONTENT_TYPE_LATEST
-from glm5_jax.serve.multihost import lost, multi_process
+from glm5_jax.parallel.distributed import multi_process
+from glm5_jax.serve.multihost import lost
 from glm5_jax.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["OpenAIServer", "render_error", "run_in_thread"]

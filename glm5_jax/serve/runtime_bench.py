@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from glm5_jax.serve.runtime import PagedRuntime, Seq
+from glm5_jax.infer.runtime import PagedRuntime, Seq
 
 
 def chat_workload(n: int, vocab: int, seed: int, max_len: int) -> list:

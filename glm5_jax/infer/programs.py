@@ -34,7 +34,7 @@ from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
 from glm5_jax.infer.sampling import sample_rows
 from glm5_jax.infer.speculative import mtp_pass, speculative_step
 from glm5_jax.layers.common import dtype_of
-from glm5_jax.serve.multihost import multi_process, to_global
+from glm5_jax.parallel.distributed import multi_process, to_global
 from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, param_shardings, single_device_mesh, use_mesh
 
 __all__ = ["Programs", "TOP_LOGPROBS", "serving_config"]
@@ -367,7 +367,7 @@ class Programs:
                          lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec), (), sh)()
 
     def paged_step(self, num_pages: int, page_size: int, width: int, echo: bool):
-        """One step of the paged runtime (glm5_jax.serve.runtime): `width` token rows, each one token of a
+        """One step of the paged runtime (glm5_jax.infer.runtime): `width` token rows, each one token of a
         running sequence (a decode token or one token of a prefill chunk) with its sequence's page table,
         so decodes and prefill chunks share one program, one weight read and one compile per width.
 

@@ -7,7 +7,7 @@ chunk of each sequence still prefilling, every row with its sequence's table and
 and decode share one program and one read of the weights, and one compile per row-count bucket.
 
 Host side (`PagedRuntime`, no device state but the pool it hands to the program): admission, page
-accounting (glm5_jax.serve.pages: reference-counted pages, a radix tree of cached prefixes shared by
+accounting (glm5_jax.infer.pages: reference-counted pages, a radix tree of cached prefixes shared by
 reference, copy-on-write of a partial last page, least-recently-used eviction), the token budget
 (decodes first, then prefill chunks in admission order) and preemption by recompute when pages run out
 (the newest running sequence gives its pages back and is prefilled again later over its prompt and
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import numpy as np
 
-from glm5_jax.serve.pages import PagePool, RadixCache
-from glm5_jax.serve.programs import Programs
+from glm5_jax.infer.pages import PagePool, RadixCache
+from glm5_jax.infer.programs import Programs
 from glm5_jax.sharding import SERVE_RULES
 
 __all__ = ["PagedRuntime", "Plan", "Seq"]
