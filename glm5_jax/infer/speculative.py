@@ -66,27 +66,39 @@ def mtp_pass(config, n: int, params, mtp_caches, hbuf, seq, win_pos, wpos, e):
     (drafts [B, n] int32, the MTP argmax for positions e+2..e+n+1; new MTP caches;
     per-depth final-normed hidden [n, B, W, D]).
     """
-    drafts, caches, normed, _ = _mtp_pass(config, n, params, mtp_caches, hbuf, seq, win_pos, wpos, e)
+    h = jnp.take_along_axis(hbuf, jnp.maximum(win_pos, 0)[..., None], axis=1)
+    drafts, caches, normed, _ = mtp_window(config, n, params, mtp_caches, h, seq, jnp.zeros_like(e), win_pos, wpos, e)
     return drafts, caches, normed
 
 
-def _mtp_pass(config, n, params, mtp_caches, hbuf, seq, win_pos, wpos, e, draw=None):
-    """mtp_pass; draw(k, logits [B, V]) -> (draft tokens [B], draft distribution [B, V]) picks depth k's
-    draft (None: argmax). Returns (drafts, caches, normed, draft distributions [B, n, V] or None)."""
+def mtp_window(config, n, params, mtp_caches, h, seqw, base, win_pos, wpos, e, draw=None, heads: bool = True):
+    """The MTP depths over positions win_pos [B, W] (slots wpos, -1 = don't write), the one MTP pass of
+    every speculative program (slot or paged cache: `mtp_caches` are the depths' buffers or `LayerCache`s).
+
+    h [B, W, D]: the trunk's pre-norm hidden at win_pos; seqw [B, L]: committed tokens at positions
+    base[b] .. base[b] + L - 1 (valid up to e + 1); e [B]: last position the trunk has processed. Depth k
+    at position s reads the token at s + k: committed up to e + 1, this pass's drafts beyond. heads: depth
+    k's head at the column holding e proposes draft k (the argmax, or draw(k, logits [B, V]) -> (tokens
+    [B], distribution [B, V])); heads=False only writes the caches (a prefill's rows, whose tokens are
+    all committed). Returns (drafts [B, n], caches, final-normed hidden [n, B, W, D], distributions [B, n, V]
+    or None)."""
     c = config
     b, w = win_pos.shape
     qpos = jnp.maximum(win_pos, 0)
-    h = jnp.take_along_axis(hbuf, qpos[..., None], axis=1)
     col = jnp.clip(e - win_pos[:, 0], 0, w - 1)                 # window column holding position e
     drafts = jnp.zeros((b, n), jnp.int32)
     caches, normed, qs = [], [], []
     for k in range(1, n + 1):
         tp = qpos + k
         from_seq = tp <= (e[:, None] + 1)
-        t_seq = jnp.take_along_axis(seq, jnp.clip(tp, 0, seq.shape[1] - 1), axis=1)
+        t_seq = jnp.take_along_axis(seqw, jnp.clip(tp - base[:, None], 0, seqw.shape[1] - 1), axis=1)
         t_draft = jnp.take_along_axis(drafts, jnp.clip(tp - e[:, None] - 2, 0, n - 1), axis=1)
         tok = jnp.where(from_seq, t_seq, t_draft)
         h, hn, lc = mtp_block(c, params, k, h, tok, qpos, wpos, mtp_caches[k - 1])
+        caches.append(lc)
+        normed.append(hn)
+        if not heads:
+            continue
         logits = head(c, params, hn[jnp.arange(b), col])
         if draw is None:
             d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -94,9 +106,38 @@ def _mtp_pass(config, n, params, mtp_caches, hbuf, seq, win_pos, wpos, e, draw=N
             d, q = draw(k, logits)
             qs.append(q)
         drafts = drafts.at[:, k - 1].set(d)
-        caches.append(lc)
-        normed.append(hn)
     return drafts, caches, jnp.stack(normed), (jnp.stack(qs, axis=1) if qs else None)
+
+
+def draft_sampler(ks, temperature, top_k, top_p):
+    """draw(k, logits) for `mtp_window`: depth k's draft drawn with key ks[:, k - 1] from the row's filtered
+    distribution (`sampling.probs_rows`), returned with that distribution."""
+    def draw(k, logits):
+        q, lq = sampling.probs_rows(logits, temperature, top_k, top_p)
+        return jax.vmap(jax.random.categorical)(ks[:, k - 1], lq).astype(jnp.int32), q
+    return draw
+
+
+def verify(logits, drafts, q, key, temperature, top_k, top_p, *, greedy: bool):
+    """The target's verification of n drafts: logits [B, n+1, V] at the verify positions (after the
+    committed next token and after each draft), drafts [B, n], q [B, n, V] the drafts' distributions
+    (None when greedy), key [B] (sampled rows' verification draws) -> (tokens [B, n+1], their log-probs
+    [B, n+1], accepted [B]): greedy, the longest prefix of drafts equal to the argmax plus the argmax after
+    it; sampled, `rejection_sample`. Log-probs: greedy rows the temperature-1 log-softmax, sampled rows the
+    filtered target's."""
+    b, n1, _ = logits.shape
+    n = n1 - 1
+    model_lp = jax.nn.log_softmax(logits, axis=-1)
+    if greedy:
+        g = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        a = jnp.sum(jnp.cumprod((drafts == g[:, :n]).astype(jnp.int32), axis=1), axis=1)   # accepted drafts
+        return g, jnp.take_along_axis(model_lp, g[..., None], axis=-1)[..., 0], a
+    rep = lambda t: jnp.repeat(t, n + 1)
+    p, lpp = sampling.probs_rows(logits.reshape(b * (n + 1), -1), rep(temperature), rep(top_k), rep(top_p))
+    g, a = rejection_sample(key, p.reshape(b, n + 1, -1), q, drafts)
+    lpp = lpp.reshape(b, n + 1, -1)
+    pick = lambda t: jnp.take_along_axis(t, g[..., None], axis=-1)[..., 0]
+    return g, jnp.where((temperature <= 0)[:, None], pick(model_lp), pick(lpp)), a
 
 
 def _split_rows(keys, num: int):
@@ -172,18 +213,13 @@ def speculative_step(config, num_draft: int, params, cache, hbuf, seq, e, active
     active = jnp.asarray(active, bool)
     win = e[:, None] - w + 1 + jnp.arange(w, dtype=jnp.int32)
     wwin = jnp.where((win >= 0) & active[:, None], win, -1)
-    if greedy:
-        drafts, mtp, _, q = _mtp_pass(c, n, params, cache["mtp"], hbuf, seq, win, wwin, e)
-    else:
+    h = jnp.take_along_axis(hbuf, jnp.maximum(win, 0)[..., None], axis=1)
+    ks = draw = None
+    if not greedy:
         temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a), (b,)) for a in (temperature, top_k, top_p))
         ks = _split_rows(keys, n + 1)
-
-        def draw(k, logits):
-            q, lq = sampling.probs_rows(logits, temperature, top_k, top_p)
-            d = jax.vmap(jax.random.categorical)(ks[:, k - 1], lq).astype(jnp.int32)
-            return d, q
-
-        drafts, mtp, _, q = _mtp_pass(c, n, params, cache["mtp"], hbuf, seq, win, wwin, e, draw)
+        draw = draft_sampler(ks, temperature, top_k, top_p)
+    drafts, mtp, _, q = mtp_window(c, n, params, cache["mtp"], h, seq, jnp.zeros_like(e), win, wwin, e, draw)
     # verify [committed next token, drafts] at positions e+1 .. e+n+1
     vpos = e[:, None] + 1 + jnp.arange(n + 1, dtype=jnp.int32)
     wpos = jnp.where(active[:, None], vpos, -1)
@@ -191,18 +227,7 @@ def speculative_step(config, num_draft: int, params, cache, hbuf, seq, e, active
     x, layers = model_step(c, params, cache["layers"], vtok, vpos, wpos)
     hbuf = kv.write(hbuf, wpos, x)
     logits = head(c, params, final_norm(c, params, x))                       # [B, n+1, V]
-    model_lp = jax.nn.log_softmax(logits, axis=-1)
-    if greedy:
-        g = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        a = jnp.sum(jnp.cumprod((drafts == g[:, :n]).astype(jnp.int32), axis=1), axis=1)   # accepted drafts
-        lp = jnp.take_along_axis(model_lp, g[..., None], axis=-1)[..., 0]
-    else:
-        rep = lambda t: jnp.repeat(t, n + 1)
-        p, lpp = sampling.probs_rows(logits.reshape(b * (n + 1), -1), rep(temperature), rep(top_k), rep(top_p))
-        g, a = rejection_sample(ks[:, n], p.reshape(b, n + 1, -1), q, drafts)
-        lpp = lpp.reshape(b, n + 1, -1)
-        pick = lambda t: jnp.take_along_axis(t, g[..., None], axis=-1)[..., 0]
-        lp = jnp.where((temperature <= 0)[:, None], pick(model_lp), pick(lpp))
+    g, lp, a = verify(logits, drafts, q, None if greedy else ks[:, n], temperature, top_k, top_p, greedy=greedy)
     seq = kv.write(seq, jnp.where(active[:, None], vpos + 1, -1), g)   # g_j is the token at e+2+j (committed for j <= a)
     a = jnp.where(active, a, 0).astype(jnp.int32)
     e = jnp.where(active, e + a + 1, e)
