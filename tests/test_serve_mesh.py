@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     S = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 13, [1, 2, 3, 4, 5], [7, 7, 8], [11, 12, 13, 14],
                [2] * 9, [6, 5, 4]]
-    kw = dict(max_batch=8, max_model_len=48, prefill_chunk=8, prefill_buckets=(8,))
+    kw = dict(max_batch=8, max_model_len=48, prefill_chunk=8)
 
     def run(mesh, spec=0):
         e = Engine(cfg, params, mesh=mesh, speculative=spec, **kw)

@@ -27,7 +27,7 @@ WORKER = textwrap.dedent("""
     cfg = ModelConfig(attention="dsa", num_layers=2, index_topk=4, num_experts=4, experts_per_tok=2, mtp_depth=0)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     params2 = jax.tree.map(lambda a: a * 1.01, params)
-    kw = dict(max_batch=4, max_model_len=40, prefill_chunk=8, prefill_buckets=(8,))
+    kw = dict(max_batch=4, max_model_len=40, prefill_chunk=8)
     eng = Engine(cfg, params, mesh=sharding.make_mesh("data:2,expert:2"), **kw)
     G = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [9] * 11, [1, 2, 3]]

@@ -89,7 +89,8 @@ def build(model: str, *, tokenizer=None, served_model_name=None, max_batch=8, ma
     name = served_model_name or os.path.basename(os.path.normpath(model))
     from glm5_jax.infer.runtime import cache_tokens_that_fit
     if kv_cache_tokens is None:
-        kv_cache_tokens = cache_tokens_that_fit(config, mesh, memory_fraction)
+        kv_cache_tokens = cache_tokens_that_fit(config, mesh, memory_fraction,
+                                                int(num_draft) if speculative == "mtp" else 0)
     kw = dict(page_size=page_size, kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=max_num_batched_tokens,
               prefix_reuse=prefix_cache == "radix")
     if speculative == "mtp":

@@ -9,13 +9,12 @@ short ones back, and prefix reuse keeps each episode's KV cache across its turns
 every turn of a trajectory to the same server; a later turn prefills only the tokens after the cached
 context: the last generated token and the observation).
 
-Shapes come from a fixed set so nothing compiles after ``warmup``: ``width_buckets`` (default: powers
-of two from 32 below ``max_len - max_new_tokens``, then that) are the engine's prefill buckets (the new
-tokens of a prompt are padded to the smallest that holds them), ``row_buckets`` (default: powers of two
-from 4 up to ``max_batch``) its decode buckets: a decode step runs over the smallest bucket of rows that
-holds the busy slots (new requests take the lowest free slots; a draining batch is compacted), because on
-CPU a decode's cost grows with its rows (prefill of 4 vs 32 rows x 98 tokens: ~15 vs ~140 ms on the tiny
-policy) and the straggling tail of a synchronous step should not pay for rows nobody asked for.
+Shapes come from a fixed set so nothing compiles after ``warmup``: a step of the engine's paged runtime
+runs one token row per decoding request plus at most one prefill piece, padded to the smallest step
+width that holds them: ``row_buckets`` (default: powers of two from 4 up to ``max_batch``) for decode-only
+steps, ``max_batch`` + each of ``width_buckets`` (default: powers of two from 32 below ``max_len -
+max_new_tokens``, then that) for steps with a prompt piece, because on CPU a step's cost grows with its
+rows and the straggling tail of a synchronous step should not pay for rows nobody asked for.
 
 Sampling: the server's temperature, its ``stop_tokens`` (a request ends after emitting one, included),
 ``max_new_tokens`` per request, and a per-request seed derived from the server's seed and a request
@@ -111,11 +110,12 @@ class RolloutServer:
         if mesh:
             from glm5_jax.parallel.distributed import build_mesh
             self.mesh = build_mesh(mesh, scope="local")
-            self.row_buckets = [self.max_batch]          # every decode step of a sharded batch runs all slots
+        # a step runs a decode row per running request and a prefill piece: decode-only steps pad to a row
+        # bucket, steps with a piece of w prompt tokens to max_batch + a width bucket
+        widths = self.row_buckets + [self.max_batch + w for w in self.width_buckets]
         self.engine = Engine(config, self._device(params), max_batch=self.max_batch, max_model_len=self.max_len,
-                             prefill_buckets=self.width_buckets, max_prompt_len=wmax,
-                             decode_buckets=self.row_buckets, version=self.version, seed=self.seed,
-                             max_queue=1 << 16, mesh=self.mesh)
+                             max_prompt_len=wmax, prefill_chunk=wmax, step_widths=widths, version=self.version,
+                             seed=self.seed, max_queue=1 << 16, mesh=self.mesh)
 
     def _device(self, params):
         import jax
@@ -170,7 +170,7 @@ class RolloutServer:
         """Compile every prefill (width) and decode (rows) bucket now, outside any timed region.
         Returns them: {"widths": [...], "rows": [...]}."""
         self.engine.warmup()
-        return {"widths": list(self.engine.buckets), "rows": list(self.engine.decode_buckets)}
+        return {"widths": list(self.engine.buckets), "rows": list(self.row_buckets)}
 
     def outputs(self) -> Dict[str, dict]:
         return dict(self.served)

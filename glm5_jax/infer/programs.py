@@ -31,8 +31,9 @@ from glm5_jax.batch import BATCH_AXES
 from glm5_jax.errors import Glm5Error
 from glm5_jax.infer import cache as kv
 from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
-from glm5_jax.infer.sampling import sample_rows
-from glm5_jax.infer.speculative import mtp_pass, speculative_step
+from glm5_jax.infer.sampling import batch_row_keys, sample_rows
+from glm5_jax.attention.core import LayerCache, batch_local
+from glm5_jax.infer.speculative import draft_sampler, mtp_pass, mtp_window, speculative_step, verify
 from glm5_jax.layers.common import dtype_of
 from glm5_jax.parallel.distributed import multi_process, to_global
 from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, param_shardings, single_device_mesh, use_mesh
@@ -75,6 +76,21 @@ def kv_b_layouts(config, shardings, mesh):
 
 def _row_keys(seeds, counts):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, counts)
+
+
+def _take(x, idx):
+    """x[idx] for row indices idx of x's own batch shard (the paged step's rows, sequences and page tables are
+    split over the batch shards in blocks, glm5_jax.infer.runtime places each sequence's rows in its shard's
+    block): a gather local to each shard, global index i at local i % (rows a shard)."""
+    return batch_local(lambda a, i: a[i % a.shape[0]], x, idx, axes=(0, 0), out_axes=0)
+
+
+def _copy_pages(a, src, dst, lead=()):
+    """Pages dst[c] >= 0 of a page pool a [*lead, num_pages, ...] become copies of pages src[c] (ids of one
+    shard's pages when run per shard: `batch_local`; local index p % num_pages)."""
+    m = a.shape[len(lead)]
+    d = jnp.where(dst >= 0, dst % m, m)                              # < 0: dropped
+    return a.at[lead + (d,)].set(a[lead + (jnp.maximum(src, 0) % m,)], mode="drop")
 
 
 def _top(model_lp, n):
@@ -360,13 +376,27 @@ class Programs:
         spec = jax.eval_shape(lambda: kv.init_cache(self.config, num_pages, page_size)["layers"])
         return spec, jax.tree.map(lambda a: NamedSharding(self.mesh, P(None, BATCH_AXES)), spec)
 
-    def alloc_pool(self, num_pages: int, page_size: int):
-        """The zeroed page pool, allocated in place on its shards."""
-        spec, sh = self.pool_sharding(num_pages, page_size)
-        return self._jit(("pool", num_pages, page_size),
-                         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec), (), sh)()
+    def spec_pool_sharding(self, num_pages: int, page_size: int):
+        """MTP speculation's pages beside the pool (`num_draft` > 0): {"mtp": per depth {"kv", "k_idx"}
+        [num_pages, page_size, ...], "h": the trunk's pre-norm hidden state [num_pages, page_size, D]}, pages
+        over the batch axes like the pool's."""
+        c = self.config
+        spec = jax.eval_shape(lambda: {"mtp": kv.init_cache(c, num_pages, page_size, self.num_draft)["mtp"],
+                                       "h": jnp.zeros((num_pages, page_size, c.d_model), dtype_of(c.dtype))})
+        return spec, jax.tree.map(lambda a: NamedSharding(self.mesh, P(BATCH_AXES)), spec)
 
-    def paged_step(self, num_pages: int, page_size: int, width: int, echo: bool):
+    def alloc_pool(self, num_pages: int, page_size: int):
+        """The zeroed page pool, allocated in place on its shards; with `num_draft` > 0, (pool, spec pool)."""
+        specs = [self.pool_sharding(num_pages, page_size)]
+        if self.num_draft:
+            specs.append(self.spec_pool_sharding(num_pages, page_size))
+        out = tuple(self._jit(("pool", num_pages, page_size, i),
+                              lambda spec=spec: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec), (), sh)()
+                    for i, (spec, sh) in enumerate(specs))
+        return out if self.num_draft else out[0]
+
+    def paged_step(self, num_pages: int, page_size: int, width: int, echo: bool, greedy: bool = False,
+                   row_keys: bool = False):
         """One step of the paged runtime (glm5_jax.infer.runtime): `width` token rows, each one token of a
         running sequence (a decode token or one token of a prefill chunk) with its sequence's page table,
         so decodes and prefill chunks share one program, one weight read and one compile per width.
@@ -377,28 +407,93 @@ class Programs:
         First every page cow_dst[c] >= 0 becomes a copy of page cow_src[c] (copy-on-write of a shared
         partial page); then row k writes its keys at position wpos[k] (< 0: nothing) through the table of
         sequence seq[k] and attends its positions 0..pos[k] (every row of a layer writes before any reads,
-        so a prefill chunk's rows see each other); sequence r samples from row out_rows[r]."""
-        cfg = self.config
+        so a prefill chunk's rows see each other); sequence r samples from row out_rows[r].
 
-        def fn(params, pool, cow_src, cow_dst, tokens, pos, wpos, seq, tables, out_rows, temp, top_k, top_p,
-               seeds, counts, targets):
-            dst = jnp.where(cow_dst >= 0, cow_dst, num_pages)
-            pool = jax.tree.map(lambda a: a.at[:, dst].set(a[:, jnp.maximum(cow_src, 0)], mode="drop"), pool)
-            x, pool = model_step(cfg, params, pool, tokens[:, None], pos[:, None], wpos[:, None], pages=tables[seq])
+        MTP speculation (`num_draft` = n > 0; `greedy` static: every speculating row greedy) adds the spec
+        pool (after pool) and (spec [R] bool, e [R], wtok [R, 3n], draft_of [K], vrows [R, n + 1], mtp_tok
+        [K, n], mtp_wpos [K]) after targets, and returns (tokens [R, n + 1], their lps, accepted [R], spec
+        pool) after the pool. A speculating sequence r (last trunk position e[r]) first drafts n tokens: the
+        MTP depths over its window e - 2n + 1 .. e (`speculative.mtp_window`: the window's hidden states
+        from the spec pool, committed tokens wtok[r] at positions e - 2n + 1 .., its MTP entries rewritten);
+        row k whose draft_of[k] >= 0 then takes draft draft_of[k] (flat [R * n]) as its token, so its rows
+        vrows[r] verify [next token, drafts] at e + 1 .. e + n + 1 in the same trunk pass as the prefill
+        chunks; every row's hidden state is written to the spec pool, and the MTP depths run over the rows
+        with mtp_wpos >= 0 (a prefill's tokens; depth k reads the committed token mtp_tok[k, k - 1] at
+        pos + k), writing their MTP entries. Verification is `speculative.verify` (greedy or rejection
+        sampling with the key fold_in(PRNGKey(seed), count) split n + 1 ways, as the slot path).
+
+        `row_keys` (static, no speculation) adds one last argument, krow [R] int32: sequence r with krow[r] >= 0
+        samples as row krow[r] of one draw over the batch with its key (`sampling.batch_row_keys`:
+        `infer.generate`'s and the RL rollouts' batch scheme), < 0 with its own key as without it."""
+        cfg, n = self.config, self.num_draft
+        if row_keys and n:
+            raise ValueError("paged_step: row_keys samples without MTP speculation (num_draft=0)")
+
+        def fn(params, pool, *rest):
+            spool = krow = None
+            if row_keys:
+                *rest, krow = rest
+            if n:
+                spool, *rest = rest
+            (cow_src, cow_dst, tokens, pos, wpos, seq, tables, out_rows, temp, top_k, top_p, seeds, counts,
+             targets, *sp) = rest
+            copy = lambda a, lead: batch_local(lambda *x: _copy_pages(*x, lead=lead), a, cow_src, cow_dst,
+                                               axes=(len(lead), 0, 0), out_axes=len(lead))
+            pool = jax.tree.map(lambda a: copy(a, (slice(None),)), pool)
+            keys = _row_keys(seeds, counts)
+            if n:
+                spec, e, wtok, draft_of, vrows, mtp_tok, mtp_wpos = sp
+                spool = jax.tree.map(lambda a: copy(a, ()), spool)
+                win = e[:, None] - 2 * n + 1 + jnp.arange(2 * n, dtype=jnp.int32)
+                wwin = jnp.where((win >= 0) & spec[:, None], win, -1)
+                hwin = LayerCache({"h": spool["h"]}, pages=tables).gather("h", jnp.maximum(win, 0)[:, None])[:, 0]
+                ks = draw = None
+                if not greedy:
+                    ks = jax.vmap(lambda k: jax.random.split(k, n + 1))(keys)
+                    draw = draft_sampler(ks, temp, top_k, top_p)
+                mtp = [LayerCache(m, pages=tables) for m in spool["mtp"]]
+                drafts, mtp, _, q = mtp_window(cfg, n, params, mtp, hwin, wtok, win[:, 0], win, wwin, e, draw)
+                tokens = jnp.where(draft_of >= 0, _take(drafts.reshape(-1), jnp.maximum(draft_of, 0)), tokens)
+            x, pool = model_step(cfg, params, pool, tokens[:, None], pos[:, None], wpos[:, None],
+                                 pages=_take(tables, seq))
             x = x[:, 0]
-            logits = head(cfg, params, final_norm(cfg, params, x[out_rows]))
-            nxt, lp_s, model_lp = sample_rows(_row_keys(seeds, counts), logits, temp, top_k, top_p)
+            logits = head(cfg, params, final_norm(cfg, params, _take(x, out_rows)))
+            if krow is not None:
+                keys = batch_row_keys(keys, krow, logits.shape[-1])
+            nxt, lp_s, model_lp = sample_rows(keys, logits, temp, top_k, top_p)
             ti, tv = _top(model_lp, TOP_LOGPROBS)
             ech = None
             if echo:
                 all_lp = jax.nn.log_softmax(head(cfg, params, final_norm(cfg, params, x)), axis=-1)   # [K, V]
                 ech = (jnp.take_along_axis(all_lp, targets[:, None], axis=-1)[:, 0],) + _top(all_lp, TOP_LOGPROBS)
-            return nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, ech, pool
+            out = (nxt, lp_s, jnp.take_along_axis(model_lp, nxt[:, None], axis=-1)[:, 0], ti, tv, ech, pool)
+            if not n:
+                return out
+            rows = LayerCache({"h": spool["h"]}, pages=_take(tables, seq))
+            h = rows.write("h", wpos[:, None], x[:, None]).buffers["h"]
+            mtp = [LayerCache(m.buffers, pages=_take(tables, seq)) for m in mtp]
+
+            def prefill_mtp(mtp):            # the MTP depths over a prefill's rows (their tokens are all known)
+                p1 = pos[:, None]
+                _, mtp, _, _ = mtp_window(cfg, n, params, mtp, x[:, None], mtp_tok, pos + 1, p1,
+                                          mtp_wpos[:, None], pos + n, heads=False)
+                return mtp
+
+            mtp = jax.lax.cond(jnp.any(mtp_wpos >= 0), prefill_mtp, lambda m: m, mtp)
+            vlogits = head(cfg, params, final_norm(cfg, params, _take(x, vrows)))                  # [R, n + 1, V]
+            g, lp, a = verify(vlogits, drafts, q, None if greedy else ks[:, n], temp, top_k, top_p, greedy=greedy)
+            spool = {"mtp": [m.buffers for m in mtp], "h": h}
+            return out + ((g, lp, jnp.where(spec, a, 0)), spool)
 
         _, pool = self.pool_sharding(num_pages, page_size)
-        ech = (self.rep,) * 3 if echo else None
-        return self._jit(("paged_step", num_pages, page_size, width, echo), fn,
-                         (self.param_formats, pool) + (self.rep,) * 14, (self.rep,) * 5 + (ech, pool), (1,))
+        ech = (self.rows,) * 3 if echo else None
+        if not n:
+            return self._jit(("paged_step", num_pages, page_size, width, echo) + (("row_keys",) if row_keys else ()), fn,
+                             (self.param_formats, pool) + (self.rows,) * (14 + row_keys), (self.rows,) * 5 + (ech, pool), (1,))
+        _, spool = self.spec_pool_sharding(num_pages, page_size)
+        return self._jit(("paged_step", num_pages, page_size, width, echo, greedy), fn,
+                         (self.param_formats, pool, spool) + (self.rows,) * 21,
+                         (self.rows,) * 5 + (ech, pool, (self.rows,) * 3, spool), (1, 2))
 
     # ------------------------------------------------------------------ AOT
     def abstract_args(self, program: str, *, width: int = 0, chunk: int = 0, echo: bool = False, greedy: bool = True):

@@ -39,13 +39,15 @@ __all__ = ["PagedRuntime", "Plan", "Seq"]
 
 class Plan(NamedTuple):
     """One scheduled step: the program's width and echo variant, its host arguments, and per planned
-    sequence (seq, its row in the tables, its first token row, tokens fed)."""
+    sequence (seq, its row in the tables, its first token row, context tokens fed)."""
     width: int
     echo: bool
     args: tuple
     rows: list
     cow_holds: list                      # partial pages retained until the step has copied them
     tokens: int
+    greedy: bool = False                 # MTP speculation: every speculating sequence is greedy
+    row_keys: bool = False               # a sequence samples as a row of a batch draw (Seq.key_row)
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,6 +61,8 @@ class Seq:
     max_tokens: int = 16
     stop_ids: tuple = ()
     prefix: bool = True                  # may take a cached prefix (and leave its own in the radix)
+    key_row: Optional[int] = None        # b: its i-th token is row b of one draw over a batch with key
+    #                                      fold_in(PRNGKey(seed), i) (infer.generate's scheme); None: its own
     tokens: list = dataclasses.field(default_factory=list)      # generated
     logprobs: list = dataclasses.field(default_factory=list)    # model log-prob of each generated token
     pages: list = dataclasses.field(default_factory=list)       # its page table (one reference each)
@@ -79,27 +83,32 @@ class Seq:
         return len(self.prompt) + len(self.tokens) - 1
 
 
-def _widths(budget: int, multiple: int = 1, smallest: int = 8) -> tuple:
-    """Token-row counts a step compiles for: powers of two from `smallest`, then `budget`, each rounded up to
-    a multiple of the batch shards (the rows are split over them)."""
-    out, w = [], smallest
-    while w < budget:
+def _widths(budget: int, multiple: int = 1, smallest: int = 8, extra=()) -> tuple:
+    """Token-row counts a step compiles for: powers of two from `smallest` (or the `extra` counts given, those
+    below the budget), then `budget`, each rounded up to a multiple of the batch shards (the rows are split
+    over them)."""
+    out, w = [x for x in extra if 0 < x < budget], smallest
+    while w < budget and not extra:
         out.append(w)
         w *= 2
     return tuple(sorted({-(-x // multiple) * multiple for x in out + [budget]}))
 
 
-def cache_tokens_that_fit(config, mesh, fraction: float) -> Optional[int]:
+def cache_tokens_that_fit(config, mesh, fraction: float, num_draft: int = 0) -> Optional[int]:
     """Cache positions (over the whole mesh) that fit in `fraction` of each device's memory after what is
-    already held there (the weights), or None where the device reports no memory statistics (CPU)."""
+    already held there (the weights), or None where the device reports no memory statistics (CPU). With
+    MTP speculation (num_draft > 0) a position also holds each depth's keys and the trunk's hidden state."""
     from glm5_jax.infer import cache as kv
+    from glm5_jax.layers.common import dtype_of
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
     out = -1
     if stats and all(st and st.get("bytes_limit") for st in stats):
         free = min(fraction * st["bytes_limit"] - st.get("bytes_in_use", 0) for st in stats)
-        one = jax.eval_shape(lambda: kv.init_cache(config, 1, 1)["layers"])
+        one = jax.eval_shape(lambda: kv.init_cache(config, 1, 1, num_draft))
         per_token = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(one))
+        if num_draft:
+            per_token += config.d_model * jax.numpy.dtype(dtype_of(config.dtype)).itemsize
         out = max(0, int(free // per_token)) * PagedRuntime.batch_shards(mesh)
     if jax.process_count() > 1:          # every process must build the same pool: process 0's figure
         from jax.experimental import multihost_utils
@@ -114,7 +123,15 @@ class PagedRuntime:
     sequence may reach; max_num_batched_tokens: token rows a step runs (decodes first); prefill_chunk:
     the most prompt tokens one sequence feeds per step; prefix_cache: "radix" (share cached prefixes by
     reference) or "none". page_size = max_model_len with prefix_cache="none" is the one-row-per-slot
-    policy (each sequence owns a whole row of the cache), for comparison."""
+    policy (each sequence owns a whole row of the cache), for comparison. widths: the token-row counts
+    below the budget a step may compile for (default powers of two from 8).
+
+    num_draft = n > 0: MTP self-speculation (glm5_jax.infer.speculative). A decoding sequence then runs
+    n + 1 token rows a step (its next token and n drafts, verified in the trunk pass, `Programs.paged_step`)
+    and takes 1 + accepted tokens; the pool gains each MTP depth's pages and the trunk's hidden states
+    (`spec_pool`). A prefix taken from the radix stops 2n tokens short of the match: MTP entries at a
+    position read the tokens up to n ahead, and a sequence's own window (its last 2n positions) is
+    rewritten every round, so those are always private pages."""
 
     @staticmethod
     def batch_shards(mesh) -> int:
@@ -123,27 +140,31 @@ class PagedRuntime:
 
     def __init__(self, config, params, *, max_running: int = 8, max_model_len: int = 256, page_size: int = 16,
                  kv_cache_tokens: Optional[int] = None, max_num_batched_tokens: int = 256,
-                 prefill_chunk: Optional[int] = None, prefix_cache: str = "radix", mesh=None, rules=SERVE_RULES):
+                 prefill_chunk: Optional[int] = None, prefix_cache: str = "radix", mesh=None, rules=SERVE_RULES,
+                 num_draft: int = 0, widths=None):
         if prefix_cache not in ("radix", "none"):
             raise ValueError(f"prefix_cache={prefix_cache!r}: radix | none")
         if min(max_running, page_size, max_num_batched_tokens) < 1 or max_model_len < 2:
             raise ValueError(f"max_running={max_running}, page_size={page_size}, max_num_batched_tokens="
                              f"{max_num_batched_tokens} must be >= 1 and max_model_len={max_model_len} >= 2")
         self.max_running, self.max_len, self.page_size = int(max_running), int(max_model_len), int(page_size)
-        self.table_len = -(-self.max_len // self.page_size)
+        self.num_draft = int(num_draft)
+        # a verification writes up to n positions past the context's last
+        self.table_len = -(-(self.max_len + self.num_draft) // self.page_size)
         tokens = kv_cache_tokens if kv_cache_tokens is not None else self.max_running * self.max_len
-        self.programs = Programs(config, mesh, max_batch=self.max_running, size=self.page_size, rules=rules)
+        self.programs = Programs(config, mesh, max_batch=self.max_running, size=self.page_size, rules=rules,
+                                 num_draft=self.num_draft)
         shards = self.programs.shards                       # the pool's pages are split over the batch shards
         self.num_pages = int(tokens) // self.page_size // shards * shards
         if self.num_pages < self.table_len:
             raise ValueError(f"kv_cache_tokens={tokens} holds {self.num_pages} pages of {self.page_size}; one "
                              f"sequence of max_model_len={self.max_len} needs {self.table_len}")
         self.budget = int(max_num_batched_tokens)
-        if self.budget < self.max_running:
-            raise ValueError(f"max_num_batched_tokens={self.budget} must be >= max_running={self.max_running} "
-                             "(every running sequence decodes one token a step)")
+        if self.budget < self.max_running * (1 + self.num_draft):
+            raise ValueError(f"max_num_batched_tokens={self.budget} must be >= max_running x (1 + num_draft) = "
+                             f"{self.max_running * (1 + self.num_draft)} (every running sequence decodes a step)")
         self.chunk = int(prefill_chunk or self.budget)
-        self.widths = _widths(self.budget, shards)
+        self.widths = _widths(self.budget, shards, extra=widths or ())
         # page-table widths a step compiles for (x4 apart, then the whole table): a step reads the pages of the
         # longest sequence it runs, not max_model_len for every row. A row's result must not depend on the
         # width its batch-mates chose: with DSA every width holds index_topk positions, so each row attends the
@@ -155,14 +176,19 @@ class PagedRuntime:
                                                                    if least < 4 ** i and 2 * 4 ** i <= self.table_len}))
         self.config = self.programs.config
         self.params = self.programs.place_params(params)
-        self.pool = self.programs.alloc_pool(self.num_pages, self.page_size)
+        self.pool, self.spec_pool = self._alloc_pools()
         self.pages = PagePool(self.num_pages, self.page_size)
         self.radix = RadixCache(self.pages) if prefix_cache == "radix" else None
         self.waiting: list = []
         self.running: list = []
         self.epoch = 0
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "preempted": 0,
-                      "reused_tokens": 0, "peak_running": 0}
+                      "reused_tokens": 0, "peak_running": 0, "verify_rows": 0, "accepted": 0,
+                      "accepted_per_depth": [0] * self.num_draft}
+
+    def _alloc_pools(self):
+        out = self.programs.alloc_pool(self.num_pages, self.page_size)
+        return out if self.num_draft else (out, None)
 
     # ------------------------------------------------------------------ requests
     def add(self, seq: Seq) -> Seq:
@@ -227,6 +253,8 @@ class PagedRuntime:
             pages, cached, partial = [], 0, None
             if self.radix is not None and seq.prefix:
                 m = self.radix.match(ctx, limit=len(ctx) - 1)
+                if self.num_draft and m.tokens:      # MTP entries near the match's end read tokens past it
+                    m = self.radix.match(ctx, limit=max(0, m.tokens - 2 * self.num_draft))
                 pages, cached, partial = list(m.pages), m.tokens, m.partial
             if partial is not None:
                 self.pages.retain([partial[0]])          # not evicted before the step copies it
@@ -285,15 +313,18 @@ class PagedRuntime:
                 rem = len(seq.context) - seq.cached
                 if (rem == 1) != want_decode or left <= 0:
                     continue
-                take = min(rem, left, self.chunk)
-                while not self._grow(seq, seq.cached + take):
+                extra = self.num_draft if want_decode else 0       # draft rows; their keys past the context
+                if want_decode and left < 1 + extra:
+                    continue
+                take = min(rem, left - extra, self.chunk)
+                while not self._grow(seq, seq.cached + take + extra):
                     if self._preempt({s for s, _ in plan} | {seq}, None if want_decode else seq):
                         continue
                     take = len(seq.pages) * self.page_size - seq.cached     # what its pages hold already
                     break
                 if take > 0:
                     plan.append((seq, take))
-                    left -= take
+                    left -= take + extra
         return plan
 
     def plan(self) -> Optional["Plan"]:
@@ -305,15 +336,22 @@ class PagedRuntime:
             if self.running or self.waiting:
                 raise RuntimeError("no sequence could be scheduled: the page pool is too small for one step")
             return None
+        nd = self.num_draft
+        decoding = {seq for seq, _ in work if len(seq.context) - seq.cached == 1} if nd else set()
         n = sum(t for _, t in work)
-        width = next(w for w in self.widths if w >= n)
-        need = max(-(-(seq.cached + take) // self.page_size) for seq, take in work)
+        width = next(w for w in self.widths if w >= n + nd * len(decoding))
+        need = max(-(-(seq.cached + take + (nd if seq in decoding else 0)) // self.page_size) for seq, take in work)
         r, tl = self.max_running, next(t for t in self.table_widths if t >= need)
         tok, pos, wpos, seqi, targets = (np.zeros((width,), np.int32) for _ in range(5))
         wpos[:] = -1
         tables = np.zeros((r, tl), np.int32)
         out_rows, counts, top_k = (np.zeros((r,), np.int32) for _ in range(3))
         temp, top_p, seeds = np.zeros((r,), np.float32), np.ones((r,), np.float32), np.zeros((r,), np.uint32)
+        if nd:
+            spec, e = np.zeros((r,), bool), np.zeros((r,), np.int32)
+            wtok, vrows = np.zeros((r, 3 * nd), np.int32), np.zeros((r, nd + 1), np.int32)
+            draft_of, mtp_wpos, mtp_tok = np.full((width,), -1, np.int32), np.full((width,), -1, np.int32), \
+                np.zeros((width, nd), np.int32)
         slot = {seq: i for i, seq in enumerate(self.running)}
         rows, k = [], 0
         for seq, take in work:
@@ -327,6 +365,23 @@ class PagedRuntime:
             temp[i], top_k[i], top_p[i], seeds[i], counts[i] = (seq.temperature, seq.top_k, seq.top_p,
                                                                  seq.seed % 2 ** 32, len(seq.tokens))
             rows.append((seq, i, k, take))
+            if seq in decoding:          # [next token, n drafts] at cached .. cached + n; the window before
+                c0 = seq.cached
+                q = np.arange(c0, c0 + nd + 1, dtype=np.int32)
+                pos[k:k + nd + 1], wpos[k:k + nd + 1], seqi[k:k + nd + 1] = q, q, i
+                draft_of[k + 1:k + nd + 1] = i * nd + np.arange(nd)
+                vrows[i] = k + np.arange(nd + 1)
+                spec[i], e[i] = True, c0 - 1
+                lo = c0 - 2 * nd
+                w = [ctx[j] if 0 <= j < len(ctx) else 0 for j in range(lo, lo + 3 * nd)]
+                wtok[i] = w
+                k += nd + 1
+                continue
+            if nd:                       # a prefill's rows: its MTP entries, depth j reading the token at p + j
+                mtp_wpos[k:k + take] = p
+                for j in range(nd):
+                    idx = p + j + 1
+                    mtp_tok[k:k + take, j] = [ctx[t] if t < len(ctx) else 0 for t in idx]
             k += take
         c = self.max_running
         cs, cd = np.zeros((c,), np.int32), np.full((c,), -1, np.int32)
@@ -334,31 +389,59 @@ class PagedRuntime:
             cs[j], cd[j] = s_, d_
         echo = any(seq.echo is not None and seq.cached < len(seq.prompt) for seq, _ in work)
         args = (cs, cd, tok, pos, wpos, seqi, tables, out_rows, temp, top_k, top_p, seeds, counts, targets)
-        return Plan(width, echo, args, rows, [s_ for s_, _ in cow], n)
+        greedy = False
+        if nd:
+            args += (spec, e, wtok, draft_of, vrows, mtp_tok, mtp_wpos)
+            greedy = all(seq.temperature <= 0 for seq in decoding)
+        row_keys = any(seq.key_row is not None for seq, _ in work)
+        if row_keys:                     # the last argument (paged_step's row_keys variant)
+            krow = np.full((r,), -1, np.int32)
+            for seq, i, _, _ in rows:
+                krow[i] = -1 if seq.key_row is None else seq.key_row
+            args += (krow,)
+        return Plan(width, echo, args, rows, [s_ for s_, _ in cow], n, greedy, row_keys)
 
-    def run_program(self, width: int, echo: bool, args) -> tuple:
+    def run_program(self, width: int, echo: bool, args, greedy: bool = False, row_keys: bool = False) -> tuple:
         """The step's device program over the pool (every process of a multi-process mesh runs it)."""
-        prog = self.programs.paged_step(self.num_pages, self.page_size, width, echo)
-        *out, self.pool = self.programs.call(prog, self.params, self.pool, *args, replicated=True)
-        return tuple(out)
+        prog = self.programs.paged_step(self.num_pages, self.page_size, width, echo, greedy, row_keys)
+        if not self.num_draft:
+            *out, self.pool = self.programs.call(prog, self.params, self.pool, *args, replicated=True)
+            return tuple(out)
+        *out, self.pool, spec, self.spec_pool = self.programs.call(prog, self.params, self.pool, self.spec_pool,
+                                                                    *args, replicated=True)
+        return tuple(out) + (spec,)
 
     def commit(self, plan: "Plan", out) -> list:
         """Apply a step's outputs (host numpy): -> [(seq, token, model lp, sampling lp, top ids, top lps)] for
-        the sequences that sampled a token (appended to seq.tokens). A sequence that reaches max_tokens, one
-        of its stop ids or max_model_len is finished (its pages cached or freed)."""
-        nxt, lp_s, lp_m, ti, tv, ech = out
+        each token a sequence sampled (appended to seq.tokens; with speculation 1 + accepted tokens of a
+        decoding sequence, without top alternatives). A sequence that reaches max_tokens, one of its stop
+        ids or max_model_len is finished (its pages cached or freed)."""
+        nxt, lp_s, lp_m, ti, tv, ech, *spec = out
         if plan.cow_holds:
             self.pages.release(plan.cow_holds)
         self.stats["steps"] += 1
         self.stats["tokens"] += plan.tokens
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
-        events = []
+        events, none = [], np.zeros((0,), np.int32)
         for seq, i, k, take in plan.rows:
             decode = len(seq.context) - seq.cached == 1
             self.stats["decode_tokens" if decode else "prefill_tokens"] += take
             if seq.echo is not None and seq.cached < len(seq.prompt):
                 m = min(take, len(seq.prompt) - 1 - seq.cached)
                 seq.echo += [(float(ech[0][k + j]), ech[1][k + j], ech[2][k + j]) for j in range(max(m, 0))]
+            if decode and spec:          # the next token and `accepted` drafts verified: their keys are valid
+                g, lp, acc = spec[0]
+                a = int(acc[i])
+                self._count_accepted(a)
+                for j in range(a + 1):
+                    seq.cached += 1
+                    t = int(g[i, j])
+                    seq.tokens.append(t)
+                    seq.logprobs.append(float(lp[i, j]))
+                    events.append((seq, t, float(lp[i, j]), float(lp[i, j]), none, none))
+                    if self._ended(seq, t):
+                        break
+                continue
             seq.cached += take
             if not decode and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
                 # its prefilled whole pages are shared from now on (the n samples of one prompt)
@@ -369,18 +452,38 @@ class PagedRuntime:
             seq.tokens.append(t)
             seq.logprobs.append(float(lp_m[i]))
             events.append((seq, t, float(lp_m[i]), float(lp_s[i]), ti[i], tv[i]))
-            if t in seq.stop_ids:
-                self.finish(seq, "stop")
-            elif len(seq.tokens) >= seq.max_tokens or seq.pos >= self.max_len:
-                self.finish(seq, "length")
+            self._ended(seq, t)
         return events
+
+    def _ended(self, seq: Seq, t: int) -> bool:
+        """Finish seq if its new token t stops it (a stop id, max_tokens, max_model_len)."""
+        if t in seq.stop_ids:
+            self.finish(seq, "stop")
+        elif len(seq.tokens) >= seq.max_tokens or seq.pos >= self.max_len:
+            self.finish(seq, "length")
+        return seq.finish is not None
+
+    def _count_accepted(self, a: int) -> None:
+        st = self.stats
+        st["verify_rows"] += 1
+        st["accepted"] += a
+        for d in range(a):
+            st["accepted_per_depth"][d] += 1
+
+    def acceptance(self) -> dict:
+        """MTP speculation so far: {"length": mean 1 + accepted drafts per verification, "per_depth": the
+        fraction of verifications accepting draft k, "steps": verifications}."""
+        st, v = self.stats, max(self.stats["verify_rows"], 1)
+        return {"length": 1.0 + st["accepted"] / v if st["verify_rows"] else 1.0,
+                "per_depth": [x / v for x in st["accepted_per_depth"]], "steps": st["verify_rows"]}
 
     def step(self) -> list:
         """plan + run_program + commit on this process -> commit's events."""
         plan = self.plan()
         if plan is None:
             return []
-        return self.commit(plan, jax.tree.map(np.asarray, self.run_program(plan.width, plan.echo, plan.args)))
+        return self.commit(plan, jax.tree.map(np.asarray, self.run_program(plan.width, plan.echo, plan.args,
+                                                                          plan.greedy, plan.row_keys)))
 
     def finish(self, seq: Seq, reason: str) -> None:
         """seq is done (its pages go to the radix or back to the pool); a no-op for a finished sequence."""
@@ -395,9 +498,13 @@ class PagedRuntime:
         """Program arguments of a step that writes and copies nothing (compiling a width: warm-up)."""
         r, c = self.max_running, self.max_running
         table = table or self.table_len
-        z, zr = np.zeros((width,), np.int32), np.zeros((r,), np.int32)
-        return (np.zeros((c,), np.int32), np.full((c,), -1, np.int32), z, z, z - 1, z, np.zeros((r, table), np.int32),
+        z, zr, nd = np.zeros((width,), np.int32), np.zeros((r,), np.int32), self.num_draft
+        args = (np.zeros((c,), np.int32), np.full((c,), -1, np.int32), z, z, z - 1, z, np.zeros((r, table), np.int32),
                 zr, np.zeros((r,), np.float32), zr, np.ones((r,), np.float32), np.zeros((r,), np.uint32), zr, z)
+        if nd:
+            args += (np.zeros((r,), bool), zr, np.zeros((r, 3 * nd), np.int32), z - 1, np.zeros((r, nd + 1), np.int32),
+                     np.zeros((width, nd), np.int32), z - 1)
+        return args
 
     def reset(self) -> None:
         """Every sequence dropped, every page free, the pool zeroed (after a failed step)."""
@@ -406,7 +513,7 @@ class PagedRuntime:
         self.running, self.waiting = [], []
         self.pages = PagePool(self.num_pages, self.page_size)
         self.radix = RadixCache(self.pages) if self.radix is not None else None
-        self.pool = self.programs.alloc_pool(self.num_pages, self.page_size)
+        self.pool, self.spec_pool = self._alloc_pools()
 
     def run(self, seqs) -> list:
         """Add `seqs` and step until every one has finished (a blocking convenience for tests and tools)."""
