@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.batch import BATCH_AXES
 from glm5_jax.utils import NEG_INF
 from pallas_kernels.dense import flash_attention
 
@@ -173,7 +174,11 @@ class LayerCache(NamedTuple):
 
     Paged (`pages` [B, n] int32, the serving runtime's page tables): the buffers are a pool of pages
     {name: [L, num_pages, page_size, ...]} and batch row b's position p lives in page pages[b, p // page_size]
-    at offset p % page_size, so a row sees S = n * page_size positions; rows share pages by reference."""
+    at offset p % page_size, so a row sees S = n * page_size positions; rows share pages by reference. Under a
+    mesh with batch shards the pool's pages and the batch rows are both split over the batch axes (shard s
+    holds pages s * per .. (s + 1) * per - 1, per = num_pages / shards) and a row's table holds pages of its
+    own shard only: every write and read runs per shard (`batch_local`, page p at local index p % per), with
+    no cross-chip traffic (data-parallel attention over the pool; glm5_jax.infer.runtime places them so)."""
     buffers: dict
     layer: Any = None
     slot: Any = None          # [B] int32: the buffers hold P rows per batch row ([.., B, P, S, ...]); b uses slot[b]
@@ -183,7 +188,10 @@ class LayerCache(NamedTuple):
         """This call's rows new [B, T, ...] at slots wpos [B, T] (< 0: not written)."""
         buf = self.buffers[name]
         if self.pages is not None:
-            buf = write_pages(buf, self.pages, wpos, new, self.layer)
+            stack = self.layer is not None
+            buf = batch_local(lambda b, p, w, x, *l: write_pages(b, p % b.shape[len(l)], w, x, *l), buf, self.pages, wpos, new,
+                              *((self.layer,) if stack else ()), axes=(int(stack), 0, 0, 0) + ((None,) if stack else ()),
+                              out_axes=int(stack))
         else:
             buf = write_cache(buf, wpos, new, self.layer, self.slot)
         return self._replace(buffers=dict(self.buffers, **{name: buf}))
@@ -193,20 +201,28 @@ class LayerCache(NamedTuple):
         dynamic slice into its consumers on TPU; with `slot`, each batch row's own row; paged, each batch
         row's pages in position order)."""
         buf = self.buffers[name]
-        buf = buf if self.layer is None else buf[self.layer]
         if self.pages is not None:
-            g = buf[self.pages]                                            # [B, n, page_size, ...]
-            return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+            def rows(buf, pages, *layer):
+                buf = buf if not layer else buf[layer[0]]
+                g = buf[pages % buf.shape[0]]                                     # [B, n, page_size, ...]
+                return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+            stack = self.layer is not None
+            return batch_local(rows, buf, self.pages, *((self.layer,) if stack else ()),
+                               axes=(int(stack), 0) + ((None,) if stack else ()), out_axes=0)
+        buf = buf if self.layer is None else buf[self.layer]
         return buf if self.slot is None else buf[jnp.arange(buf.shape[0]), self.slot]
 
     def gather(self, name: str, idx):
         """The rows at slots idx [B, T, K] (in range) -> [B, T, K, ...]."""
         if self.pages is not None:
-            lead = () if self.layer is None else (self.layer,)
-            buf = self.buffers[name]
-            ps, b = buf.shape[len(lead) + 1], idx.shape[0]
-            page = jnp.take_along_axis(self.pages, (idx // ps).reshape(b, -1), axis=1).reshape(idx.shape)
-            return buf.at[lead + (page, idx % ps)].get(mode="promise_in_bounds")
+            def gather(buf, pages, idx, *lead):
+                ps, b = buf.shape[len(lead) + 1], idx.shape[0]
+                pages = pages % buf.shape[len(lead)]
+                page = jnp.take_along_axis(pages, (idx // ps).reshape(b, -1), axis=1).reshape(idx.shape)
+                return buf.at[lead + (page, idx % ps)].get(mode="promise_in_bounds")
+            stack = self.layer is not None
+            return batch_local(gather, self.buffers[name], self.pages, idx, *((self.layer,) if stack else ()),
+                               axes=(int(stack), 0, 0) + ((None,) if stack else ()), out_axes=0)
         return gather_slots(self.buffers[name], idx, self.layer, self.slot)
 
     def size(self, name: str) -> int:
@@ -215,6 +231,23 @@ class LayerCache(NamedTuple):
             buf = self.buffers[name]
             return self.pages.shape[1] * buf.shape[1 + (self.layer is not None)]
         return self.buffers[name].shape[(1 if self.layer is None else 2) + (self.slot is not None)]
+
+
+def batch_local(fn, *args, axes, out_axes):
+    """fn(*args) on each batch shard's part (`jax.shard_map` over the batch axes of the current mesh; a plain
+    call without a mesh or with one batch shard). axes[i]: the axis of args[i] split over the batch axes
+    (None: replicated; a pytree argument uses one axis for all its leaves); out_axes likewise for the
+    outputs (an int, or a tuple for several). Indices inside fn are the shard's own: the page-pool reads and
+    writes of a paged cache, the serving runtime's per-shard row gathers (glm5_jax.infer.programs)."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.sharding.get_abstract_mesh()
+    names = () if mesh.empty else tuple(a for a in BATCH_AXES if dict(mesh.shape).get(a, 1) > 1)
+    if not names:
+        return fn(*args)
+    spec = lambda ax: P() if ax is None else P(*([None] * ax + [names]))
+    outs = tuple(map(spec, out_axes)) if isinstance(out_axes, tuple) else spec(out_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in axes), out_specs=outs,
+                         check_vma=False)(*args)
 
 
 def row_major(x, axes):
