@@ -8,12 +8,18 @@ log-softmax at temperature 1 (no filtering).
 Per-row variants for batches of requests with their own parameters (continuous batching, sampled
 speculation): `filter_rows`, `probs_rows` (the distribution sampled from; one-hot for greedy rows) and
 `sample_rows` (one PRNG key per row), with temperature / top_k / top_p as [B] arrays.
+
+`batch_row_keys`: per-row keys that draw, row by row, what one key draws over a whole batch (`sample`'s
+key folded over [B, V]): the paged runtime samples `infer.generate`'s batches (and so RL's rollouts) with
+them, one row at a time, exactly as a batch draw.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import define_prng_impl, threefry2x32_p
 
 from glm5_jax.fields import require
 
@@ -113,3 +119,39 @@ def sample_rows(keys, logits, temperature, top_k, top_p):
     lp_samp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
     lp_model = jnp.take_along_axis(model_lp, tok[:, None], axis=-1)[:, 0]
     return tok, jnp.where(greedy, lp_model, lp_samp), model_lp
+
+
+# ----------------------------------------------------------------------------- a batch draw, row by row
+def _offset_bits(key, bit_width, shape):
+    """Random bits of the threefry key (key[0], key[1]) at flat indices key[2:] (hi, lo words) + 0 .. n - 1:
+    jax's partitionable threefry (``jax_threefry_partitionable``, the default) gives element j of any draw
+    of `shape` the bits of flat index j, so these are elements offset .. offset + n - 1 of a larger draw."""
+    n = int(np.prod(shape, dtype=np.int64))
+    lo = jax.lax.iota(jnp.uint32, n).reshape(shape) + key[3]
+    hi = key[2] + (lo < key[3]).astype(jnp.uint32)          # the carry into the high word
+    b1, b2 = threefry2x32_p.bind(key[0], key[1], hi, lo)
+    if bit_width == 64:
+        return (b1.astype(jnp.uint64) << 32) | b2.astype(jnp.uint64)
+    bits = b1 ^ b2
+    return bits if bit_width == 32 else bits.astype({8: jnp.uint8, 16: jnp.uint16}[bit_width])
+
+
+def _no_derivation(*_):
+    raise NotImplementedError("batch_row_keys' keys only draw (no split, fold_in or seed)")
+
+
+OFFSET_THREEFRY = define_prng_impl(key_shape=(4,), seed=_no_derivation, split=_no_derivation,
+                                   random_bits=_offset_bits, fold_in=_no_derivation, name="offset_threefry",
+                                   tag="offset_threefry")
+
+
+def batch_row_keys(keys, rows, width: int):
+    """keys [R, 2] (raw threefry keys), rows [R] int -> typed keys [R] such that a draw of shape [width] with
+    key r (``jax.random.categorical(k[r], x_r)``, vmapped as `sample_rows` draws) is row rows[r] of the same
+    draw over [*, width] with keys[r] (``jax.random.categorical(keys[r], x)[rows[r]]``, `sample`'s batch draw);
+    rows[r] < 0: row 0, which is the draw of keys[r] over [width] itself (the row's own key). Exact under
+    jax's partitionable threefry (tested), for rows[r] * width < 2 ** 32."""
+    keys = jnp.asarray(keys, jnp.uint32)
+    off = jnp.maximum(jnp.asarray(rows), 0).astype(jnp.uint32) * jnp.uint32(width)
+    data = jnp.stack([keys[:, 0], keys[:, 1], jnp.zeros_like(off), off], axis=-1)
+    return jax.random.wrap_key_data(data, impl=OFFSET_THREEFRY)
