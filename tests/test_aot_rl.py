@@ -77,14 +77,16 @@ def test_tiny_rl_step_phases_compile_for_v5p_with_memory_reshard_bytes_and_step_
     assert ph["update"]["per_device_bytes"]["resident"] == 0
     assert ph["reshard"]["per_device_bytes"]["resident"] == r["optimizer_bytes_per_chip"]
     assert ph["rollout"]["per_device_bytes"]["resident"] == r["params_bytes_per_chip"] + r["optimizer_bytes_per_chip"]
-    # the decode loop donates its cache: it comes back in the same buffers
+    # the runtime's step donates its page pool: it comes back in the same buffers
     assert ph["rollout"]["per_device_bytes"]["aliased"] > 0
+    pre = ph["rollout_prefill"]
+    assert pre["prefill_steps"] * pre["prefill_step_tokens"] >= r["rollouts_per_step"] * 16
     # fsdp:4 training shards -> the expert:4 serving copy: a chip receives its copy minus what it holds
     copy, held = r["rollout_copy_bytes_per_chip"], r["params_bytes_per_chip"]
     assert copy - held <= r["reshard_bytes_per_chip"] <= copy
     parts = r["seconds_by_part"]
     assert r["estimated_rl_step_seconds"] == pytest.approx(sum(parts.values()))
     assert parts["update"] == pytest.approx(2 * ph["update"]["budget"]["estimated_step_seconds"])
-    assert parts["rollout"] == pytest.approx(ph["rollout_prefill"]["budget"]["estimated_step_seconds"]
+    assert parts["rollout"] == pytest.approx(pre["prefill_steps"] * pre["budget"]["estimated_step_seconds"]
                                              + r["decode_steps"] * ph["rollout"]["budget"]["estimated_step_seconds"])
     assert r["rollouts_per_step"] == 8 and r["update_seq_len"] == 23 and r["fits"] is True

@@ -16,8 +16,10 @@ programs use (``tools.tpu_compile.compile_lowered`` / ``memory_report``, ``tools
 * ``reshard``: ``RolloutEngine.sync_program()``, the training-layout policy -> the serving-layout rollout
   copy, device to device (the mismatch mode's fake quantisation inside; "none": the identity);
 * ``rollout_prefill`` / ``rollout``: ``RolloutEngine.lower("prefill" | "decode")``, the rollout engine's own
-  programs (``infer.generate``'s prefill and its decode while loop, whose body, one decode step, the budget
-  counts once: its estimated seconds are one step's);
+  programs: the generation runtime's step (``Programs.paged_step``, row-keyed sampling, the full page table)
+  at the width of a prefill step (the batch runtime's token budget, ``RolloutEngine.runtime_args``; the
+  prompts take ``prefill_steps`` of them) and of a decode step (one token of every row); each estimate is
+  one step's;
 * ``update``: ``rl.program.make_update_step`` (the one train step with the RL loss, ``make_rl_optimizer``)
   through ``tools.aot.compile_step`` on one minibatch (``--minibatches`` of them a step).
 
@@ -29,7 +31,7 @@ on the host with ``--offload_optimizer``, ``RLConfig.offload_optimizer`` in the 
 released); ``total`` = program total + resident, ``program_total`` the program's alone.
 
 ``estimated_rl_step_seconds`` (ESTIMATES, from the compiled programs' rooflines, perfect overlap):
-rollout (the prefill call + decode steps x the decode step) + reshard + old log-probs (a forward of the
+rollout (prefill steps x the prefill step + decode steps x the decode step) + reshard + old log-probs (a forward of the
 batch: a third of the update, not compiled) + update (minibatches x the update step) [+ the optimizer
 state to the host and back over ``HOST_BYTES_PER_S`` with --offload_optimizer]. Decode steps: the batch
 decodes until its longest row stops, so E[max over the B rows] of the response lengths, which are
@@ -219,16 +221,19 @@ def compile_rl(r: dict, *, log=None) -> dict:
     # rollout: the engine's prefill and decode programs on the serving copy
     b, p, n_new = r["rollouts_per_step"], r["prompt_len"], r["max_new_tokens"]
     size = p + n_new
-    pre_flops = b * p * forward_flops_per_token(cfg, p) / n_dev
+    budget = engine.runtime_args(b, p, size)["max_num_batched_tokens"]
+    pre_steps = -(-b * p // budget)
+    pre_flops = budget * forward_flops_per_token(cfg, p) / n_dev
     if "rollout_prefill" in want:
-        log(f"rollout_prefill: {b} prompts x {p} tokens in chunks of {engine.prefill_chunk}; lowering")
-        phases["rollout_prefill"] = _phase(_compile(lambda: engine.lower("prefill", b, p, size, n_new), log),
+        log(f"rollout_prefill: {b} prompts x {p} tokens in {pre_steps} steps of {budget} tokens; lowering")
+        phases["rollout_prefill"] = _phase(_compile(lambda: engine.lower("prefill", b, p, size), log),
                                            resident, lambda c: step_budget(c, chip, pre_flops),
-                                           prefill_chunk=engine.prefill_chunk)
+                                           prefill_chunk=engine.prefill_chunk, prefill_step_tokens=budget,
+                                           prefill_steps=pre_steps)
     dec_flops = b * forward_flops_per_token(cfg, size) / n_dev
     if "rollout" in want:
         log(f"rollout: decode step of {b} rows at {size} cache positions; lowering")
-        phases["rollout"] = _phase(_compile(lambda: engine.lower("decode", b, p, size, n_new), log), resident,
+        phases["rollout"] = _phase(_compile(lambda: engine.lower("decode", b, p, size), log), resident,
                                    lambda c: step_budget(c, chip, dec_flops),
                                    rows_per_chip=b // engine.shards, cache_positions=size)
     # the step's time, from each compiled phase's roofline
@@ -236,7 +241,7 @@ def compile_rl(r: dict, *, log=None) -> dict:
     if set(phases) == set(PHASES) and all("budget" in ph for ph in phases.values()):
         sec = {k: ph["budget"]["estimated_step_seconds"] for k, ph in phases.items()}
         steps = r["lengths"]["expected_decode_steps"]
-        est = {"rollout": sec["rollout_prefill"] + steps * sec["rollout"], "reshard": sec["reshard"],
+        est = {"rollout": pre_steps * sec["rollout_prefill"] + steps * sec["rollout"], "reshard": sec["reshard"],
                "old_logp": r["minibatches"] * sec["update"] / 3, "update": r["minibatches"] * sec["update"],
                "optimizer_offload": 2 * opt_b / HOST_BYTES_PER_S if r["offload_optimizer"] else 0.0}
         est = {"seconds_by_part": est, "estimated_rl_step_seconds": sum(est.values()),

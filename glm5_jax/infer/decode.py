@@ -1,33 +1,29 @@
-"""Cached autoregressive generation: prefill and decode as separate jitted programs.
+"""The model's cached pieces (trunk step, MTP block, head, chunked prefill) and the host-side helpers of
+generation (prompt padding, cache size, stop ids, GenerateResult).
 
-Prefill and decode run the model's own modules (`GLM5.__call__` with a cache, `GLM5.mtp_depth`);
-this module holds only the cache bookkeeping, the decode loop and sampling.
+Generation itself runs on the paged runtime (glm5_jax.infer.runtime; `infer.generate` is
+glm5_jax.infer.generation's driver of it); the runtime's programs and MTP speculation use the pieces here.
+They run the model's own modules (`GLM5.__call__` with a cache, `GLM5.mtp_depth`).
 
-Batching: prompts are RIGHT-padded (pad id 0) to the longest prompt P. Row b's tokens sit at
-positions 0..len_b-1 and cache slot == position, so each row's RoPE phases, visible keys and DSA
-top-k ties are exactly those of running it alone. Prefill writes all P slots (garbage past len_b),
-the first token is read from the logits at len_b - 1, and decode step i writes row b's token at
-slot len_b + i - 1, overwriting the garbage before any query can see it (a query at position p
-sees slots 0..p only). Long prompts are prefilled in chunks (`prefill`, generate's prefill_chunk):
-one program scans the chunks, each writing its slots before attending slots 0..p.
-
-Outputs: tokens past a row's end (after a stop token) are PAD_ID = 0 with log-prob 0.
+`prefill` (MTP speculation's dense prefill): prompts are RIGHT-padded (pad id 0) to the longest prompt P.
+Row b's tokens sit at positions 0..len_b-1 and cache slot == position, so each row's RoPE phases, visible
+keys and DSA top-k ties are exactly those of running it alone. Prefill writes all P slots (garbage past
+len_b), the first token is read from the logits at len_b - 1, and a decode step writes row b's token at
+slot len_b + i - 1, overwriting the garbage before any query can see it (a query at position p sees slots
+0..p only). Long prompts are prefilled in chunks: one program scans the chunks, each writing its slots
+before attending slots 0..p.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.fields import require
-from glm5_jax.infer import cache as kv
-from glm5_jax.infer import sampling
 from glm5_jax.model import GLM5
 
 PAD_ID = 0
@@ -125,38 +121,6 @@ decode_step = jax.jit(_decode_step, static_argnums=0)
 decode_step.__doc__ = "tok [B] at positions pos [B] -> (logits [B, V], cache). One token per row."
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames="return_cache")
-def _decode_loop(config, n_new, greedy, top_k, use_top_p, params, cache, logits0, lens, key, temperature,
-                 top_p, stops, return_cache=False):
-    """Sample the first token from logits0, then decode n_new - 1 more inside one lax.while_loop.
-    return_cache: also return the final cache (a caller that donates the cache gets the loop in place)."""
-    b = lens.shape[0]
-    samp = functools.partial(sampling.sample, greedy=greedy, temperature=temperature, top_k=top_k,
-                             use_top_p=use_top_p, top_p=top_p)
-    tok0, lp0 = samp(jax.random.fold_in(key, 0), logits0)
-    toks = jnp.full((b, n_new), PAD_ID, jnp.int32).at[:, 0].set(tok0)
-    lps = jnp.zeros((b, n_new), jnp.float32).at[:, 0].set(lp0)
-    stopped = jnp.isin(tok0, stops)
-    state = (jnp.int32(1), cache, tok0, lens.astype(jnp.int32), toks, lps, stopped, jnp.ones((b,), jnp.int32))
-
-    def cond(s):
-        return (s[0] < n_new) & ~jnp.all(s[6])
-
-    def body(s):
-        i, cache, tok, pos, toks, lps, stopped, length = s
-        logits, cache = _decode_step(config, params, cache, tok, pos)
-        nxt, lp = samp(jax.random.fold_in(key, i), logits)
-        active = ~stopped
-        toks = toks.at[:, i].set(jnp.where(active, nxt, PAD_ID))
-        lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
-        length = length + active
-        stopped = stopped | (active & jnp.isin(nxt, stops))
-        return i + 1, cache, nxt, pos + 1, toks, lps, stopped, length
-
-    s = jax.lax.while_loop(cond, body, state)
-    return (s[4], s[5], s[7], s[6]) + ((s[1],) if return_cache else ())
-
-
 # ----------------------------------------------------------------------------- host side
 def prepare_prompts(config, prompts) -> tuple[np.ndarray, np.ndarray]:
     """int array [B, P] or ragged list of token lists -> (right-padded int32 [B, P], lengths [B])."""
@@ -204,36 +168,3 @@ def stop_array(stop_tokens) -> jax.Array:
 
 def _reasons(stopped) -> list:
     return ["stop" if s else "length" for s in np.asarray(stopped)]
-
-
-def generate(config, params, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] = (), max_len: int | None = None,
-             prefill_chunk: int = PREFILL_CHUNK) -> GenerateResult:
-    """Sample up to max_new_tokens per prompt with the KV cache (temperature 0 = greedy).
-
-    prompts: int array [B, P] or a list of token-id lists (ragged; right-padded internally).
-    max_len: cache slots (default longest prompt + max_new_tokens); a request that needs more
-    raises ValueError. stop_tokens: a row ends after emitting one (it is included in the output).
-    prefill_chunk: prompt tokens per prefill chunk (`prefill`); a shorter prompt is one chunk.
-    """
-    sampling.validate(temperature, top_p, top_k)
-    tokens, lens = prepare_prompts(config, prompts)
-    size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len)
-    prefill_chunks(tokens.shape[1], prefill_chunk)     # a bad prefill_chunk fails before any compilation
-    b = tokens.shape[0]
-    cache = kv.init_cache(config, b, size)
-    t0 = time.perf_counter()
-    logits0, cache = prefill(config, params, cache, jnp.asarray(tokens), jnp.asarray(lens), False, int(prefill_chunk))
-    logits0.block_until_ready()
-    t1 = time.perf_counter()
-    stops = stop_array(stop_tokens)
-    toks, lps, length, stopped = _decode_loop(
-        config, int(max_new_tokens), temperature == 0, int(top_k), top_p < 1.0, params, cache, logits0,
-        jnp.asarray(lens), jax.random.PRNGKey(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stops)
-    toks = np.asarray(toks)
-    t2 = time.perf_counter()
-    length = np.asarray(length)
-    return GenerateResult(tokens=toks, logprobs=np.asarray(lps), lengths=length.astype(np.int32),
-                          finish_reasons=_reasons(stopped),
-                          stats={"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tokens": int(lens.sum()),
-                                 "generated_tokens": int(length.sum())})

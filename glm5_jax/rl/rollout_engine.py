@@ -9,19 +9,16 @@ training arrays and whose output sharding is the serving one, so XLA moves the s
 host. The mismatch mode's fake quantisation (``rollout.rollout_params``: int8 ... int2, bf16) runs inside
 that same program, on the mesh, so the quantised copy is only ever the sharded serving copy.
 
-``generate`` runs ``glm5_jax.infer.generate``'s own prefill and decode loop (the same functions, so on one
-device the tokens and log-probs equal ``infer.generate``'s bit for bit, and on any mesh they equal them
-up to float reduction order) with the serving engine's layout: the prompts, the KV cache and every
-per-row array split over the batch axes (data x fsdp x expert, ``Programs.state``), attention
-data-parallel. The cache is allocated inside the prefill program on its shards and donated to the decode
-loop, so it lives only while a rollout runs; ``release()`` drops the rollout copy after the rollouts, so
-the update runs with the training state alone on the devices (no cache, no second copy).
-
-Why not the continuous-batching ``serve.Engine`` itself for GRPO: its requests sample with per-request
-PRNG keys (``fold_in(PRNGKey(seed), i)``) where ``infer.generate`` folds one key over the batch, so the
-rollouts (and every RL figure measured so far) would change; and it prefills one prompt per batch shard
-per loop step, which for RL's many short prompts costs a full decode step per prompt. The agentic
-rollout servers (``glm5_jax.agentic.server``), the judge and the multi-turn environments use it.
+``generate`` runs the one generation runtime (``glm5_jax.infer.runtime.PagedRuntime``, driven by
+``glm5_jax.infer.generation.run_batch``, as ``infer.generate`` is) on this mesh with the synced rollout copy:
+the page pool split over the batch axes (data x fsdp x expert), attention data-parallel, the weights in the
+serving layout. Row b of a batch samples its i-th token as row b of one draw over the batch with the key
+fold_in(PRNGKey(seed), i) (``Seq.key_row``), ``infer.generate``'s scheme, so on one device the tokens and
+log-probs equal ``infer.generate``'s bit for bit, and on any mesh they equal them up to float reduction
+order. One runtime per batch shape (``generation.batch_runtime_args``) is kept, so its compiled steps serve
+every RL step; ``release()`` drops the rollout copy and the runtimes' page pools after the rollouts, so the
+update runs with the training state alone on the devices (no cache, no second copy); the next
+``generate`` allocates the pool again.
 
 Chunked (``reshard_chunk_bytes``, per device): the sync is a sequence of programs, each making at most that
 many bytes of every device's serving shards (``sync_plan``): whole leaves grouped in tree order, and a
@@ -52,18 +49,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax.batch import BATCH_AXES
-from glm5_jax.infer import cache as kv
 from glm5_jax.infer import sampling
-from glm5_jax.infer.decode import (
-    PREFILL_CHUNK,
-    GenerateResult,
-    _decode_loop,
-    _reasons,
-    prefill,
-    prefill_chunks,
-    prepare_prompts,
-    stop_array,
-)
+from glm5_jax.infer.decode import PREFILL_CHUNK, GenerateResult, prefill_chunks, prepare_prompts, resolve_max_len
+from glm5_jax.infer.generation import batch_runtime_args, run_batch
+from glm5_jax.infer.runtime import PagedRuntime
 from glm5_jax.sharding import (
     SERVE_RULES,
     check_serving_mesh,
@@ -171,7 +160,8 @@ class RolloutEngine:
         self.params, self.version = None, None
         self.last_sync: dict = {}
         self.last_memory: dict = {}
-        self._compiled: dict = {}
+        self._runtimes: dict = {}           # batch shape -> PagedRuntime on this mesh (its compiled steps)
+        self._temp: dict = {}
         self._sync_program = None
         self._chunk_programs: dict = {}
 
@@ -307,8 +297,11 @@ class RolloutEngine:
         return out
 
     def release(self) -> None:
-        """Drop the rollout copy (the update then has the devices to itself; the cache is already gone)."""
+        """Drop the rollout copy and every runtime's page pool (the update then has the devices to itself); the
+        runtimes keep their compiled steps, and the next ``generate`` allocates a pool again."""
         self.params = None
+        for rt in self._runtimes.values():
+            rt.params, rt.pool = None, None
 
     # ------------------------------------------------------------------ programs
     def abstract_params(self):
@@ -317,65 +310,60 @@ class RolloutEngine:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract_param_shapes(self.config), self.param_shardings)
 
-    def lower(self, which: str, b: int, p: int, size: int, n_new: int, *, greedy: bool = False, top_k: int = 0,
-              use_top_p: bool = False, chunk: int | None = None, n_stops: int = 1, params=None):
-        """The rollout's ``which`` = "prefill" | "decode" program for ``b`` prompts padded to ``p`` tokens, a
-        cache of ``size`` positions and ``n_new`` sampled tokens, lowered under the mesh from abstract arguments
-        (nothing allocated): ``generate`` compiles these; tools.aot --program=rl compiles them for a TPU topology.
-        prefill(params, tokens, lens) -> (logits0, cache): the cache allocated inside, on its shards.
-        decode(params, cache, logits0, lens, key, temperature, top_p, stops) -> (tokens, log-probs, lengths,
-        stopped, cache): ``infer.generate``'s while loop; the cache is donated and returned, so the loop
-        updates it in place (no second cache). params: the rollout copy's arrays or ShapeDtypeStructs (default
-        ``abstract_params()``)."""
+    def runtime_args(self, b: int, p: int, size: int, chunk: int | None = None) -> dict:
+        """The PagedRuntime arguments of a batch of ``b`` prompts of at most ``p`` tokens and ``size`` cache
+        positions each (``generation.batch_runtime_args`` with this engine's prefill chunk)."""
+        return batch_runtime_args(b, p, size, self.prefill_chunk if chunk is None else int(chunk))
+
+    def lower(self, which: str, b: int, p: int, size: int, *, chunk: int | None = None, params=None,
+              programs=None):
+        """The rollout's step program for ``b`` prompts of ``p`` tokens and ``size`` cache positions, lowered
+        under the mesh from abstract arguments (nothing allocated): the runtime's ``Programs.paged_step``
+        (row-keyed sampling, the full page table) at the width of a prefill step (which="prefill": the
+        prefill budget, ``runtime_args``) or of a decode step (which="decode": ``b`` rows, one token each).
+        tools.aot --program=rl compiles these for a TPU topology; ``generate`` measures their scratch.
+        params: the rollout copy's arrays or ShapeDtypeStructs (default ``abstract_params()``); programs: a
+        runtime's ``Programs`` (default: new ones for this mesh)."""
         from glm5_jax.infer.programs import Programs
         if which not in ("prefill", "decode"):
             raise ValueError(f"RolloutEngine.lower: which={which!r}; allowed: prefill, decode")
-        chunk = self.prefill_chunk if chunk is None else int(chunk)
-        layout = Programs(self.config, self.mesh, max_batch=b, size=size)      # the serving engine's cache layout
-        cache_sh, cfg, rows, rep = layout.state["cache"], self.config, self.rows, self.rep
-        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              self.abstract_params() if params is None else params, self.param_shardings)
-        cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             jax.eval_shape(lambda: kv.init_cache(cfg, b, size)), cache_sh)
-        lens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows)
+        kw = self.runtime_args(b, p, size, chunk)
+        ps = kw["page_size"]
+        pages, table = kw["kv_cache_tokens"] // ps, kw["max_model_len"] // ps
+        width = kw["max_num_batched_tokens"] if which == "prefill" else b
+        width = -(-width // self.shards) * self.shards
+        progs = programs or Programs(self.config, self.mesh, max_batch=b, size=ps)
+        prog = progs.paged_step(pages, ps, width, False, row_keys=True)
+        sds = lambda a, s=None: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        params = jax.tree.map(sds, self.abstract_params() if params is None else params, self.param_shardings)
+        spec, pool_sh = progs.pool_sharding(pages, ps)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
+        k, r = i32(width), i32(b)
+        # PagedRuntime.plan's arguments: cow src / dst, tokens, pos, wpos, seq, tables, out_rows, temp, top_k,
+        # top_p, seeds, counts, targets, krow
+        args = (r, r, k, k, k, k, i32(b, table), r, f32, r, f32, jax.ShapeDtypeStruct((b,), jnp.uint32), r, k, r)
         with use_mesh(self.mesh, SERVE_RULES):
-            if which == "prefill":
-                def prefill_fn(params, tokens, lens):
-                    cache = jax.lax.with_sharding_constraint(kv.init_cache(cfg, b, size), cache_sh)
-                    return prefill(cfg, params, cache, tokens, lens, False, chunk)
+            return prog.lower(params, jax.tree.map(sds, spec, pool_sh), *args)
 
-                tok = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows)
-                return jax.jit(prefill_fn, in_shardings=(self.param_shardings, rows, rows),
-                               out_shardings=(rows, cache_sh)).lower(params, tok, lens)
-
-            def decode_fn(params, cache, logits0, lens, key, temperature, top_p, stops):
-                return _decode_loop(cfg, n_new, greedy, top_k, use_top_p, params, cache, logits0, lens, key,
-                                    temperature, top_p, stops, return_cache=True)
-
-            logits = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32, sharding=rows)
-            f32 = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-            return jax.jit(decode_fn, in_shardings=(self.param_shardings, cache_sh, rows, rows, rep, rep, rep, rep),
-                           out_shardings=(rows, rows, rows, rows, cache_sh), donate_argnums=(1,)).lower(
-                params, cache, logits, lens, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), f32, f32,
-                jax.ShapeDtypeStruct((n_stops,), jnp.int32, sharding=rep))
-
-    def _programs(self, b: int, p: int, size: int, n_new: int, greedy: bool, top_k: int, use_top_p: bool, chunk: int,
-                  n_stops: int):
-        key = (b, p, size, n_new, greedy, top_k, use_top_p, chunk, n_stops)
-        if key not in self._compiled:
-            kw = dict(greedy=greedy, top_k=top_k, use_top_p=use_top_p, chunk=chunk, n_stops=n_stops, params=self.params)
-            pre = self.lower("prefill", b, p, size, n_new, **kw).compile()
-            dec = self.lower("decode", b, p, size, n_new, **kw).compile()
-            cache = jax.eval_shape(lambda: kv.init_cache(self.config, b, size))
-            cache_bytes = int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))) // self.shards
-            self._compiled[key] = (pre, dec, cache_bytes, max(_temp_bytes(pre), _temp_bytes(dec)))
-        return self._compiled[key]
+    def _runtime(self, b: int, p: int, size: int) -> tuple:
+        """(the runtime of this batch shape on the mesh with the synced copy, its arguments)."""
+        kw = self.runtime_args(b, p, size)
+        key = tuple(sorted(kw.items()))
+        rt = self._runtimes.get(key)
+        if rt is None:
+            rt = self._runtimes[key] = PagedRuntime(self.config, self.params, mesh=self.mesh, **kw)
+        else:
+            if rt.pool is None:                  # released after the last rollouts
+                rt.reset()
+            if rt.params is not self.params:
+                rt.new_weights(self.params)      # already in the serving layout: nothing moves
+        return rt, kw
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] = (),
                  max_len: int | None = None) -> GenerateResult:
         """``infer.generate`` (same arguments, same sampling) on the synced rollout copy, on the mesh."""
-        from glm5_jax.infer.decode import resolve_max_len
         if self.params is None:
             raise RuntimeError("RolloutEngine.generate before sync(params): no rollout weights on the devices")
         sampling.validate(temperature, top_p, top_k)
@@ -386,26 +374,21 @@ class RolloutEngine:
                              f"({'*'.join(BATCH_AXES)}); use a multiple of {self.shards}")
         size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len)
         prefill_chunks(tokens.shape[1], self.prefill_chunk)     # a bad prefill_chunk fails before any compilation
-        stops = stop_array(stop_tokens)
-        pre, dec, cache_bytes, temp = self._programs(b, tokens.shape[1], size, int(max_new_tokens), temperature == 0,
-                                                     int(top_k), top_p < 1.0, self.prefill_chunk, stops.shape[0])
-        t0 = time.perf_counter()
-        tok_d, lens_d = jax.device_put((tokens, lens), self.rows)
-        logits0, cache = pre(self.params, tok_d, lens_d)
-        jax.block_until_ready(logits0)
-        t1 = time.perf_counter()
-        scalars = jax.device_put((jax.random.PRNGKey(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stops),
-                                 self.rep)
-        toks, lps, length, stopped, cache = dec(self.params, cache, logits0, lens_d, *scalars)
-        del cache, logits0                  # the cache lives only while the rollout runs
-        toks, lps, length, stopped = jax.device_get((toks, lps, length, stopped))
-        t2 = time.perf_counter()
-        self.last_memory = {"cache_bytes_per_device": cache_bytes, "program_temp_bytes_per_device": temp,
+        rt, kw = self._runtime(b, tokens.shape[1], size)
+        out = run_batch(rt, [list(r[:n]) for r, n in zip(tokens, lens)], max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_tokens=stop_tokens)
+        pool = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(rt.pool)) // self.shards
+        temp = self._temp_bytes(rt, b, tokens.shape[1], size)
+        self.last_memory = {"cache_bytes_per_device": int(pool), "program_temp_bytes_per_device": temp,
                             "copy_bytes_per_device": self.last_sync.get("copy_bytes_per_device", 0)}
-        return GenerateResult(tokens=np.asarray(toks), logprobs=np.asarray(lps), lengths=np.asarray(length, np.int32),
-                              finish_reasons=_reasons(stopped),
-                              stats={"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tokens": int(lens.sum()),
-                                     "generated_tokens": int(np.asarray(length).sum())})
+        return out
+
+    def _temp_bytes(self, rt: PagedRuntime, b: int, p: int, size: int) -> int:
+        """Scratch bytes per device of the batch's widest step (the prefill step), measured once per runtime."""
+        if id(rt) not in self._temp:
+            self._temp[id(rt)] = _temp_bytes(self.lower("prefill", b, p, size, params=self.params,
+                                                        programs=rt.programs).compile())
+        return self._temp[id(rt)]
 
 
 def _buffer(shape, dtype):
