@@ -460,8 +460,10 @@ class Programs:
             logits = head(cfg, params, final_norm(cfg, params, _take(x, out_rows)))
             if krow is not None:
                 keys = batch_row_keys(keys, krow, logits.shape[-1])
-            nxt, lp_s, model_lp = sample_rows(keys, logits, temp, top_k, top_p)
-            ti, tv = _top(model_lp, TOP_LOGPROBS)
+            # per batch shard: the partitioner all-gathers a batch-sharded top_k's operand (the [R, V] logits)
+            nxt, lp_s, model_lp, ti, tv = batch_local(lambda *a: (s := sample_rows(*a)) + _top(s[2], TOP_LOGPROBS),
+                                                      keys, logits, temp, top_k, top_p, axes=(0,) * 5,
+                                                      out_axes=(0,) * 5)
             ech = None
             if echo:
                 all_lp = jax.nn.log_softmax(head(cfg, params, final_norm(cfg, params, x)), axis=-1)   # [K, V]

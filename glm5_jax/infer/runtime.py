@@ -66,6 +66,7 @@ class Seq:
     tokens: list = dataclasses.field(default_factory=list)      # generated
     logprobs: list = dataclasses.field(default_factory=list)    # model log-prob of each generated token
     pages: list = dataclasses.field(default_factory=list)       # its page table (one reference each)
+    shard: int = 0                       # the batch shard it runs on (its pages and token rows are that shard's)
     cached: int = 0                      # context tokens whose keys are in its pages
     reused: int = 0                      # prompt tokens taken from the radix at its last admission
     epoch: int = 0
@@ -177,7 +178,7 @@ class PagedRuntime:
         self.config = self.programs.config
         self.params = self.programs.place_params(params)
         self.pool, self.spec_pool = self._alloc_pools()
-        self.pages = PagePool(self.num_pages, self.page_size)
+        self.pages = PagePool(self.num_pages, self.page_size, self.programs.shards)
         self.radix = RadixCache(self.pages) if prefix_cache == "radix" else None
         self.waiting: list = []
         self.running: list = []
@@ -213,8 +214,25 @@ class PagedRuntime:
             self.radix.clear()
 
     # ------------------------------------------------------------------ pages
-    def _alloc(self, n: int):
-        return self.radix.alloc(n) if self.radix is not None else self.pages.alloc(n)
+    def _alloc(self, n: int, shard: int = 0):
+        return self.radix.alloc(n, shard) if self.radix is not None else self.pages.alloc(n, shard)
+
+    def _place(self, seq: Seq) -> Optional[int]:
+        """The batch shard a new sequence runs on (its pages and rows live there): among the shards with a free
+        row of the page tables (max_running / shards each), the one caching the longest prefix of its context
+        (a GRPO group's samples land where the first one's prompt is), then the fewest running, then the most
+        free pages; None when every shard is full."""
+        per, shards = self.max_running // self.pages.shards, self.pages.shards
+        running = np.bincount([r.shard for r in self.running], minlength=shards)
+        ctx, best = seq.context, None
+        for sh in range(shards):
+            if running[sh] >= per:
+                continue
+            hit = self.radix.peek(ctx, len(ctx) - 1, sh) if self.radix is not None and seq.prefix else 0
+            key = (hit, -running[sh], self.pages.free_in(sh))
+            if best is None or key > best[0]:
+                best = (key, sh)
+        return None if best is None else best[1]
 
     def _free(self, seq: Seq, keep: bool) -> None:
         """seq leaves the running set; with keep its pages (a partial last one as a leaf) go into the radix
@@ -249,29 +267,33 @@ class PagedRuntime:
                 return
             if self._shares_unfilled(seq):
                 continue
+            sh = self._place(seq)
+            if sh is None:
+                return
             ctx = seq.context
             pages, cached, partial = [], 0, None
             if self.radix is not None and seq.prefix:
-                m = self.radix.match(ctx, limit=len(ctx) - 1)
+                m = self.radix.match(ctx, limit=len(ctx) - 1, shard=sh)
                 if self.num_draft and m.tokens:      # MTP entries near the match's end read tokens past it
-                    m = self.radix.match(ctx, limit=max(0, m.tokens - 2 * self.num_draft))
+                    self.pages.release(m.pages)
+                    m = self.radix.match(ctx, limit=max(0, m.tokens - 2 * self.num_draft), shard=sh)
                 pages, cached, partial = list(m.pages), m.tokens, m.partial
             if partial is not None:
                 self.pages.retain([partial[0]])          # not evicted before the step copies it
-                new = self._alloc(1)
+                new = self._alloc(1, sh)
                 if new is None:
                     self.pages.release([partial[0]])
                 else:
                     cow.append((partial[0], new[0]))
                     pages, cached = pages + new, cached + partial[1]
             if len(pages) * self.page_size <= cached:    # room for its first token
-                new = self._alloc(1)
+                new = self._alloc(1, sh)
                 if new is None:
                     self.pages.release(pages)
                     return
                 pages += new
             self.waiting.remove(seq)
-            seq.pages, seq.cached, seq.epoch = pages, cached, self.epoch
+            seq.pages, seq.cached, seq.epoch, seq.shard = pages, cached, self.epoch, sh
             seq.reused = cached if not seq.tokens else seq.reused
             self.stats["reused_tokens"] += cached
             self.running.append(seq)
@@ -281,19 +303,19 @@ class PagedRuntime:
         need = self.pages.pages_for(upto) - len(seq.pages)
         if need <= 0:
             return True
-        new = self._alloc(need)
+        new = self._alloc(need, seq.shard)
         if new is None:
             return False
         seq.pages += new
         return True
 
-    def _preempt(self, protect, newer_than: Optional[Seq] = None) -> bool:
-        """The newest running sequence not in `protect` (and admitted after `newer_than`, if given: a prefill
-        takes pages only from younger sequences, so the oldest always progresses) gives its pages back and
-        waits to be recomputed."""
+    def _preempt(self, protect, newer_than: Optional[Seq] = None, shard: int = 0) -> bool:
+        """The newest running sequence of `shard` (whose pages it needs) not in `protect` (and admitted after
+        `newer_than`, if given: a prefill takes pages only from younger sequences, so the oldest always
+        progresses) gives its pages back and waits to be recomputed."""
         order = self.running if newer_than is None else self.running[self.running.index(newer_than) + 1:]
         for seq in reversed(order):
-            if seq not in protect:
+            if seq not in protect and seq.shard == shard:
                 self._free(seq, keep=True)          # its whole pages stay cached (evictable) for the recompute
                 if seq.echo is not None:
                     seq.echo = []                   # its prompt's log-probs are computed again
@@ -305,26 +327,27 @@ class PagedRuntime:
     # ------------------------------------------------------------------ one step
     def _schedule(self, cow: list) -> list:
         """[(seq, number of context tokens it feeds this step)]: decodes first, then prefill chunks."""
-        plan, left = [], self.budget
+        # the budget is per batch shard: a step's rows are split evenly over the shards
+        plan, left = [], [self.widths[-1] // self.pages.shards] * self.pages.shards
         for want_decode in (True, False):
             for seq in list(self.running):
                 if seq not in self.running:                      # preempted meanwhile
                     continue
-                rem = len(seq.context) - seq.cached
-                if (rem == 1) != want_decode or left <= 0:
+                rem, sh = len(seq.context) - seq.cached, seq.shard
+                if (rem == 1) != want_decode or left[sh] <= 0:
                     continue
                 extra = self.num_draft if want_decode else 0       # draft rows; their keys past the context
-                if want_decode and left < 1 + extra:
+                if want_decode and left[sh] < 1 + extra:
                     continue
-                take = min(rem, left - extra, self.chunk)
+                take = min(rem, left[sh] - extra, self.chunk)
                 while not self._grow(seq, seq.cached + take + extra):
-                    if self._preempt({s for s, _ in plan} | {seq}, None if want_decode else seq):
+                    if self._preempt({s for s, _ in plan} | {seq}, None if want_decode else seq, sh):
                         continue
                     take = len(seq.pages) * self.page_size - seq.cached     # what its pages hold already
                     break
                 if take > 0:
                     plan.append((seq, take))
-                    left -= take + extra
+                    left[sh] -= take + extra
         return plan
 
     def plan(self) -> Optional["Plan"]:
@@ -339,7 +362,10 @@ class PagedRuntime:
         nd = self.num_draft
         decoding = {seq for seq, _ in work if len(seq.context) - seq.cached == 1} if nd else set()
         n = sum(t for _, t in work)
-        width = next(w for w in self.widths if w >= n + nd * len(decoding))
+        shards = self.pages.shards                 # shard s's sequences and token rows: the s-th block of each
+        load = np.bincount([seq.shard for seq, _ in work], [t + (nd if seq in decoding else 0) for seq, t in work],
+                           minlength=shards)
+        width = next(w for w in self.widths if w // shards >= load.max())
         need = max(-(-(seq.cached + take + (nd if seq in decoding else 0)) // self.page_size) for seq, take in work)
         r, tl = self.max_running, next(t for t in self.table_widths if t >= need)
         tok, pos, wpos, seqi, targets = (np.zeros((width,), np.int32) for _ in range(5))
@@ -352,10 +378,12 @@ class PagedRuntime:
             wtok, vrows = np.zeros((r, 3 * nd), np.int32), np.zeros((r, nd + 1), np.int32)
             draft_of, mtp_wpos, mtp_tok = np.full((width,), -1, np.int32), np.full((width,), -1, np.int32), \
                 np.zeros((width, nd), np.int32)
-        slot = {seq: i for i, seq in enumerate(self.running)}
-        rows, k = [], 0
-        for seq, take in work:
-            i, ctx = slot[seq], seq.context
+        slot, used = {}, [0] * shards
+        for seq in self.running:
+            slot[seq], used[seq.shard] = seq.shard * (r // shards) + used[seq.shard], used[seq.shard] + 1
+        rows, k, cur = [], 0, [sh * (width // shards) for sh in range(shards)]
+        for seq, take in sorted(work, key=lambda w: w[0].shard):
+            i, ctx, k = slot[seq], seq.context, cur[seq.shard]
             tables[i, :min(len(seq.pages), tl)] = seq.pages[:tl]
             p = np.arange(seq.cached, seq.cached + take, dtype=np.int32)
             tok[k:k + take], pos[k:k + take], wpos[k:k + take], seqi[k:k + take] = ctx[seq.cached:seq.cached + take], p, p, i
@@ -376,6 +404,7 @@ class PagedRuntime:
                 w = [ctx[j] if 0 <= j < len(ctx) else 0 for j in range(lo, lo + 3 * nd)]
                 wtok[i] = w
                 k += nd + 1
+                cur[seq.shard] = k
                 continue
             if nd:                       # a prefill's rows: its MTP entries, depth j reading the token at p + j
                 mtp_wpos[k:k + take] = p
@@ -383,10 +412,13 @@ class PagedRuntime:
                     idx = p + j + 1
                     mtp_tok[k:k + take, j] = [ctx[t] if t < len(ctx) else 0 for t in idx]
             k += take
+            cur[seq.shard] = k
         c = self.max_running
         cs, cd = np.zeros((c,), np.int32), np.full((c,), -1, np.int32)
-        for j, (s_, d_) in enumerate(cow):
-            cs[j], cd[j] = s_, d_
+        ncow = [sh * (c // shards) for sh in range(shards)]     # a copy runs on its pages' shard: its block
+        for s_, d_ in cow:
+            j = ncow[self.pages.shard_of(d_)]
+            cs[j], cd[j], ncow[self.pages.shard_of(d_)] = s_, d_, j + 1
         echo = any(seq.echo is not None and seq.cached < len(seq.prompt) for seq, _ in work)
         args = (cs, cd, tok, pos, wpos, seqi, tables, out_rows, temp, top_k, top_p, seeds, counts, targets)
         greedy = False
@@ -405,10 +437,10 @@ class PagedRuntime:
         """The step's device program over the pool (every process of a multi-process mesh runs it)."""
         prog = self.programs.paged_step(self.num_pages, self.page_size, width, echo, greedy, row_keys)
         if not self.num_draft:
-            *out, self.pool = self.programs.call(prog, self.params, self.pool, *args, replicated=True)
+            *out, self.pool = self.programs.call(prog, self.params, self.pool, *args)
             return tuple(out)
         *out, self.pool, spec, self.spec_pool = self.programs.call(prog, self.params, self.pool, self.spec_pool,
-                                                                    *args, replicated=True)
+                                                                    *args)
         return tuple(out) + (spec,)
 
     def commit(self, plan: "Plan", out) -> list:
@@ -511,7 +543,7 @@ class PagedRuntime:
         for seq in self.running + self.waiting:
             seq.finish = seq.finish or "aborted"
         self.running, self.waiting = [], []
-        self.pages = PagePool(self.num_pages, self.page_size)
+        self.pages = PagePool(self.num_pages, self.page_size, self.programs.shards)
         self.radix = RadixCache(self.pages) if self.radix is not None else None
         self.pool, self.spec_pool = self._alloc_pools()
 
