@@ -6,7 +6,9 @@ its public names (`infer.generate`, `PagedRuntime`, the serving engine, `Rollout
   import _y``, or ``module._y`` on an imported glm5_jax.infer module);
 * no module outside glm5_jax/infer imports the per-token pieces a generation loop is built of (the dense
   decode step, the trunk step, the MTP block, the samplers, the speculative step);
-* infer.decode has no decode loop left (``_decode_loop``), and its ``generate`` is the runtime's driver.
+* infer.decode has no decode loop left (``_decode_loop``), and ``infer.generate`` is the runtime's driver;
+* ``sampling.batch_row_keys`` draws each row of a batch draw exactly; greedy ``infer.generate`` equals the
+  runtime run as the server runs it.
 
 Static (ast), so it runs in well under a second.
 """
@@ -78,3 +80,51 @@ def test_infer_generate_is_the_runtime_driver():
     assert not hasattr(decode, "_decode_loop") and not hasattr(decode, "generate")
     src = (ROOT / "glm5_jax/infer/generation.py").read_text()
     assert "PagedRuntime" in src and "while_loop" not in src
+
+
+def test_batch_row_keys_draw_each_row_of_the_batch_draw():
+    """Row b with batch_row_keys(key, b) samples what one key samples over the whole batch (sample), top-k /
+    top-p included; a row < 0 samples with the key itself (the serving engine's per-request draw)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from glm5_jax.infer import sampling
+    b, v = 7, 53
+    for seed in range(3):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), seed + 2)
+        x = jax.random.normal(jax.random.PRNGKey(10 + seed), (b, v)) * 3
+        want, want_lp = sampling.sample(key, x, greedy=False, temperature=0.7, top_k=9, use_top_p=True, top_p=0.9)
+        keys = jnp.broadcast_to(key, (b, 2))
+        got, got_lp, _ = sampling.sample_rows(sampling.batch_row_keys(keys, jnp.arange(b), v), x, jnp.full(b, 0.7),
+                                              jnp.full(b, 9), jnp.full(b, 0.9))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got_lp, want_lp)
+        own = sampling.sample_rows(keys, x, jnp.ones(b), jnp.zeros(b, int), jnp.ones(b))[0]
+        neg = sampling.sample_rows(sampling.batch_row_keys(keys, -jnp.ones(b, int), v), x, jnp.ones(b),
+                                   jnp.zeros(b, int), jnp.ones(b))[0]
+        np.testing.assert_array_equal(neg, own)
+
+
+def test_greedy_generate_equals_the_serving_runtime():
+    """infer.generate (the batch driver) and the runtime as the server runs it (per-request Seqs, radix
+    prefixes, small pages and budget) give the same greedy tokens for the same prompts."""
+    import jax
+    import numpy as np
+
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.infer import generate
+    from glm5_jax.infer.runtime import PagedRuntime, Seq
+    from glm5_jax.model import init_params
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                      qk_nope_head_dim=16, qk_rope_head_dim=4, v_head_dim=16, ffn_dim=64, attention="dsa",
+                      index_topk=4, index_n_heads=2, index_head_dim=8, num_experts=0, mtp_depth=0, attn_chunk=16,
+                      initializer_range=0.1)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    prompts = [[1, 5, 7, 9, 11, 3, 2, 8, 4], [1, 3], [1, 5, 7, 9, 11, 3, 2, 8, 6, 6], [1, 9, 9]]
+    got = generate(cfg, params, prompts, max_new_tokens=6, temperature=0.0, stop_tokens=(7,))
+    rt = PagedRuntime(cfg, params, max_running=4, max_model_len=32, page_size=4, max_num_batched_tokens=8)
+    seqs = rt.run([Seq(prompt=p, max_tokens=6, stop_ids=(7,)) for p in prompts])
+    for i, s in enumerate(seqs):
+        assert got.tokens[i, :got.lengths[i]].tolist() == s.tokens
+        np.testing.assert_allclose(got.logprobs[i, :got.lengths[i]], s.logprobs, atol=1e-5)
