@@ -10,7 +10,7 @@ its public names (`infer.generate`, `PagedRuntime`, the serving engine, `Rollout
 * ``sampling.batch_row_keys`` draws each row of a batch draw exactly; greedy ``infer.generate`` equals the
   runtime run as the server runs it.
 
-Static (ast), so it runs in well under a second.
+The first three are static (ast); the last two compile a tiny model (~15 s together).
 """
 
 import ast
