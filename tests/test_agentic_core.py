@@ -229,8 +229,9 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
     server = RolloutServer(cfg, init_params(cfg, jax.random.PRNGKey(0)), max_batch=8, max_len=40,
                            max_new_tokens=6, stop_tokens=(vocab.newline_id,), keep_outputs=True, version=7,
                            width_buckets=(34,))
-    # every step width of the paged engine compiled up front (its tokens per step: decodes + prefill chunks)
-    assert server.warmup() == {"widths": list(server.engine.runtime.widths), "rows": [8]}
+    # every step width compiled up front: the row buckets (decode-only steps) and max_batch + each width
+    # bucket (steps with a prompt piece)
+    assert server.warmup() == {"widths": [4, 8, 8 + 34], "rows": [4, 8]}
     n0, s0 = server.engine.compiled_programs(), server.stats
     loop = asyncio.new_event_loop()
     gateway = Gateway()

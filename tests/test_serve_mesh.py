@@ -71,7 +71,8 @@ SCRIPT = textwrap.dedent("""
             shards = e.programs.shards
             assert shards == (8 if mesh_spec.startswith("data") else 4)
             assert e.config.moe_impl == "a2a" and e.config.moe_capacity_factor <= 0
-            for path, (local, total) in e.programs.per_device_bytes(e.state).items():
+            pools = {"pool": e.runtime.pool, "spec": e.runtime.spec_pool}      # pages over the batch shards
+            for path, (local, total) in e.programs.per_device_bytes(pools).items():
                 assert local * shards == total, (path, local, total, shards)
             gp = next(v for k, v in traverse_util.flatten_dict(e.params).items() if k[-1] == "gate_proj")
             assert "expert" in tuple(gp.sharding.spec), gp.sharding.spec
