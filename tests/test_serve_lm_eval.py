@@ -240,8 +240,8 @@ def _serve_on_mesh(d, mesh):
     return proc, m.group(1)
 
 
-@pytest.mark.slow   # ~60 s: a tools.serve subprocess compiles on 8 fake CPU devices
-@pytest.mark.parametrize("mesh", ["data:2,expert:4"])
+@pytest.mark.slow   # ~50 s a mesh: a tools.serve subprocess compiles on 8 fake CPU devices
+@pytest.mark.parametrize("mesh", ["data:2,expert:4", "expert:4,tensor:2"])
 def test_served_logprobs_equal_transformers_on_a_mesh_of_8_cpu_devices(tmp_path, mesh):
     """`python -m tools.serve --mesh=...` on 8 CPU devices: lm-eval and the openai client, as on one device."""
     d = _write_served_folder(str(tmp_path))
