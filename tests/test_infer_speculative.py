@@ -67,7 +67,7 @@ def test_perfect_drafter_is_fully_accepted_and_stops_like_greedy():
 
 
 @pytest.mark.slow  # one of the slowest default tests (suite budget: 15 min on 2 cores)
-def test_mtp_pass_reproduces_training_mtp_logits():
+def test_mtp_window_reproduces_training_mtp_logits():
     """Cached MTP depths (unshared blocks) over a known sequence == GLM5(..., mtp=True) logits."""
     cfg = ModelConfig(attention="mla", num_layers=2, mtp_depth=2, mtp_share=False)
     params = model.init_params(cfg, jax.random.PRNGKey(2))
@@ -80,7 +80,9 @@ def test_mtp_pass_reproduces_training_mtp_logits():
     hbuf = jnp.zeros((1, length + 4, cfg.d_model)).at[:, :length].set(x)
     tokens = jnp.zeros((1, length + 5), jnp.int32).at[:, :length].set(seq)
     e = jnp.array([length - 2])                         # tokens known up to position e + 1
-    _, _, normed = jax.jit(lambda p, c: sp.mtp_pass(cfg, n, p, c, hbuf, tokens, pos, pos, e))(params, cache["mtp"])
+    h = hbuf[:, :length]
+    base = jnp.zeros((1,), jnp.int32)
+    _, _, normed, _ = jax.jit(lambda p, c: sp.mtp_window(cfg, n, p, c, h, tokens, base, pos, pos, e))(params, cache["mtp"])
     for k in range(n):
         known = length - 1 - (k + 1)                    # positions whose inputs are all committed
         np.testing.assert_allclose(head(cfg, params, normed[k])[0, :known], want[k, 0, :known], atol=1e-5)
@@ -98,35 +100,3 @@ def test_speculative_errors():
         speculative_generate(cfg.replace(mtp_depth=1), params, [[1, 2]], max_new_tokens=3, temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         speculative_generate(cfg.replace(mtp_depth=1), params, [[1, 2]], max_new_tokens=3, temperature=1.0, top_p=0)
-
-
-@pytest.mark.slow  # suite budget: 15 min on 2 cores
-def test_chunked_mtp_prefill_equals_one_chunk():
-    """_spec_prefill in chunks of 3 (trunk and MTP depths) == in one chunk, on every cache entry
-    the first round reads before rewriting it: trunk slots < len, MTP slots q <= e + 1 - num_draft
-    (later ones depend on the prefill's own drafts and lie in the first round's window)."""
-    cfg = ModelConfig(attention="dsa", num_layers=1, num_experts=0, index_topk=4, mtp_depth=1)
-    params = model.init_params(cfg, jax.random.PRNGKey(5))
-    tokens, lens = sp.prepare_prompts(cfg, [[5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5]])
-    n, size = 2, 16
-    outs = []
-    for chunk in (2048, 3):
-        cache = kv.init_cache(cfg, 2, size, mtp_depths=n)
-        hbuf, seq = jnp.zeros((2, size, cfg.d_model)), jnp.zeros((2, size + 1), jnp.int32)
-        outs.append(sp._spec_prefill(cfg, n, params, cache, hbuf, seq, jnp.asarray(tokens), jnp.asarray(lens),
-                                     chunk))
-    (c1, h1, s1, g1, l1), (c3, h3, s3, g3, l3) = outs
-    np.testing.assert_array_equal(g3, g1)
-    np.testing.assert_array_equal(s3, s1)
-    np.testing.assert_allclose(l3, l1, atol=1e-5)
-    slots = np.arange(size)
-    for b, length in enumerate(lens):
-        np.testing.assert_allclose(h3[b, :length], h1[b, :length], atol=1e-5)
-        trunk = lambda c: [np.asarray(x)[:, b, :length] for x in jax.tree_util.tree_leaves(c["layers"])]
-        for got, want in zip(trunk(c3), trunk(c1)):
-            np.testing.assert_allclose(got, want, atol=1e-5)
-        clean = slots <= length - 1 + 1 - n
-        assert clean.sum() >= 3
-        mtp = lambda c: [np.asarray(x)[b, clean] for x in jax.tree_util.tree_leaves(c["mtp"])]
-        for got, want in zip(mtp(c3), mtp(c1)):
-            np.testing.assert_allclose(got, want, atol=1e-5)

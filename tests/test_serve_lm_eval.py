@@ -195,13 +195,10 @@ def test_openai_client_echo_logprobs_and_greedy_tokens_equal_transformers_on_one
     print(f"openai one device: max |sum diff| {seq:.3g}, max |token diff| {tok:.3g}")
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug (issue 65): Engine._loop sleeps while the runtime still holds "
-                   "waiting sequences (it waits on its queue and running ones only); a request that waited for a page "
-                   "a running one was prefilling (PagedRuntime._shares_unfilled) is stranded when that one ends in "
-                   "the same step (max_tokens=1, or a stop token first)")
 def test_concurrent_greedy_requests_sharing_a_page_all_finish(one_device):
     """Two greedy one-token requests whose prompts share a whole page (16 tokens), taken in the same step: both
-    finish. Found by this module's concurrent greedy requests; the echo requests above do not share pages."""
+    finish (the second waits for the first's prefill of the shared page, and the first ends in that step: the
+    engine loop must not sleep while the runtime holds a waiting sequence)."""
     import time
 
     from glm5_jax.serve.request import SamplingParams

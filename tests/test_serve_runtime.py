@@ -112,3 +112,31 @@ def test_long_prompts_that_overfill_the_pool_preempt_younger_ones_and_all_finish
         alone = rt.run(_seqs([p]))[0]
         assert s.tokens == alone.tokens
     _assert_no_page_leaked(rt)
+
+
+@pytest.mark.slow   # ~40 s: the speculative step programs compile for several widths
+def test_mtp_speculation_on_pages_equals_plain_greedy_and_sampled_alone_with_shared_prefixes_and_preemption():
+    """MTP speculation (2 drafts a step) on the paged runtime, prompts sharing prefixes through the radix
+    (a match stops 2 x num_draft tokens short: MTP entries read tokens ahead): greedy tokens and log-probs
+    equal plain paged greedy; each seeded sampled sequence gets exactly what it gets alone; a pool too small
+    for the batch preempts and recomputes with the same tokens, and no page is leaked."""
+    cfg = CFG.replace(mtp_depth=1)
+    p = model.init_params(cfg, jax.random.PRNGKey(0))
+    prompts = _prompts()
+    kw = dict(max_running=4, max_model_len=MAX_LEN, page_size=4, max_num_batched_tokens=24)
+    plain = PagedRuntime(cfg, p, **kw).run(_seqs(prompts))
+    rt = PagedRuntime(cfg, p, num_draft=2, **kw)
+    spec = rt.run(_seqs(prompts))
+    assert [s.tokens for s in spec] == [s.tokens for s in plain]
+    np.testing.assert_allclose([s.logprobs for s in spec], [s.logprobs for s in plain], atol=1e-5)
+    assert rt.stats["reused_tokens"] > 0 and rt.acceptance()["steps"] > 0
+    sampled = rt.run(_seqs(prompts, temp=1.0))
+    for i, q in enumerate(prompts):
+        one = rt.run([Seq(list(q), temperature=1.0, seed=7 + i, max_tokens=6)])[0]
+        assert one.tokens == sampled[i].tokens
+    _assert_no_page_leaked(rt)
+    small = PagedRuntime(cfg, p, num_draft=2, kv_cache_tokens=68, **kw)      # 17 pages: one max_model_len + 2
+    got = small.run(_seqs(prompts))
+    assert small.stats["preempted"] > 0
+    assert [s.tokens for s in got] == [s.tokens for s in plain]
+    _assert_no_page_leaked(small)

@@ -13,7 +13,6 @@ from scipy import stats
 
 from glm5_jax import model
 from glm5_jax.config import ModelConfig
-from glm5_jax.infer import cache as kv
 from glm5_jax.infer import generate, sampling, speculative_generate
 from glm5_jax.infer import speculative as sp
 
@@ -238,60 +237,28 @@ def test_sampled_speculation_with_mtp_head_has_plain_sampling_distribution(tempe
 
 
 def _run_rows(config, params, prompts, temps, n_new, num_draft, seed=0):
-    """speculative_generate's loop with per-row temperatures (greedy=False program), like the engine."""
-    tokens, lens = sp.prepare_prompts(config, prompts)
-    b, size = len(prompts), tokens.shape[1] + n_new + num_draft + 1
-    cache = kv.init_cache(config, b, size, mtp_depths=num_draft)
-    hbuf, seq = jnp.zeros((b, size, config.d_model)), jnp.zeros((b, size + 1), jnp.int32)
-    samp = (_keys(b, seed), jnp.asarray(temps, jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32))
-    cache, hbuf, seq, g0, lp0 = sp._spec_prefill(config, num_draft, params, cache, hbuf, seq, jnp.asarray(tokens),
-                                                 jnp.asarray(lens), 2048, sp._row_step_keys(samp[0], jnp.zeros(b, jnp.int32)),
-                                                 *samp[1:], greedy=False)
-    out = jnp.zeros((b, n_new + num_draft + 1), jnp.int32).at[:, 0].set(g0)
-    out_lp = jnp.zeros((b, n_new + num_draft + 1), jnp.float32).at[:, 0].set(lp0)
-    out, out_lp, count, _, acc, _ = sp._spec_loop(config, num_draft, n_new, False, params, samp, cache, hbuf, seq,
-                                                  jnp.asarray(lens - 1), out, out_lp, jnp.ones((b,), jnp.int32),
-                                                  jnp.zeros((b,), bool), sp.stop_array(()))
-    return np.asarray(out)[:, :n_new], np.asarray(out_lp)[:, :n_new], np.asarray(acc)
+    """Sequences with per-row temperatures (the greedy=False step program) on one speculative runtime, as
+    the engine runs them; sequence i draws with its own key fold_in(PRNGKey(seed + i), t)."""
+    from glm5_jax.infer.runtime import PagedRuntime, Seq
+    rt = PagedRuntime(config, params, max_running=len(prompts), max_model_len=32, page_size=4,
+                      max_num_batched_tokens=len(prompts) * (1 + num_draft) + 8, num_draft=num_draft)
+    seqs = rt.run([Seq(list(p), temperature=t, seed=seed + i, max_tokens=n_new) for i, (p, t) in
+                   enumerate(zip(prompts, temps))])
+    return [s.tokens for s in seqs], [s.logprobs for s in seqs]
 
 
-@pytest.mark.slow   # ~23 s of decoding (the rejection-sampler tests above are the fast checks)
+@pytest.mark.slow   # ~25 s of decoding (the rejection-sampler tests above are the fast checks)
 def test_greedy_rows_of_a_sampled_batch_equal_plain_greedy_and_rows_are_independent():
     params, n_new = _tiny_params(), 8
     prompts = [PROMPT, [5, 1, 2, 0], PROMPT]
     greedy = generate(TINY, params, prompts, max_new_tokens=n_new, temperature=0.0)
-    toks, lps, _ = _run_rows(TINY, params, prompts, [0.0, 1.0, 0.0], n_new, num_draft=2)
+    toks, lps = _run_rows(TINY, params, prompts, [0.0, 1.0, 0.0], n_new, num_draft=2)
     for r in (0, 2):                                                     # temperature 0 rows: plain greedy
         np.testing.assert_array_equal(toks[r], greedy.tokens[r])
         np.testing.assert_allclose(lps[r], greedy.logprobs[r], atol=1e-5)
-    # a row's samples depend on its own key only: the same row key alone gives the same tokens
-    alone, _, _ = _run_rows(TINY, params, [prompts[1]], [1.0], n_new, num_draft=2, seed=0)
-    both, _, _ = _run_rows(TINY, params, [prompts[1], PROMPT], [1.0, 1.0], n_new, num_draft=2, seed=0)
-    np.testing.assert_array_equal(both[0], alone[0])
-
-
-def test_speculative_step_leaves_inactive_rows_untouched():
-    params, n = _tiny_params(), 2
-    b, size = 2, 16
-    cache = kv.init_cache(TINY, b, size, mtp_depths=n)
-    tokens, lens = sp.prepare_prompts(TINY, [PROMPT, PROMPT])
-    hbuf, seq = jnp.zeros((b, size, TINY.d_model)), jnp.zeros((b, size + 1), jnp.int32)
-    cache, hbuf, seq, _, _ = sp._spec_prefill(TINY, n, params, cache, hbuf, seq, jnp.asarray(tokens),
-                                              jnp.asarray(lens), 2048)
-    e = jnp.asarray(lens - 1)
-    step = jax.jit(functools.partial(sp.speculative_step, TINY, n), static_argnames=("greedy",))
-    new = step(params, cache, hbuf, seq, e, jnp.array([True, False]), _keys(b, 0), jnp.ones(b), jnp.zeros(b, jnp.int32),
-               jnp.ones(b), greedy=False)
-    c2, h2, s2, e2, g, lp, a = new
-    assert int(e2[1]) == int(e[1]) and int(a[1]) == 0 and int(e2[0]) == int(e[0]) + int(a[0]) + 1
-    np.testing.assert_array_equal(h2[1], hbuf[1])
-    np.testing.assert_array_equal(s2[1], seq[1])
-    for x, y in zip(jax.tree_util.tree_leaves(c2), jax.tree_util.tree_leaves(cache)):
-        row = 1 if x.ndim and x.shape[0] == b else None
-        if row is None:                                                  # stacked layers: [repeats, B, ...]
-            np.testing.assert_array_equal(np.asarray(x)[:, 1], np.asarray(y)[:, 1])
-        else:
-            np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(y)[1])
+    # a row's samples depend on its own key only: the same key alone gives the same tokens
+    alone, _ = _run_rows(TINY, params, [prompts[1]], [1.0], n_new, num_draft=2, seed=1)
+    np.testing.assert_array_equal(toks[1], alone[0])
 
 
 def test_perfect_drafter_sampled_acceptance_does_not_collapse_with_depth():

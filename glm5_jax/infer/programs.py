@@ -33,7 +33,7 @@ from glm5_jax.infer import cache as kv
 from glm5_jax.infer.decode import final_norm, head, model_step, prefill_chunks
 from glm5_jax.infer.sampling import batch_row_keys, sample_rows
 from glm5_jax.attention.core import LayerCache, batch_local
-from glm5_jax.infer.speculative import draft_sampler, mtp_pass, mtp_window, speculative_step, verify
+from glm5_jax.infer.speculative import draft_sampler, mtp_window, verify
 from glm5_jax.layers.common import dtype_of
 from glm5_jax.parallel.distributed import multi_process, to_global
 from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, param_shardings, single_device_mesh, use_mesh
@@ -87,10 +87,18 @@ def _take(x, idx):
 
 def _copy_pages(a, src, dst, lead=()):
     """Pages dst[c] >= 0 of a page pool a [*lead, num_pages, ...] become copies of pages src[c] (ids of one
-    shard's pages when run per shard: `batch_local`; local index p % num_pages)."""
-    m = a.shape[len(lead)]
-    d = jnp.where(dst >= 0, dst % m, m)                              # < 0: dropped
-    return a.at[lead + (d,)].set(a[lead + (jnp.maximum(src, 0) % m,)], mode="drop")
+    shard's pages when run per shard: `batch_local`; local index p % num_pages), one page at a time in place
+    up to the last c with dst[c] >= 0 (the runtime lists a shard's copies first in its block; dst < 0 copies
+    a page onto itself). A gather of the listed pages out of a layer stack made the TPU compiler slice the
+    whole stacked pool ("mini-gather") every step: 26 GB a chip for glm5 (docs/inference.md)."""
+    ax, m = len(lead), a.shape[len(lead)]
+    last = jnp.max(jnp.where(dst >= 0, jnp.arange(dst.shape[0]) + 1, 0))
+
+    def one(c, a):
+        s = jnp.maximum(src[c], 0) % m
+        page = jax.lax.dynamic_slice_in_dim(a, s, 1, axis=ax)
+        return jax.lax.dynamic_update_slice_in_dim(a, page, jnp.where(dst[c] >= 0, dst[c] % m, s), axis=ax)
+    return jax.lax.fori_loop(0, last, one, a)
 
 
 def _top(model_lp, n):
@@ -284,58 +292,6 @@ class Programs:
         return self._jit(("prefill", width, chunk, echo), fn, (self.param_formats, lay) + (self.rows,) * 10,
                          (self.rows,) * 5 + (ech, lay), (1,))
 
-    def spec_prefill(self, width: int, chunk: int):
-        """`prefill` for MTP speculation: also the rows' trunk hidden states (hbuf), committed tokens (seq)
-        and every MTP depth's cache, recomputed from position start - 2n (entries there depend on tokens of
-        the new suffix) through the prompt's end, in chunks, as `speculative._spec_prefill` does.
-        (params, state, lslot, lsrc, tokens, start, length, temp, top_k, top_p, seed) -> (tok, lp_s, lp_m,
-        top ids, top lps, state)."""
-        cfg, n = self.config, self.num_draft
-
-        def fn(params, state, lslot, lsrc, tokens, start, length, temp, top_k, top_p, seed):
-            cache, hbuf, seq = state["cache"], state["hbuf"], state["seq"]
-            lay = self._per_shard(self.copy_rows(cache["layers"], lsrc, lslot))
-            lay, xs = self._trunk_rows(cfg, width, chunk, params, lay, tokens, start, length, lslot)
-            tok, lp_s, lp_m, ti, tv = self._first_tokens(cfg, params, xs, length, temp, top_k, top_p, seed)
-            j = jnp.arange(width, dtype=jnp.int32)[None]
-            wp = jnp.where(j < length[:, None], start[:, None] + j, -1)
-            hrow = kv.write(self.take_rows(hbuf, lsrc, axis=0), wp, xs)
-            srow = kv.write(self.take_rows(seq, lsrc, axis=0), wp, tokens)
-            e = start + length - 1
-            srow = kv.write(srow, jnp.where(length > 0, e + 1, -1)[:, None], tok[:, None])   # dummy rows: nothing
-            mtp = self.take_rows(cache["mtp"], lsrc, axis=0)
-            lo = jnp.maximum(start - 2 * n, 0)
-            nc, c = prefill_chunks(width + 2 * n, chunk)
-
-            def one_chunk(m, i):
-                pos = lo[:, None] + i * c + jnp.arange(c, dtype=jnp.int32)[None]
-                _, m, _ = mtp_pass(cfg, n, params, m, hrow, srow, jnp.minimum(pos, e[:, None]),
-                                   jnp.where(pos <= e[:, None], pos, -1), e)
-                return m, None
-
-            mtp, _ = jax.lax.scan(one_chunk, mtp, jnp.arange(nc, dtype=jnp.int32))
-            new = {"cache": {"layers": self._merged(lay),
-                             "mtp": self.put_rows(cache["mtp"], mtp, lslot, axis=0)},
-                   "hbuf": self.put_rows(hbuf, hrow, lslot, axis=0), "seq": self.put_rows(seq, srow, lslot, axis=0)}
-            return tok, lp_s, lp_m, ti, tv, new
-
-        return self._jit(("spec_prefill", width, chunk), fn, (self.param_formats, self.state) + (self.rows,) * 9,
-                         (self.rows,) * 5 + (self.state,), (1,))
-
-    def spec_decode(self, greedy: bool):
-        """One speculative round over all slots (`speculative.speculative_step`): (params, state, e, active,
-        temp, top_k, top_p, seeds, counts) -> (state, tokens [B, n+1], sampling lps [B, n+1], accepted [B])."""
-        cfg, n = self.config, self.num_draft
-
-        def fn(params, state, e, active, temp, top_k, top_p, seeds, counts):
-            cache, hbuf, seq, _, g, lp, a = speculative_step(cfg, n, params, state["cache"], state["hbuf"],
-                                                             state["seq"], e, active, _row_keys(seeds, counts),
-                                                             temp, top_k, top_p, greedy=greedy)
-            return {"cache": cache, "hbuf": hbuf, "seq": seq}, g, lp, a
-
-        return self._jit(("spec_decode", greedy), fn, (self.param_formats, self.state) + (self.rows,) * 7,
-                         (self.state,) + (self.rows,) * 3, (1,))
-
     def move_row(self):
         """(layers, dst, src) -> layers with global slot src's row copied into slot dst (one shard only:
         decode buckets, `Engine` allows them on a single batch shard)."""
@@ -498,8 +454,11 @@ class Programs:
                          (self.rows,) * 5 + (ech, pool, (self.rows,) * 3, spool), (1, 2))
 
     # ------------------------------------------------------------------ AOT
-    def abstract_args(self, program: str, *, width: int = 0, chunk: int = 0, echo: bool = False, greedy: bool = True):
-        """ShapeDtypeStructs (with shardings) of a program's arguments, for `.lower(*args)` (tools.aot)."""
+    def abstract_args(self, program: str, *, width: int = 0, chunk: int = 0, echo: bool = False, greedy: bool = True,
+                      num_pages: int = 0, page_size: int = 0, table: int = 0):
+        """ShapeDtypeStructs (with shardings) of a program's arguments, for `.lower(*args)` (tools.aot).
+        paged_step (no speculation): `width` token rows, max_batch sequences, a pool of `num_pages` pages of
+        `page_size` and page tables `table` pages wide."""
         sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
         from glm5_jax.model import abstract_params
         import flax.linen as nn
@@ -517,5 +476,11 @@ class Programs:
         if program == "spec_decode":
             i, f = vec(b, jnp.int32), vec(b, jnp.float32)
             return (params, state, i, vec(b, jnp.bool_), f, i, f, vec(b, jnp.uint32), i)
-        raise ValueError(f"program={program!r}: decode | prefill | spec_decode")
+        if program == "paged_step" and not self.num_draft:
+            spec, sh = self.pool_sharding(num_pages, page_size)
+            ik, ir, fr = vec(width, jnp.int32), vec(b, jnp.int32), vec(b, jnp.float32)
+            tables = jax.ShapeDtypeStruct((b, table), jnp.int32, sharding=self.rows)
+            return (params, jax.tree.map(sds, spec, sh), ir, ir, ik, ik, ik, ik, tables, ir, fr, ir, fr,
+                    vec(b, jnp.uint32), ir, ik)
+        raise ValueError(f"program={program!r}: decode | prefill | spec_decode | paged_step (num_draft 0)")
 

@@ -117,6 +117,19 @@ def cache_tokens_that_fit(config, mesh, fraction: float, num_draft: int = 0) -> 
     return None if out < 0 else out
 
 
+def page_table_widths(config, table_len: int, page_size: int, extra=()) -> tuple:
+    """Page-table widths (pages) a step compiles for: x4 apart, the `extra` widths given (a deployment's mean
+    context with its headroom: tools.aot --kv_cache=paged), then the whole table. A step reads the pages of
+    the longest sequence it runs, not max_model_len for every row. A row's result must not depend on the width
+    its batch-mates chose: with DSA every width holds index_topk positions, so each row attends the same
+    index_topk selected keys (the top-k over more -inf-masked slots is the same selection); dense attention
+    (mla / mha / gqa) reduces over every slot, so it keeps the whole table."""
+    least = -(-config.index_topk // page_size) if config.attention == "dsa" else table_len
+    least = min(least, table_len)
+    return tuple(sorted({least, table_len} | {4 ** i for i in range(32) if least < 4 ** i and 2 * 4 ** i <= table_len}
+                        | {min(max(int(w), least), table_len) for w in extra}))
+
+
 class PagedRuntime:
     """Sequences over a pool of `kv_cache_tokens // page_size` pages; `step()` runs one scheduled step.
 
@@ -125,7 +138,8 @@ class PagedRuntime:
     the most prompt tokens one sequence feeds per step; prefix_cache: "radix" (share cached prefixes by
     reference) or "none". page_size = max_model_len with prefix_cache="none" is the one-row-per-slot
     policy (each sequence owns a whole row of the cache), for comparison. widths: the token-row counts
-    below the budget a step may compile for (default powers of two from 8).
+    below the budget a step may compile for (default powers of two from 8); table_widths: page-table widths
+    (pages) to compile beside `page_table_widths`' defaults.
 
     num_draft = n > 0: MTP self-speculation (glm5_jax.infer.speculative). A decoding sequence then runs
     n + 1 token rows a step (its next token and n drafts, verified in the trunk pass, `Programs.paged_step`)
@@ -142,7 +156,7 @@ class PagedRuntime:
     def __init__(self, config, params, *, max_running: int = 8, max_model_len: int = 256, page_size: int = 16,
                  kv_cache_tokens: Optional[int] = None, max_num_batched_tokens: int = 256,
                  prefill_chunk: Optional[int] = None, prefix_cache: str = "radix", mesh=None, rules=SERVE_RULES,
-                 num_draft: int = 0, widths=None):
+                 num_draft: int = 0, widths=None, table_widths=()):
         if prefix_cache not in ("radix", "none"):
             raise ValueError(f"prefix_cache={prefix_cache!r}: radix | none")
         if min(max_running, page_size, max_num_batched_tokens) < 1 or max_model_len < 2:
@@ -152,7 +166,7 @@ class PagedRuntime:
         self.num_draft = int(num_draft)
         # a verification writes up to n positions past the context's last
         self.table_len = -(-(self.max_len + self.num_draft) // self.page_size)
-        tokens = kv_cache_tokens if kv_cache_tokens is not None else self.max_running * self.max_len
+        tokens = kv_cache_tokens if kv_cache_tokens is not None else self.max_running * self.table_len * self.page_size
         self.programs = Programs(config, mesh, max_batch=self.max_running, size=self.page_size, rules=rules,
                                  num_draft=self.num_draft)
         shards = self.programs.shards                       # the pool's pages are split over the batch shards
@@ -166,15 +180,7 @@ class PagedRuntime:
                              f"{self.max_running * (1 + self.num_draft)} (every running sequence decodes a step)")
         self.chunk = int(prefill_chunk or self.budget)
         self.widths = _widths(self.budget, shards, extra=widths or ())
-        # page-table widths a step compiles for (x4 apart, then the whole table): a step reads the pages of the
-        # longest sequence it runs, not max_model_len for every row. A row's result must not depend on the
-        # width its batch-mates chose: with DSA every width holds index_topk positions, so each row attends the
-        # same index_topk selected keys (the top-k over more -inf-masked slots is the same selection); dense
-        # attention (mla / mha / gqa) reduces over every slot, so it keeps the whole table.
-        least = -(-config.index_topk // self.page_size) if config.attention == "dsa" else self.table_len
-        least = min(least, self.table_len)
-        self.table_widths = tuple(sorted({least, self.table_len} | {4 ** i for i in range(32)
-                                                                   if least < 4 ** i and 2 * 4 ** i <= self.table_len}))
+        self.table_widths = page_table_widths(config, self.table_len, self.page_size, table_widths)
         self.config = self.programs.config
         self.params = self.programs.place_params(params)
         self.pool, self.spec_pool = self._alloc_pools()

@@ -6,12 +6,13 @@ proposes `num_draft` tokens. Depth k at position s follows GLM5.__call__'s MTP b
 and its head(final-normed h_k[e]) at the last verified position e proposes token e + k + 1. Each
 depth owns a latent/KV (and DSA indexer-key) cache, because the MTP block holds a full decoder layer.
 
-Per round (`speculative_step`, one jitted program with the rest of the loop): the MTP pass recomputes
-a window of the last 2 * num_draft positions ending at e at every depth (rows of the window are the
-only cache entries that may have been computed from drafts rejected since; everything before it was
-computed from committed tokens), using committed tokens where known and this round's drafts beyond;
-then the main model verifies [next token, draft_1..draft_n] at positions e+1..e+n+1 in one pass over
-its cache.
+Per round (a step of the paged runtime, `glm5_jax.infer.programs.Programs.paged_step`; this module holds
+its device pieces): the MTP pass (`mtp_window`) recomputes a window of the last 2 * num_draft positions
+ending at e at every depth (rows of the window are the only cache entries that may have been computed
+from drafts rejected since; everything before it was computed from committed tokens), using committed
+tokens where known and this round's drafts beyond; then the main model verifies [next token,
+draft_1..draft_n] at positions e+1..e+n+1 in one pass over its cache (`verify`). The batch driver is
+`glm5_jax.infer.generation.speculative_generate`.
 
 Greedy (temperature 0): drafts are the MTP argmax; the longest prefix of drafts equal to the main
 model's argmax is accepted, plus one bonus token (its argmax after that prefix). The output is
@@ -34,46 +35,17 @@ fraction of steps accepting at least k drafts) shows where acceptance collapses.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import time
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from glm5_jax.fields import require
-from glm5_jax.infer import cache as kv
 from glm5_jax.infer import sampling
-from glm5_jax.infer.decode import (PAD_ID, PREFILL_CHUNK, GenerateResult, _reasons, final_norm, head, model_step,
-                                   mtp_block, prefill, prefill_chunks, prepare_prompts, resolve_max_len, stop_array)
-from glm5_jax.layers.common import dtype_of
-
-
-@dataclasses.dataclass
-class SpeculativeResult(GenerateResult):
-    acceptance_length: float = 0.0   # mean 1 + accepted drafts per (row, verification step)
-    verify_steps: int = 0            # verification passes (rounds)
-    tokens_per_s: float = 0.0        # generated tokens / wall time after prefill
-
-
-def mtp_pass(config, n: int, params, mtp_caches, hbuf, seq, win_pos, wpos, e):
-    """Run MTP depths 1..n over window positions win_pos [B, W] (slots wpos, -1 = don't write).
-
-    hbuf [B, S, D]: main pre-norm hidden per position; seq [B, S']: committed tokens per position
-    (valid up to e + 1); e [B]: last position the main model has processed. Returns
-    (drafts [B, n] int32, the MTP argmax for positions e+2..e+n+1; new MTP caches;
-    per-depth final-normed hidden [n, B, W, D]).
-    """
-    h = jnp.take_along_axis(hbuf, jnp.maximum(win_pos, 0)[..., None], axis=1)
-    drafts, caches, normed, _ = mtp_window(config, n, params, mtp_caches, h, seq, jnp.zeros_like(e), win_pos, wpos, e)
-    return drafts, caches, normed
+from glm5_jax.infer.decode import head, mtp_block
 
 
 def mtp_window(config, n, params, mtp_caches, h, seqw, base, win_pos, wpos, e, draw=None, heads: bool = True):
     """The MTP depths over positions win_pos [B, W] (slots wpos, -1 = don't write), the one MTP pass of
-    every speculative program (slot or paged cache: `mtp_caches` are the depths' buffers or `LayerCache`s).
+    the speculative step (`mtp_caches`: the depths' buffers, or `LayerCache`s over their pages).
 
     h [B, W, D]: the trunk's pre-norm hidden at win_pos; seqw [B, L]: committed tokens at positions
     base[b] .. base[b] + L - 1 (valid up to e + 1); e [B]: last position the trunk has processed. Depth k
@@ -183,133 +155,6 @@ def rejection_sample(keys, target_probs, draft_probs, drafts):
     return jnp.where(j < accepted[:, None], padded, fix), accepted.astype(jnp.int32)
 
 
-def speculative_step(config, num_draft: int, params, cache, hbuf, seq, e, active, keys, temperature, top_k, top_p,
-                     *, greedy: bool = False):
-    """One round of MTP speculative decoding for a batch of rows (requests); jittable, config /
-    num_draft / greedy static. The engine calls it once per decode step.
-
-    State (row b = one request; allocate with kv.init_cache(config, B, S, mtp_depths=num_draft), S >= the
-    longest sequence + num_draft + 2; fill it with a prefill as `_spec_prefill` does):
-      cache   {"layers", "mtp"}: the trunk's and each MTP depth's caches, slot == position
-      hbuf    [B, S, D]: the trunk's pre-final-norm hidden state at every processed position 0..e_b
-      seq     [B, S + 1] int32: committed tokens at positions 0..e_b + 1 (seq[b, e_b + 1] is the row's latest
-              token, chosen but not yet run through the trunk)
-      e       [B] int32: the last position the trunk has processed
-    Per row: active [B] bool (inactive rows write nothing and keep their state: free or finished slots),
-    keys [B] (this step's PRNG key, e.g. fold_in(PRNGKey(seed), tokens generated so far)), temperature
-    [B] (0 = greedy row), top_k [B] (0 = off), top_p [B].
-    greedy=True (static): every row greedy, no filtering or random draws (the cheaper program).
-
-    Returns (cache, hbuf, seq, e, tokens [B, n+1] int32, logprobs [B, n+1] float32, accepted [B] int32):
-    row b's new tokens are tokens[b, :accepted_b + 1], in order (the last is at seq[b, e_b + 1] for the
-    returned e); logprobs as `sampling.sample` reports them (greedy rows: temperature-1 log-softmax;
-    sampled rows: log-prob under the filtered target distribution). Inactive rows: accepted 0, e unchanged.
-    The caller applies stop tokens and max_tokens (tokens past a stop are discarded; the row's cache
-    beyond its end is never read). accepted_b >= k counts as "draft k accepted" for per-depth acceptance.
-    """
-    c, n = config, num_draft
-    b = e.shape[0]
-    w = 2 * n
-    active = jnp.asarray(active, bool)
-    win = e[:, None] - w + 1 + jnp.arange(w, dtype=jnp.int32)
-    wwin = jnp.where((win >= 0) & active[:, None], win, -1)
-    h = jnp.take_along_axis(hbuf, jnp.maximum(win, 0)[..., None], axis=1)
-    ks = draw = None
-    if not greedy:
-        temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a), (b,)) for a in (temperature, top_k, top_p))
-        ks = _split_rows(keys, n + 1)
-        draw = draft_sampler(ks, temperature, top_k, top_p)
-    drafts, mtp, _, q = mtp_window(c, n, params, cache["mtp"], h, seq, jnp.zeros_like(e), win, wwin, e, draw)
-    # verify [committed next token, drafts] at positions e+1 .. e+n+1
-    vpos = e[:, None] + 1 + jnp.arange(n + 1, dtype=jnp.int32)
-    wpos = jnp.where(active[:, None], vpos, -1)
-    vtok = jnp.concatenate([jnp.take_along_axis(seq, e[:, None] + 1, axis=1), drafts], axis=1)
-    x, layers = model_step(c, params, cache["layers"], vtok, vpos, wpos)
-    hbuf = kv.write(hbuf, wpos, x)
-    logits = head(c, params, final_norm(c, params, x))                       # [B, n+1, V]
-    g, lp, a = verify(logits, drafts, q, None if greedy else ks[:, n], temperature, top_k, top_p, greedy=greedy)
-    seq = kv.write(seq, jnp.where(active[:, None], vpos + 1, -1), g)   # g_j is the token at e+2+j (committed for j <= a)
-    a = jnp.where(active, a, 0).astype(jnp.int32)
-    e = jnp.where(active, e + a + 1, e)
-    return dict(cache, layers=layers, mtp=mtp), hbuf, seq, e, g, lp, a
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 8), static_argnames=("greedy",))
-def _spec_prefill(config, n, params, cache, hbuf, seq, tokens, lens, chunk, keys=None, temperature=None, top_k=None,
-                  top_p=None, *, greedy=True):
-    """The main trunk's chunked `prefill`, then the MTP depths over the prompt in the same chunks
-    (chunk i's MTP caches are written before chunk i+1 attends them). Entries at the last
-    num_draft positions before e depend on this pass's drafts: the first round's window rewrites them.
-    The first token: the argmax (greedy), else drawn per row (`sampling.sample_rows` with keys [B])."""
-    b, p = tokens.shape
-    logits0, cache, x = prefill(config, params, cache, tokens, lens, True, chunk)
-    hbuf = hbuf.at[:, :p].set(x.astype(hbuf.dtype))
-    if greedy:
-        g0 = jnp.argmax(logits0, axis=-1).astype(jnp.int32)
-        lp0 = jnp.take_along_axis(jax.nn.log_softmax(logits0, axis=-1), g0[:, None], axis=-1)[:, 0]
-    else:
-        g0, lp0, _ = sampling.sample_rows(keys, logits0, temperature, top_k, top_p)
-    seq = seq.at[:, :p].set(tokens)
-    seq = kv.write(seq, lens[:, None], g0[:, None])
-    e = lens - 1
-    nc, c = prefill_chunks(p, chunk)
-
-    def one_chunk(mtp, i):
-        pos = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (b, c))
-        _, mtp, _ = mtp_pass(config, n, params, mtp, hbuf, seq, jnp.minimum(pos, p - 1),
-                             jnp.where(pos <= e[:, None], pos, -1), e)
-        return mtp, None
-
-    mtp, _ = jax.lax.scan(one_chunk, cache["mtp"], jnp.arange(nc, dtype=jnp.int32))
-    return dict(cache, mtp=mtp), hbuf, seq, g0, lp0
-
-
-def _row_step_keys(row_keys, count):
-    """Per row: fold_in(row key, tokens generated so far): a fresh key each step, independent of the batch."""
-    return jax.vmap(jax.random.fold_in)(row_keys, count)
-
-
-def _spec_round(config, n, n_new, greedy, params, samp, cache, hbuf, seq, e, out, out_lp, count, stopped, stops, acc):
-    active = ~stopped & (count < n_new)
-    row_keys, temperature, top_k, top_p = samp
-    keys = _row_step_keys(row_keys, count)
-    cache, hbuf, seq, e, g, lp, a = speculative_step(config, n, params, cache, hbuf, seq, e, active, keys,
-                                                     temperature, top_k, top_p, greedy=greedy)
-    # outputs, truncated at the first stop token
-    j = jnp.arange(n + 1)[None, :]
-    is_stop = jnp.isin(g, stops) & (j <= a[:, None])
-    any_stop = jnp.any(is_stop, axis=1)
-    take = jnp.where(any_stop, jnp.argmax(is_stop, axis=1) + 1, a + 1)
-    opos = jnp.where(active[:, None] & (j < take[:, None]), count[:, None] + j, -1)
-    out = kv.write(out, opos, g)
-    out_lp = kv.write(out_lp, opos, lp)
-    count = count + jnp.where(active, take, 0)
-    stopped = stopped | (active & any_stop)
-    depth = jnp.sum(active[:, None] & (a[:, None] >= jnp.arange(1, n + 1)[None, :]), axis=0)   # [n]
-    acc = acc + jnp.concatenate([jnp.stack([jnp.sum(jnp.where(active, a + 1, 0)), jnp.sum(active)]),
-                                 depth]).astype(acc.dtype)
-    return cache, hbuf, seq, e, out, out_lp, count, stopped, acc, jnp.any(~stopped & (count < n_new))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _spec_loop(config, n, n_new, greedy, params, samp, cache, hbuf, seq, e, out, out_lp, count, stopped, stops):
-    """All rounds inside one lax.while_loop (no host round trip per verification step). acc: [sum over
-    active (row, step) of 1 + accepted, active (row, step) pairs, then per depth k the pairs accepting >= k]."""
-    def cond(st):
-        return st[-1]
-
-    def body(st):
-        rounds, *rest = st[:-1]
-        new = _spec_round(config, n, n_new, greedy, params, samp, *rest[:-1], stops, rest[-1])
-        return (rounds + 1, *new)
-
-    acc = jnp.zeros((2 + n,), jnp.int32)
-    going = jnp.any(~stopped & (count < n_new))
-    st = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, hbuf, seq, e, out, out_lp, count, stopped, acc, going))
-    rounds, _, _, _, _, out, out_lp, count, stopped, acc, _ = st
-    return out, out_lp, count, stopped, acc, rounds
-
-
 def check_num_draft(config, num_draft):
     """Raise ValueError unless `config` can draft `num_draft` tokens with its MTP blocks."""
     if config.mtp_depth < 1:
@@ -318,73 +163,3 @@ def check_num_draft(config, num_draft):
     if not config.mtp_share and num_draft > config.mtp_depth:
         raise ValueError(f"num_draft={num_draft} > mtp_depth={config.mtp_depth} with unshared MTP blocks "
                          "(each depth needs its own block); lower num_draft")
-
-
-def speculative_generate(config, params, prompts, *, max_new_tokens: int, num_draft: int = 4,
-                         stop_tokens: Sequence[int] = (), max_len: int | None = None,
-                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                         prefill_chunk: int = PREFILL_CHUNK) -> SpeculativeResult:
-    """MTP speculative decoding. temperature 0 (default): greedy, the same outputs as
-    generate(..., temperature=0). temperature > 0: sampled with rejection-sampling verification, the same
-    output distribution as generate(..., temperature, top_p, top_k) (not the same samples: the random
-    draws differ); row b's randomness comes from fold_in(PRNGKey(seed), b) alone.
-
-    Internally the caches hold max_len + num_draft + 1 slots so the last verification pass never runs
-    off the end. prefill_chunk: prompt tokens per prefill chunk, as in generate.
-    stats: also accepted_per_depth (active (row, step) pairs accepting >= k drafts, k = 1..num_draft),
-    acceptance_per_depth (the same / all active pairs) and verify_rows (active (row, step) pairs).
-    """
-    sampling.validate(temperature, top_p, top_k)
-    check_num_draft(config, num_draft)
-    tokens, lens = prepare_prompts(config, prompts)
-    size = resolve_max_len(tokens.shape[1], max_new_tokens, max_len) + num_draft + 1
-    prefill_chunks(tokens.shape[1], prefill_chunk)     # a bad prefill_chunk fails before any compilation
-    b, n, n_new = tokens.shape[0], num_draft, int(max_new_tokens)
-    dt = dtype_of(config.dtype)
-    cache = kv.init_cache(config, b, size, mtp_depths=n)
-    hbuf = jnp.zeros((b, size, config.d_model), dt)
-    seq = jnp.zeros((b, size + 1), jnp.int32)
-    stops = stop_array(stop_tokens)
-    t0 = time.perf_counter()
-    greedy = temperature == 0
-    row_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(b))
-    samp = (row_keys, jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
-            jnp.full((b,), top_p, jnp.float32))
-    cache, hbuf, seq, g0, lp0 = _spec_prefill(config, n, params, cache, hbuf, seq, jnp.asarray(tokens),
-                                              jnp.asarray(lens), int(prefill_chunk),
-                                              *((None,) * 4 if greedy else
-                                                (_row_step_keys(row_keys, jnp.zeros((b,), jnp.int32)),) + samp[1:]),
-                                              greedy=greedy)
-    out = jnp.full((b, n_new + n + 1), PAD_ID, jnp.int32).at[:, 0].set(g0)
-    out_lp = jnp.zeros((b, n_new + n + 1), jnp.float32).at[:, 0].set(lp0)
-    count = jnp.ones((b,), jnp.int32)
-    stopped = jnp.isin(g0, stops)
-    e = jnp.asarray(lens - 1)
-    g0.block_until_ready()
-    t1 = time.perf_counter()
-    out, out_lp, count, stopped, acc, rounds = _spec_loop(config, n, n_new, greedy, params, samp, cache, hbuf, seq,
-                                                          e, out, out_lp, count, stopped, stops)
-    rounds = int(rounds)
-    t2 = time.perf_counter()
-    raw = np.asarray(count)
-    count = np.minimum(raw, n_new)
-    stopped = np.asarray(stopped) & (raw <= n_new)      # a stop token cut off by max_new_tokens is "length"
-    toks = np.asarray(out)[:, :n_new].copy()
-    lps = np.asarray(out_lp)[:, :n_new].copy()
-    mask = np.arange(n_new)[None, :] >= count[:, None]
-    toks[mask], lps[mask] = PAD_ID, 0.0
-    acc = np.asarray(acc)
-    acc_len = float(acc[0] / acc[1]) if acc[1] else 0.0
-    gen = int(count.sum())
-    return SpeculativeResult(
-        tokens=toks, logprobs=lps, lengths=count.astype(np.int32), finish_reasons=_reasons(stopped),
-        stats={"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tokens": int(lens.sum()), "generated_tokens": gen,
-               "verify_rows": int(acc[1]), "accepted_per_depth": [int(x) for x in acc[2:]],
-               "acceptance_per_depth": [float(x / acc[1]) if acc[1] else 0.0 for x in acc[2:]]},
-        acceptance_length=acc_len, verify_steps=rounds, tokens_per_s=gen / max(t2 - t1, 1e-9))
-
-
-def acceptance_length(config, params, prompts, num_draft: int = 4, max_new_tokens: int = 64) -> float:
-    """Mean tokens accepted per verification step (1 + accepted drafts) of greedy MTP speculation."""
-    return speculative_generate(config, params, prompts, max_new_tokens=max_new_tokens,
-                                num_draft=num_draft).acceptance_length

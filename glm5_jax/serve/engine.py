@@ -297,6 +297,7 @@ class Engine:
         while True:
             with self._cv:
                 while not self._stop and (self._paused or (not self._queue and not self.active
+                                                           and not self.runtime.waiting
                                                            and self._pending_weights is None)):
                     if self._paused:
                         self._idle.set()
