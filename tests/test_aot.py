@@ -371,3 +371,45 @@ def test_help_lists_the_flags_and_exits_0(capsys):
     assert "--max_model_len" in out and "--batch_size" in out and "--program" in out
     assert aot.main(["--preset=tiny", "--topology=v5p:2x2x1", "stray"]) == 2
     assert "unexpected arguments ['stray']" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the paged runtime's step (--kv_cache=paged)
+
+def test_paged_batch_auto_is_the_largest_pool_that_fits_beside_the_weights():
+    """--kv_cache=paged --batch=auto (no compiler): the largest multiple of the batch shards whose pool of
+    HEADROOM x batch x mean context positions fits a chip's HBM beside the weights and the reserve; the table
+    is the runtime's width for HEADROOM x mean context; one batch shard more would not fit."""
+    from tools.aot_serve import HEADROOM, RESERVE_GIB, resolve_serving
+    r = resolve_serving("decode", "tiny", "v5p:2x2x1", batch="auto", max_model_len=4096, kv_cache="paged",
+                        mean_context=1000, page_size=16)
+    g, shards = r["paged"], r["shards"]
+    assert shards == 4 and r["batch"] % shards == 0 and g["width"] == r["batch"] and g["batch_auto"]
+    free = r["hbm_bytes"] - g["weights_bytes_planned"] - RESERVE_GIB * 2**30
+    per_seq = HEADROOM * 1000 * g["pool_bytes_per_token"]
+    assert r["batch"] // shards * per_seq <= free < (r["batch"] // shards + 1) * per_seq
+    assert g["num_pages"] * 16 >= HEADROOM * r["batch"] * 1000 and g["num_pages"] % shards == 0
+    assert g["table_pages"] == -(-1250 // 16) and r["cache_size"] == g["table_pages"] * 16
+    s = resolve_serving("step", "tiny", "v5p:2x2x1", batch=8, max_model_len=4096, kv_cache="paged",
+                        mean_context=1000, page_size=16, prefill_chunk=32)
+    assert s["paged"]["width"] == 4 * (2 + 32)               # each shard: its 2 decodes + one 32-token chunk
+
+
+@pytest.mark.slow   # ~25 s: two TPU compiles
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not importable (the '.[tpu]' extra)")
+def test_tiny_paged_decode_and_mixed_step_compile_for_v5p_with_the_floor():
+    """--kv_cache=paged compiles Programs.paged_step for v5p:2x2x1: the decode (one row a sequence) with the
+    floor of the slot decode at the mean context, TPOT and tokens/s from the compiled estimate; the mixed
+    step (decodes + a prefill chunk a shard) fits and adds the chunk's cache reads to the floor."""
+    d = _serve_json("--program=decode", "--kv_cache=paged", "--batch=8", "--max_model_len=512",
+                    "--mean_context=200", "--page_size=16")
+    assert d["program_name"] == "paged_decode" and d["fits"] is True and d["kv_cache"] == "paged"
+    b, g = d["budget"], d["paged"]
+    weights, cache = _tiny_decode_floor(8, 4, 200)
+    assert b["min_bytes_per_step"] == pytest.approx(weights + cache)
+    assert b["output_tokens_per_s_per_chip"] == pytest.approx(8 / 4 / b["tpot_s"])
+    assert d["per_device_bytes"]["cache"] * 4 >= g["num_pages"] * 16 * g["pool_bytes_per_token"]   # the pool
+    s = _serve_json("--program=step", "--kv_cache=paged", "--batch=8", "--max_model_len=512",
+                    "--mean_context=200", "--page_size=16", "--prefill_chunk=32")
+    assert s["program_name"] == "paged_step" and s["fits"] is True and s["paged"]["width"] == 4 * (2 + 32)
+    assert s["budget"]["min_bytes_per_step"] > b["min_bytes_per_step"]
+    assert s["budget"]["prefill_tokens_per_s_per_chip"] > 0

@@ -95,8 +95,9 @@ def run_serving(program: str, preset_name: str, topology: str, *, log=None, save
     except DoesNotFit as e:
         out = _not_fit(e)
     keys = ("program", "program_name", "preset", "topology", "chip", "devices", "mesh", "batch", "max_model_len", "cache_size",
-            "num_draft", "hbm_bytes")
-    return {**{k: r[k] for k in keys}, **({"prefill_width": r["prefill_width"]} if program == "prefill" else {}),
+            "num_draft", "hbm_bytes", "kv_cache")
+    return {**{k: r[k] for k in keys}, **({"prefill_width": r["prefill_width"]} if program != "decode" else {}),
+            **({"paged": r["paged"]} if "paged" in r else {}),
             **out, "fits": _fits(out, r["hbm_bytes"]) and out["per_device_bytes"]["engine_total"] <= r["hbm_bytes"],
             "config": {"model": as_dict(r["model"])}}
 
@@ -117,6 +118,12 @@ def format_report(p: dict) -> str:
                 f"chips), mesh {mesh}, {p['batch']} cache slots x {p['cache_size']} positions"
                 + (f", {p['prefill_width']} prompt tokens a row" if p["program"] == "prefill" else "")
                 + f", layers {m['num_layers']}, attention {m['attention']}")
+        if "paged" in p:
+            g = p["paged"]
+            head = (f"{p['program_name']} of preset {p['preset']} on {p['topology']} ({p['devices']} chips), mesh "
+                    f"{mesh}, {p['batch']} sequences of mean context {g['mean_context']} ({g['width']} token rows; "
+                    f"pool {g['num_pages']} pages x {g['page_size']} = {g['headroom']} x batch x mean; tables "
+                    f"{g['table_pages']} pages), layers {m['num_layers']}, attention {m['attention']}")
     lines = [head,
              f"{'compiler stopped' if 'compile_error' in p else 'compiled'} in {p['compile_seconds']:.1f}s "
              f"(lowered in {p['lower_seconds']:.1f}s)",
@@ -173,8 +180,14 @@ def define_flags(fv) -> None:
     S("remat", None, "train: ModelConfig.remat: " + " | ".join(REMAT_POLICIES), flag_values=fv)
     I("grad_accum", None, "train: TrainConfig.grad_accum: micro-batches per step", flag_values=fv)
     S("optimizer", None, "train: TrainConfig.optimizer: adamw | muon | muon_split", flag_values=fv)
-    I("batch", None, "decode / prefill: cache slots (the engine's max_batch; default one per batch shard)",
+    S("batch", None, "decode / prefill / step: cache slots or sequences (the engine's max_batch; default one per "
+      "batch shard); auto (--kv_cache=paged): the largest whose page pool fits", flag_values=fv)
+    flags.DEFINE_enum("kv_cache", "slots", ("slots", "paged"), "decode / step: slots: the one-row-per-slot cache "
+                      "programs; paged: the paged runtime's step (Programs.paged_step; tools/aot_serve.py)",
+                      flag_values=fv)
+    I("mean_context", None, "--kv_cache=paged: mean cached positions a sequence (the pool holds 1.25 x batch x it)",
       flag_values=fv)
+    I("page_size", 64, "--kv_cache=paged: positions a page", flag_values=fv)
     I("max_model_len", None, "decode / prefill: cache positions per slot (default 4096)", flag_values=fv)
     flags.DEFINE_enum("speculative", "none", SPECULATIVE, "decode: mtp compiles the MTP speculative round",
                       flag_values=fv)
@@ -228,7 +241,8 @@ def main(argv=None) -> int:
     if serving:
         from tools.aot_serve import resolve_serving
         kw = dict(mesh=a.mesh, batch=a.batch, max_model_len=a.max_model_len, speculative=a.speculative,
-                  num_draft=a.num_draft, prefill_chunk=a.prefill_chunk, overrides=tuple(a.set))
+                  num_draft=a.num_draft, prefill_chunk=a.prefill_chunk, overrides=tuple(a.set), kv_cache=a.kv_cache,
+                  mean_context=a.mean_context, page_size=a.page_size)
         resolve_serving(a.program, a.preset, a.topology, **kw)      # every flag checked before the compiler
         log(f"config resolved; building the {a.topology} devices")
         report = run_serving(a.program, a.preset, a.topology, log=log, save_hlo=a.save_hlo, **kw)

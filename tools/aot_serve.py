@@ -28,9 +28,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-PROGRAMS = ("train", "decode", "prefill")
+PROGRAMS = ("train", "decode", "prefill", "step")
 SPECULATIVE = ("none", "mtp")
+KV_CACHES = ("slots", "paged")
 PREFILL_CHUNK = 512          # serve.Engine's default prefill_chunk: prompt tokens a row prefills per call
+PAGE_SIZE = 64               # --kv_cache=paged: positions a page
+HEADROOM = 1.25              # --kv_cache=paged: pool = HEADROOM x batch x mean context (the lengths' spread)
+RESERVE_GIB = 6.0            # --batch=auto: HBM a chip kept for the step's temporaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +44,32 @@ class ServeAotConfig:
 
 
 def resolve_serving(program: str, preset_name: str, topology: str, *, mesh: str | None = None,
-                    batch: int | None = None, max_model_len: int | None = None, speculative: str = "none",
-                    num_draft: int = 2, prefill_chunk: int = PREFILL_CHUNK, overrides: tuple[str, ...] = ()) -> dict:
-    """The serving program to compile; every check that needs no compiler (AotError, MeshError)."""
+                    batch: int | str | None = None, max_model_len: int | None = None, speculative: str = "none",
+                    num_draft: int = 2, prefill_chunk: int = PREFILL_CHUNK, overrides: tuple[str, ...] = (),
+                    kv_cache: str = "slots", mean_context: int | None = None, page_size: int = PAGE_SIZE) -> dict:
+    """The serving program to compile; every check that needs no compiler (AotError, MeshError).
+    kv_cache="paged": the paged runtime's step (`paged_resolve`)."""
     from glm5_jax.config import PRESETS, ConfigError, preset
     from glm5_jax.overrides import OverrideError, apply_overrides
     from glm5_jax.parallel.plan import abstract_mesh
     from glm5_jax.sharding import MeshError, check_serving_mesh, parse_mesh_spec, resolve_mesh_shape
     from tools.tpu_compile import CHIPS, AotError, parse_topology
 
-    if program not in ("decode", "prefill"):
+    if program not in ("decode", "prefill", "step"):
         raise AotError(f"--program={program!r}; allowed: {', '.join(PROGRAMS)}")
+    if kv_cache not in KV_CACHES:
+        raise AotError(f"--kv_cache={kv_cache!r}; allowed: {', '.join(KV_CACHES)}")
+    if kv_cache == "paged" and (program not in ("decode", "step") or speculative != "none"):
+        raise AotError(f"--kv_cache=paged compiles --program=decode | step without speculation, not "
+                       f"--program={program} --speculative={speculative}")
+    if kv_cache == "slots" and (program == "step" or mean_context is not None):
+        raise AotError("--program=step and --mean_context need --kv_cache=paged")
+    if isinstance(batch, str):
+        if batch != "auto" and not batch.isdigit():
+            raise AotError(f"--batch={batch!r}: an integer or auto")
+        batch = batch if batch == "auto" else int(batch)
+    if batch == "auto" and kv_cache != "paged":
+        raise AotError("--batch=auto needs --kv_cache=paged (the largest batch whose page pool fits)")
     if preset_name not in PRESETS:
         raise AotError(f"--preset={preset_name!r} is unknown; allowed: {', '.join(PRESETS)}")
     if speculative not in SPECULATIVE:
@@ -67,6 +86,10 @@ def resolve_serving(program: str, preset_name: str, topology: str, *, mesh: str 
     except (OverrideError, ConfigError) as e:
         raise AotError(str(e)) from e
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if kv_cache == "paged":
+        return paged_resolve(program, preset_name, topology, kind, n_dev, sizes, cfg, shards, batch=batch,
+                             max_model_len=max_model_len or 131072, mean_context=mean_context,
+                             page_size=page_size, prefill_chunk=prefill_chunk)
     batch = batch or shards
     max_model_len = max_model_len or 4096
     if max_model_len < 2 or batch < 1:
@@ -86,7 +109,65 @@ def resolve_serving(program: str, preset_name: str, topology: str, *, mesh: str 
             "mesh": sizes, "model": cfg, "batch": int(batch), "max_model_len": int(max_model_len),
             # the engine's cache: the last verification writes up to n + 1 slots past the context
             "cache_size": int(max_model_len) + (n + 2 if n else 0), "num_draft": n, "shards": shards,
-            "prefill_width": min(int(prefill_chunk), int(max_model_len) - 1), "hbm_bytes": CHIPS[kind][0]}
+            "prefill_width": min(int(prefill_chunk), int(max_model_len) - 1), "hbm_bytes": CHIPS[kind][0],
+            "kv_cache": "slots"}
+
+
+def paged_resolve(program, preset_name, topology, kind, n_dev, sizes, cfg, shards, *, batch, max_model_len,
+                  mean_context, page_size, prefill_chunk) -> dict:
+    """--kv_cache=paged: the paged runtime's step (`Programs.paged_step`, echo off) for sequences of mean
+    context L = mean_context: a pool of HEADROOM x batch x L positions in pages of `page_size` (the headroom
+    for the spread of lengths around the mean), page tables of the runtime's width for HEADROOM x L
+    (`runtime.page_table_widths` with that width among its widths: the smallest >= it). decode: one token
+    row per sequence (`batch` rows); step: each batch shard's decodes plus one prefill chunk of
+    `prefill_chunk` rows (shards x (batch / shards + chunk) rows). batch="auto": the largest multiple of the
+    batch shards whose pool fits in a chip's HBM beside the weights (as laid out) and RESERVE_GIB."""
+    import jax
+
+    from glm5_jax.infer import cache as kv
+    from glm5_jax.infer.programs import serving_config
+    from glm5_jax.infer.runtime import page_table_widths
+    from glm5_jax.model import abstract_params
+    from glm5_jax.parallel.plan import abstract_mesh
+    from glm5_jax.sharding import SERVE_RULES, check_serving_mesh, param_shardings
+    from tools.tpu_compile import CHIPS, AotError
+    import flax.linen as nn
+
+    if not mean_context or not 1 <= mean_context < max_model_len:
+        raise AotError(f"--kv_cache=paged needs --mean_context in 1 .. --max_model_len - 1 ({max_model_len - 1}), "
+                       f"got {mean_context}")
+    if page_size < 1 or prefill_chunk < 1:
+        raise AotError(f"--page_size={page_size} and --prefill_chunk={prefill_chunk} must be >= 1")
+    amesh, hbm = abstract_mesh(sizes), CHIPS[kind][0]
+    scfg = serving_config(cfg, amesh)
+    params = nn.unbox(abstract_params(scfg))
+    shard = lambda a, s: math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+    weights = sum(jax.tree.leaves(jax.tree.map(shard, params, param_shardings(scfg, amesh, SERVE_RULES))))
+    one = jax.eval_shape(lambda: kv.init_cache(scfg, 1, 1)["layers"])
+    per_token = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(one))      # every layer's pool bytes
+    table_len = -(-max_model_len // page_size)
+    need = -(-math.ceil(HEADROOM * mean_context) // page_size)
+    table = next(t for t in page_table_widths(scfg, table_len, page_size, (need,)) if t >= need)
+    auto = batch == "auto"
+    if auto:
+        per_seq = HEADROOM * mean_context * per_token                  # one sequence's share of a chip's pool
+        b = int((hbm - weights - RESERVE_GIB * 2**30) // per_seq)
+        if b < 1:
+            raise AotError(f"--batch=auto: the weights ({weights / 2**30:.2f} GiB a chip) leave no room for one "
+                           f"sequence of mean context {mean_context} on {kind}")
+        batch = b * shards
+    batch = int(batch or shards)
+    check_serving_mesh(cfg, amesh, batch)
+    num_pages = -(-math.ceil(HEADROOM * batch * mean_context / page_size) // shards) * shards
+    width = batch if program == "decode" else shards * (batch // shards + prefill_chunk)
+    return {"program": program, "program_name": "paged_" + program, "preset": preset_name, "topology": topology,
+            "chip": kind, "devices": n_dev, "mesh": sizes, "model": cfg, "batch": batch,
+            "max_model_len": int(max_model_len), "cache_size": table * page_size, "num_draft": 0, "shards": shards,
+            "prefill_width": prefill_chunk if program == "step" else 0, "hbm_bytes": hbm, "kv_cache": "paged",
+            "paged": {"mean_context": int(mean_context), "page_size": int(page_size), "headroom": HEADROOM,
+                      "num_pages": num_pages, "pool_tokens": num_pages * page_size, "table_pages": table,
+                      "width": width, "batch_auto": auto, "weights_bytes_planned": int(weights),
+                      "pool_bytes_per_token": int(per_token), "reserve_gib": RESERVE_GIB if auto else None}}
 
 
 def _shard_bytes(tree) -> int:
@@ -168,9 +249,17 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     mesh = Mesh(np.asarray(topology_devices(r["topology"])).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
     n = r["num_draft"]
-    pr = Programs(r["model"], mesh, max_batch=r["batch"], size=r["cache_size"], num_draft=n)
+    paged = r.get("paged")
+    pr = Programs(r["model"], mesh, max_batch=r["batch"], size=paged["page_size"] if paged else r["cache_size"],
+                  num_draft=n)
     cfg, b, ctx = pr.config, r["batch"], r["cache_size"]
-    if r["program"] == "decode":
+    if paged:       # the runtime's step: decodes (one row a sequence) [+ a prefill chunk a batch shard]
+        w, ctx = paged["width"], paged["mean_context"]
+        name, fn = r["program_name"], pr.paged_step(paged["num_pages"], paged["page_size"], w, False)
+        args = pr.abstract_args("paged_step", width=w, num_pages=paged["num_pages"], page_size=paged["page_size"],
+                                table=paged["table_pages"])
+        tokens, queries, rows = w, 1, b // pr.shards
+    elif r["program"] == "decode":
         name = r["program_name"]
         fn, args = (pr.spec_decode(True), pr.abstract_args("spec_decode")) if n else \
             (pr.decode(), pr.abstract_args("decode"))
@@ -183,7 +272,7 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
             name, fn = r["program_name"], pr.spec_prefill(w, w)
             args = (a[0], state, a[2], a[3], a[4]) + a[6:]       # spec_prefill takes no echo targets
         tokens, queries, rows = pr.shards * w, w, 1
-    log(f"{name}: {b} slots x {ctx} positions on {pr.shards} batch shards; lowering")
+    log(f"{name}: {b} sequences x {ctx} positions on {pr.shards} batch shards; lowering")
     compiled, lower_s, compile_s = compile_lowered(lambda: pr.call(fn.lower, *args), log=log, save_hlo=save_hlo)
     mem = memory_report(compiled)
     state = args[1]
@@ -197,19 +286,25 @@ def compile_serving(r: dict, *, log=None, save_hlo: str | None = None) -> dict:
     budget = step_budget(compiled, r["chip"], model_flops)
     floor = min_step_bytes(cfg, args[0], tokens=tokens, queries=queries, rows=rows, context=ctx,
                            mtp_depths=n)
+    if paged and r["program"] == "step":   # + each shard's prefill chunk: `chunk` queries of one sequence at L
+        chunk = min_step_bytes(cfg, args[0], tokens=tokens, queries=r["prefill_width"], rows=1, context=ctx)
+        floor["min_bytes_by_part"]["cache_rows"] += chunk["min_bytes_by_part"]["cache_rows"]
+        floor["min_bytes_per_step"] += chunk["min_bytes_by_part"]["cache_rows"]
+        floor["cache_share"] = floor["min_bytes_by_part"]["cache_rows"] / floor["min_bytes_per_step"]
     hbm_bw = CHIP_PEAKS[r["chip"]]["hbm_bytes_per_s"]
     roof = floor["min_bytes_per_step"] / hbm_bw
     budget.update(floor, bytes_over_min=round(budget["bytes_accessed"] / floor["min_bytes_per_step"], 4),
                   hbm_roofline_step_seconds=roof, tokens_per_step_per_chip=tokens / r["devices"])
     step = budget["estimated_step_seconds"]
-    if r["program"] == "decode":
+    if r["program"] in ("decode", "step"):
         # one verified token per sequence per step (with MTP: the floor, every draft rejected)
         budget.update(tpot_s=step, output_tokens_per_s_per_chip=b / r["devices"] / step if step else None,
                       roofline_tpot_s=roof, roofline_output_tokens_per_s_per_chip=b / r["devices"] / roof)
         if n:
             budget["tpot_s_all_drafts_accepted"] = step / (n + 1)
-    else:
-        budget.update(prefill_tokens_per_s_per_chip=tokens / r["devices"] / step if step else None)
+    if r["program"] != "decode":
+        p_tok = tokens if r["program"] == "prefill" else pr.shards * r["prefill_width"]
+        budget.update(prefill_tokens_per_s_per_chip=p_tok / r["devices"] / step if step else None)
     return {**mem, "lower_seconds": round(lower_s, 1), "compile_seconds": round(compile_s, 1),
             "batch_shards": pr.shards, "sequences_per_shard": pr.per_shard, "budget": budget,
             "serving_config": {"moe_impl": cfg.moe_impl, "moe_capacity_factor": cfg.moe_capacity_factor}}

@@ -202,9 +202,8 @@ class LayerCache(NamedTuple):
         row's pages in position order)."""
         buf = self.buffers[name]
         if self.pages is not None:
-            def rows(buf, pages, *layer):
-                buf = buf if not layer else buf[layer[0]]
-                g = buf[pages % buf.shape[0]]                                     # [B, n, page_size, ...]
+            def rows(buf, pages, *layer):                 # one gather straight from the stack: no layer slice
+                g = buf[layer + (pages % buf.shape[len(layer)],)]                 # [B, n, page_size, ...]
                 return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
             stack = self.layer is not None
             return batch_local(rows, buf, self.pages, *((self.layer,) if stack else ()),

@@ -127,6 +127,7 @@ class Experts(nn.Module):
     round_factor: float = 1.25             # a2a dropless only: first-round capacity (<= 0: one worst-case round)
     kernel: str = "auto"                   # a2a only: the local experts' grouped matmul (pallas_kernels.gmm)
     overflow_factor: float = 0.125         # a2a dropless only: capacity of the rounds after the first
+    cached: bool = False                   # a2a, over a cache (inference only): ep's compacted token round
 
     @nn.compact
     def __call__(self, x, weights, ids):
@@ -146,7 +147,7 @@ class Experts(nn.Module):
             out, dropped, rounds = a2a_moe(x, weights, ids, gate, up, down, num_experts=e,
                                            capacity_factor=self.capacity_factor, token_chunk=self.token_chunk,
                                            round_factor=self.round_factor, overflow_factor=self.overflow_factor,
-                                           kernel=self.kernel)
+                                           kernel=self.kernel, compact=self.cached)
             self.sow("intermediates", "dropped_fraction", dropped)
             self.sow("intermediates", "a2a_rounds", rounds)
             return out
@@ -189,7 +190,7 @@ class MoE(nn.Module):
         self.sow("intermediates", "expert_load", jnp.bincount(ids.reshape(-1), length=self.num_experts))
         out = Experts(self.num_experts, self.moe_ffn_dim, self.impl, self.stddev, self.dtype, self.param_dtype,
                       self.capacity_factor, self.token_chunk, self.round_factor, self.kernel,
-                      self.overflow_factor, name="experts")(xf, weights, ids)
+                      self.overflow_factor, self.cached, name="experts")(xf, weights, ids)
         out = constrain(out.reshape(b, t, d).astype(x.dtype), ("activation_batch", "activation_seq", "activation_embed"))
         if self.num_shared_experts:
             out = out + SwiGLU(self.moe_ffn_dim * self.num_shared_experts, self.stddev, self.dtype,

@@ -54,6 +54,10 @@ def capacity(n_slots: int, ep: int, capacity_factor: float) -> int:
     return max(1, min(n_slots, math.ceil(capacity_factor * n_slots / ep)))
 
 
+# `_token_round` with many tokens: rows a local expert takes in its compacted buffer, x the mean it receives
+# (ep * n * k / E); an expert routed more runs its extra rows through the dense form (dropless)
+TOKEN_ROUND_CAPACITY = 2.0
+
 # checkpoint names (ModelConfig.remat policies): the rows a device's local experts receive, and the
 # gate / up projections of those rows ([rows, F] each)
 EXPERT_IN, EXPERT_GATE, EXPERT_UP = "expert_in", "expert_gate", "expert_up"
@@ -122,7 +126,7 @@ def _round(x, weights, gate, up, down, plan, lo, *, c: int, el: int, ep: int, ex
     return jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32), mode="drop")
 
 
-def _token_round(x, weights, ids, gate, up, down, *, el: int, ep: int, expert_axis, tensor_axis):
+def _token_round(x, weights, ids, gate, up, down, *, el: int, ep: int, expert_axis, tensor_axis, capacity: int = 0):
     """The dropless one-round dispatch without sorting, for el <= k local experts a device: every device
     gathers all ep * n tokens of the expert axis (an all-gather of [n, D]) and each token's router weight
     for each of its el local experts (0 where the token does not route there: an all-to-all of [ep, el, n]),
@@ -134,8 +138,17 @@ def _token_round(x, weights, ids, gate, up, down, *, el: int, ep: int, expert_ax
     grouped matmul (a custom call) takes its expert weights as a copy sliced out of the scanned layer stack,
     every layer; a dense dot reads them in place (the slice fuses into the dot). el * ep * n rows (el <= k)
     is never more than the sorted round's ep * n * k.
+
+    With many tokens (a paged decode step: tens of sequences a chip) running every local expert over all
+    ep * n rows is el * E / k times the useful FLOPs (glm5 at 47 tokens a chip: 7e13 FLOPs a step, 6 % useful).
+    So over a cache (inference: `compact`, not differentiable) when `capacity` C < ep * n each local expert
+    takes only its routed rows, compacted in token order into a [el, C, D] buffer (C = TOKEN_ROUND_CAPACITY x
+    the mean rows an expert receives), the same dense matmuls over it, in passes of C rows: one pass unless an
+    expert is routed more than C of the ep * n tokens (a while loop: tools.budget counts it once), so nothing
+    is dropped.
     Returns the [n, D] output (float32)."""
     n, d = x.shape
+    m = ep * n
     hit = ids[:, :, None] == jnp.arange(el * ep, dtype=ids.dtype)                  # [n, k, E]
     w_e = jnp.sum(jnp.where(hit, weights.astype(jnp.float32)[..., None], 0.0), axis=1)   # [n, E]
     send_w = w_e.T.reshape(ep, el, n)
@@ -145,11 +158,38 @@ def _token_round(x, weights, ids, gate, up, down, *, el: int, ep: int, expert_ax
     else:
         xs, scale = x[None], send_w
     dot = lambda spec, a, w: jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
-    xs = checkpoint_name(jnp.broadcast_to(xs[:, None], (ep, el, n, d)), EXPERT_IN)
-    g = checkpoint_name(dot("send,edf->senf", xs, gate), EXPERT_GATE)
-    u = checkpoint_name(dot("send,edf->senf", xs, up), EXPERT_UP)
-    h = (jax.nn.silu(g) * u).astype(jnp.float32) * scale[..., None]
-    ys = dot("senf,efd->snd", h.astype(g.dtype), down)                           # [source, n, D], el summed
+
+    def dense(scale):                                   # every local expert over all ep * n rows -> [source, n, D]
+        xb = checkpoint_name(jnp.broadcast_to(xs[:, None], (ep, el, n, d)), EXPERT_IN)
+        g = checkpoint_name(dot("send,edf->senf", xb, gate), EXPERT_GATE)
+        u = checkpoint_name(dot("send,edf->senf", xb, up), EXPERT_UP)
+        h = (jax.nn.silu(g) * u).astype(jnp.float32) * scale[..., None]
+        return dot("senf,efd->snd", h.astype(g.dtype), down)                    # el summed
+
+    if 0 < capacity < m:
+        c = int(capacity)
+        sc = jnp.moveaxis(scale, 1, 0).reshape(el, m)                            # [el, m]: token s * n + j
+        routed = sc != 0
+        pos = jnp.cumsum(routed, axis=1, dtype=jnp.int32) - 1                   # rank among the expert's rows
+        tok = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (el, m))
+        xf = xs.reshape(m, d)
+
+        def one_pass(p, out):                           # the rows of rank p * C .. (p + 1) * C - 1 of each expert
+            r = pos - p * c
+            idx = jnp.full((el, c), m, jnp.int32).at[jnp.arange(el)[:, None], jnp.where(routed & (r >= 0) & (r < c),
+                                                                                         r, c)].set(tok, mode="drop")
+            safe = jnp.minimum(idx, m - 1)                                      # [el, C] token ids (m: empty)
+            w = jnp.where(idx < m, jnp.take_along_axis(sc, safe, axis=1), 0.0)
+            g = dot("ecd,edf->ecf", xf[safe], gate)
+            h = (jax.nn.silu(g) * dot("ecd,edf->ecf", xf[safe], up)).astype(jnp.float32) * w[..., None]
+            y = dot("ecf,efd->ecd", h.astype(g.dtype), down)
+            return out.at[idx.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32), mode="drop")
+
+        passes = (jnp.max(jnp.sum(routed, axis=1)) + c - 1) // c               # > 1 only past C rows an expert
+        out = jax.lax.fori_loop(0, jnp.maximum(passes, 1), one_pass, jnp.zeros((m, d), jnp.float32))
+        ys = out.reshape(ep, n, d).astype(x.dtype)
+    else:
+        ys = dense(scale)                                                        # [source, n, D]
     if tensor_axis is not None:
         ys = jax.lax.psum(ys, tensor_axis)                               # F was sharded: sum the partial products
     if expert_axis is not None and ep > 1:
@@ -215,7 +255,8 @@ _overflow.defvjp(_overflow_fwd, _overflow_bwd)
 
 def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float,
                    round_factor: float = 0.0, overflow_factor: float = 0.125, expert_axis: str | None = None, ep: int = 1,
-                   tensor_axis: str | None = None, sync_axes: tuple[str, ...] = (), kernel: str = "auto"):
+                   tensor_axis: str | None = None, sync_axes: tuple[str, ...] = (), kernel: str = "auto",
+                   compact: bool = False):
     """Per-device body. x [n, D], weights/ids [n, k]; gate/up [E/ep, D, F_l], down [E/ep, F_l, D].
 
     capacity_factor > 0: one all-to-all round of C = capacity(n*k, ep, capacity_factor) slots per
@@ -234,8 +275,9 @@ def dispatch_local(x, weights, ids, gate, up, down, *, num_experts: int, capacit
     s = n * k
     total = jnp.asarray(s, jnp.int32)
     if capacity_factor <= 0 and round_factor <= 0 and el <= k:   # dropless, one round, unsorted
+        cap = math.ceil(TOKEN_ROUND_CAPACITY * ep * n * k / num_experts) if compact else 0
         out = _token_round(x, weights, ids, gate, up, down, el=el, ep=ep, expert_axis=expert_axis,
-                           tensor_axis=tensor_axis)
+                           tensor_axis=tensor_axis, capacity=cap)
         return out.astype(x.dtype), jnp.int32(0), total, jnp.int32(1)
     plan = _plan(ids, el, ep)
     kw = dict(el=el, ep=ep, expert_axis=expert_axis, tensor_axis=tensor_axis, kernel=kernel)
@@ -283,7 +325,7 @@ def _context_mesh():
 
 
 def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_factor: float, token_chunk: int = 0,
-            round_factor: float = 0.0, overflow_factor: float = 0.125, kernel: str = "auto"):
+            round_factor: float = 0.0, overflow_factor: float = 0.125, kernel: str = "auto", compact: bool = False):
     """x [N, D] (N = batch * seq), weights/ids [N, k] -> (out [N, D], dropped fraction float32,
     all-to-all rounds per dispatch float32).
 
@@ -299,7 +341,7 @@ def a2a_moe(x, weights, ids, gate, up, down, *, num_experts: int, capacity_facto
     grouped matmul (pallas_kernels.gmm.grouped_matmul's impl; ModelConfig.moe_kernel).
     """
     kw = dict(num_experts=num_experts, capacity_factor=capacity_factor, round_factor=round_factor,
-              overflow_factor=overflow_factor, token_chunk=token_chunk, kernel=kernel)
+              overflow_factor=overflow_factor, token_chunk=token_chunk, kernel=kernel, compact=compact)
     mesh = _context_mesh()
     if mesh is None:
         out, dropped, total, rounds, m = dispatch_chunked(x, weights, ids, gate, up, down, **kw)
