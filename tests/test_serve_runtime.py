@@ -11,7 +11,7 @@ import pytest
 from glm5_jax import model
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer import generate
-from glm5_jax.infer.runtime import PagedRuntime, Seq
+from glm5_jax.infer.runtime import PENDING, PagedRuntime, Seq
 
 CFG = ModelConfig(num_layers=3, mtp_depth=0, index_topk=8)      # DSA, dense prefix 1 + MoE body 2
 MAX_LEN = 64
@@ -112,6 +112,29 @@ def test_long_prompts_that_overfill_the_pool_preempt_younger_ones_and_all_finish
         alone = rt.run(_seqs([p]))[0]
         assert s.tokens == alone.tokens
     _assert_no_page_leaked(rt)
+
+
+def test_overlapped_steps_equal_one_at_a_time_with_stops_and_no_page_leaked(params):
+    """Overlapped steps (step N + 1 planned and dispatched before step N's tokens reach the host: its decode
+    tokens fed from step N's outputs on the device, `PagedRuntime.advance` / PENDING) give exactly the
+    tokens, log-probs and finish reasons of one step at a time, greedy and seeded, with max_tokens and stop
+    ids that end sequences while a later step already runs their next token (that token is dropped); no
+    page is leaked."""
+    prompts = _prompts()
+    ref = PagedRuntime(CFG, params, max_running=4, max_model_len=MAX_LEN, page_size=4,
+                       max_num_batched_tokens=16).run([Seq(list(q), max_tokens=8) for q in prompts])
+    stops = [(s.tokens[3],) for s in ref]                      # each greedy sequence stops at its 4th token
+    for temp in (0.0, 1.0):
+        def seqs():
+            return [Seq(list(q), temperature=temp, seed=7 + i, max_tokens=3 + i, stop_ids=stops[i] if temp == 0 else ())
+                    for i, q in enumerate(prompts)]
+        rt = PagedRuntime(CFG, params, max_running=4, max_model_len=MAX_LEN, page_size=4, max_num_batched_tokens=16)
+        one, ov = rt.run(seqs()), rt.run(seqs(), overlap=True)
+        assert [(s.tokens, s.logprobs, s.finish) for s in ov] == [(s.tokens, s.logprobs, s.finish) for s in one]
+        assert all(PENDING not in s.tokens for s in ov)
+        if temp == 0:
+            assert [s.finish for s in ov].count("stop") >= 3
+        _assert_no_page_leaked(rt)
 
 
 @pytest.mark.slow   # ~40 s: the speculative step programs compile for several widths

@@ -351,6 +351,13 @@ class Programs:
                     for i, (spec, sh) in enumerate(specs))
         return out if self.num_draft else out[0]
 
+    def feed_tokens(self, width: int):
+        """(prev [R], from_prev [width], tokens [width]) -> tokens with row k = prev[from_prev[k]] where
+        from_prev[k] >= 0: a step's decode tokens taken from the previous step's sampled tokens on the device
+        (overlapped steps: the previous step's outputs have not reached the host)."""
+        return self._jit(("feed", width), lambda prev, src, tok: jnp.where(src >= 0, prev[jnp.maximum(src, 0)], tok),
+                         (self.rows,) * 3, self.rows)
+
     def paged_step(self, num_pages: int, page_size: int, width: int, echo: bool, greedy: bool = False,
                    row_keys: bool = False):
         """One step of the paged runtime (glm5_jax.infer.runtime): `width` token rows, each one token of a

@@ -24,6 +24,7 @@ the judge, the teacher and `infer.generate` do not yet (docs/inference.md, "Know
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, NamedTuple, Optional
 
@@ -48,6 +49,13 @@ class Plan(NamedTuple):
     tokens: int
     greedy: bool = False                 # MTP speculation: every speculating sequence is greedy
     row_keys: bool = False               # a sequence samples as a row of a batch draw (Seq.key_row)
+    from_prev: Any = None                # [width] int32: row k's token is the previous step's token of row
+    #                                      from_prev[k] (>= 0; its sequence's token still in flight), or None
+    starts: tuple = ()                   # per planned sequence: its cached positions when planned
+    state: dict = {}                     # "advanced": launched (`advance`); "sampled": sequences sampling
+
+
+PENDING = -1                             # a generated token whose step is still in flight (overlapped steps)
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,6 +81,7 @@ class Seq:
     finish: Optional[str] = None         # "stop" | "length" | "aborted" once done
     echo: Optional[list] = None          # [] to collect (lp, top ids, top lps) of each prompt token after the first
     handle: Any = None                   # the serving engine's request
+    pending_row: int = -1                # its row in the step in flight that samples its PENDING token
 
     @property
     def context(self) -> list:
@@ -184,6 +193,7 @@ class PagedRuntime:
         self.config = self.programs.config
         self.params = self.programs.place_params(params)
         self.pool, self.spec_pool = self._alloc_pools()
+        self._prev = None                    # the last step's sampled tokens, on the device (overlapped steps)
         self.pages = PagePool(self.num_pages, self.page_size, self.programs.shards)
         self.radix = RadixCache(self.pages) if prefix_cache == "radix" else None
         self.waiting: list = []
@@ -244,7 +254,9 @@ class PagedRuntime:
         """seq leaves the running set; with keep its pages (a partial last one as a leaf) go into the radix
         (same weights only)."""
         if keep and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
-            self.radix.insert(seq.context[:seq.cached], seq.pages[:self.pages.pages_for(seq.cached)])
+            ctx = seq.context
+            n = ctx.index(PENDING) if PENDING in ctx[:seq.cached] else seq.cached     # known tokens only
+            self.radix.insert(ctx[:n], seq.pages[:self.pages.pages_for(n)])
         self.pages.release(seq.pages)
         seq.pages, seq.cached = [], 0
         self.running.remove(seq)
@@ -342,6 +354,9 @@ class PagedRuntime:
                 rem, sh = len(seq.context) - seq.cached, seq.shard
                 if (rem == 1) != want_decode or left[sh] <= 0:
                     continue
+                if want_decode and seq.tokens[-1:] == [PENDING] and (
+                        len(seq.tokens) >= seq.max_tokens or seq.pos >= self.max_len):
+                    continue                     # its token in flight is its last: nothing more to feed
                 extra = self.num_draft if want_decode else 0       # draft rows; their keys past the context
                 if want_decode and left[sh] < 1 + extra:
                     continue
@@ -362,9 +377,9 @@ class PagedRuntime:
         self._admit(cow)
         work = self._schedule(cow)
         if not work:
-            if self.running or self.waiting:
+            if (self.running or self.waiting) and not any(s.tokens[-1:] == [PENDING] for s in self.running):
                 raise RuntimeError("no sequence could be scheduled: the page pool is too small for one step")
-            return None
+            return None                  # nothing to run, or only sequences whose last token is in flight
         nd = self.num_draft
         decoding = {seq for seq, _ in work if len(seq.context) - seq.cached == 1} if nd else set()
         n = sum(t for _, t in work)
@@ -437,23 +452,62 @@ class PagedRuntime:
             for seq, i, _, _ in rows:
                 krow[i] = -1 if seq.key_row is None else seq.key_row
             args += (krow,)
-        return Plan(width, echo, args, rows, [s_ for s_, _ in cow], n, greedy, row_keys)
+        from_prev = None
+        if (tok == PENDING).any():       # decodes whose token the step in flight samples: fed on the device
+            from_prev = np.full((width,), -1, np.int32)
+            for seq, i, k, take in rows:
+                if tok[k] == PENDING:
+                    from_prev[k], tok[k] = seq.pending_row, 0
+        return Plan(width, echo, args, rows, [s_ for s_, _ in cow], n, greedy, row_keys, from_prev,
+                    tuple(seq.cached for seq, *_ in rows), {"advanced": False, "sampled": []})
 
-    def run_program(self, width: int, echo: bool, args, greedy: bool = False, row_keys: bool = False) -> tuple:
-        """The step's device program over the pool (every process of a multi-process mesh runs it)."""
+    def run_program(self, width: int, echo: bool, args, greedy: bool = False, row_keys: bool = False,
+                    from_prev=None) -> tuple:
+        """The step's device program over the pool (every process of a multi-process mesh runs it) -> its
+        outputs, on the device (dispatched, not waited for). from_prev (Plan.from_prev): rows whose token is
+        the previous step's sampled token, gathered on the device (the previous step may still run)."""
         prog = self.programs.paged_step(self.num_pages, self.page_size, width, echo, greedy, row_keys)
+        if not self.num_draft:           # every step's tokens through the feed (one input kind: one compile)
+            prev = self._prev if self._prev is not None else np.zeros((self.max_running,), np.int32)
+            src = from_prev if from_prev is not None else np.full((width,), -1, np.int32)
+            args = args[:2] + (self.programs.call(self.programs.feed_tokens(width), prev, src, args[2]),) + args[3:]
         if not self.num_draft:
             *out, self.pool = self.programs.call(prog, self.params, self.pool, *args)
-            return tuple(out)
-        *out, self.pool, spec, self.spec_pool = self.programs.call(prog, self.params, self.pool, self.spec_pool,
-                                                                    *args)
-        return tuple(out) + (spec,)
+        else:
+            *out, self.pool, spec, self.spec_pool = self.programs.call(prog, self.params, self.pool, self.spec_pool,
+                                                                        *args)
+            out.append(spec)
+        self._prev = out[0]
+        return tuple(out)
+
+    def advance(self, plan: "Plan") -> None:
+        """A launched step's effect on the host state, before its outputs are known (MTP speculation: at
+        commit): each sequence's fed positions count as cached (the step writes them before any later step
+        reads them: device order), its prefilled whole pages enter the radix, and a sequence whose context
+        is all fed gets a PENDING token (its row in `pending_row`), so the next step can be planned, and fed
+        that token on the device, while this one runs."""
+        if plan.state["advanced"] or self.num_draft:
+            return
+        plan.state["advanced"] = True
+        for seq, i, k, take in plan.rows:
+            decode = len(seq.context) - seq.cached == 1
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += take
+            seq.cached += take
+            if not decode and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
+                # its prefilled whole pages are shared from now on (the n samples of one prompt)
+                self.radix.insert(seq.context[:seq.cached], seq.pages[:seq.cached // self.page_size])
+            if seq.cached == len(seq.context):
+                seq.tokens.append(PENDING)
+                seq.logprobs.append(0.0)
+                seq.pending_row = i
+                plan.state["sampled"].append((seq, i))
 
     def commit(self, plan: "Plan", out) -> list:
         """Apply a step's outputs (host numpy): -> [(seq, token, model lp, sampling lp, top ids, top lps)] for
-        each token a sequence sampled (appended to seq.tokens; with speculation 1 + accepted tokens of a
+        each token a sequence sampled (its PENDING token filled in; with speculation 1 + accepted tokens of a
         decoding sequence, without top alternatives). A sequence that reaches max_tokens, one of its stop
-        ids or max_model_len is finished (its pages cached or freed)."""
+        ids or max_model_len is finished (its pages cached or freed; a token planned after its last is
+        dropped); a sequence finished or aborted while the step ran is skipped."""
         nxt, lp_s, lp_m, ti, tv, ech, *spec = out
         if plan.cow_holds:
             self.pages.release(plan.cow_holds)
@@ -461,36 +515,53 @@ class PagedRuntime:
         self.stats["tokens"] += plan.tokens
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
         events, none = [], np.zeros((0,), np.int32)
-        for seq, i, k, take in plan.rows:
-            decode = len(seq.context) - seq.cached == 1
-            self.stats["decode_tokens" if decode else "prefill_tokens"] += take
-            if seq.echo is not None and seq.cached < len(seq.prompt):
-                m = min(take, len(seq.prompt) - 1 - seq.cached)
+        for (seq, i, k, take), start in zip(plan.rows, plan.starts):
+            if seq.echo is not None and start < len(seq.prompt):
+                m = min(take, len(seq.prompt) - 1 - start)
                 seq.echo += [(float(ech[0][k + j]), ech[1][k + j], ech[2][k + j]) for j in range(max(m, 0))]
-            if decode and spec:          # the next token and `accepted` drafts verified: their keys are valid
-                g, lp, acc = spec[0]
-                a = int(acc[i])
-                self._count_accepted(a)
-                for j in range(a + 1):
-                    seq.cached += 1
-                    t = int(g[i, j])
+        if spec:                         # MTP speculation: the host state moves here (`advance` does nothing)
+            g, lp, acc = spec[0]
+            for (seq, i, k, take), start in zip(plan.rows, plan.starts):
+                if seq.finish is not None:
+                    continue
+                if len(seq.context) - start == 1:     # the next token and `accepted` drafts verified
+                    self.stats["decode_tokens"] += take
+                    a = int(acc[i])
+                    self._count_accepted(a)
+                    for j in range(a + 1):
+                        seq.cached += 1
+                        t = int(g[i, j])
+                        seq.tokens.append(t)
+                        seq.logprobs.append(float(lp[i, j]))
+                        events.append((seq, t, float(lp[i, j]), float(lp[i, j]), none, none))
+                        if self._ended(seq, t):
+                            break
+                    continue
+                self.stats["prefill_tokens"] += take
+                seq.cached += take
+                if self.radix is not None and seq.prefix and seq.epoch == self.epoch:
+                    self.radix.insert(seq.context[:seq.cached], seq.pages[:seq.cached // self.page_size])
+                if seq.cached == len(seq.context):
+                    t = int(nxt[i])
                     seq.tokens.append(t)
-                    seq.logprobs.append(float(lp[i, j]))
-                    events.append((seq, t, float(lp[i, j]), float(lp[i, j]), none, none))
-                    if self._ended(seq, t):
-                        break
+                    seq.logprobs.append(float(lp_m[i]))
+                    events.append((seq, t, float(lp_m[i]), float(lp_s[i]), ti[i], tv[i]))
+                    self._ended(seq, t)
+            return events
+        self.advance(plan)
+        for seq, i in plan.state["sampled"]:
+            if seq.finish is not None:               # cancelled, aborted or stopped while the step ran
                 continue
-            seq.cached += take
-            if not decode and self.radix is not None and seq.prefix and seq.epoch == self.epoch:
-                # its prefilled whole pages are shared from now on (the n samples of one prompt)
-                self.radix.insert(seq.context[:seq.cached], seq.pages[:seq.cached // self.page_size])
-            if seq.cached < len(seq.context):
-                continue
+            j = seq.tokens.index(PENDING)            # this step's token (a later step's may follow it)
             t = int(nxt[i])
-            seq.tokens.append(t)
-            seq.logprobs.append(float(lp_m[i]))
+            seq.tokens[j], seq.logprobs[j] = t, float(lp_m[i])
             events.append((seq, t, float(lp_m[i]), float(lp_s[i]), ti[i], tv[i]))
-            self._ended(seq, t)
+            reason = ("stop" if t in seq.stop_ids else
+                      "length" if j + 1 >= seq.max_tokens or len(seq.prompt) + j >= self.max_len else None)
+            if reason is not None:
+                del seq.tokens[j + 1:], seq.logprobs[j + 1:]
+                seq.cached = min(seq.cached, len(seq.context))      # a later step in flight fed its last token
+                self.finish(seq, reason)
         return events
 
     def _ended(self, seq: Seq, t: int) -> bool:
@@ -515,13 +586,18 @@ class PagedRuntime:
         return {"length": 1.0 + st["accepted"] / v if st["verify_rows"] else 1.0,
                 "per_depth": [x / v for x in st["accepted_per_depth"]], "steps": st["verify_rows"]}
 
+    def launch(self, plan: "Plan") -> tuple:
+        """run_program for `plan` (dispatched) and `advance`: the next step may be planned at once."""
+        out = self.run_program(plan.width, plan.echo, plan.args, plan.greedy, plan.row_keys, plan.from_prev)
+        self.advance(plan)
+        return out
+
     def step(self) -> list:
-        """plan + run_program + commit on this process -> commit's events."""
+        """plan + launch + commit on this process -> commit's events."""
         plan = self.plan()
         if plan is None:
             return []
-        return self.commit(plan, jax.tree.map(np.asarray, self.run_program(plan.width, plan.echo, plan.args,
-                                                                          plan.greedy, plan.row_keys)))
+        return self.commit(plan, jax.tree.map(np.asarray, self.launch(plan)))
 
     def finish(self, seq: Seq, reason: str) -> None:
         """seq is done (its pages go to the radix or back to the pool); a no-op for a finished sequence."""
@@ -552,13 +628,22 @@ class PagedRuntime:
         self.pages = PagePool(self.num_pages, self.page_size, self.programs.shards)
         self.radix = RadixCache(self.pages) if self.radix is not None else None
         self.pool, self.spec_pool = self._alloc_pools()
+        self._prev = None
 
-    def run(self, seqs) -> list:
-        """Add `seqs` and step until every one has finished (a blocking convenience for tests and tools)."""
+    def run(self, seqs, overlap: bool = False) -> list:
+        """Add `seqs` and step until every one has finished (a blocking convenience for tests and tools).
+        overlap: step N + 1 is planned and dispatched before step N's outputs reach the host (as the
+        serving engine runs; without MTP speculation)."""
         for s in seqs:
             self.add(s)
+        inflight = collections.deque()
         while not all(s.finish for s in seqs):
-            self.step()
+            plan = self.plan() if not inflight or (overlap and not self.num_draft and len(inflight) < 2) else None
+            if plan is not None:
+                inflight.append((plan, self.launch(plan)))
+            if inflight and (plan is None or len(inflight) > 1 or not overlap):
+                p, out = inflight.popleft()
+                self.commit(p, jax.tree.map(np.asarray, out))
         return seqs
 
     def pages_in_use(self) -> dict[str, Any]:

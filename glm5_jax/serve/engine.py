@@ -121,7 +121,9 @@ class Engine:
         self._rng = np.random.default_rng(seed)
         self.metrics = metrics
         self.stats = collections.Counter()
-        self._step_done: Optional[float] = None     # when the last paged step's outputs reached the host
+        self._step_done: Optional[float] = None     # when the last step's outputs reached the host
+        self._inflight: collections.deque = collections.deque()     # (plan, launch time, decodes) launched
+        self._outs: collections.deque = collections.deque()         # their device outputs (every process)
         self._thread: Optional[threading.Thread] = None
         if start and (self._bcast is None or is_leader()):     # other processes of a multi-process mesh run follow()
             self.start()
@@ -183,7 +185,8 @@ class Engine:
                 for e in ((False, True) if echo else (False,)):
                     for tw in rt.table_widths:
                         for greedy in ((True, False) if self.num_draft else (False,)):
-                            self._op("paged_step", w, e, rt.idle_args(w, tw), greedy)
+                            self._op("launch", w, e, rt.idle_args(w, tw), greedy, False, None)
+                            self._op("fetch")
                     done.append((w, e))
             jax.block_until_ready(rt.pool)
         finally:
@@ -199,9 +202,13 @@ class Engine:
         return self._run(op, args)
 
     def _run(self, op: str, args):
-        if op == "paged_step":
-            return to_host(self.runtime.run_program(*args))
+        if op == "launch":               # dispatched; its outputs stay on the device until "fetch"
+            self._outs.append(self.runtime.run_program(*args))
+            return None
+        if op == "fetch":
+            return to_host(self._outs.popleft())
         if op == "reset":
+            self._outs.clear()
             self.runtime.reset()
             return None
         if op == "weights":
@@ -295,6 +302,11 @@ class Engine:
     # ---------------------------------------------------------------- loop
     def _loop(self):
         while True:
+            if self._inflight and (self._paused or self._stop or self._pending_weights is not None):
+                try:                             # a step boundary: nothing in flight
+                    self._drain()
+                except Exception as e:
+                    self._fail(e)
             with self._cv:
                 while not self._stop and (self._paused or (not self._queue and not self.active
                                                            and not self.runtime.waiting
@@ -316,13 +328,17 @@ class Engine:
                 self._cancel_requests()
                 self._step()
             except Exception as e:            # a failing step fails its requests, never the engine
-                msg = f"{type(e).__name__}: {e}"
-                traceback.print_exc()
-                for seq in self.runtime.running + self.runtime.waiting:
-                    seq.handle._finish("error", msg)
-                self._op("reset")
+                self._fail(e)
             if self.metrics is not None:
                 self.metrics.observe_engine(self)
+
+    def _fail(self, e: Exception) -> None:
+        msg = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        for seq in self.runtime.running + self.runtime.waiting:
+            seq.handle._finish("error", msg)
+        self._inflight.clear()
+        self._op("reset")
 
     def _cancel_requests(self):
         for seq in self.runtime.running + self.runtime.waiting:
@@ -347,42 +363,66 @@ class Engine:
             stops = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else self.stop_token_ids)
             rt.add(Seq(list(h.prompt), sp.temperature, sp.top_k, sp.top_p, h._seed, sp.max_tokens, stops,
                        prefix=h._prefix_ok, echo=[] if sp.prompt_logprobs else None, handle=h))
-        plan = rt.plan()
-        if plan is None:
+        if not self._inflight and not self._launch():
             self._step_done = None
             return
+        if not self.num_draft and len(self._inflight) < 2:
+            self._launch()           # step N + 1 dispatched before step N's tokens reach the host
+        self._collect()
+
+    def _launch(self) -> bool:
+        """Plan and dispatch one runtime step (decodes and prefill chunks in one program); False if nothing
+        can run now. Without MTP speculation the runtime then counts the step's tokens as pending
+        (`PagedRuntime.advance`), so the next step is planned, and fed those tokens on the device, before
+        this one's outputs reach the host."""
+        rt = self.runtime
+        plan = rt.plan()
+        if plan is None:
+            return False
         for seq, *_ in plan.rows:
             if not seq.tokens:
                 seq.handle.reused_tokens = seq.reused
         t0 = time.perf_counter()
-        if self._step_done is not None:      # back to back: the host's time between two steps (not overlapped)
+        if self._step_done is not None and not self._inflight:   # back to back: the device waited on the host
             gap = t0 - self._step_done
             self.stats["host_gap_s"] += gap
             self.stats["host_gaps"] += 1
             hook = getattr(self.metrics, "observe_host_gap", None)      # optional in a metrics object
             if hook is not None:
                 hook(gap)
-        out = self._op("paged_step", plan.width, plan.echo, plan.args, plan.greedy)
-        self._step_done = time.perf_counter()
-        dt = self._step_done - t0
+        self._op("launch", plan.width, plan.echo, plan.args, plan.greedy, plan.row_keys, plan.from_prev)
         decodes = sum(len(seq.context) - seq.cached == 1 for seq, *_ in plan.rows)
+        rt.advance(plan)
+        self.stats["overlapped_steps"] += int(bool(self._inflight))
+        self._inflight.append((plan, t0, decodes))
+        return True
+
+    def _collect(self) -> None:
+        """The oldest launched step's outputs to the host, committed, and its tokens delivered."""
+        rt = self.runtime
+        plan, t0, decodes = self._inflight.popleft()
+        out = self._op("fetch")
+        self._step_done = time.perf_counter()
         self.stats["steps"] += 1
         self.stats["slot_steps"] += decodes
         self.stats["decode_rows"] += plan.width
         self.stats["prefill_tokens"] += plan.tokens - decodes
-        self.stats["decode_s"] += dt
-        before = {seq: seq.cached for seq, *_ in plan.rows}
+        self.stats["decode_s"] += self._step_done - t0
         events = rt.commit(plan, out)
         self.stats["reused_tokens"] = rt.stats["reused_tokens"]
         for seq, tok, lp_m, lp_s, ti, tv in events:
             h = seq.handle
-            if len(seq.tokens) == 1:
-                self.stats["prefills"] += int(before[seq] < len(seq.prompt))
+            if not h.tokens:                         # its first token
+                self.stats["prefills"] += int(seq.reused < len(seq.prompt))
                 if seq.echo is not None:
                     h.prompt_logprobs = [None] + [lp for lp, _, _ in seq.echo]
                     h.prompt_top_logprobs = [None] + [list(zip(np.asarray(i).tolist(), np.asarray(v).tolist()))
                                                       for _, i, v in seq.echo]
             self._deliver(seq, tok, lp_m, lp_s, ti, tv)
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._collect()
 
     # ---------------------------------------------------------------- outputs
     def _deliver(self, s: Seq, tok: int, lp_m: float, lp_s: float, ti, tv):
