@@ -291,8 +291,9 @@ def test_gateway_records_equal_server_outputs_bit_for_bit():
 
 
 def test_server_request_straddling_a_weight_push_reports_the_oldest_version():
-    """load_weights while a request decodes: the engine uses the new weights from its next decode step,
-    each token keeps the version that produced it, the request reports the OLDEST ("version" 7), the
+    """load_weights while a request decodes: the engine uses the new weights from the first step it has not
+    dispatched yet (steps overlap: when the third token is delivered the step making the fourth already
+    runs on the old weights), each token keeps the version that produced it, the request reports the OLDEST ("version" 7), the
     gateway record keeps the per-token versions (the staleness filter counts from 7), and a request after
     the push is fresh greedy decoding with the new weights (its context is not reused from rows the old
     weights wrote)."""
@@ -330,14 +331,14 @@ def test_server_request_straddling_a_weight_push_reports_the_oldest_version():
         gateway = Gateway()
         gateway.open("t", "g", prompt)
         out = gateway.generate("t", lambda ids: call("r0", ids))
-        assert out["versions"] == [7, 7, 7, 8, 8, 8] and out["version"] == 7
+        assert out["versions"] == [7, 7, 7, 7, 8, 8] and out["version"] == 7
         rec = gateway.finish("t", 1.0, "done")
-        assert rec.versions == [-1] * len(prompt) + [7, 7, 7, 8, 8, 8] and rec.min_version == 7
+        assert rec.versions == [-1] * len(prompt) + [7, 7, 7, 7, 8, 8] and rec.min_version == 7
         kept, info = filter_group([rec] * 3, version=10, tau=2)      # 10 - 7 > 2: stale, although 10 - 8 = 2
         assert kept is None and info["stale"] == 3
         old = reference(cfg, p7, [prompt], max_new_tokens=6, temperature=0.0)
-        assert out["tokens"][:3].tolist() == old.tokens[0, :3].tolist()
-        assert not np.allclose(out["logprobs"][3:], old.logprobs[0, 3:], atol=1e-3)   # the new weights decoded
+        assert out["tokens"][:4].tolist() == old.tokens[0, :4].tolist()
+        assert not np.allclose(out["logprobs"][4:], old.logprobs[0, 4:], atol=1e-3)   # the new weights decoded
         reused = server.stats["reused_tokens"]
         again = call("r1", prompt + out["tokens"].tolist() + vocab.encode("5"))
         fresh = reference(cfg, p8, [prompt + out["tokens"].tolist() + vocab.encode("5")], max_new_tokens=6,

@@ -47,7 +47,7 @@ def batch_runtime_args(batch: int, prompt_len: int, size: int, prefill_chunk: in
     budget = max(int(batch), min(int(batch) * prompt, int(prefill_chunk)))
     return dict(max_running=int(batch), max_model_len=size, page_size=PAGE_SIZE, kv_cache_tokens=int(batch) * size,
                 max_num_batched_tokens=budget, prefill_chunk=min(int(prefill_chunk), size), prefix_cache="none",
-                widths=(int(batch),))
+                widths=(int(batch),), table_widths="full")
 
 
 def run_batch(runtime: PagedRuntime, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

@@ -351,6 +351,11 @@ class Programs:
                     for i, (spec, sh) in enumerate(specs))
         return out if self.num_draft else out[0]
 
+    def zero_tokens(self):
+        """() -> zeros [max_batch] int32 laid out as a step's sampled tokens (the first step's `feed_tokens`
+        input, so every step feeds from a device array of one layout: one compile a width)."""
+        return self._jit("zero_tokens", lambda: jnp.zeros((self.max_batch,), jnp.int32), (), self.rows)
+
     def feed_tokens(self, width: int):
         """(prev [R], from_prev [width], tokens [width]) -> tokens with row k = prev[from_prev[k]] where
         from_prev[k] >= 0: a step's decode tokens taken from the previous step's sampled tokens on the device

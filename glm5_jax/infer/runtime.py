@@ -148,7 +148,8 @@ class PagedRuntime:
     reference) or "none". page_size = max_model_len with prefix_cache="none" is the one-row-per-slot
     policy (each sequence owns a whole row of the cache), for comparison. widths: the token-row counts
     below the budget a step may compile for (default powers of two from 8); table_widths: page-table widths
-    (pages) to compile beside `page_table_widths`' defaults.
+    (pages) to compile beside `page_table_widths`' defaults, or "full": the whole table only (a batch whose
+    rows all run to the end: one compile a width; results do not depend on the width).
 
     num_draft = n > 0: MTP self-speculation (glm5_jax.infer.speculative). A decoding sequence then runs
     n + 1 token rows a step (its next token and n drafts, verified in the trunk pass, `Programs.paged_step`)
@@ -189,7 +190,8 @@ class PagedRuntime:
                              f"{self.max_running * (1 + self.num_draft)} (every running sequence decodes a step)")
         self.chunk = int(prefill_chunk or self.budget)
         self.widths = _widths(self.budget, shards, extra=widths or ())
-        self.table_widths = page_table_widths(config, self.table_len, self.page_size, table_widths)
+        self.table_widths = ((self.table_len,) if table_widths == "full" else
+                             page_table_widths(config, self.table_len, self.page_size, table_widths))
         self.config = self.programs.config
         self.params = self.programs.place_params(params)
         self.pool, self.spec_pool = self._alloc_pools()
@@ -468,7 +470,7 @@ class PagedRuntime:
         the previous step's sampled token, gathered on the device (the previous step may still run)."""
         prog = self.programs.paged_step(self.num_pages, self.page_size, width, echo, greedy, row_keys)
         if not self.num_draft:           # every step's tokens through the feed (one input kind: one compile)
-            prev = self._prev if self._prev is not None else np.zeros((self.max_running,), np.int32)
+            prev = self._prev if self._prev is not None else self.programs.call(self.programs.zero_tokens())
             src = from_prev if from_prev is not None else np.full((width,), -1, np.int32)
             args = args[:2] + (self.programs.call(self.programs.feed_tokens(width), prev, src, args[2]),) + args[3:]
         if not self.num_draft:
