@@ -55,6 +55,7 @@ def test_greedy_and_seeded_sequences_equal_each_alone_with_shared_pages(params):
     _assert_no_page_leaked(rt)
 
 
+@pytest.mark.slow   # ~22 s; test_long_prompts_..._preempt stays in the default run
 def test_slot_policy_equals_paged_and_a_small_pool_preempts_without_leaking(params):
     prompts = _prompts()
     paged = PagedRuntime(CFG, params, max_running=4, max_model_len=MAX_LEN, page_size=4,
@@ -114,6 +115,7 @@ def test_long_prompts_that_overfill_the_pool_preempt_younger_ones_and_all_finish
     _assert_no_page_leaked(rt)
 
 
+@pytest.mark.slow   # ~23 s; every engine and server test in the default run steps overlapped
 def test_overlapped_steps_equal_one_at_a_time_with_stops_and_no_page_leaked(params):
     """Overlapped steps (step N + 1 planned and dispatched before step N's tokens reach the host: its decode
     tokens fed from step N's outputs on the device, `PagedRuntime.advance` / PENDING) give exactly the
